@@ -1,0 +1,40 @@
+# Set-up, the default training run, and the test suite. Each target creates the virtual
+# environment on first use, so `make run` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch (a plain `torch` may pull a multi-GB CUDA build). Override for a GPU:
+# make run TORCH_SPEC="torch" ; the library itself only asks for torch>=2.6.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: setup
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/moestack-train $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python scripts/bench_moe.py
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

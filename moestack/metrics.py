@@ -1,0 +1,124 @@
+"""Metric sinks: metrics.jsonl (the source of truth) mirrored to wandb.
+
+Each record is one JSON object per line with a ``step`` and flat ``area/name`` keys. wandb
+runs offline unless the user sets WANDB_MODE; any wandb failure is logged once and then
+wandb is switched off, so it never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (a torn last line from a crash is skipped)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop records logged after ``step`` (a resumed run rewrites them); atomic rewrite."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Appends records to ``<run>/metrics.jsonl`` and mirrors them to a wandb run."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool = True,
+        wandb_project: str = "moestack",
+        wandb_mode: str = "",
+        wandb_config: dict[str, Any] | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.wandb_run = None
+        if not enabled:
+            return
+        if resume_step is not None:
+            truncate_after(self.path, resume_step)
+        self.file = self.path.open("a")
+        mode = wandb_mode or os.environ.get("WANDB_MODE", "offline")
+        if mode != "disabled":
+            self.wandb_run = self._start_wandb(run_dir, wandb_project, mode, wandb_config or {})
+
+    @staticmethod
+    def _start_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> Any:
+        try:
+            import wandb
+
+            run_id_file = run_dir / "wandb_id.txt"
+            run_id = (
+                run_id_file.read_text().strip()
+                if run_id_file.exists()
+                else wandb.util.generate_id()
+            )
+            run_id_file.write_text(run_id)
+            return wandb.init(
+                project=project,
+                dir=str(run_dir),
+                mode=mode,
+                id=run_id,
+                resume="allow",
+                config=config,
+                name=run_dir.name,
+                settings=wandb.Settings(console="off", silent=True),
+            )
+        except Exception as err:  # no wandb, bad settings, no network in online mode
+            log.warning("wandb disabled: %s", err)
+            return None
+
+    def log(
+        self, step: int, metrics: dict[str, Any], extra_wandb: dict[str, Any] | None = None
+    ) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log({**metrics, **(extra_wandb or {})}, step=step)
+            except Exception as err:
+                log.warning("wandb logging failed, switching wandb off: %s", err)
+                self.wandb_run = None
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as err:
+                log.warning("wandb finish failed: %s", err)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

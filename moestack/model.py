@@ -1,0 +1,157 @@
+"""A decoder-only transformer whose feed-forward blocks are MoE layers.
+
+tokens [B, S] -> embed -> n x Block(x + Attn(norm x); x + MoE(norm x)) -> norm -> logits.
+RMSNorm, rotary attention through scaled_dot_product_attention (causal over the packed
+sequence), SwiGLU experts. The model sums the MoE layers' aux losses into its loss and
+collects their router metrics under flat ``router/layer{i}/{name}`` keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack.config import ModelConfig
+from moestack.moe import MoE
+
+
+@dataclass
+class ModelOutput:
+    """What a forward pass returns; ``loss`` is None without targets."""
+
+    logits: torch.Tensor  # [B, S, V]
+    loss: torch.Tensor | None = None  # ce_loss + aux_loss (the training objective)
+    ce_loss: torch.Tensor | None = None  # mean next-token cross-entropy (for perplexity)
+    aux_loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # router losses
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached, flat keys
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [S, head_dim/2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles_SH = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles_SH.cos(), angles_SH.sin()
+
+
+def apply_rotary(x_BHSd: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (first half, second half) of each head's channels by position."""
+    x1, x2 = x_BHSd.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos_SH - x2 * sin_SH, x1 * sin_SH + x2 * cos_SH), dim=-1)
+    return out.to(x_BHSd.dtype)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(
+        self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
+    ) -> torch.Tensor:
+        batch, seq, d_model = x_BSD.shape
+        qkv = self.qkv(x_BSD).view(batch, seq, 3, self.n_heads, self.head_dim)
+        q_BHSd, k_BHSd, v_BHSd = qkv.permute(2, 0, 3, 1, 4)
+        q_BHSd = apply_rotary(q_BHSd, cos_SH, sin_SH)
+        k_BHSd = apply_rotary(k_BHSd, cos_SH, sin_SH)
+        y_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        return self.out(y_BHSd.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then MoE, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.moe_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.moe = MoE(cfg.d_model, cfg.moe, cfg.router)
+
+    def forward(
+        self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
+    ) -> torch.Tensor:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SH, sin_SH)
+        return x_BSD + self.moe(self.moe_norm(x_BSD))
+
+
+class MoETransformer(nn.Module):
+    """The language model: ``forward(tokens, targets=None) -> ModelOutput``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos_SH, sin_SH = rotary_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos_SH, persistent=False)
+        self.register_buffer("rope_sin", sin_SH, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual outputs scaled by 1/sqrt(2 n_layers)."""
+        std = self.cfg.init_std
+        nn.init.normal_(self.embed.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        for block in self.layers:
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.out.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
+            block.moe.reset_parameters(std)
+            nn.init.normal_(block.moe.router.weight, std=std)
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [block.moe for block in self.layers]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        seq = tokens.shape[1]
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        cos_SH, sin_SH = self.rope_cos[:seq], self.rope_sin[:seq]
+        x_BSD = self.embed(tokens)
+        for block in self.layers:
+            x_BSD = block(x_BSD, cos_SH, sin_SH)
+        logits_BSV = self.lm_head(self.norm(x_BSD))
+
+        aux_loss = torch.zeros((), device=tokens.device)
+        metrics: dict[str, torch.Tensor] = {}
+        for i, moe in enumerate(self.moe_layers):
+            aux_loss = aux_loss + moe.aux_loss.to(aux_loss.device)
+            metrics.update({f"router/layer{i}/{k}": v for k, v in moe.metrics.items()})
+        out = ModelOutput(logits=logits_BSV, aux_loss=aux_loss, metrics=metrics)
+        if targets is not None:
+            out.ce_loss = F.cross_entropy(
+                logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)
+            )
+            out.loss = out.ce_loss + aux_loss
+        return out
+
+    def num_params(self) -> dict[str, int]:
+        """Total parameters and those active per token (top_k of num_experts experts)."""
+        total = sum(p.numel() for p in self.parameters())
+        expert = sum(m.w1.numel() + m.w2.numel() for m in self.moe_layers)
+        active_expert = expert * self.cfg.moe.top_k // self.cfg.moe.num_experts
+        return {"total": total, "active": total - expert + active_expert}
+
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Apply the aux-loss-free balancing update of every router (after an optimizer step)."""
+        for moe in self.moe_layers:
+            moe.router.update_bias()

@@ -1,0 +1,148 @@
+"""The dropless Mixture-of-Experts layer: router, SwiGLU experts, weighted combine.
+
+Every token reaches all of its top-k experts (no capacity factor, no padding, no drops).
+The expert computation has interchangeable implementations that compute the same function:
+``torch`` (``torch._grouped_mm`` where dtype and alignment allow, else a loop over the
+sorted groups), ``triton`` (moestack.kernels, fused gather/scatter) and ``megablocks``
+(an optional baseline). ``auto`` picks triton on CUDA and torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack import router_losses
+from moestack.config import MoEConfig, RouterConfig
+from moestack.router import Router, Routing
+
+
+def sort_by_expert(
+    experts_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Order the (token, slot) pairs by expert.
+
+    Returns ``order_N`` (flat pair index, sorted stably by expert), ``token_N`` (the token of
+    each sorted pair) and ``offsets_E`` (int32 cumulative row ends per expert).
+    """
+    flat_N = experts_TK.reshape(-1)
+    order_N = torch.argsort(flat_N, stable=True)
+    token_N = order_N // experts_TK.shape[-1]
+    tokens_per_expert_E = torch.bincount(flat_N, minlength=num_experts)
+    offsets_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+    return order_N, token_N, offsets_E
+
+
+def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm needs fp32/bf16/fp16 (CPU) or bf16 on sm90+ (CUDA) and 16-byte rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    row_bytes = 16 // x.element_size()
+    return x.shape[-1] % row_bytes == 0 and w.shape[-1] % row_bytes == 0
+
+
+def grouped_mm_torch(
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable."""
+    if x_NK.shape[0] > 0 and _grouped_mm_applies(x_NK, w_EKM):
+        return torch._grouped_mm(x_NK.contiguous(), w_EKM, offs=offsets_E)
+    y_NM = x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
+    parts, start = [], 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            parts.append(x_NK[start:end] @ w_EKM[e])
+        start = end
+    return torch.cat(parts) if parts else y_NM
+
+
+def moe_experts_torch(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * SwiGLU expert experts[t, j] applied to x[t]."""
+    num_tokens, top_k = experts_TK.shape
+    d_ff = w2_EFD.shape[1]
+    order_N, token_N, offsets_E = sort_by_expert(experts_TK, w1_EDF2.shape[0])
+    h_NF2 = grouped_mm_torch(x_TD[token_N], w1_EDF2, offsets_E)
+    h_NF = F.silu(h_NF2[:, :d_ff]) * h_NF2[:, d_ff:]
+    y_ND = grouped_mm_torch(h_NF, w2_EFD, offsets_E)
+    # Back to (token, slot) order with a permutation (deterministic, unlike index_add).
+    y_TKD = (
+        y_ND.new_empty(y_ND.shape)
+        .index_copy_(0, order_N, y_ND)
+        .view(num_tokens, top_k, y_ND.shape[-1])
+    )
+    return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return impl
+
+
+class MoE(nn.Module):
+    """Dropless top-k MoE with SwiGLU experts stored as stacked weights.
+
+    ``w1 [E, D, 2F]`` holds gate (first F columns) and up projections; ``w2 [E, F, D]`` the
+    down projection. After a forward pass in training mode ``aux_loss`` holds the weighted
+    router losses and ``metrics`` the detached per-layer statistics.
+    """
+
+    def __init__(self, d_model: int, moe: MoEConfig, router: RouterConfig) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.cfg = moe
+        self.router_cfg = router
+        self.router = Router(d_model, moe.num_experts, moe.top_k, router)
+        self.w1 = nn.Parameter(torch.empty(moe.num_experts, d_model, 2 * moe.d_ff))
+        self.w2 = nn.Parameter(torch.empty(moe.num_experts, moe.d_ff, d_model))
+        self.aux_loss: torch.Tensor = torch.zeros(())
+        self.metrics: dict[str, torch.Tensor] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.w1, std=std)
+        nn.init.normal_(self.w2, std=std / math.sqrt(2))
+
+    def experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Apply the chosen experts to flat tokens and combine them with the router weights."""
+        impl = _resolve_impl(self.cfg.impl, x_TD.device)
+        args = (x_TD, self.w1, self.w2, routing.experts, routing.weights)
+        if impl == "torch":
+            return moe_experts_torch(*args)
+        if impl == "triton":
+            from moestack.kernels import moe_experts
+
+            return moe_experts(*args)
+        from moestack.kernels.megablocks_adapter import moe_experts_megablocks
+
+        return moe_experts_megablocks(*args)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoE expects last dim d_model={self.d_model}, got {tuple(x.shape)}")
+        lead_shape = x.shape[:-1]
+        x_TD = x.reshape(-1, self.d_model)
+        routing = self.router(x_TD)
+        y_TD = self.experts(x_TD, routing)
+        losses = {}
+        if self.training:
+            losses = router_losses.aux_loss(routing, lead_shape, self.router_cfg)
+        self.aux_loss = sum(losses.values(), x.new_zeros((), dtype=torch.float32))
+        metrics = Router.metrics(routing, self.cfg.num_experts)
+        metrics.update({k: v.detach() for k, v in losses.items()})
+        self.metrics = metrics
+        return y_TD.reshape(x.shape)

@@ -1,0 +1,85 @@
+"""The token router: scores experts per token and picks the top k.
+
+The router owns its metrics (tokens per expert, entropy) so the MoE layer and telemetry read
+them from one place, and an optional per-expert selection bias for aux-loss-free balancing
+(DeepSeek-V3 style): the bias shifts which experts are selected but not the combine weights,
+and it is updated outside the gradient from token counts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack.config import RouterConfig
+
+
+class Routing(NamedTuple):
+    """What the router decided for T tokens over E experts with k slots each."""
+
+    logits: torch.Tensor  # [T, E] float32 router logits
+    weights: torch.Tensor  # [T, k] float32 combine weights of the chosen experts
+    experts: torch.Tensor  # [T, k] int64 chosen expert ids, in router (score) order
+    scores: torch.Tensor  # [T, E] float32 softmax or sigmoid scores (before any bias)
+
+
+class Router(nn.Module):
+    """Linear router over ``num_experts`` with top-``top_k`` selection."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, cfg: RouterConfig) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        # Aux-loss-free balancing: added to the scores for selection only; not a parameter.
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        # Tokens per expert seen since the last bias update (training only).
+        self.register_buffer("pending_counts", torch.zeros(num_experts), persistent=False)
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.cfg.score == "softmax":
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+        if self.cfg.bias_update_rate > 0:
+            _, experts_TK = torch.topk(scores_TE + self.expert_bias, self.top_k, dim=-1)
+            weights_TK = scores_TE.gather(-1, experts_TK)
+        else:
+            weights_TK, experts_TK = torch.topk(scores_TE, self.top_k, dim=-1)
+        if self.cfg.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        if self.training and self.cfg.bias_update_rate > 0:
+            counts = torch.bincount(experts_TK.reshape(-1), minlength=self.num_experts)
+            self.pending_counts += counts.to(self.pending_counts.dtype)
+        return Routing(logits_TE, weights_TK, experts_TK, scores_TE)
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Nudge the selection bias toward balance: under-used experts up, over-used down."""
+        if self.cfg.bias_update_rate <= 0 or self.pending_counts.sum() == 0:
+            return
+        load_E = self.pending_counts
+        self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
+        self.pending_counts.zero_()
+
+    @staticmethod
+    def metrics(routing: Routing, num_experts: int) -> dict[str, torch.Tensor]:
+        """Detached per-layer routing statistics: load imbalance and score entropy."""
+        with torch.no_grad():
+            experts = routing.experts.reshape(-1)
+            tokens_per_expert_E = torch.bincount(experts, minlength=num_experts).float()
+            mean = tokens_per_expert_E.mean().clamp_min(1e-9)
+            probs_TE = routing.scores / routing.scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
+            return {
+                "imbalance": tokens_per_expert_E.max() / mean,
+                "entropy": entropy,
+            }

@@ -1,0 +1,187 @@
+"""End-to-end training: loss falls on real text, resume is exact, bad input fails cleanly."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moestack import checkpoint
+from moestack.config import (
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    TelemetryConfig,
+    TrainConfig,
+)
+from moestack.data import BatchLoader
+from moestack.errors import MoestackError
+from moestack.metrics import read_metrics
+from moestack.model import MoETransformer
+from moestack.train import train
+
+
+def small_config(**overrides) -> TrainConfig:
+    base = dict(
+        model=ModelConfig(
+            d_model=32,
+            n_layers=2,
+            n_heads=2,
+            max_seq_len=32,
+            moe=MoEConfig(num_experts=4, top_k=2, d_ff=32),
+        ),
+        optim=OptimConfig(lr=3e-3, warmup_steps=5),
+        data=DataConfig(seq_len=32, max_bytes=2_000_000),
+        telemetry=TelemetryConfig(enabled=False),
+        steps=30,
+        batch_size=4,
+        eval_every=0,
+        eval_batches=2,
+        log_every=1,
+        ckpt_every=10,
+        progress=False,
+        wandb_mode="disabled",
+        threads=1,
+    )
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def losses(run_dir):
+    return {
+        r["step"]: r["loss/train"]
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if "loss/train" in r
+    }
+
+
+def test_training_lowers_loss_on_real_text(tmp_path):
+    summary = train(small_config(), tmp_path)
+    by_step = losses(tmp_path)
+    assert len(by_step) == 30
+    assert by_step[1] > 5.0  # about ln(256) at the start
+    assert summary["loss/val"] < 4.0 < by_step[1]
+    assert math.isclose(summary["eval/perplexity"], math.exp(summary["loss/val"]), rel_tol=1e-6)
+    assert (tmp_path / "config.yaml").exists() and (tmp_path / "summary.json").exists()
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "checkpoints")] == [
+        "step_000020",
+        "step_000030",
+    ]
+
+
+def test_resume_after_a_crash_gives_identical_losses(tmp_path, monkeypatch):
+    reference = tmp_path / "reference"
+    train(small_config(steps=20, grad_accum=2), reference)
+
+    crashed = tmp_path / "crashed"
+    original_next = BatchLoader.next
+
+    def crash_at_step_13(self):
+        if self.position == 2 * 13:
+            raise KeyboardInterrupt("simulated kill")
+        return original_next(self)
+
+    monkeypatch.setattr(BatchLoader, "next", crash_at_step_13)
+    with pytest.raises(KeyboardInterrupt):
+        train(small_config(steps=20, grad_accum=2), crashed)
+    monkeypatch.setattr(BatchLoader, "next", original_next)
+    assert max(losses(crashed)) == 13
+    train(small_config(steps=20, grad_accum=2, resume=True), crashed)
+    assert losses(crashed) == losses(reference)  # exact equality, every step
+    a = MoETransformer(small_config().model)
+    b = MoETransformer(small_config().model)
+    checkpoint.load_model_weights(reference / "checkpoints/step_000020", a, small_config().model)
+    checkpoint.load_model_weights(crashed / "checkpoints/step_000020", b, small_config().model)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_resume_needs_a_checkpoint_and_fresh_runs_refuse_old_ones(tmp_path):
+    with pytest.raises(MoestackError, match="holds no checkpoint"):
+        train(small_config(resume=True), tmp_path)
+    train(small_config(steps=2, ckpt_every=0), tmp_path)
+    with pytest.raises(MoestackError, match="resume=true"):
+        train(small_config(steps=2), tmp_path)
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(tmp_path, monkeypatch):
+    original = MoETransformer.forward
+    calls = {"n": 0}
+
+    def poisoned(self, tokens, targets=None):
+        out = original(self, tokens, targets)
+        calls["n"] += 1
+        if calls["n"] in (3, 4) or calls["n"] >= 8:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(MoETransformer, "forward", poisoned)
+    with pytest.raises(MoestackError, match="NaN/inf for 3 steps"):
+        train(small_config(steps=20, max_bad_steps=3, ckpt_every=5), tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[-1]["perf/bad_steps"] == 2  # steps 3 and 4 were skipped, the run went on
+    assert checkpoint.latest_checkpoint(tmp_path / "checkpoints").name == "step_000005"
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    cfg = small_config()
+    model = MoETransformer(cfg.model)
+    path = checkpoint.save_checkpoint(tmp_path, 7, model, cfg.model, {"x": torch.ones(2)})
+    restored = MoETransformer(cfg.model)
+    checkpoint.load_model_weights(path, restored, cfg.model)
+    for p, q in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
+        assert torch.equal(p, q)
+    assert torch.equal(checkpoint.load_train_state(path)["x"], torch.ones(2))
+
+    other = ModelConfig(
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        max_seq_len=32,
+        moe=MoEConfig(num_experts=8, top_k=2, d_ff=32),
+    )
+    with pytest.raises(MoestackError, match="model.moe.num_experts=4"):
+        checkpoint.load_model_weights(path, MoETransformer(other), other)
+    with pytest.raises(MoestackError, match="does not exist"):
+        checkpoint.load_model_weights(tmp_path / "nope", restored, cfg.model)
+    weights = path / checkpoint.MODEL_FILE
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(MoestackError, match="truncated"):
+        checkpoint.load_model_weights(path, restored, cfg.model)
+    meta = json.loads((path / checkpoint.META_FILE).read_text())
+    meta["sizes"] = {}
+    (path / checkpoint.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(MoestackError, match="cannot be read"):
+        checkpoint.load_model_weights(path, restored, cfg.model)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.moe.top_k=99", "moe.top_k=99"),
+        ("model.n_heads=5", "model.n_heads=5"),
+        ("data=files", "data.paths"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(tmp_path, override, message):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moestack.train",
+            override,
+            f"out_dir={tmp_path}",
+            "wandb_mode=disabled",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert message in output
+    assert "Traceback" not in output
