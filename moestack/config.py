@@ -88,6 +88,7 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal init of every weight matrix
     tie_embeddings: bool = True  # share the token embedding with the output projection
+    doc_separator: int = 0  # token that ends a document in packed sequences (-1 = none)
 
     def __post_init__(self) -> None:
         _check(self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2")

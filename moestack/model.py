@@ -77,10 +77,14 @@ class Block(nn.Module):
         self.moe = MoE(cfg.d_model, cfg.moe, cfg.router)
 
     def forward(
-        self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
+        self,
+        x_BSD: torch.Tensor,
+        cos_SH: torch.Tensor,
+        sin_SH: torch.Tensor,
+        segment_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SH, sin_SH)
-        return x_BSD + self.moe(self.moe_norm(x_BSD))
+        return x_BSD + self.moe(self.moe_norm(x_BSD), segment_ids_BS)
 
 
 class MoETransformer(nn.Module):
@@ -125,9 +129,10 @@ class MoETransformer(nn.Module):
                 f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
         cos_SH, sin_SH = self.rope_cos[:seq], self.rope_sin[:seq]
+        segment_ids_BS = self.segment_ids(tokens)
         x_BSD = self.embed(tokens)
         for block in self.layers:
-            x_BSD = block(x_BSD, cos_SH, sin_SH)
+            x_BSD = block(x_BSD, cos_SH, sin_SH, segment_ids_BS)
         logits_BSV = self.lm_head(self.norm(x_BSD))
 
         aux_loss = torch.zeros((), device=tokens.device)
@@ -142,6 +147,13 @@ class MoETransformer(nn.Module):
             )
             out.loss = out.ce_loss + aux_loss
         return out
+
+    def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """Document index of each token: a separator token ends its document."""
+        if self.cfg.doc_separator < 0:
+            return None
+        is_sep_BS = (tokens_BS == self.cfg.doc_separator).long()
+        return torch.cumsum(is_sep_BS, dim=1) - is_sep_BS
 
     def num_params(self) -> dict[str, int]:
         """Total parameters and those active per token (top_k of num_experts experts)."""

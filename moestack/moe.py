@@ -131,7 +131,9 @@ class MoE(nn.Module):
 
         return moe_experts_megablocks(*args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., D] -> [..., D]``; ``segment_ids [...]`` (document of each token, optional)
+        lets locality losses ignore pairs of tokens from different documents."""
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoE expects last dim d_model={self.d_model}, got {tuple(x.shape)}")
         lead_shape = x.shape[:-1]
@@ -140,7 +142,9 @@ class MoE(nn.Module):
         y_TD = self.experts(x_TD, routing)
         losses = {}
         if self.training:
-            losses = router_losses.aux_loss(routing, lead_shape, self.router_cfg)
+            losses = router_losses.aux_loss(
+                routing, lead_shape, self.router_cfg, segment_ids=segment_ids
+            )
         self.aux_loss = sum(losses.values(), x.new_zeros((), dtype=torch.float32))
         metrics = Router.metrics(routing, self.cfg.num_experts)
         metrics.update({k: v.detach() for k, v in losses.items()})

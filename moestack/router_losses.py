@@ -37,8 +37,17 @@ def z_loss(routing: Routing, shape: Sequence[int]) -> torch.Tensor:
     return torch.logsumexp(routing.logits, dim=-1).square().mean()
 
 
-def aux_loss(routing: Routing, shape: Sequence[int], cfg: RouterConfig) -> dict[str, torch.Tensor]:
-    """Every enabled loss by name, already multiplied by its weight from ``cfg``."""
+def aux_loss(
+    routing: Routing,
+    shape: Sequence[int],
+    cfg: RouterConfig,
+    segment_ids: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every enabled loss by name, already multiplied by its weight from ``cfg``.
+
+    ``segment_ids`` (shaped like ``shape``) gives each token's document in a packed batch;
+    locality losses must not give credit across a document boundary.
+    """
     losses: dict[str, torch.Tensor] = {}
     if cfg.load_balance > 0:
         losses["load_balance"] = cfg.load_balance * load_balance(routing, shape)
