@@ -120,7 +120,13 @@ class MoE(nn.Module):
     def experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Apply the chosen experts to flat tokens and combine them with the router weights."""
         impl = _resolve_impl(self.cfg.impl, x_TD.device)
-        args = (x_TD, self.w1, self.w2, routing.experts, routing.weights)
+        w1, w2 = self.w1, self.w2
+        if torch.is_autocast_enabled(x_TD.device.type):  # custom kernels don't autocast
+            dtype = torch.get_autocast_dtype(x_TD.device.type)
+            x_TD, w1, w2 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype)
+        elif w1.dtype != x_TD.dtype:
+            x_TD = x_TD.to(w1.dtype)
+        args = (x_TD, w1, w2, routing.experts, routing.weights)
         if impl == "torch":
             return moe_experts_torch(*args)
         if impl == "triton":

@@ -143,3 +143,26 @@ def test_aux_loss_only_in_training_and_metrics_present():
     moe.eval()
     moe(x)
     assert moe.aux_loss.item() == 0
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+def test_triton_impl_matches_torch_impl(dtype, atol):
+    """The whole layer with impl="triton" (Triton interpreter on CPU) against impl="torch"."""
+    torch.manual_seed(5)
+    layers = {}
+    for impl in ("torch", "triton"):
+        cfg = MoEConfig(num_experts=5, top_k=2, d_ff=12, impl=impl)
+        layers[impl] = MoE(16, cfg, RouterConfig())
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(2, 9, 16)
+    outs, grads = {}, {}
+    for impl, layer in layers.items():
+        layer.to(dtype)
+        xi = x.to(dtype).requires_grad_(True)
+        y = layer(xi)
+        y.float().square().sum().backward()
+        outs[impl] = y.float()
+        grads[impl] = [xi.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=atol, rtol=atol)
+    for got, want in zip(grads["triton"], grads["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=atol * 10, rtol=atol * 10)

@@ -1,0 +1,247 @@
+"""Host-side launchers for the Triton kernels: argument checks, config choice, grids.
+
+triton is imported lazily here (first launch), so that ``import moestack.kernels`` works on
+machines without triton and so that ``TRITON_INTERPRET`` is honoured if it is set any time
+before the first kernel call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from types import ModuleType
+
+import torch
+
+from . import tuning
+
+_INSTALL_HINT = (
+    "moestack.kernels needs triton (Linux, `pip install triton>=3.4`, installed with CUDA "
+    "builds of torch). Use impl='torch' where triton is unavailable."
+)
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The module of decorated Triton kernels, imported on first use."""
+    try:
+        from . import _triton
+    except ImportError as exc:  # no triton on this machine (e.g. macOS)
+        raise ImportError(_INSTALL_HINT) from exc
+    return _triton
+
+
+def interpreted() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they run on CPU)."""
+    return type(kernels().grouped_mm_kernel).__name__ == "InterpretedFunction"
+
+
+def new_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate an output buffer that the kernels fully overwrite (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_tensors(*tensors: torch.Tensor) -> bool:
+    """Validate devices and dtypes for a launch; returns whether the interpreter is used."""
+    interp = interpreted()
+    for t in tensors:
+        if interp:
+            if t.dtype == torch.bfloat16:
+                raise TypeError(
+                    "bfloat16 is not supported under TRITON_INTERPRET=1 (the interpreter "
+                    "mishandles it); use float32/float16 on the CPU or a CUDA device"
+                )
+        elif t.device.type != "cuda":
+            raise RuntimeError(
+                f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 "
+                "before the first kernel call to run them on the CPU (slow, for tests)"
+            )
+    return interp
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Launch on the tensor's GPU (triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs follow torch's matmul setting: IEEE unless TF32 is allowed."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b_EKM: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    *,
+    a_rows: torch.Tensor | None = None,
+    c_rows: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    swiglu: bool = False,
+    z: torch.Tensor | None = None,
+) -> None:
+    """out[c_rows[r]] = scale[r] * a[a_rows[r]] @ b[e(r)] for the ``rows`` sorted rows.
+
+    ``b_EKM`` may be any strided view (a transposed view computes a @ b[e]^T). With
+    ``swiglu``, ``b`` is [E, K, 2M], ``out`` receives silu(gate) * up and ``z`` (if given)
+    the pre-activations [gate | up].
+    """
+    interp = check_tensors(a, b_EKM, out)
+    if a.dtype != b_EKM.dtype:
+        raise TypeError(f"dtype mismatch: {a.dtype} activations with {b_EKM.dtype} weights")
+    tk = kernels()
+    E, K = b_EKM.shape[0], b_EKM.shape[1]
+    M = b_EKM.shape[2] // 2 if swiglu else b_EKM.shape[2]
+    dummy = offsets_E
+    flags = (
+        f"g{int(a_rows is not None)}s{int(c_rows is not None)}"
+        f"c{int(scale is not None)}z{int(z is not None)}"
+    )
+    kind = "mm_swiglu" if swiglu else "mm"
+    z_arg = z if z is not None else out
+    z_strides = z.stride() if z is not None else (0, 0)
+    precision = _dot_precision(a.dtype)
+
+    def run(cfg: tuning.KernelConfig) -> None:
+        num_n = -(-M // cfg.block_n)
+        grid = ((-(-rows // cfg.block_m) + E) * num_n,)
+        tk.grouped_mm_kernel[grid](
+            a,
+            b_EKM,
+            out,
+            z_arg,
+            offsets_E,
+            a_rows if a_rows is not None else dummy,
+            c_rows if c_rows is not None else dummy,
+            scale if scale is not None else dummy,
+            E,
+            K,
+            M,
+            a.stride(0),
+            a.stride(1),
+            b_EKM.stride(0),
+            b_EKM.stride(1),
+            b_EKM.stride(2),
+            out.stride(0),
+            out.stride(1),
+            z_strides[0],
+            z_strides[1],
+            GATHER_A=a_rows is not None,
+            SCATTER_C=c_rows is not None,
+            HAS_SCALE=scale is not None,
+            SWIGLU=swiglu,
+            STORE_Z=z is not None,
+            DOT_PRECISION=precision,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            BLOCK_E=max(_next_pow2(E), 2),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+    key = tuning.make_key(kind, E, K, M, a.dtype, flags)
+    with _on_device(a):
+        run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, run, interp))
+
+
+def grouped_wgrad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out_EKM: torch.Tensor,
+    *,
+    a_rows: torch.Tensor | None = None,
+    b_rows: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """out[e] = a[a_rows[r]]^T @ (scale[r] * b[b_rows[r]]) summed over the rows r of expert e.
+
+    Every element of ``out_EKM`` is written (zeros for experts without rows).
+    """
+    interp = check_tensors(a, b, out_EKM)
+    if a.dtype != b.dtype:
+        raise TypeError(f"dtype mismatch: {a.dtype} and {b.dtype}")
+    tk = kernels()
+    E, K, M = out_EKM.shape
+    dummy = offsets_E
+    flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}c{int(scale is not None)}"
+    precision = _dot_precision(a.dtype)
+
+    def run(cfg: tuning.KernelConfig) -> None:
+        grid = ((-(-K // cfg.block_m)) * (-(-M // cfg.block_n)), E)
+        tk.grouped_wgrad_kernel[grid](
+            a,
+            b,
+            out_EKM,
+            offsets_E,
+            a_rows if a_rows is not None else dummy,
+            b_rows if b_rows is not None else dummy,
+            scale if scale is not None else dummy,
+            K,
+            M,
+            a.stride(0),
+            a.stride(1),
+            b.stride(0),
+            b.stride(1),
+            out_EKM.stride(0),
+            out_EKM.stride(1),
+            out_EKM.stride(2),
+            GATHER_A=a_rows is not None,
+            GATHER_B=b_rows is not None,
+            HAS_SCALE=scale is not None,
+            DOT_PRECISION=precision,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+
+    key = tuning.make_key("wgrad", E, K, M, a.dtype, flags)
+    with _on_device(a):
+        run(tuning.choose_config("wgrad", key, a.device, K, M, a.dtype, run, interp))
+
+
+def swiglu_bwd(
+    z_RF2: torch.Tensor,
+    g_RF: torch.Tensor,
+    scale_R: torch.Tensor,
+    dz_RF2: torch.Tensor,
+    dscale_R: torch.Tensor,
+    h_RF: torch.Tensor | None,
+) -> None:
+    """Row-wise SwiGLU backward with the router-weight gradient (see the kernel)."""
+    interp = check_tensors(z_RF2, g_RF, dz_RF2)
+    R, F = g_RF.shape
+    if R == 0:
+        return
+    block_f = min(_next_pow2(F), 32 if interp else 1024)
+    h_arg = h_RF if h_RF is not None else dz_RF2
+    with _on_device(z_RF2):
+        kernels().swiglu_bwd_kernel[(R,)](
+            z_RF2,
+            g_RF,
+            scale_R,
+            dz_RF2,
+            h_arg,
+            dscale_R,
+            F,
+            z_RF2.stride(0),
+            g_RF.stride(0),
+            dz_RF2.stride(0),
+            h_arg.stride(0),
+            STORE_H=h_RF is not None,
+            BLOCK_F=max(block_f, 16),
+            num_warps=4,
+        )

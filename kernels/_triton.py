@@ -1,0 +1,306 @@
+"""Triton kernels for the grouped GEMM and the fused MoE experts.
+
+This module imports triton at the top and is itself imported lazily, at the first kernel
+call (see ``kernels/_launch.py``). Two reasons: ``moestack.kernels`` must import on machines
+without triton, and triton decides between the compiler and the interpreter when a kernel
+is *decorated* (``TRITON_INTERPRET`` is read by ``@triton.jit``), so decorating late lets a
+test suite set that variable any time before the first call.
+
+Conventions used by every kernel:
+- Rows of an expert's group are contiguous in the *sorted* order: rows ``[offsets[e-1],
+  offsets[e])`` belong to expert ``e`` (``offsets`` holds int32 cumulative ends).
+- Row indices are widened to int64 before they are multiplied by a stride, so tensors with
+  more than 2**31 elements are addressed correctly.
+- Accumulation is in float32; results are rounded to the output dtype once, on store.
+- Every tile that is inside the output is stored, including all-zero tiles of experts with
+  no rows (the weight-gradient kernel writes zeros for them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _locate_tile(
+    pid,
+    offsets_ptr,
+    E,
+    num_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Map a flat program id to (expert, row tile, column tile) over variable-sized groups.
+
+    Each expert owns ``cdiv(rows_e, BLOCK_M) * num_n`` consecutive program ids; inside an
+    expert, tiles are swizzled in groups of GROUP_M row tiles so that neighbouring programs
+    share both the rows of x and the columns of W[e] in L2. Programs past the last tile get
+    ``valid == False``; the grid is an upper bound, so the host never has to read offsets.
+    """
+    e_idx = tl.arange(0, BLOCK_E)
+    e_mask = e_idx < E
+    ends = tl.load(offsets_ptr + e_idx, mask=e_mask, other=0)
+    starts = tl.load(offsets_ptr + e_idx - 1, mask=e_mask & (e_idx > 0), other=0)
+    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles = m_tiles * num_n
+    cum = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    expert = tl.sum((cum <= pid).to(tl.int32), 0)
+    sel = e_idx == expert
+    tile_start = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    row_start = tl.sum(tl.where(sel, starts, 0), 0)
+    row_end = tl.sum(tl.where(sel, ends, 0), 0)
+    num_m = tl.sum(tl.where(sel, m_tiles, 0), 0)
+
+    local = pid - tile_start
+    tiles_per_group = GROUP_M * num_n
+    first_m = (local // tiles_per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    group_size = tl.maximum(group_size, 1)
+    pid_m = first_m + (local % tiles_per_group) % group_size
+    pid_n = (local % tiles_per_group) // group_size
+    valid = pid < total
+    return expert, pid_m, pid_n, row_start, row_end, valid
+
+
+@triton.jit
+def grouped_mm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    z_ptr,
+    offsets_ptr,
+    a_rows_ptr,
+    c_rows_ptr,
+    scale_ptr,
+    E,
+    K,
+    M,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_zm,
+    stride_zn,
+    GATHER_A: tl.constexpr,
+    SCATTER_C: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """C[c_row(r)] = scale[r] * A[a_row(r)] @ B[e(r)] for every sorted row r.
+
+    A: [*, K] (rows read through ``a_rows`` when GATHER_A), B: [E, K, M] with any strides
+    (a transposed view gives A @ B^T), C: [*, M] (rows written through ``c_rows`` when
+    SCATTER_C), ``scale`` a per-sorted-row float (HAS_SCALE).
+    SWIGLU: B is [E, K, 2M]; the tile computes gate = A @ B[:, :M] and up = A @ B[:, M:]
+    together and stores C = silu(gate) * up (and the pre-activations into Z when STORE_Z).
+    The gate/up values are rounded to the storage dtype before the activation, so the
+    backward pass, which recomputes the activation from Z, sees the same numbers.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(M, BLOCK_N)
+    expert, pid_m, pid_n, row_start, row_end, valid = _locate_tile(
+        pid, offsets_ptr, E, num_n, BLOCK_M, BLOCK_E, GROUP_M
+    )
+    # Programs past the last tile run no loop iteration and store nothing (masked rather
+    # than an early `return`, which keeps the control flow structured; both pipeline).
+    k_end = tl.where(valid, K, 0)
+    row_end = tl.where(valid, row_end, 0)
+
+    offs_m = row_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < row_end
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        a_rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < M
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert.to(tl.int64) * stride_be
+    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWIGLU:
+        b2_ptrs = b_ptrs + M * stride_bn
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_end, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if SWIGLU:
+            b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PRECISION)
+            b2_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if SCATTER_C:
+        c_rows = tl.load(c_rows_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        c_rows = offs_m.to(tl.int64)
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    out_ty = c_ptr.dtype.element_ty
+    if SWIGLU:
+        gate = acc.to(out_ty)
+        up = acc2.to(out_ty)
+        if STORE_Z:
+            z_ptrs = z_ptr + c_rows[:, None] * stride_zm + offs_n[None, :] * stride_zn
+            tl.store(z_ptrs, gate, mask=c_mask)
+            tl.store(z_ptrs + M * stride_zn, up, mask=c_mask)
+        gate_f = gate.to(tl.float32)
+        out = gate_f * tl.sigmoid(gate_f) * up.to(tl.float32)
+    else:
+        out = acc
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+        out = out * scale[:, None]
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(out_ty), mask=c_mask)
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    offsets_ptr,
+    a_rows_ptr,
+    b_rows_ptr,
+    scale_ptr,
+    K,
+    M,
+    stride_am,
+    stride_ak,
+    stride_bm,
+    stride_bn,
+    stride_ce,
+    stride_ck,
+    stride_cn,
+    GATHER_A: tl.constexpr,
+    GATHER_B: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[e] = A_e^T @ (scale * B_e) over the sorted rows of expert e; C is [E, K, M].
+
+    Grid: (tiles of the [K, M] output, E). BLOCK_M x BLOCK_N is the output tile (over K and
+    M), BLOCK_K the chunk of rows reduced per step. A rows are read through ``a_rows``
+    (GATHER_A) and B rows through ``b_rows`` (GATHER_B); ``scale`` multiplies B's rows. An
+    expert without rows stores a zero tile, so the gradient is always fully written.
+    """
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_k = tl.cdiv(K, BLOCK_M)
+    num_n = tl.cdiv(M, BLOCK_N)
+    tiles_per_group = GROUP_M * num_n
+    first_k = (pid // tiles_per_group) * GROUP_M
+    group_size = tl.maximum(tl.minimum(num_k - first_k, GROUP_M), 1)
+    pid_k = first_k + (pid % tiles_per_group) % group_size
+    pid_n = (pid % tiles_per_group) // group_size
+
+    prev = tl.load(offsets_ptr + tl.maximum(expert - 1, 0))
+    row_start = tl.where(expert > 0, prev, 0)
+    row_end = tl.load(offsets_ptr + expert)
+
+    offs_k = pid_k * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_mask = offs_k < K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < M
+    offs_r = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_K):
+        rows = r0 + offs_r
+        r_mask = rows < row_end
+        if GATHER_A:
+            a_rows = tl.load(a_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        if GATHER_B:
+            b_rows = tl.load(b_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        else:
+            b_rows = rows.to(tl.int64)
+        a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak
+        a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_n[None, :] * stride_bn
+        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+            b = (b.to(tl.float32) * scale[:, None]).to(a.dtype)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+    c_ptrs = (
+        c_ptr
+        + expert.to(tl.int64) * stride_ce
+        + offs_k[:, None].to(tl.int64) * stride_ck
+        + offs_n[None, :] * stride_cn
+    )
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def swiglu_bwd_kernel(
+    z_ptr,
+    g_ptr,
+    scale_ptr,
+    dz_ptr,
+    h_ptr,
+    dscale_ptr,
+    F,
+    stride_zm,
+    stride_gm,
+    stride_dzm,
+    stride_hm,
+    STORE_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """Backward of ``y_r = scale_r * (silu(gate_r) * up_r) @ W2`` given ``G_r = dy_r @ W2^T``.
+
+    One program per sorted row r. Recomputes h = silu(gate) * up from the saved
+    pre-activations Z = [gate | up], and writes
+    dZ = [scale * G * up * silu'(gate) | scale * G * silu(gate)],
+    dscale_r = <G_r, h_r> (the router-weight gradient, in fp32), and h itself when STORE_H
+    (the weight gradient of W2 needs it). Rows of Z, G, dZ and h are contiguous (inner
+    stride 1): moe.py allocates all of them.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(scale_ptr + row).to(tl.float32)
+    z_row = z_ptr + row * stride_zm
+    dz_row = dz_ptr + row * stride_dzm
+    g_row = g_ptr + row * stride_gm
+    dot = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        offs = f0 + tl.arange(0, BLOCK_F)
+        mask = offs < F
+        gate = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(z_row + F + offs, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        h = silu * up
+        dot += grad * h
+        dh = grad * scale
+        d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+        d_up = dh * silu
+        tl.store(dz_row + offs, d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
+        tl.store(dz_row + F + offs, d_up.to(dz_ptr.dtype.element_ty), mask=mask)
+        if STORE_H:
+            tl.store(h_ptr + row * stride_hm + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(dscale_ptr + row, tl.sum(dot, 0))

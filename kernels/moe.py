@@ -1,0 +1,161 @@
+"""Fused dropless MoE experts (SwiGLU) on the Triton grouped GEMM, with autograd.
+
+Forward, for the T*k (token, slot) pairs sorted by expert (R = T*k sorted rows):
+  1. ``h = silu(x[tok] @ W1[e][:, :F]) * (x[tok] @ W1[e][:, F:])``: one grouped GEMM that
+     gathers x rows through the sorted token index (no permuted copy of x) and applies
+     SwiGLU in its epilogue; it also stores the pre-activations ``z = [gate | up]`` when a
+     gradient is needed.
+  2. ``ys[pair] = weight[pair] * h @ W2[e]``: a grouped GEMM whose epilogue applies the
+     router weight and scatters each row to its (token, slot) position; then
+     ``y = ys.view(T, k, D).sum(1)``, a fixed-order reduce (deterministic, no atomics).
+
+Saved for backward: x, W1, W2 (inputs), ``z`` [R, 2F] and the int32 sort bookkeeping.
+``h`` (needed for dW2 and the router-weight gradient) is recomputed from ``z`` by an
+elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after forward.
+
+Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
+  ``dweight[pair] = <dy[tok], h @ W2[e]> = <G, h>``; ``dz = SwiGLU'(z, weight * G)``;
+  ``dW2[e] = h_e^T @ (weight * dy[tok])_e``; ``dx = sum_slots dz @ W1[e]^T``;
+  ``dW1[e] = x[tok]_e^T @ dz_e``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _launch
+
+
+def dispatch(
+    experts_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert without a host sync.
+
+    Returns ``pair_R`` (int32 flat pair index t*k + j per sorted row, stable within an
+    expert), ``token_R`` (int32 token of each sorted row) and ``offsets_E`` (int32
+    cumulative row ends per expert).
+    """
+    k = experts_TK.shape[1]
+    flat = experts_TK.reshape(-1)
+    sorted_e, order = torch.sort(flat, stable=True)
+    ids = torch.arange(num_experts, device=flat.device, dtype=sorted_e.dtype)
+    offsets_E = torch.searchsorted(sorted_e, ids, right=True, out_int32=True)
+    pair_R = order.to(torch.int32)
+    token_R = torch.div(order, k, rounding_mode="floor").to(torch.int32)
+    return pair_R, token_R, offsets_E
+
+
+class _MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep_for_backward):  # noqa: D102
+        T, D = x_TD.shape
+        E, _, F2 = w1_EDF2.shape
+        F = F2 // 2
+        k = experts_TK.shape[1]
+        R = T * k
+        dev, dt = x_TD.device, x_TD.dtype
+        ctx.weights_dtype = weights_TK.dtype
+        ctx.shape = (T, D, E, F, k)
+        if R == 0:
+            ctx.save_for_backward(w1_EDF2, w2_EFD)
+            return x_TD.new_zeros((T, D))
+
+        pair_R, token_R, offsets_E = dispatch(experts_TK, E)
+        weight_R = weights_TK.reshape(-1)[pair_R.long()]
+        h_RF = _launch.new_empty((R, F), dt, dev)
+        z_RF2 = _launch.new_empty((R, F2), dt, dev) if keep_for_backward else None
+        _launch.grouped_mm(x_TD, w1_EDF2, offsets_E, h_RF, R, a_rows=token_R, swiglu=True, z=z_RF2)
+        ys_RD = _launch.new_empty((R, D), dt, dev)
+        _launch.grouped_mm(h_RF, w2_EFD, offsets_E, ys_RD, R, c_rows=pair_R, scale=weight_R)
+        del h_RF
+        y_TD = ys_RD.view(T, k, D).sum(1) if k > 1 else ys_RD.view(T, D)
+        if keep_for_backward:
+            ctx.save_for_backward(
+                x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R
+            )
+        return y_TD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy_TD):  # noqa: D102
+        T, D, E, F, k = ctx.shape
+        R = T * k
+        need_x, need_w1, need_w2, _, need_w, _ = ctx.needs_input_grad
+        if R == 0:
+            w1_EDF2, w2_EFD = ctx.saved_tensors
+            dx = dy_TD.new_zeros((T, D)) if need_x else None
+            dw1 = torch.zeros_like(w1_EDF2) if need_w1 else None
+            dw2 = torch.zeros_like(w2_EFD) if need_w2 else None
+            dwt = torch.zeros((T, k), dtype=ctx.weights_dtype, device=dy_TD.device)
+            return dx, dw1, dw2, None, dwt if need_w else None, None
+
+        x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R = ctx.saved_tensors
+        dev, dt = x_TD.device, x_TD.dtype
+        dy_TD = dy_TD.to(dt)
+
+        # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward.
+        g_RF = _launch.new_empty((R, F), dt, dev)
+        _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
+        dz_RF2 = _launch.new_empty((R, 2 * F), dt, dev)
+        dweight_R = _launch.new_empty((R,), torch.float32, dev)
+        h_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None
+        _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, h_RF)
+        del g_RF
+
+        dx_TD = dw1 = dw2 = dweights_TK = None
+        if need_w:
+            flat = _launch.new_empty((R,), torch.float32, dev)
+            flat[pair_R.long()] = dweight_R  # pair_R is a permutation: every slot written
+            dweights_TK = flat.view(T, k).to(ctx.weights_dtype)
+        if need_w2:
+            dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
+            _launch.grouped_wgrad(h_RF, dy_TD, offsets_E, dw2, b_rows=token_R, scale=weight_R)
+            del h_RF
+        if need_x:
+            dxs_RD = _launch.new_empty((R, D), dt, dev)
+            _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
+            dx_TD = dxs_RD.view(T, k, D).sum(1) if k > 1 else dxs_RD.view(T, D)
+        if need_w1:
+            dw1 = _launch.new_empty((E, D, 2 * F), w1_EDF2.dtype, dev)
+            _launch.grouped_wgrad(x_TD, dz_RF2, offsets_E, dw1, a_rows=token_R)
+        return dx_TD, dw1, dw2, None, dweights_TK, None
+
+
+def moe_experts(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+) -> torch.Tensor:
+    """Dropless SwiGLU experts: ``y[t] = sum_j weights[t,j] * swiglu(x[t] @ W1[e]) @ W2[e]``.
+
+    x [T, D]; w1 [E, D, 2F] (gate = first F columns, up = last F); w2 [E, F, D];
+    experts [T, k] integer expert ids (e = experts[t, j]); weights [T, k] router weights in
+    x's dtype or float32. Returns y [T, D] in x's dtype. Differentiable in x, w1, w2 and
+    weights. Fused dispatch: no padded or permuted copy of x, deterministic combine.
+    """
+    if x_TD.dim() != 2 or w1_EDF2.dim() != 3 or w2_EFD.dim() != 3:
+        raise ValueError("expected x [T, D], w1 [E, D, 2F], w2 [E, F, D]")
+    T, D = x_TD.shape
+    E, D1, F2 = w1_EDF2.shape
+    if D1 != D or F2 % 2 or tuple(w2_EFD.shape) != (E, F2 // 2, D):
+        raise ValueError(
+            f"shape mismatch: x {tuple(x_TD.shape)}, w1 {tuple(w1_EDF2.shape)}, "
+            f"w2 {tuple(w2_EFD.shape)}"
+        )
+    if experts_TK.dim() != 2 or experts_TK.shape[0] != T or weights_TK.shape != experts_TK.shape:
+        raise ValueError(
+            f"experts and weights must be [T={T}, k], got {tuple(experts_TK.shape)} and "
+            f"{tuple(weights_TK.shape)}"
+        )
+    if experts_TK.dtype.is_floating_point or experts_TK.dtype == torch.bool:
+        raise TypeError(f"experts must be integer ids, got {experts_TK.dtype}")
+    if not (w1_EDF2.dtype == w2_EFD.dtype == x_TD.dtype):
+        raise TypeError(f"dtype mismatch: x {x_TD.dtype}, w1 {w1_EDF2.dtype}, w2 {w2_EFD.dtype}")
+    if weights_TK.dtype not in (x_TD.dtype, torch.float32):
+        raise TypeError(f"weights must be {x_TD.dtype} or float32, got {weights_TK.dtype}")
+    keep = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x_TD, w1_EDF2, w2_EFD, weights_TK)
+    )
+    return _MoEExperts.apply(x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep)

@@ -1,0 +1,106 @@
+"""Micro-benchmark: moestack's Triton grouped GEMM vs torch._grouped_mm and a loop (CUDA).
+
+    python scripts/bench_grouped_gemm.py [--tokens 16384] [--json out.json]
+
+Times forward and forward+backward of one grouped GEMM ``[T*k, K] x [E, K, M]`` at the
+expert shapes of the bench models, in bf16, with a random top-k routing. Prints a table of
+ms and TFLOP/s (useful FLOPs only). The whole MoE layer is benchmarked by
+scripts/bench_moe.py; this isolates the GEMM kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+# name: (E, k, K, M) -- the first expert GEMM (D -> 2F) of each bench model
+SHAPES = {
+    "mixtral-w1": (8, 2, 4096, 2 * 14336),
+    "qwen3-30b-w1": (128, 8, 2048, 2 * 768),
+    "qwen3-30b-w2": (128, 8, 768, 2048),
+    "olmoe-w1": (64, 8, 2048, 2 * 1024),
+}
+
+
+def _loop(x, w, offsets):
+    outs, start = [], 0
+    for e, end in enumerate(offsets.tolist()):
+        outs.append(x[start:end] @ w[e])
+        start = end
+    return torch.cat(outs)
+
+
+def _impls():
+    from moestack.kernels import grouped_gemm
+
+    impls = {"triton": grouped_gemm, "loop": _loop}
+    if hasattr(torch, "_grouped_mm"):
+        impls["torch._grouped_mm"] = lambda x, w, offs: torch._grouped_mm(x, w, offs=offs)
+    return impls
+
+
+def bench(fn, x, w, offsets, backward: bool) -> float:
+    from triton.testing import do_bench
+
+    def step():
+        y = fn(x, w, offsets)
+        if backward:
+            y.backward(dy_cache.setdefault(y.shape, torch.randn_like(y)))
+
+    dy_cache: dict = {}
+    return do_bench(step, warmup=25, rep=100, grad_to_none=[x, w])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_grouped_gemm.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (E, k, K, M) in SHAPES.items():
+        experts = torch.rand(args.tokens, E, device="cuda", generator=gen).topk(k).indices
+        offsets = torch.bincount(experts.flatten(), minlength=E).cumsum(0).to(torch.int32)
+        N = args.tokens * k
+        x = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(E, K, M, device="cuda", dtype=torch.bfloat16) / K**0.5
+        w.requires_grad_()
+        flops = 2 * N * K * M
+        for impl, fn in _impls().items():
+            try:
+                fwd = bench(fn, x, w, offsets, backward=False)
+                fb = bench(fn, x, w, offsets, backward=True)
+            except Exception as exc:  # e.g. torch._grouped_mm unsupported on this GPU
+                print(f"{name:14s} {impl:18s} failed: {exc}", file=sys.stderr)
+                continue
+            rows.append(
+                {
+                    "shape": name,
+                    "impl": impl,
+                    "fwd_ms": fwd,
+                    "fwd_bwd_ms": fb,
+                    "fwd_tflops": flops / fwd / 1e9,
+                    "fwd_bwd_tflops": 3 * flops / fb / 1e9,
+                }
+            )
+    print(f"GPU: {torch.cuda.get_device_name()}  tokens={args.tokens}  bf16")
+    print(f"{'shape':14s} {'impl':18s} {'fwd ms':>8s} {'TF/s':>7s} {'f+b ms':>8s} {'TF/s':>7s}")
+    for r in rows:
+        print(
+            f"{r['shape']:14s} {r['impl']:18s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:7.1f} "
+            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:7.1f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Benchmark the MoE layer forward+backward against other implementations, in one process.
+
+CPU (default without CUDA): moestack's torch path against transformers' own Qwen3-MoE block
+on the same weights, with its eager experts (a loop over experts) and with its grouped_mm
+experts. GPU: moestack triton and torch impls, a loop over experts, and megablocks when
+installed, at Mixtral-, Qwen3-30B- and OLMoE-like shapes in bf16, with TFLOP/s counting useful
+FLOPs only, the fraction of the dense bf16 matmul rate measured in the same run, and peak
+memory. Ratios are against the first contender. Prints a table; --json writes it.
+
+    python scripts/bench_moe.py                       # CPU defaults
+    python scripts/bench_moe.py --json bench.json     # also write JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moestack import MoE, MoEConfig, RouterConfig
+
+CPU_SHAPES = [  # name, experts, top_k, d_model, d_ff, tokens
+    ("cpu-E8", 8, 2, 512, 1024, 2048),
+    ("cpu-E64", 64, 8, 512, 256, 2048),
+    ("cpu-E128", 128, 8, 512, 128, 2048),
+]
+GPU_SHAPES = [
+    ("mixtral-8k", 8, 2, 4096, 14336, 8192),
+    ("mixtral-16k", 8, 2, 4096, 14336, 16384),
+    ("qwen3_30b-8k", 128, 8, 2048, 768, 8192),
+    ("qwen3_30b-16k", 128, 8, 2048, 768, 16384),
+    ("olmoe-8k", 64, 8, 2048, 1024, 8192),
+    ("olmoe-16k", 64, 8, 2048, 1024, 16384),
+]
+
+
+@dataclass
+class Result:
+    shape: str
+    contender: str
+    ms: float
+    tflops: float
+    peak_mib: float
+    ratio: float = 1.0  # time of the first contender / this time (higher = faster)
+    dense_fraction: float = 0.0
+
+
+def useful_flops(tokens: int, top_k: int, d_model: int, d_ff: int, backward: bool = True) -> float:
+    """2 FLOPs per multiply-add over the three expert projections of every routed token."""
+    forward = 2 * tokens * top_k * 3 * d_model * d_ff
+    return forward * (3 if backward else 1)
+
+
+def time_fn(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``fn``."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup * 10, rep=repeats * 50, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def qwen3_block(
+    num_experts: int, top_k: int, d_model: int, d_ff: int, impl: str
+) -> torch.nn.Module:
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=d_model,
+        moe_intermediate_size=d_ff,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+    )
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    block.experts.config._experts_implementation = impl
+    return block
+
+
+def fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        module(x).backward(grad)
+
+    return run
+
+
+def bench_shape(
+    name, num_experts, top_k, d_model, d_ff, tokens, device, dtype, args
+) -> list[Result]:
+    torch.manual_seed(0)
+    ours_cfg = MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=d_ff, impl="torch")
+    router_cfg = RouterConfig(load_balance=0.0, z_loss=0.0)
+    contenders: dict[str, torch.nn.Module] = {}
+    ours = MoE(d_model, ours_cfg, router_cfg).to(device, dtype)
+    if device.type == "cpu":
+        from moestack.interop.hf import moe_from_hf
+
+        for impl in ("eager", "grouped_mm"):
+            try:
+                block = qwen3_block(num_experts, top_k, d_model, d_ff, impl).to(device, dtype)
+            except ImportError:
+                continue
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.02)
+            contenders[f"transformers-{impl}"] = block
+        if contenders:  # same weights in ours
+            ours = moe_from_hf(next(iter(contenders.values())), impl="torch")
+        contenders = {"moestack-torch": ours, **contenders}
+    else:
+        for label, impl in (("moestack-triton", "triton"), ("moestack-torch", "torch")):
+            layer = MoE(d_model, MoEConfig(num_experts, top_k, d_ff, impl), router_cfg)
+            layer.load_state_dict(ours.state_dict())
+            contenders[label] = layer.to(device, dtype)
+        contenders["loop"] = _LoopMoE(ours)
+        try:
+            import megablocks  # noqa: F401
+
+            layer = MoE(d_model, MoEConfig(num_experts, top_k, d_ff, "megablocks"), router_cfg)
+            layer.load_state_dict(ours.state_dict())
+            contenders["megablocks"] = layer.to(device, dtype)
+        except ImportError:
+            pass
+
+    # [1, T, D]: transformers' blocks want a batch dimension; moestack's MoE takes any.
+    x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, tokens, d_model, device=device, dtype=dtype)
+    flops = useful_flops(tokens, top_k, d_model, d_ff)
+    results = []
+    for contender, module in contenders.items():
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            ms = time_fn(fwd_bwd(module, x, grad), device, args.warmup, args.repeats)
+        except Exception as err:  # one contender failing must not hide the others
+            print(f"{name} {contender}: failed: {err}")
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+        results.append(Result(name, contender, ms, flops / ms / 1e9, peak))
+    for r in results:
+        r.ratio = results[0].ms / r.ms
+    return results
+
+
+class _LoopMoE(torch.nn.Module):
+    """The same layer with a plain loop over experts (the textbook baseline)."""
+
+    def __init__(self, moe: MoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        x_TD = x.reshape(-1, x.shape[-1])
+        routing = moe.router(x_TD)
+        d_ff = moe.w2.shape[1]
+        y = torch.zeros_like(x_TD)
+        for e in range(moe.w1.shape[0]):
+            token, slot = torch.where(routing.experts == e)
+            if token.numel() == 0:
+                continue
+            h = x_TD[token] @ moe.w1[e]
+            h = torch.nn.functional.silu(h[:, :d_ff]) * h[:, d_ff:]
+            out = (h @ moe.w2[e]) * routing.weights[token, slot, None].to(x_TD.dtype)
+            y = y.index_add(0, token, out)
+        return y.reshape(x.shape)
+
+
+def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, args) -> float:
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = time_fn(lambda: a @ b, device, args.warmup, args.repeats)
+    return 2 * n**3 / ms / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--dtype", default="", help="float32 or bfloat16 (default: fp32 CPU, bf16 GPU)"
+    )
+    parser.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    parser.add_argument("--json", default="", help="write the results here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    if args.shapes:
+        wanted = set(args.shapes.split(","))
+        shapes = [s for s in shapes if s[0] in wanted]
+
+    dense = dense_matmul_tflops(device, dtype, args)
+    results = []
+    for shape in shapes:
+        rows = bench_shape(*shape, device, dtype, args)
+        for r in rows:
+            r.dense_fraction = r.tflops / dense
+        results += rows
+
+    machine = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
+    print(
+        f"device: {machine}, dtype: {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
+    print(f"dense {dtype} matmul: {dense:.2f} TFLOP/s")
+    header = f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} {'of dense':>8} {'peak MiB':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.shape:<14} {r.contender:<24} {r.ms:>9.2f} {r.tflops:>8.3f} {r.ratio:>8.2f} "
+            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f}"
+        )
+    if args.json:
+        payload = {
+            "device": machine,
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "dense_tflops": dense,
+            "results": [r.__dict__ for r in results],
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

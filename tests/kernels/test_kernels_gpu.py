@@ -1,0 +1,156 @@
+"""CUDA-only kernel checks: bf16 accuracy, fully written outputs, 64-bit indexing, tuning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moestack.kernels import _launch, grouped_gemm, moe_experts, tuning  # noqa: E402
+from moestack.kernels.reference import (  # noqa: E402
+    grouped_gemm_reference,
+    moe_experts_reference,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BF16_TOL = 3e-2  # normwise: max|err| / max|ref|
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert actual.shape == expected.shape
+    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
+    err = (actual.double().cpu() - expected.cpu()).abs().max().item()
+    return err / max(expected.abs().max().item(), 1e-6)
+
+
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """Every buffer the kernels allocate starts as NaN, so unwritten elements show."""
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(_launch, "new_empty", poisoned)
+
+
+def check_grouped_gemm(dtype, device="cuda", tol=BF16_TOL, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = [0, 130, 1, 0, 257, 64, 0, 3]
+    K, M = 200, 300
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts), K, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(len(counts), K, M, generator=g, dtype=torch.float64).to(dtype)
+    dy = torch.randn(sum(counts), M, generator=g, dtype=torch.float64).to(dtype)
+    xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+    y = grouped_gemm(xd, wd, offsets.to(device))
+    y.backward(dy.to(device))
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    yr = grouped_gemm_reference(xr, wr, offsets)
+    yr.backward(dy.double())
+    for name, a, b in (("y", y, yr), ("dx", xd.grad, xr.grad), ("dw", wd.grad, wr.grad)):
+        assert rel_err(a.detach(), b.detach()) <= tol, name
+    assert torch.equal(wd.grad[0], torch.zeros_like(wd.grad[0]))
+
+
+def check_moe(dtype, device="cuda", tol=BF16_TOL, seed=0, T=257, D=192, F=160, E=8, k=2):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
+    w1 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)).to(dtype)
+    w2 = (torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)).to(dtype)
+    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
+    scores[:, 5] = -1.0  # expert 5 gets no token
+    weights, experts = scores.topk(k, dim=1)
+    weights = torch.softmax(weights, 1).float()
+    dy = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
+    ins = [t.to(device).requires_grad_() for t in (x, w1, w2, weights)]
+    y = moe_experts(ins[0], ins[1], ins[2], experts.to(device), ins[3])
+    y.backward(dy.to(device))
+    refs = [t.detach().double().requires_grad_() for t in (x, w1, w2, weights)]
+    yr = moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3])
+    yr.backward(dy.double())
+    pairs = [("y", y, yr)] + [
+        (n, a.grad, b.grad) for n, a, b in zip(("dx", "dw1", "dw2", "dw"), ins, refs, strict=True)
+    ]
+    for name, a, b in pairs:
+        assert rel_err(a.detach(), b.detach()) <= tol, name
+
+
+def test_grouped_gemm_bf16(poisoned_buffers):
+    check_grouped_gemm(torch.bfloat16)
+
+
+def test_moe_bf16(poisoned_buffers):
+    check_moe(torch.bfloat16)
+
+
+def test_fp32_is_ieee_by_default(poisoned_buffers, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    check_grouped_gemm(torch.float32, tol=5e-6)
+    check_moe(torch.float32, tol=5e-6)
+
+
+def test_fp16(poisoned_buffers):
+    check_moe(torch.float16, tol=3e-3)
+
+
+def test_autotune_cache_is_filled(monkeypatch):
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "1")
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
+    tuning.clear_cache()
+    check_moe(torch.bfloat16, T=64, D=64, F=64, E=8, k=2)
+    table = tuning.export_cache()
+    gpu = torch.cuda.get_device_name()
+    kinds = {key.split("|")[0] for key in table[gpu]}
+    assert kinds == {"mm", "mm_swiglu", "wgrad"}
+    tuning.clear_cache()
+
+
+def _big_free_memory(nbytes: int) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return free > nbytes
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not _big_free_memory(24 << 30),
+    reason="needs ~24 GiB of free GPU memory",
+)
+def test_64bit_indexing(monkeypatch):
+    """Tensors with more than 2**31 elements: rows past the int32 range are right."""
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    dev, dt = "cuda", torch.bfloat16
+    K, M, tail = 8192, 16, 96
+    N = (1 << 31) // K + tail
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(N, K, device=dev, dtype=dt, generator=g).requires_grad_()
+    w = torch.randn(2, K, M, device=dev, dtype=dt, generator=g).requires_grad_()
+    offsets = torch.tensor([N - tail, N], dtype=torch.int32, device=dev)
+    y = grouped_gemm(x, w, offsets)
+    dy = torch.randn(N, M, device=dev, dtype=dt, generator=g)
+    y.backward(dy)
+    xt, dyt = x[-tail:].detach().double(), dy[-tail:].double()
+    assert rel_err(y[-tail:].detach(), xt @ w[1].detach().double()) <= BF16_TOL
+    assert rel_err(x.grad[-tail:], dyt @ w[1].detach().double().T) <= BF16_TOL
+    assert rel_err(w.grad[1], xt.T @ dyt) <= BF16_TOL
+    del x, y, dy, w
+
+    # The MoE path: gathered x rows and scattered output rows past 2**31 elements.
+    T, D, F = N, K, 16
+    x = torch.randn(T, D, device=dev, dtype=dt, generator=g).requires_grad_()
+    w1 = (torch.randn(2, D, 2 * F, device=dev, generator=g) / math.sqrt(D)).to(dt)
+    w2 = (torch.randn(2, F, D, device=dev, generator=g) / math.sqrt(F)).to(dt)
+    experts = torch.zeros(T, 1, dtype=torch.long, device=dev)
+    experts[-tail:] = 1
+    weights = torch.rand(T, 1, device=dev, generator=g)
+    y = moe_experts(x, w1, w2, experts, weights)
+    y.backward(torch.ones_like(y))
+    rows = slice(T - tail, T)
+    ref_x = x[rows].detach().double().requires_grad_()
+    ref = moe_experts_reference(
+        ref_x, w1.double(), w2.double(), experts[rows], weights[rows].double()
+    )
+    ref.sum().backward()
+    assert rel_err(y[rows].detach(), ref.detach()) <= BF16_TOL
+    assert rel_err(x.grad[rows], ref_x.grad) <= BF16_TOL

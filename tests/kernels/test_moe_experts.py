@@ -1,0 +1,164 @@
+"""moe_experts (Triton; the interpreter on CPU) against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moestack.kernels import _launch, moe_experts  # noqa: E402
+from moestack.kernels.reference import moe_experts_reference  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
+)
+# Normwise relative error bounds: max|err| / max|ref|.
+TOL = {torch.float32: 5e-6, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+NAMES = ("y", "dx", "dw1", "dw2", "dweights")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str):
+    assert actual.shape == expected.shape, f"{what}: {actual.shape} vs {expected.shape}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    if expected.numel() == 0:
+        return
+    err = (actual.double() - expected).abs().max().item()
+    scale = max(expected.abs().max().item(), 1e-6)
+    assert err / scale <= tol, f"{what}: rel err {err / scale:.2e} > {tol:.0e}"
+
+
+def make_inputs(T, D, F, E, k, seed, empty_expert=None):
+    """float64 inputs; routing is top-k of random scores, never picking ``empty_expert``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, dtype=torch.float64)
+    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
+    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
+    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
+    if empty_expert is not None:
+        scores[:, empty_expert] = -1.0
+    weights, experts = scores.topk(k, dim=1)
+    weights = torch.softmax(weights, dim=1)
+    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
+    return x, w1, w2, experts, weights, dy
+
+
+def run_case(T, D, F, E, k, dtype, seed=0, empty_expert=None, weights_dtype=None):
+    """Output and the four gradients of moe_experts vs the float64 reference."""
+    x, w1, w2, experts, weights, dy = make_inputs(T, D, F, E, k, seed, empty_expert)
+    weights_dtype = weights_dtype or dtype
+    # The reference sees the same rounded inputs, so only the kernels' error is measured.
+    x, w1, w2, dy = (t.to(dtype).double() for t in (x, w1, w2, dy))
+    weights = weights.to(weights_dtype).double()
+
+    ins = [
+        t.to(DEVICE, dt).requires_grad_()
+        for t, dt in ((x, dtype), (w1, dtype), (w2, dtype), (weights, weights_dtype))
+    ]
+    y = moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3])
+    assert y.dtype == dtype
+    y.backward(dy.to(DEVICE, dtype))
+    got = [y.detach()] + [t.grad for t in ins]
+
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
+    yr = moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3])
+    yr.backward(dy)
+    want = [yr.detach()] + [t.grad for t in refs]
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        assert_close(a.cpu(), b, TOL[dtype], name)
+    assert ins[3].grad.dtype == weights_dtype
+    if empty_expert is not None:  # an expert without tokens gets exact zero gradients
+        assert torch.equal(ins[1].grad[empty_expert].cpu(), torch.zeros_like(w1[0], dtype=dtype))
+        assert torch.equal(ins[2].grad[empty_expert].cpu(), torch.zeros_like(w2[0], dtype=dtype))
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_general(dtype):
+    # Odd D and F (not multiples of the 32-wide interpreter tiles), k=2 of E=5, one
+    # expert that receives no token, some experts spanning several row tiles.
+    run_case(T=40, D=37, F=21, E=5, k=2, dtype=dtype, empty_expert=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_top1(dtype):
+    run_case(T=23, D=48, F=40, E=4, k=1, dtype=dtype, seed=1, empty_expert=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_top_k_equals_num_experts(dtype):
+    run_case(T=9, D=20, F=16, E=3, k=3, dtype=dtype, seed=2)
+
+
+def test_single_token():
+    run_case(T=1, D=33, F=17, E=4, k=2, dtype=torch.float32, seed=3)
+
+
+def test_fp32_router_weights_with_fp16_activations():
+    run_case(T=12, D=24, F=16, E=3, k=2, dtype=torch.float16, seed=4, weights_dtype=torch.float32)
+
+
+def test_empty_input():
+    E, D, F, k = 3, 8, 6, 2
+    x = torch.zeros(0, D, device=DEVICE, requires_grad=True)
+    w1 = torch.randn(E, D, 2 * F, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(E, F, D, device=DEVICE, requires_grad=True)
+    weights = torch.zeros(0, k, device=DEVICE, requires_grad=True)
+    experts = torch.zeros(0, k, dtype=torch.long, device=DEVICE)
+    y = moe_experts(x, w1, w2, experts, weights)
+    assert y.shape == (0, D)
+    y.sum().backward()
+    assert x.grad.shape == (0, D) and weights.grad.shape == (0, k)
+    assert torch.equal(w1.grad, torch.zeros_like(w1))
+    assert torch.equal(w2.grad, torch.zeros_like(w2))
+
+
+def test_no_grad_matches_grad_path():
+    x, w1, w2, experts, weights, _ = make_inputs(10, 16, 12, 3, 2, seed=5)
+    args = [t.float().to(DEVICE) for t in (x, w1, w2)]
+    with torch.no_grad():
+        y0 = moe_experts(*args, experts.to(DEVICE), weights.float().to(DEVICE))
+    y1 = moe_experts(
+        args[0].requires_grad_(), *args[1:], experts.to(DEVICE), weights.float().to(DEVICE)
+    )
+    assert torch.equal(y0, y1.detach())
+
+
+def test_every_output_element_written(monkeypatch):
+    """Poison every buffer the kernels allocate with NaN: no NaN may survive."""
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(_launch, "new_empty", poisoned)
+    run_case(T=17, D=35, F=19, E=4, k=2, dtype=torch.float32, seed=6, empty_expert=1)
+
+
+def test_bad_arguments():
+    x, w1, w2, experts, weights, _ = make_inputs(4, 8, 6, 3, 2, seed=7)
+    x, w1, w2, weights = (t.float() for t in (x, w1, w2, weights))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        moe_experts(x, w1, w2[:, :5], experts, weights)
+    with pytest.raises(ValueError, match="experts and weights"):
+        moe_experts(x, w1, w2, experts[:, :1], weights)
+    with pytest.raises(TypeError, match="integer"):
+        moe_experts(x, w1, w2, experts.float(), weights)
+    with pytest.raises(TypeError, match="weights must be"):
+        moe_experts(x, w1, w2, experts, weights.half())
+
+
+def test_expanded_upstream_gradient():
+    """``y.sum().backward()`` hands the kernels a stride-0 gradient; it must be read right."""
+    x, w1, w2, experts, weights, _ = make_inputs(11, 18, 10, 3, 2, seed=8)
+    ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
+    moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3]).sum().backward()
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
+    moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3]).sum().backward()
+    for name, a, b in zip(NAMES[1:], ins, refs, strict=True):
+        assert_close(a.grad.cpu(), b.grad, TOL[torch.float32], name)
