@@ -1,6 +1,10 @@
 """The ``moestack`` command: verbs around training runs (training itself is moestack-train).
 
     moestack eval RUN_DIR [--checkpoint PATH] [--batches N]   validation loss and perplexity
+    moestack telemetry MODEL TEXT OUT                         route a text through an MoE model,
+                                                              write its trace and a report
+    moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
+    moestack report RUN_DIR [--out DIR]                       plots and an HTML page of a run
 
 Each verb prints its result; bad input ends with one line on stderr and exit status 2.
 """
@@ -61,6 +65,51 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     return result
 
 
+def _csv(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
+def cmd_telemetry(args: argparse.Namespace) -> None:
+    from moestack.telemetry import run_telemetry
+
+    out = run_telemetry(
+        args.model,
+        args.text,
+        args.out,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        policies=_csv(args.policies),
+        capacities=[int(c) for c in _csv(args.capacities)],
+        device=args.device,
+        record_probs=args.record_probs,
+    )
+    print(f"trace and report written to {out}")
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from moestack.telemetry import RoutingTrace, sweep
+
+    trace = RoutingTrace.load(args.trace)
+    capacities = [int(c) for c in _csv(args.capacities)] or [trace.top_k, 2 * trace.top_k]
+    results = sweep(trace, policies=_csv(args.policies), capacities=capacities)
+    print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13}")
+    for stats in results:
+        print(
+            f"{stats.policy:<12} {stats.capacity:>8} {stats.hit_rate:>9.4f} {stats.misses:>10} "
+            f"{stats.misses_per_token:>13.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2))
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from moestack.telemetry import render_report
+
+    index = render_report(args.run_dir, out_dir=args.out or None, trace_dir=args.trace or None)
+    print(f"report: {index}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestack", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -71,6 +120,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=0, help="validation batches (default: the run's)")
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's)")
     p.set_defaults(func=cmd_eval)
+
+    p = verbs.add_parser("telemetry", help="run a transformers MoE model over a text file")
+    p.add_argument(
+        "model", help="local model dir, config .json, or a tiny model type (mixtral, ...)"
+    )
+    p.add_argument("text", help="a text file")
+    p.add_argument("out", help="output directory for the trace, metrics and report")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--policies", default="lru,lfu,static,lru+static,belady")
+    p.add_argument("--capacities", default="2,4")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--record-probs", action="store_true")
+    p.set_defaults(func=cmd_telemetry)
+
+    p = verbs.add_parser("simulate", help="replay a routing trace through cache policies")
+    p.add_argument("trace", help="a trace directory (RoutingTrace.save / a run's trace/...)")
+    p.add_argument("--policies", default="lru,lfu,static,lru+static,belady")
+    p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
+    p.add_argument("--json", default="", help="also write the results here")
+    p.set_defaults(func=cmd_simulate)
+
+    p = verbs.add_parser("report", help="render plots and an HTML page for a run directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default="", help="where to write (default: RUN_DIR/report)")
+    p.add_argument("--trace", default="", help="trace directory (default: found in RUN_DIR)")
+    p.set_defaults(func=cmd_report)
     return parser
 
 

@@ -206,7 +206,7 @@ class TelemetryConfig:
     enabled: bool = True  # attach telemetry to the model during training
     policies: list[str] = field(default_factory=lambda: ["lru", "static"])  # replayed policies
     capacities: list[int] = field(default_factory=list)  # cache sizes, experts/layer ([] = k, 2k)
-    trace_dir: str = ""  # stream the routing trace here ("" = do not keep it)
+    trace_dir: str = ""  # stream the routing trace here ("" = <run dir>/trace)
 
     def __post_init__(self) -> None:
         for policy in self.policies:

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 

@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -19,22 +21,23 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from moestack import checkpoint
+from moestack import checkpoint, distributed
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches, load_corpus
 from moestack.errors import MoestackError
 from moestack.metrics import MetricsWriter
 from moestack.model import MoETransformer
+from moestack.optim import build_optimizer, clip_grad_norm
 
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise MoestackError("device=cuda but no CUDA device is available; use device=cpu")
-    return torch.device(name)
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -43,17 +46,6 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: floa
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (embeddings, attention, experts, routers)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.optim.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps)
 
 
 def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:
@@ -93,13 +85,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
-    """Train ``cfg.model`` on ``cfg.data`` into ``out_dir``; returns the run summary."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_root = out_dir / "checkpoints"
+    """Train ``cfg.model`` on ``cfg.data`` into ``out_dir``; returns the run summary.
+
+    Under torchrun every rank runs this with the same config: each takes its slice of every
+    global batch, and rank 0 writes metrics and checkpoints.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    device_type = resolve_device(cfg.device).type
+    dist_info = distributed.init_from_env(device_type)
+    try:
+        return _train(cfg, Path(out_dir), dist_info)
+    finally:
+        distributed.shutdown(dist_info)
+
+
+def _train(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> dict[str, Any]:
+    device = resolve_device(cfg.device, dist_info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world, rank = dist_info.world_size, dist_info.rank
+    if cfg.batch_size % world:
+        raise MoestackError(f"batch_size={cfg.batch_size} does not split over {world} ranks")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = out_dir / "checkpoints"
 
     resume_from = None
     if cfg.resume:
@@ -110,14 +119,21 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
         raise MoestackError(
             f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick another out_dir"
         )
-    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
+    if dist_info.is_main:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
     corpus = load_corpus(cfg.data)
     if cfg.model.vocab_size < 256:
         raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg)
+    if resume_from is not None:
+        meta = checkpoint.load_model_weights(resume_from, model, cfg.model)
+    # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it.
+    ddp = dist_info.active and cfg.optim.name == "adamw"
+    forward_model = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: lr_factor(s, cfg.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio),
@@ -127,10 +143,9 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
 
     start_step, bad_steps_total = 0, 0
     if resume_from is not None:
-        meta = checkpoint.load_model_weights(resume_from, model, cfg.model)
         state = checkpoint.load_train_state(resume_from)
-        optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
         start_step, bad_steps_total = meta["step"], int(state.get("bad_steps", 0))
@@ -139,6 +154,7 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
     params = model.num_params()
     writer = MetricsWriter(
         out_dir,
+        enabled=dist_info.is_main,
         wandb_project=cfg.wandb_project,
         wandb_mode=cfg.wandb_mode,
         wandb_config=dataclasses.asdict(cfg),
@@ -150,15 +166,17 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
         params["active"] / 1e6,
     )
 
-    def save(step: int) -> Path:
+    def save(step: int) -> None:
         state = {
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer.state_dict(),  # collective for a sharded optimizer
             "scheduler": scheduler.state_dict(),
             "data": loader.state_dict(),
             "rng": _rng_state(),
             "bad_steps": bad_steps_total,
         }
-        return checkpoint.save_checkpoint(ckpt_root, step, model, cfg.model, state, cfg.keep_last)
+        if dist_info.is_main:
+            checkpoint.save_checkpoint(ckpt_root, step, model, cfg.model, state, cfg.keep_last)
+        distributed.barrier(dist_info)
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
     model.train()
@@ -167,20 +185,28 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
     consecutive_bad = 0
     last_metrics: dict[str, float] = {}
     interval_start, run_start = time.perf_counter(), time.perf_counter()
-    progress = _progress_bar(cfg, start_step)
+    telemetry = _attach_telemetry(cfg, model, out_dir, start_step) if dist_info.is_main else None
+    progress = _progress_bar(cfg, start_step) if dist_info.is_main else None
+    rows = slice(rank * cfg.batch_size // world, (rank + 1) * cfg.batch_size // world)
     try:
         for step in range(start_step, cfg.steps):
             step_loss, step_aux, finite = 0.0, 0.0, True
-            for _ in range(cfg.grad_accum):
+            for micro in range(cfg.grad_accum):
                 inputs, targets = loader.next()
-                with autocast_context(device):
-                    out = model(inputs.to(device), targets.to(device))
-                if not torch.isfinite(out.loss):
-                    finite = False
-                    break
-                (out.loss / cfg.grad_accum).backward()
+                inputs, targets = inputs[rows].to(device), targets[rows].to(device)
+                sync = not ddp or micro == cfg.grad_accum - 1
+                with autocast_context(device), _maybe_no_sync(forward_model, sync):
+                    out = forward_model(inputs, targets)
+                    # A bad loss still runs backward, so DDP ranks stay in step; the update
+                    # is skipped below and the gradients dropped.
+                    finite = finite and bool(torch.isfinite(out.loss))
+                    (out.loss / cfg.grad_accum).backward()
                 step_loss += out.ce_loss.item() / cfg.grad_accum
                 step_aux += out.aux_loss.item() / cfg.grad_accum
+            if dist_info.active:  # every rank must agree to skip, and logs the global mean
+                finite = distributed.all_reduce_mean(float(finite), dist_info, device) == 1.0
+                step_loss = distributed.all_reduce_mean(step_loss, dist_info, device)
+                step_aux = distributed.all_reduce_mean(step_aux, dist_info, device)
             if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
@@ -199,9 +225,7 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
             consecutive_bad = 0
             grad_norm = 0.0
             if cfg.optim.grad_clip > 0:
-                grad_norm = float(
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                )
+                grad_norm = clip_grad_norm(model, optimizer, cfg.optim.grad_clip)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -224,9 +248,16 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
                     "perf/bad_steps": bad_steps_total,
                 }
                 metrics.update({k: float(v) for k, v in out.metrics.items()})
+                metrics["eval/train_perplexity"] = math.exp(min(metrics["loss/train"], 50.0))
                 if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-                    metrics.update(evaluate(model, val_batches, device))
-                writer.log(done, metrics)
+                    with _paused(telemetry):
+                        metrics.update(evaluate(model, val_batches, device))
+                charts = None
+                if telemetry is not None:
+                    metrics.update(telemetry.interval_metrics(step=done))
+                    if writer.wandb_run is not None and done % (10 * cfg.log_every) == 0:
+                        charts = telemetry.wandb_charts()
+                writer.log(done, metrics, extra_wandb=charts)
                 last_metrics.update(metrics)
                 if progress is not None:
                     progress.set_postfix(
@@ -241,11 +272,15 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
         if progress is not None:
             progress.close()
 
-    final_eval = evaluate(model, val_batches, device)
+    with _paused(telemetry):
+        final_eval = evaluate(model, val_batches, device)
     save(cfg.steps)
     run_seconds = time.perf_counter() - run_start
     final_metrics = {**final_eval}
     writer.log(cfg.steps, final_metrics)
+    if telemetry is not None:
+        telemetry.close()
+        _write_json(out_dir / "telemetry_summary.json", telemetry.summary())
     writer.close()
     last_metrics.update(final_metrics)
 
@@ -263,9 +298,41 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
         key = f"router/layer{i}/imbalance"
         if key in last_metrics:
             summary[key] = last_metrics[key]
-    _write_json(out_dir / "summary.json", summary)
-    log.info("\n%s", format_summary(summary))
+    if dist_info.is_main:
+        _write_json(out_dir / "summary.json", summary)
+        log.info("\n%s", format_summary(summary))
     return summary
+
+
+def _attach_telemetry(cfg: TrainConfig, model: MoETransformer, out_dir: Path, start_step: int):
+    """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>."""
+    if not cfg.telemetry.enabled:
+        return None
+    from moestack.telemetry import attach
+
+    trace_root = Path(cfg.telemetry.trace_dir) if cfg.telemetry.trace_dir else out_dir / "trace"
+    part = trace_root / f"from-{start_step:07d}"
+    if part.exists():  # left by an attempt that crashed after this checkpoint: recorded anew
+        shutil.rmtree(part)
+    return attach(
+        model,
+        policies=cfg.telemetry.policies,
+        capacities=cfg.telemetry.capacities,
+        trace_dir=str(part),
+        max_memory_tokens=0,
+    )
+
+
+def _paused(telemetry: Any) -> contextlib.AbstractContextManager:
+    """Evaluation batches are not training traffic: keep them out of the trace."""
+    return telemetry.paused() if telemetry is not None else contextlib.nullcontext()
+
+
+def _maybe_no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
+    if sync or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:
@@ -312,8 +379,11 @@ def _hydra_task(dict_cfg: Any) -> None:
 
     try:
         cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-        out_dir = cfg.out_dir or HydraConfig.get().runtime.output_dir
-        train(cfg, out_dir)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.out_dir:
+            raise MoestackError(
+                "under torchrun, set out_dir=<run dir> so every rank writes one run"
+            )
+        train(cfg, cfg.out_dir or HydraConfig.get().runtime.output_dir)
     except (MoestackError, ValueError) as err:
         log.error("error: %s", err)
         sys.exit(2)

@@ -1,0 +1,30 @@
+"""moestack.telemetry: zero-surgery routing telemetry for MoE models (see docs/telemetry.md).
+
+``attach(model)`` hooks the routers, ``Telemetry.trace`` is a ``RoutingTrace``,
+``simulate`` / ``sweep`` replay a trace through the cache policies of ``moestack.cache``,
+``run_telemetry`` and ``render_report`` work on their own, without a training loop.
+"""
+
+from moestack.telemetry.hooks import ROUTER_DETECTORS, RouterSpec, Telemetry, attach, find_routers
+from moestack.telemetry.replay import CacheStats, LayerStats, simulate, sweep
+from moestack.telemetry.report import render_report
+from moestack.telemetry.standalone import run_telemetry, tiny_model
+from moestack.telemetry.trace import RoutingTrace, TraceChunk, TraceFormatError
+
+__all__ = [
+    "ROUTER_DETECTORS",
+    "CacheStats",
+    "LayerStats",
+    "RouterSpec",
+    "RoutingTrace",
+    "Telemetry",
+    "TraceChunk",
+    "TraceFormatError",
+    "attach",
+    "find_routers",
+    "render_report",
+    "run_telemetry",
+    "simulate",
+    "sweep",
+    "tiny_model",
+]

@@ -1,0 +1,1 @@
+from moestack.cache.policies import POLICIES, CachePolicy, make_policy  # noqa: F401

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from moestack.kernels import tuning
 
 

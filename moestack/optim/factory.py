@@ -1,0 +1,74 @@
+"""Build the configured optimizer for a model, and clip gradients the way it needs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from moestack.optim.offload import OffloadAdamW
+
+log = logging.getLogger(__name__)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two named groups: weight decay on matrices (ndim >= 2), none on norms and biases."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append((name, p))
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` (a ``moestack.config.OptimConfig``) names, over ``model``.
+
+    ``"adamw"`` is ``torch.optim.AdamW`` (fused on the CPU when torch supports it);
+    ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings. With
+    ``offload_adamw`` under ``torch.distributed``, do not wrap the model in DDP.
+    """
+    groups = param_groups(model, float(cfg.weight_decay))
+    kw = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
+    if cfg.name == "adamw":
+        devices = {p.device.type for g in groups for _, p in g["params"]}
+        fused = devices <= {"cpu", "cuda"} and all(
+            p.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            for g in groups
+            for _, p in g["params"]
+        )
+        try:
+            return torch.optim.AdamW(groups, fused=fused, **kw)
+        except (RuntimeError, ValueError) as err:  # pragma: no cover - old torch/odd device
+            log.warning("fused AdamW unavailable (%s); using the default implementation", err)
+            return torch.optim.AdamW(groups, **kw)
+    if cfg.name == "offload_adamw":
+        return OffloadAdamW(
+            groups,
+            offload=cfg.offload,
+            shard=cfg.shard,
+            overlap=cfg.overlap,
+            skip_idle_experts=cfg.skip_idle_experts,
+            moment_dtype=cfg.moment_dtype,
+            **kw,
+        )
+    raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")
+
+
+def clip_grad_norm(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+) -> float:
+    """Clip gradients to a global 2-norm; the optimizer's own clip when it has one.
+
+    Returns the norm before clipping. With :class:`OffloadAdamW` the norm is taken over the
+    reduced gradients of all ranks; otherwise it is ``torch.nn.utils.clip_grad_norm_``.
+    """
+    own = getattr(optimizer, "clip_grad_norm_", None)
+    if callable(own):
+        return float(own(max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))

@@ -1,0 +1,268 @@
+"""Replay a RoutingTrace through expert-cache policies: hit rates, misses, bytes, reuse.
+
+Each MoE layer is its own cache of ``capacity`` expert slots, fed the layer's requests in
+the trace's replay order (see ``moestack.telemetry.trace``). The policies are the objects of
+``moestack.cache.policies``, the same ones the real expert cache runs.
+
+Warm-up: the first ``warmup`` requests of each layer (an int, or a fraction of the layer's
+requests) go through every policy, so caches fill and ``static`` / ``lru+static`` choose
+their pinned experts (unless ``static_experts`` gives them), but are not counted in the
+stats. ``bytes_loaded`` is misses x the expert's size in bytes (from ``expert_bytes`` or
+the trace header); 0 where the size is unknown.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moestack.cache.policies import POLICIES, CachePolicy, make_policy, stack_distances
+from moestack.telemetry.trace import RoutingTrace
+
+log = logging.getLogger(__name__)
+
+PolicyFactory = Callable[[int, int, np.ndarray], CachePolicy]  # (layer, capacity, requests)
+
+
+@dataclass
+class LayerStats:
+    """One layer's cache statistics over the counted (post-warm-up) requests."""
+
+    layer: int
+    capacity: int
+    accesses: int
+    hits: int
+    misses: int
+    hit_rate: float
+    bytes_loaded: int
+
+
+@dataclass
+class CacheStats:
+    """Replay result of one policy and capacity over every layer of a trace."""
+
+    policy: str
+    capacity: int
+    accesses: int
+    hits: int
+    misses: int
+    hit_rate: float
+    bytes_loaded: int
+    tokens: int  # counted token rows (the layer with the most)
+    misses_per_token: float  # misses summed over layers, per token
+    layers: list[LayerStats] = field(default_factory=list)
+    # reuse_distance_hist[l][d]: requests whose LRU stack distance is d (distinct other
+    # experts since the same expert's last request); the last entry counts first requests.
+    reuse_distance_hist: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0  # time spent in the policy
+    accesses_per_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _resolve_warmup(warmup: int | float, n: int) -> int:
+    if isinstance(warmup, float):
+        if not 0.0 <= warmup < 1.0:
+            raise ValueError(f"warmup={warmup} as a fraction must be in [0, 1)")
+        return int(warmup * n)
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0 requests (or a fraction in [0, 1))")
+    return min(int(warmup), n)
+
+
+def reuse_histogram(requests: np.ndarray, num_experts: int, skip: int = 0) -> list[int]:
+    """Histogram of LRU stack distances 0..E-1 of ``requests[skip:]``, plus first requests."""
+    hist = np.zeros(num_experts + 1, dtype=np.int64)
+    if requests.size == 0:
+        return hist.tolist()
+    dist, _ = stack_distances(requests, np.full(0, -1, dtype=np.int64), 0)
+    dist = dist[skip:]
+    cold = dist < 0
+    hist[:num_experts] = np.bincount(dist[~cold], minlength=num_experts)[:num_experts]
+    hist[num_experts] = int(cold.sum())
+    return hist.tolist()
+
+
+def simulate(
+    trace: RoutingTrace,
+    policy: str | PolicyFactory = "lru",
+    capacity: int | None = 4,
+    *,
+    capacity_bytes: int | None = None,
+    expert_bytes: int | Sequence[int] | None = None,
+    warmup: int | float = 0.1,
+    static_experts: Sequence[Sequence[int]] | None = None,
+    num_pinned: int | None = None,
+    layers: Sequence[int] | None = None,
+    max_accesses: int | None = None,
+    reuse: bool = True,
+) -> CacheStats:
+    """Replay ``trace`` through ``policy`` with ``capacity`` expert slots per layer.
+
+    ``policy`` is a name from ``POLICIES`` or a factory ``(layer, capacity, requests) ->
+    CachePolicy``. ``capacity_bytes`` (instead of ``capacity``) gives a per-layer byte budget,
+    turned into slots with the expert size. ``static_experts[l]`` pins those experts of
+    layer l for "static" / "lru+static". ``max_accesses`` replays only each layer's first
+    requests (belady on huge traces). ``reuse`` adds the reuse-distance histograms.
+    """
+    name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    if isinstance(policy, str) and policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is unknown; use one of {POLICIES}")
+    layer_ids = list(range(trace.num_layers)) if layers is None else list(layers)
+    sizes = _expert_sizes(trace, expert_bytes)
+    stats: list[LayerStats] = []
+    hists: list[list[int]] = []
+    seconds = 0.0
+    tokens = 0
+    replayed = 0
+    for layer in layer_ids:
+        requests = trace.accesses(layer)
+        if max_accesses is not None:
+            requests = requests[:max_accesses]
+        cap = _layer_capacity(capacity, capacity_bytes, sizes[layer], layer)
+        skip = _resolve_warmup(warmup, requests.size)
+        if isinstance(policy, str):
+            pinned = None if static_experts is None else list(static_experts[layer])
+            pol = make_policy(
+                policy,
+                cap,
+                pinned=pinned if policy in ("static", "lru+static") else None,
+                warmup=0 if pinned is not None else skip,
+                num_pinned=num_pinned,
+                future=requests if policy == "belady" else None,
+            )
+        else:
+            pol = policy(layer, cap, requests)
+        start = time.perf_counter()
+        hits_mask = pol.access_many(requests)
+        seconds += time.perf_counter() - start
+        replayed += requests.size
+        counted = hits_mask[skip:]
+        hits = int(counted.sum())
+        misses = int(counted.size - hits)
+        size = sizes[layer] or 0
+        stats.append(
+            LayerStats(
+                layer,
+                cap,
+                int(counted.size),
+                hits,
+                misses,
+                _rate(hits, counted.size),
+                misses * size,
+            )
+        )
+        tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
+        if reuse:
+            hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
+    hits = sum(s.hits for s in stats)
+    accesses = sum(s.accesses for s in stats)
+    misses = accesses - hits
+    return CacheStats(
+        policy=name,
+        capacity=stats[0].capacity if stats else int(capacity or 0),
+        accesses=accesses,
+        hits=hits,
+        misses=misses,
+        hit_rate=_rate(hits, accesses),
+        bytes_loaded=sum(s.bytes_loaded for s in stats),
+        tokens=int(tokens),
+        misses_per_token=misses / tokens if tokens else 0.0,
+        layers=stats,
+        reuse_distance_hist=hists,
+        seconds=seconds,
+        accesses_per_s=(replayed / seconds) if seconds > 0 else 0.0,
+    )
+
+
+def sweep(
+    trace: RoutingTrace,
+    policies: Sequence[str] = POLICIES,
+    capacities: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> list[CacheStats]:
+    """``simulate`` for every policy and capacity (default 1..max experts): hit rate vs size."""
+    if capacities is None:
+        capacities = range(1, max(trace.num_experts) + 1)
+    out = []
+    for name in policies:
+        for cap in capacities:
+            if name == "lru+static" and cap < 2:
+                continue  # needs a pinned and an LRU slot
+            out.append(simulate(trace, name, cap, reuse=False, **kwargs))
+    return out
+
+
+def _rate(hits: int, total: int) -> float:
+    return hits / total if total else 0.0
+
+
+def _expert_sizes(
+    trace: RoutingTrace, expert_bytes: int | Sequence[int] | None
+) -> list[int | None]:
+    if expert_bytes is None:
+        return list(trace.expert_bytes)
+    if isinstance(expert_bytes, (int, np.integer)):
+        return [int(expert_bytes)] * trace.num_layers
+    sizes = list(expert_bytes)
+    if len(sizes) != trace.num_layers:
+        raise ValueError(
+            f"expert_bytes has {len(sizes)} entries; give one per layer ({trace.num_layers})"
+        )
+    return sizes
+
+
+def _layer_capacity(
+    capacity: int | None, capacity_bytes: int | None, size: int | None, layer: int
+) -> int:
+    if capacity_bytes is None:
+        if capacity is None:
+            raise ValueError("give capacity= (expert slots per layer) or capacity_bytes=")
+        return int(capacity)
+    if not size:
+        raise ValueError(
+            f"capacity_bytes={capacity_bytes} needs the expert size of layer {layer}: pass "
+            "expert_bytes= (the trace does not record it)"
+        )
+    slots = int(capacity_bytes) // int(size)
+    if slots < 1:
+        raise ValueError(
+            f"capacity_bytes={capacity_bytes} holds no expert of layer {layer} ({size} bytes "
+            "each); raise it"
+        )
+    return slots
+
+
+# --------------------------------------------------------------------------- routing metrics
+def switch_counts(experts: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> tuple[float, int]:
+    """Expert switches between consecutive tokens of a sequence.
+
+    Returns (sum over consecutive pairs of the share of the k experts that changed, pairs).
+    A pair is rows i, i+1 of the same sequence with positions p, p+1, both valid.
+    """
+    if experts.shape[0] < 2:
+        return 0.0, 0
+    k = experts.shape[1]
+    a, b = experts[:-1], experts[1:]
+    pair = (seq[1:] == seq[:-1]) & (pos[1:] == pos[:-1] + 1) & (pos[:-1] >= 0)
+    pair &= (a >= 0).all(axis=1) & (b >= 0).all(axis=1)
+    if not pair.any():
+        return 0.0, 0
+    a, b = a[pair], b[pair]
+    same = (a[:, :, None] == b[:, None, :]).any(axis=2).sum(axis=1)
+    return float((1.0 - same / k).sum()), int(pair.sum())
+
+
+def usage_entropy(counts: np.ndarray) -> float:
+    """Entropy of the expert-load distribution over log(E): 1.0 is perfectly balanced."""
+    total = counts.sum()
+    if total == 0 or counts.size < 2:
+        return 0.0
+    p = counts[counts > 0] / total
+    return float(-(p * np.log(p)).sum() / np.log(counts.size))

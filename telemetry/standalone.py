@@ -1,0 +1,247 @@
+"""Telemetry on its own: run a transformers MoE model over a text file, write trace + report.
+
+``run_telemetry(model, text_path, out_dir)`` takes a local model directory (loaded with
+``from_pretrained(local_files_only=True)``; a directory with only config.json gives a random
+model), a config JSON file (random model), a transformers model type with tiny sizes
+(``"mixtral"``, ``"qwen2_moe"``, ``"qwen3_moe"``, ``"olmoe"``, ``"deepseek_v3"``, ``"gpt_oss"``),
+or an ``nn.Module`` (a moestack ``MoETransformer`` included). Text becomes tokens with the
+model directory's tokenizer when there is one, else bytes modulo the vocabulary size.
+
+It writes into ``out_dir``: ``trace/`` (the RoutingTrace), ``metrics.jsonl`` (one row per
+batch: loss, perplexity and the telemetry interval metrics), ``summary.json`` and the
+``report/`` of ``render_report``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moestack.telemetry.hooks import attach
+from moestack.telemetry.report import render_report
+
+log = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+TINY_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+def tiny_config_kwargs(model_type: str, **overrides: Any) -> dict[str, Any]:
+    """Config keyword arguments of a tiny, CPU-sized model of a transformers MoE family."""
+    kw: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        num_experts_per_tok=2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    family: dict[str, dict[str, Any]] = {
+        "mixtral": dict(num_local_experts=8),
+        "qwen2_moe": dict(
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=False,
+        ),
+        "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True),
+        "olmoe": dict(num_experts=8),
+        "deepseek_v3": dict(
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            qk_nope_head_dim=8,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            rope_scaling=None,
+        ),
+        "gpt_oss": dict(
+            num_local_experts=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+        ),
+    }
+    if model_type not in family:
+        raise ValueError(
+            f"no tiny config for model type {model_type!r}; use one of {TINY_FAMILIES}"
+        )
+    kw.update(family[model_type])
+    kw.update(overrides)
+    return kw
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A random tiny transformers MoE causal LM (offline, CPU-sized)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_model(
+    model: str | os.PathLike[str] | nn.Module, seed: int = 0
+) -> tuple[nn.Module, Any | None]:
+    """(model, tokenizer or None) from a model dir, config JSON, tiny model type or module."""
+    if isinstance(model, nn.Module):
+        return model, None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}: no config.json; not a transformers model directory")
+        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+        if has_weights:
+            loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        else:
+            log.warning("%s has no weights: building a random model from its config.json", path)
+            torch.manual_seed(seed)
+            loaded = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path, local_files_only=True)
+            )
+        tokenizer = None
+        if any((path / name).is_file() for name in _TOKENIZER_FILES):
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            except Exception as err:  # unreadable tokenizer files: fall back to bytes
+                log.warning("tokenizer in %s unusable (%s); using bytes", path, err)
+        else:
+            log.info("no tokenizer files in %s; using bytes modulo the vocabulary", path)
+        return loaded, tokenizer
+    if path.suffix == ".json" and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a JSON config ({err})") from err
+        if "model_type" not in data:
+            raise ValueError(f"{path}: the config has no 'model_type' (e.g. \"mixtral\")")
+        torch.manual_seed(seed)
+        config = AutoConfig.for_model(**data)
+        return AutoModelForCausalLM.from_config(config), None
+    if str(model) in TINY_FAMILIES:
+        return tiny_model(str(model), seed), None
+    raise ValueError(
+        f"model={str(model)!r} is not a model directory, a config .json file or one of "
+        f"{TINY_FAMILIES}"
+    )
+
+
+def _vocab_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "vocab_size", None):
+        return int(cfg.vocab_size)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(cfg, "vocab_size", None):
+        return int(cfg.vocab_size)
+    raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}")
+
+
+def run_telemetry(
+    model: str | os.PathLike[str] | nn.Module,
+    text_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    max_tokens: int = 1 << 16,
+    policies: Sequence[str] = ("lru", "lfu", "static", "lru+static", "belady"),
+    capacities: Sequence[int] = (2, 4),
+    device: str = "cpu",
+    record_probs: bool = False,
+    seed: int = 0,
+    report: bool = True,
+) -> Path:
+    """Run ``model`` over ``text_path``; writes trace, metrics.jsonl, summary.json, report/.
+
+    Returns ``out_dir``. ``max_tokens`` caps the tokens read from the text.
+    """
+    if seq_len < 2 or batch_size < 1 or max_tokens < seq_len:
+        raise ValueError(
+            f"need seq_len >= 2, batch_size >= 1, max_tokens >= seq_len; got {seq_len}, "
+            f"{batch_size}, {max_tokens}"
+        )
+    out = Path(out_dir)
+    if (out / "trace" / "header.json").exists():
+        raise FileExistsError(f"{out} already holds a telemetry run; choose a new out_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    net, tokenizer = load_model(model, seed)
+    net.to(device).eval()
+    vocab = _vocab_size(net)
+    text = Path(text_path).read_bytes()
+    if tokenizer is not None:
+        ids = np.asarray(tokenizer(text.decode("utf-8", errors="replace"))["input_ids"], np.int64)
+    else:
+        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
+    if ids.size == 0 and text:
+        log.warning("the tokenizer gave no tokens for %s; using bytes instead", text_path)
+        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
+    ids = ids[:max_tokens]
+    width = seq_len + 1  # next-token targets
+    n_seq = len(ids) // width
+    if n_seq == 0:
+        raise ValueError(f"{text_path}: {len(ids)} tokens, fewer than seq_len+1={width}")
+    blocks = torch.from_numpy(ids[: n_seq * width].reshape(n_seq, width).copy())
+    is_moestack = hasattr(net, "moe_layers")
+    tel = attach(
+        net,
+        policies=policies,
+        capacities=capacities,
+        trace_dir=str(out / "trace"),
+        record_probs=record_probs,
+    )
+    with tel, (out / "metrics.jsonl").open("w", encoding="utf-8") as metrics_file:
+        for step, start in enumerate(range(0, n_seq, batch_size)):
+            batch = blocks[start : start + batch_size].to(device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            with torch.no_grad():
+                if is_moestack:
+                    loss = net(inputs, targets=targets).ce_loss
+                else:
+                    logits = net(input_ids=inputs).logits
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+                    )
+            row: dict[str, Any] = {"step": step, "tokens": int(inputs.numel())}
+            row["loss"] = float(loss)
+            row["perplexity"] = math.exp(min(row["loss"], 50.0))
+            row.update(tel.interval_metrics(step=step))
+            metrics_file.write(json.dumps(row) + "\n")
+        summary = tel.summary()
+    summary.update(
+        {
+            "model": str(model) if not isinstance(model, nn.Module) else type(model).__name__,
+            "text": str(text_path),
+            "sequences": int(n_seq),
+            "seq_len": seq_len,
+            "tokenizer": "bytes" if tokenizer is None else type(tokenizer).__name__,
+        }
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if report:
+        render_report(out, policies=policies)
+    log.info("telemetry run written to %s", out)
+    return out

@@ -1,0 +1,166 @@
+"""Shared pieces of the optimizer tests: a tiny MoE model, data, schedule, reference runs."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+E, D, F = 4, 8, 12
+IDLE = E - 1  # the router never picks this expert: its gradient slice is exactly zero
+STEPS, ACCUM, BATCH = 20, 2, 8  # optimizer steps, micro-batches per step, global micro-batch
+LR, MAX_NORM = 1e-2, 0.05
+
+
+class TinyMoE(nn.Module):
+    """Linear -> scale -> top-1 routed experts with stacked weights w1 [E,D,F], w2 [E,F,D]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.inp = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.ones(D))
+        self.router = nn.Linear(D, E, bias=False)
+        self.moe = nn.Module()
+        self.moe.w1 = nn.Parameter(torch.randn(E, D, F, generator=g) * 0.3)
+        self.moe.w2 = nn.Parameter(torch.randn(E, F, D, generator=g) * 0.3)
+        with torch.no_grad():
+            self.inp.weight.copy_(torch.randn(D, D, generator=g) * 0.3)
+            self.inp.bias.copy_(torch.randn(D, generator=g) * 0.1)
+            self.router.weight.copy_(torch.randn(E, D, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) * self.scale
+        logits = self.router(h)
+        logits[:, IDLE] = float("-inf")
+        probs = logits.softmax(-1)
+        gate, idx = probs.max(-1)
+        y = torch.relu(torch.bmm(h[:, None], self.moe.w1[idx])).bmm(self.moe.w2[idx])[:, 0]
+        return y * gate[:, None]
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global micro-batch (BATCH rows) of a step; ranks take contiguous slices of it."""
+    g = torch.Generator().manual_seed(1000 + 10 * step + micro)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
+
+
+def lr_lambda(step: int) -> float:
+    """Linear warm-up over 3 steps, then cosine to 10%."""
+    if step < 3:
+        return (step + 1) / 3
+    t = (step - 3) / max(1, STEPS - 3)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Two named groups with different weight decay."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [(n, p) for n, p in named if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.01},
+    ]
+
+
+def micro_step(model: nn.Module, step: int, rows: slice = slice(None)) -> None:
+    """Forward/backward of ACCUM micro-batches on the given rows (grads accumulate)."""
+    for micro in range(ACCUM):
+        x, y = batch(step, micro)
+        loss = (model(x[rows]) - y[rows]).square().mean() / ACCUM
+        loss.backward()
+
+
+def reference_run() -> list[dict[str, Any]]:
+    """torch.optim.AdamW on the full batch: params and state after every step."""
+    model = TinyMoE()
+    opt = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    names = dict(model.named_parameters())
+    out = []
+    for step in range(STEPS):
+        micro_step(model, step)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        snap = {
+            "params": {n: p.detach().clone() for n, p in names.items()},
+            "state": {},
+            "norm": float(norm),
+        }
+        for n, p in names.items():
+            st = opt.state[p]
+            snap["state"][n] = {
+                "exp_avg": st["exp_avg"].clone(),
+                "exp_avg_sq": st["exp_avg_sq"].clone(),
+                "step": int(st["step"]),
+            }
+        out.append(snap)
+    return out
+
+
+def ours_state(sd: dict[str, Any], name: str, key: str) -> torch.Tensor:
+    """Reassemble one parameter's state tensor from an OffloadAdamW state dict."""
+    state = sd["state"]
+    if name in state:
+        return state[name][key]
+    return torch.stack([state[f"{name}/expert{e}"][key] for e in range(E)])
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float) -> None:
+    """Relative error max|a - b| / max|b| at most tol."""
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = float((actual - expected).abs().max() / scale)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+DIST_CONFIGS = {"shard": {}, "replicate": {"shard": False}, "skip": {"skip_idle_experts": True}}
+
+
+def dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank of a gloo run per DIST_CONFIGS entry: its slice of every global batch.
+
+    The "shard" run also saves a checkpoint (collective state_dict) at STEPS // 2.
+    """
+    import torch.distributed as dist
+
+    from moestack.optim import OffloadAdamW
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for config, kw in DIST_CONFIGS.items():
+            model = TinyMoE()
+            opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+            per = BATCH // world
+            rows = slice(rank * per, (rank + 1) * per)
+            history = []
+            for step in range(STEPS):
+                if step == STEPS // 2 and config == "shard":
+                    sd = opt.state_dict()  # collective: every rank calls it
+                    if rank == 0:
+                        torch.save(
+                            {"model": model.state_dict(), "optim": sd, "sched": sched.state_dict()},
+                            f"{out_dir}/ckpt.pt",
+                        )
+                micro_step(model, step, rows)
+                norm = float(opt.clip_grad_norm_(MAX_NORM))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+                history.append({"params": snap, "norm": norm})
+            bufs = opt.host_buffers()
+            state_bytes = sum(
+                bufs[k].numel() * bufs[k].element_size()
+                for k in ("master", "exp_avg", "exp_avg_sq")
+            )
+            torch.save(
+                {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards},
+                f"{out_dir}/{config}{rank}.pt",
+            )
+    finally:
+        dist.destroy_process_group()

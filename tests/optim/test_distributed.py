@@ -1,0 +1,106 @@
+"""OffloadAdamW sharded over 2 gloo processes on the CPU, against 1-process torch AdamW."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _optim_testlib import (
+    IDLE,
+    LR,
+    MAX_NORM,
+    STEPS,
+    TinyMoE,
+    assert_rel_close,
+    dist_worker,
+    groups,
+    lr_lambda,
+    micro_step,
+    reference_run,
+)
+
+from moestack.optim import OffloadAdamW
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+# Relative error bound against the 1-process torch.optim.AdamW run (max|a-b| / max|b|).
+DIST_TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def ref() -> list:
+    return reference_run()
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    mp.spawn(dist_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _runs(out: Path, config: str) -> list[dict]:
+    return [torch.load(out / f"{config}{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("config", ["shard", "replicate"])
+def test_two_ranks_match_one_process(two_rank_run: Path, ref: list, config: str) -> None:
+    runs = _runs(two_rank_run, config)
+    for run in runs:
+        assert run["shards"] == (2 if config == "shard" else 1)
+        for step in range(STEPS):
+            got = run["history"][step]
+            # the norm of the rank-averaged gradients, before clipping
+            assert got["norm"] == pytest.approx(ref[step]["norm"], rel=1e-5), step
+            for n, p in got["params"].items():
+                assert_rel_close(p, ref[step]["params"][n], f"step {step} {n}", DIST_TOL)
+    last = [run["history"][-1]["params"] for run in runs]
+    for n, p in last[0].items():  # the ranks hold the same weights
+        assert torch.equal(p, last[1][n])
+
+
+def test_each_rank_holds_half_the_state(two_rank_run: Path) -> None:
+    numel = sum(p.numel() for p in TinyMoE().parameters())
+    full = 12 * numel  # fp32 master + exp_avg + exp_avg_sq
+    sizes = [run["state_bytes"] for run in _runs(two_rank_run, "shard")]
+    assert sum(sizes) == full
+    for size in sizes:
+        assert 0.4 * full <= size <= 0.6 * full, (sizes, full)
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(two_rank_run: Path, ref: list) -> None:
+    ckpt = torch.load(two_rank_run / "ckpt.pt", weights_only=True)
+    assert "moe.w1/expert0" in ckpt["optim"]["state"]
+    model = TinyMoE()
+    model.load_state_dict(ckpt["model"])
+    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    sched.load_state_dict(ckpt["sched"])
+    opt.load_state_dict(ckpt["optim"])
+    for step in range(STEPS // 2, STEPS):
+        micro_step(model, step)
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        for n, p in model.named_parameters():
+            assert_rel_close(p.detach(), ref[step]["params"][n], f"step {step} {n}", DIST_TOL)
+
+
+def test_two_ranks_skip_idle_expert(two_rank_run: Path, ref: list) -> None:
+    """Sharded skipping: the idle expert never moves, every other weight is torch AdamW's."""
+    init = dict(TinyMoE().named_parameters())
+    for run in _runs(two_rank_run, "skip"):
+        last = run["history"][-1]["params"]
+        for n, p in last.items():
+            if n.startswith("moe."):
+                assert torch.equal(p[IDLE], init[n].detach()[IDLE])
+                busy = [e for e in range(p.shape[0]) if e != IDLE]
+                assert_rel_close(p[busy], ref[-1]["params"][n][busy], n, DIST_TOL)
+            else:
+                assert_rel_close(p, ref[-1]["params"][n], n, DIST_TOL)

@@ -1,0 +1,46 @@
+"""build_optimizer and clip_grad_norm, the two entry points the training loop calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _optim_testlib import TinyMoE, micro_step
+
+from moestack.config import OptimConfig
+from moestack.optim import OffloadAdamW, build_optimizer, clip_grad_norm
+
+
+def _decay_by_name(opt: torch.optim.Optimizer) -> dict[str, float]:
+    return {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+
+
+@pytest.mark.parametrize("name", ["adamw", "offload_adamw"])
+def test_build_optimizer_groups(name: str) -> None:
+    model = TinyMoE()
+    cfg = OptimConfig(name=name, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = build_optimizer(model, cfg)
+    assert isinstance(opt, OffloadAdamW if name == "offload_adamw" else torch.optim.AdamW)
+    decay = _decay_by_name(opt)
+    assert set(decay) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        assert decay[n] == (0.1 if p.ndim >= 2 else 0.0), n
+    assert all(g["lr"] == 1e-3 and tuple(g["betas"]) == (0.9, 0.95) for g in opt.param_groups)
+
+
+def test_build_offload_passes_options() -> None:
+    cfg = OptimConfig(name="offload_adamw", moment_dtype="bfloat16", skip_idle_experts=True)
+    opt = build_optimizer(TinyMoE(), cfg)
+    assert isinstance(opt, OffloadAdamW)
+    assert opt.skip_idle_experts and opt.moment_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["adamw", "offload_adamw"])
+def test_clip_grad_norm_matches_torch(name: str) -> None:
+    ref_model, model = TinyMoE(), TinyMoE()
+    micro_step(ref_model, 0)
+    micro_step(model, 0)
+    expected = float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01))
+    opt = build_optimizer(model, OptimConfig(name=name))
+    got = clip_grad_norm(model, opt, 0.01)
+    assert isinstance(got, float)
+    assert got == pytest.approx(expected, rel=1e-6)
