@@ -118,7 +118,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)  # Adam moment decay rates
     eps: float = 1e-8  # Adam epsilon
     weight_decay: float = 0.1  # decoupled weight decay on matrices (not norms or biases)
-    warmup_steps: int = 50  # linear warm-up from 0 to lr
+    warmup_steps: int = 30  # linear warm-up from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     grad_clip: float = 1.0  # clip gradients to this global norm (0 = off)
     offload: str = "cpu"  # offload_adamw: where state lives ("cpu")
@@ -228,13 +228,13 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    steps: int = 600  # optimizer steps
+    steps: int = 400  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
-    eval_every: int = 200  # evaluate validation loss every N steps (0 = only at the end)
+    eval_every: int = 100  # evaluate validation loss every N steps (0 = only at the end)
     eval_batches: int = 8  # validation batches per evaluation
     log_every: int = 10  # write metrics every N steps
-    ckpt_every: int = 200  # checkpoint every N steps (0 = only at the end)
+    ckpt_every: int = 100  # checkpoint every N steps (0 = only at the end)
     keep_last: int = 2  # checkpoints kept on disk
     max_bad_steps: int = 5  # consecutive NaN/inf losses before the run stops
     seed: int = 0  # seeds the model init and the data order
