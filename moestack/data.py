@@ -151,15 +151,24 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     else:
         documents, name = _hf_documents(cfg), f"hf:{cfg.hf_name}"
     parts: dict[str, list[bytes]] = {"train": [], "val": []}
-    total = 0
+    # With max_bytes, each split fills its share of the budget; later documents of a full
+    # split are skipped, so a small budget still yields a validation split.
+    budget = {
+        "train": cfg.max_bytes * (1 - cfg.val_fraction),
+        "val": cfg.max_bytes * cfg.val_fraction,
+    }
+    used = {"train": 0, "val": 0}
     for doc_name, text in documents:
+        split = "val" if is_validation(doc_name, cfg.val_fraction) else "train"
+        if cfg.max_bytes and used[split] >= budget[split]:
+            if all(used[k] >= budget[k] for k in used):
+                break
+            continue
         text = text.replace(b"\0", b"")
         if not text.strip():
             continue
-        parts["val" if is_validation(doc_name, cfg.val_fraction) else "train"].append(text)
-        total += len(text) + 1
-        if cfg.max_bytes and total >= cfg.max_bytes:
-            break
+        parts[split].append(text)
+        used[split] += len(text) + 1
     if not parts["train"] and not parts["val"]:
         raise MoestackError(f"data: no text found in {name}; point data.paths at text files")
     if not parts["val"]:
