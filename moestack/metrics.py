@@ -72,9 +72,7 @@ class MetricsWriter:
 
             run_id_file = run_dir / "wandb_id.txt"
             run_id = (
-                run_id_file.read_text().strip()
-                if run_id_file.exists()
-                else wandb.util.generate_id()
+                run_id_file.read_text().strip() if run_id_file.exists() else secrets.token_hex(4)
             )
             run_id_file.write_text(run_id)
             return wandb.init(

@@ -185,3 +185,18 @@ def test_cli_bad_input_is_one_clear_line(tmp_path, override, message):
     assert result.returncode != 0
     assert message in output
     assert "Traceback" not in output
+
+
+def test_wandb_offline_run_and_wandb_failure_never_stops_training(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(small_config(steps=2, ckpt_every=0, wandb_mode="offline"), tmp_path / "offline")
+    assert list((tmp_path / "offline" / "wandb").glob("offline-run-*"))
+
+    def broken_init(*args, **kwargs):
+        raise RuntimeError("wandb is down")
+
+    monkeypatch.setattr(wandb, "init", broken_init)
+    summary = train(small_config(steps=2, ckpt_every=0, wandb_mode="offline"), tmp_path / "broken")
+    assert math.isfinite(summary["loss/val"])
+    assert len(read_metrics(tmp_path / "broken" / "metrics.jsonl")) >= 2
