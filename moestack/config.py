@@ -270,6 +270,11 @@ class TrainConfig:
             f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
             f"{self.model.max_seq_len}; shorten the sequences or raise max_seq_len",
         )
+        _check(
+            self.router.window == 0 or self.router.window_size <= self.data.seq_len,
+            f"router.window_size={self.router.window_size} exceeds data.seq_len="
+            f"{self.data.seq_len}; shorten the window or lengthen the sequences",
+        )
         top_k = self.model.moe.top_k
         if self.cache.capacity == 0:
             self.cache.capacity = 2 * top_k
