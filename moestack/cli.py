@@ -1,6 +1,9 @@
 """The ``moestack`` command: verbs around training runs (training itself is moestack-train).
 
     moestack eval RUN_DIR [--checkpoint PATH] [--batches N]   validation loss and perplexity
+    moestack eval RUN_DIR --offload [--capacity N --policy P --prefetch --generate N]
+                                                              the same with experts served from
+                                                              safetensors through an expert cache
     moestack telemetry MODEL TEXT OUT                         route a text through an MoE model,
                                                               write its trace and a report
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
@@ -17,6 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from moestack import checkpoint
@@ -55,12 +59,18 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device or cfg.device)
     model = MoETransformer(cfg.model)
     checkpoint.load_model_weights(ckpt, model, cfg.model)
-    model.to(device)
     corpus = load_corpus(cfg.data)
     batches = eval_batches(
         corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
     )
-    result = {"checkpoint": str(ckpt), **evaluate(model, batches, device)}
+    if not args.offload:
+        model.to(device)
+        result = {"checkpoint": str(ckpt), **evaluate(model, batches, device)}
+    else:
+        result = {
+            "checkpoint": str(ckpt),
+            **_eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device),
+        }
     print(json.dumps(result, indent=2))
     return result
 
@@ -110,6 +120,32 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"report: {index}")
 
 
+def _eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device) -> dict:
+    """Every expert weight lives only in the safetensors store and the cache."""
+    from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
+
+    policy = args.policy or cfg.cache.policy
+    if policy == "belady":
+        raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
+    store_dir = args.store_dir or cfg.cache.store_dir or run_dir / "experts"
+    store = open_or_write_store(model, store_dir, cfg.model, source=str(Path(ckpt).resolve()))
+    model.to(device)  # before offloading: released experts are meta tensors
+    options = dict(
+        policy=policy,
+        capacity=args.capacity or cfg.cache.capacity or None,
+        capacity_bytes=args.capacity_bytes or cfg.cache.capacity_bytes or None,
+        prefetch=args.prefetch or cfg.cache.prefetch,
+        cache_aware_bias=args.cache_aware_bias,
+    )
+    result = evaluate_offloaded(model, store, batches, device, **options)
+    if args.generate:
+        prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
+        out = generate_offloaded(model, store, prompt, args.generate, device, **options)
+        text = bytes(t for t in out["tokens"] if 0 < t < 256)
+        result["generation"] = args.prompt + text.decode("utf-8", "replace")
+    return result
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestack", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -119,6 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's newest)")
     p.add_argument("--batches", type=int, default=0, help="validation batches (default: the run's)")
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's)")
+    p.add_argument("--offload", action="store_true", help="serve experts from the store + cache")
+    p.add_argument(
+        "--policy", default="", help="lru, lfu, static, lru+static (default: cache.policy)"
+    )
+    p.add_argument("--capacity", type=int, default=0, help="experts per layer (default: 2 x top_k)")
+    p.add_argument("--capacity-bytes", type=int, default=0, help="or a byte budget per layer")
+    p.add_argument(
+        "--prefetch", action="store_true", help="load predicted next-layer experts early"
+    )
+    p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
+    p.add_argument(
+        "--cache-aware-bias", type=float, default=0.0, help="router bias to resident experts"
+    )
+    p.add_argument(
+        "--generate", type=int, default=0, help="also greedily generate N bytes (--offload)"
+    )
+    p.add_argument("--prompt", default="def ", help="prompt for --generate")
     p.set_defaults(func=cmd_eval)
 
     p = verbs.add_parser("telemetry", help="run a transformers MoE model over a text file")

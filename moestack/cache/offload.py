@@ -1,0 +1,361 @@
+"""Offloaded inference: run a MoETransformer whose expert weights live only in a store + cache.
+
+``offloaded(model, cache)`` releases every MoE layer's stacked ``w1``/``w2`` (they become
+meta tensors: no memory, and any use raises) and replaces ``MoE.experts`` on each instance
+by ``OffloadedExperts``, a small callable that
+
+1. requests the layer's experts from the ``ExpertCache`` in trace replay order (the tokens
+   of the flattened ``[B*S]`` batch in order, a token's k slots in router order, one layer
+   call after another), so the cache's hits and misses equal ``moestack.telemetry.simulate``
+   on the trace of the same run;
+2. stacks the fetched experts (only those used, in expert order) and calls the same expert
+   function the in-memory layer uses (``moe_experts_torch`` on CPU) with remapped expert
+   ids: the stable sort keeps every row in the same place, so outputs are bitwise equal;
+3. with ``prefetch``, first applies the *next* layer's router to this layer's input to
+   predict that layer's experts and starts reading them in the background.
+
+``cache_aware_bias > 0`` adds that bias to the router scores of the experts resident in the
+cache when the layer is reached (selection only; combine weights stay the router's scores,
+as in cache-conditional routing). moe.py and model.py are not modified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack.cache.expert_cache import ExpertCache
+from moestack.cache.store import ExpertStore
+from moestack.errors import MoestackError
+from moestack.moe import MoE, _resolve_impl, moe_experts_torch
+from moestack.router import Router, Routing
+
+log = logging.getLogger(__name__)
+
+
+def _selection_scores(router: Router, scores_TE: torch.Tensor) -> torch.Tensor:
+    """What the router ranks experts by (its aux-loss-free bias included)."""
+    if router.cfg.bias_update_rate > 0:
+        return scores_TE + router.expert_bias
+    return scores_TE
+
+
+def _resident_bias(scores_TE: torch.Tensor, resident: list[int], bias: float) -> torch.Tensor:
+    if not resident or bias == 0:
+        return scores_TE
+    bias_E = torch.zeros(scores_TE.shape[-1], dtype=scores_TE.dtype, device=scores_TE.device)
+    bias_E[resident] = bias
+    return scores_TE + bias_E
+
+
+class OffloadedExperts:
+    """Stands in for ``MoE.experts`` of one layer: experts come from the cache."""
+
+    def __init__(
+        self,
+        layer: int,
+        moe: MoE,
+        cache: ExpertCache,
+        next_router: Router | None,
+        *,
+        prefetch_limit: int,
+        cache_aware_bias: float,
+    ) -> None:
+        self.layer = layer
+        self.cache = cache
+        self.impl = moe.cfg.impl
+        self.num_experts = moe.cfg.num_experts
+        self.top_k = moe.cfg.top_k
+        self.next_router = next_router
+        self.prefetch_limit = prefetch_limit
+        self.cache_aware_bias = cache_aware_bias
+
+    def predict_next(self, x_TD: torch.Tensor) -> list[int]:
+        """The next layer's experts as its router would pick them for ``x_TD``, most used
+        first, at most ``prefetch_limit``."""
+        router = self.next_router
+        assert router is not None
+        logits_TE = F.linear(x_TD.float(), router.weight.float())
+        if router.cfg.score == "softmax":
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+        scores_TE = _selection_scores(router, scores_TE)
+        if self.cache_aware_bias:
+            resident = self.cache.resident(self.layer + 1)
+            scores_TE = _resident_bias(scores_TE, resident, self.cache_aware_bias)
+        experts_TK = torch.topk(scores_TE, router.top_k, dim=-1).indices
+        counts_E = torch.bincount(experts_TK.reshape(-1), minlength=router.num_experts).cpu()
+        order = torch.argsort(counts_E, descending=True, stable=True)
+        return [int(e) for e in order.tolist() if counts_E[e] > 0][: self.prefetch_limit]
+
+    def __call__(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        if self.next_router is not None and self.cache.prefetch_enabled:
+            self.cache.prefetch(self.layer + 1, self.predict_next(x_TD))
+        experts_TK = routing.experts
+        requests = experts_TK.reshape(-1).tolist()  # trace replay order
+        fetched = self.cache.get_many(self.layer, requests)
+        used = sorted(fetched)
+        device = x_TD.device
+        w1 = torch.stack([fetched[e]["w1"] for e in used]).to(device)
+        w2 = torch.stack([fetched[e]["w2"] for e in used]).to(device)
+        lut_E = torch.full((self.num_experts,), -1, dtype=experts_TK.dtype)
+        lut_E[used] = torch.arange(len(used), dtype=experts_TK.dtype)
+        compact_TK = lut_E.to(device)[experts_TK]
+        # Same dtype handling and kernel choice as MoE.experts.
+        impl = _resolve_impl(self.impl, device)
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+            x_TD, w1, w2 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype)
+        elif w1.dtype != x_TD.dtype:
+            x_TD = x_TD.to(w1.dtype)
+        args = (x_TD, w1, w2, compact_TK, routing.weights)
+        if impl == "torch":
+            return moe_experts_torch(*args)
+        if impl == "triton":
+            from moestack.kernels import moe_experts
+
+            return moe_experts(*args)
+        from moestack.kernels.megablocks_adapter import moe_experts_megablocks
+
+        return moe_experts_megablocks(*args)
+
+
+def release_experts(model: nn.Module) -> None:
+    """Drop the in-memory expert weights: each MoE's w1/w2 becomes a meta tensor (same
+    shape, no memory). Move the model to its device *before* this; reload with
+    ``restore_experts``."""
+    for moe in _moe_layers(model):
+        for name in ("w1", "w2"):
+            old = getattr(moe, name)
+            if old.device.type != "meta":
+                meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+                setattr(moe, name, nn.Parameter(meta, requires_grad=False))
+
+
+def restore_experts(model: nn.Module, store: ExpertStore, device: str | torch.device) -> None:
+    """Load every expert back from ``store`` into the stacked w1/w2 parameters."""
+    for layer, moe in enumerate(_moe_layers(model)):
+        experts = [store.load(layer, e) for e in range(store.num_experts)]
+        moe.w1 = nn.Parameter(torch.stack([x["w1"] for x in experts]).to(device))
+        moe.w2 = nn.Parameter(torch.stack([x["w2"] for x in experts]).to(device))
+
+
+def _moe_layers(model: nn.Module) -> list[MoE]:
+    layers = getattr(model, "moe_layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .moe_layers; pass a MoETransformer")
+    return list(layers)
+
+
+def _check_store(model: nn.Module, store: ExpertStore) -> None:
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        store.check_model(cfg)
+    elif len(_moe_layers(model)) != store.num_layers:
+        raise MoestackError(
+            f"expert store {store.path} has {store.num_layers} layers, the model "
+            f"{len(_moe_layers(model))}"
+        )
+
+
+@contextlib.contextmanager
+def offloaded(
+    model: nn.Module,
+    cache: ExpertCache,
+    *,
+    cache_aware_bias: float = 0.0,
+    prefetch_limit: int | None = None,
+) -> Iterator[nn.Module]:
+    """Run ``model`` with its experts served by ``cache`` inside the block.
+
+    The in-memory expert weights are released (``release_experts``) and stay released on
+    exit; the per-instance patches and router hooks are removed on exit.
+    """
+    if cache_aware_bias < 0:
+        raise ValueError(f"cache_aware_bias={cache_aware_bias} must be >= 0")
+    _check_store(model, cache.store)
+    layers = _moe_layers(model)
+    release_experts(model)
+    limit = prefetch_limit if prefetch_limit is not None else cache.capacity
+    handles = []
+    try:
+        for i, moe in enumerate(layers):
+            nxt = layers[i + 1].router if i + 1 < len(layers) else None
+            moe.experts = OffloadedExperts(  # type: ignore[method-assign]
+                i, moe, cache, nxt, prefetch_limit=limit, cache_aware_bias=cache_aware_bias
+            )
+            if cache_aware_bias:
+                handles.append(
+                    moe.router.register_forward_hook(
+                        _cache_aware_hook(cache, i, cache_aware_bias), prepend=True
+                    )
+                )
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for moe in layers:
+            moe.__dict__.pop("experts", None)
+
+
+def _cache_aware_hook(cache: ExpertCache, layer: int, bias: float) -> Any:
+    """Router forward hook: re-select the top k with ``bias`` added to resident experts."""
+
+    def hook(router: Router, args: tuple, routing: Routing) -> Routing:
+        resident = cache.resident(layer)
+        if not resident:
+            return routing
+        select_TE = _resident_bias(_selection_scores(router, routing.scores), resident, bias)
+        experts_TK = torch.topk(select_TE, router.top_k, dim=-1).indices
+        weights_TK = routing.scores.gather(-1, experts_TK)
+        if router.cfg.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return Routing(routing.logits, weights_TK, experts_TK, routing.scores)
+
+    return hook
+
+
+def _as_cache(
+    model: nn.Module,
+    store_or_cache: ExpertStore | ExpertCache,
+    device: torch.device,
+    policy: str,
+    capacity: int | None,
+    capacity_bytes: int | None,
+    prefetch: bool,
+    pinned: Sequence[Sequence[int]] | None,
+    warmup: int,
+) -> tuple[ExpertCache, bool]:
+    """The cache to use and whether this call owns (and must close) it."""
+    if isinstance(store_or_cache, ExpertCache):
+        return store_or_cache, False
+    if not isinstance(store_or_cache, ExpertStore):
+        raise ValueError(
+            f"store_or_cache is a {type(store_or_cache).__name__}; pass an ExpertStore or an "
+            "ExpertCache"
+        )
+    top_k = _moe_layers(model)[0].cfg.top_k
+    if capacity is None and not capacity_bytes:
+        capacity = 2 * top_k
+    cache = ExpertCache(
+        store_or_cache,
+        capacity,
+        policy,
+        device=device,
+        prefetch=prefetch,
+        capacity_bytes=capacity_bytes,
+        pinned=pinned,
+        warmup=warmup,
+        top_k=top_k,
+    )
+    return cache, True
+
+
+def _cache_metrics(cache: ExpertCache, seconds: float, tokens: int) -> dict[str, float]:
+    stats = cache.stats.as_dict()
+    out = {f"cache/{k}": float(v) for k, v in stats.items()}
+    out["cache/capacity"] = float(cache.capacity)
+    out["cache/misses_per_token"] = stats["misses"] / tokens if tokens else 0.0
+    out["eval/seconds"] = seconds
+    out["eval/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+    return out
+
+
+def evaluate_offloaded(
+    model: nn.Module,
+    store_or_cache: ExpertStore | ExpertCache,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: str | torch.device,
+    *,
+    policy: str = "lru",
+    capacity: int | None = None,
+    capacity_bytes: int | None = None,
+    prefetch: bool = False,
+    cache_aware_bias: float = 0.0,
+    pinned: Sequence[Sequence[int]] | None = None,
+    warmup: int = 0,
+    prefetch_limit: int | None = None,
+) -> dict[str, float]:
+    """Validation loss/perplexity (``moestack.train.evaluate``) with experts served from the
+    store through a cache, plus the cache's statistics and tokens/s.
+
+    Given an ExpertStore, a cache is built from ``policy``/``capacity`` (default 2 x top_k)
+    /``prefetch`` on ``device``; given an ExpertCache, those are ignored. The model must be
+    on ``device`` already; its expert weights are released (see ``release_experts``).
+    """
+    from moestack.train import evaluate
+
+    device = torch.device(device)
+    cache, owned = _as_cache(
+        model, store_or_cache, device, policy, capacity, capacity_bytes, prefetch, pinned, warmup
+    )
+    tokens = sum(int(inputs.numel()) for inputs, _ in batches)
+    try:
+        with offloaded(
+            model, cache, cache_aware_bias=cache_aware_bias, prefetch_limit=prefetch_limit
+        ):
+            start = time.perf_counter()
+            result = evaluate(model, list(batches), device)
+            seconds = time.perf_counter() - start
+        return {**result, **_cache_metrics(cache, seconds, tokens)}
+    finally:
+        if owned:
+            cache.close()
+
+
+@torch.no_grad()
+def generate_offloaded(
+    model: nn.Module,
+    store_or_cache: ExpertStore | ExpertCache,
+    prompt: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    device: str | torch.device,
+    *,
+    policy: str = "lru",
+    capacity: int | None = None,
+    capacity_bytes: int | None = None,
+    prefetch: bool = False,
+    cache_aware_bias: float = 0.0,
+    pinned: Sequence[Sequence[int]] | None = None,
+    warmup: int = 0,
+) -> dict[str, Any]:
+    """Greedy generation of ``max_new_tokens`` after ``prompt`` (token ids) with offloaded
+    experts. The model has no KV cache, so each step re-runs the (last max_seq_len) tokens.
+    Returns ``{"tokens": new ids, **cache metrics}``."""
+    device = torch.device(device)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    tokens = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1).to(device)
+    if tokens.numel() == 0:
+        raise ValueError("prompt is empty; give at least one token id")
+    cache, owned = _as_cache(
+        model, store_or_cache, device, policy, capacity, capacity_bytes, prefetch, pinned, warmup
+    )
+    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", math.inf)
+    was_training = model.training
+    model.eval()
+    new: list[int] = []
+    try:
+        with offloaded(model, cache, cache_aware_bias=cache_aware_bias):
+            start = time.perf_counter()
+            for _ in range(max_new_tokens):
+                window = tokens[:, -max_len:] if math.isfinite(max_len) else tokens
+                logits = model(window).logits[:, -1]
+                nxt = logits.argmax(dim=-1, keepdim=True)
+                tokens = torch.cat([tokens, nxt], dim=1)
+                new.append(int(nxt))
+            seconds = time.perf_counter() - start
+        return {"tokens": new, **_cache_metrics(cache, seconds, len(new))}
+    finally:
+        model.train(was_training)
+        if owned:
+            cache.close()

@@ -1,0 +1,613 @@
+"""ExpertStore: every expert's weights as safetensors on disk, readable one expert at a time.
+
+Layout of a store directory (format ``moestack-expert-store``, version 1):
+
+    index.json                       written last; shapes, dtypes, files, byte offsets, sizes
+    layer_000.safetensors            layout="per_layer": tensors ``e0000.w1``, ``e0000.w2``, ...
+    layer_000/expert_0000.safetensors  layout="per_expert": tensors ``w1``, ``w2``
+
+Each expert is ``w1 [D, 2F]`` (SwiGLU gate | up) and ``w2 [F, D]``, stored adjacently so that
+one positional read (``os.preadv``) fetches one expert without touching the others. Layer
+and expert ids are 0-based MoE-layer and expert indices. The files are plain safetensors
+(``safetensors.safe_open`` reads them); the index repeats every tensor's absolute byte
+offset so the reader needs no header parsing on the hot path. ``ExpertStore(path)`` checks
+every file's size and safetensors header against the index before serving anything.
+
+Writing is atomic: files go into a temporary sibling directory, each is fsynced, the index
+is written last, and the directory is renamed into place; on any error (a full disk
+included) the temporary directory is removed, so nothing half-written looks like a store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from moestack.config import ModelConfig
+from moestack.errors import MoestackError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "moestack-expert-store"
+VERSION = 1
+INDEX_FILE = "index.json"
+LAYOUTS = ("per_layer", "per_expert")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_CHUNK = 1 << 20  # larger experts are read as parallel chunks of this size
+_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.moe\.(w1|w2)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: absolute byte offset in its file, size, shape, dtype."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertEntry:
+    """One expert: its file and its two tensors (w1 directly followed by w2 on disk)."""
+
+    file: str
+    w1: TensorEntry
+    w2: TensorEntry
+
+    @property
+    def nbytes(self) -> int:
+        return self.w1.nbytes + self.w2.nbytes
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the one place the store writes bytes)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _expert_tensors(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], ModelConfig | None]:
+    """Stacked ``w1 [E, D, 2F]`` and ``w2 [E, F, D]`` per MoE layer, in layer order."""
+    cfg = getattr(model_or_state_dict, "cfg", None)
+    if isinstance(model_or_state_dict, nn.Module):
+        layers = getattr(model_or_state_dict, "moe_layers", None)
+        if layers is None:
+            raise ValueError(
+                f"{type(model_or_state_dict).__name__} has no .moe_layers; pass a MoETransformer "
+                "or its state_dict()"
+            )
+        w1s = [m.w1.detach() for m in layers]
+        w2s = [m.w2.detach() for m in layers]
+    else:
+        found: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in model_or_state_dict.items():
+            match = _KEY.match(key)
+            if match:
+                found.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        if not found:
+            raise MoestackError(
+                "the state dict holds no expert weights (keys like layers.0.moe.w1); "
+                "pass a MoETransformer state_dict"
+            )
+        ids = sorted(found)
+        if ids != list(range(len(ids))) or any(len(found[i]) != 2 for i in ids):
+            raise MoestackError(
+                f"the state dict's MoE layers {ids} are not 0..n-1 each with w1 and w2"
+            )
+        w1s = [found[i]["w1"].detach() for i in ids]
+        w2s = [found[i]["w2"].detach() for i in ids]
+        cfg = None
+    for i, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
+        if w1.device.type == "meta" or w2.device.type == "meta":
+            raise ValueError(f"layer {i}: expert weights are on the meta device (offloaded?)")
+        if (
+            w1.ndim != 3
+            or w2.ndim != 3
+            or w1.shape[0] != w2.shape[0]
+            or w1.shape[1] != w2.shape[2]
+            or w1.shape[2] != 2 * w2.shape[1]
+        ):
+            raise MoestackError(
+                f"layer {i}: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} are not "
+                "[E, D, 2F] / [E, F, D]"
+            )
+        if w1.dtype not in _DTYPE_NAMES or w2.dtype != w1.dtype:
+            raise MoestackError(f"layer {i}: unsupported expert dtypes {w1.dtype} / {w2.dtype}")
+    return w1s, w2s, cfg
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill ``view`` from ``offset`` of ``fd``; MoestackError if the file ends first."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise MoestackError(
+                f"expert file {path} ended early (offset {offset + done}): it is truncated; "
+                "rewrite the store with ExpertStore.write"
+            )
+        done += n
+
+
+def _parse_header(path: Path, blob: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """(data start, header dict) of a safetensors file; MoestackError if it is not one."""
+    try:
+        if blob is None:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError("shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", head)
+                if n > 100_000_000 or n > os.fstat(f.fileno()).st_size - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                raw = f.read(n)
+        else:
+            (n,) = struct.unpack("<Q", blob[:8])
+            raw = blob[8 : 8 + n]
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError, struct.error) as err:
+        raise MoestackError(
+            f"{path}: not a valid safetensors file ({err}); the store is corrupt: rewrite it "
+            "with ExpertStore.write"
+        ) from None
+    return 8 + n, header
+
+
+class ExpertStore:
+    """Read-only view of an expert store directory; ``load(layer, expert)`` reads one expert.
+
+    ``model_cfg`` (optional) is checked against the store's model shape. Loads are positional
+    reads on file descriptors opened once, so one store is safe to share between threads.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model_cfg: ModelConfig | None = None,
+        *,
+        read_workers: int = 8,
+    ) -> None:
+        self.path = Path(path)
+        self._read_workers = max(1, int(read_workers))
+        self._pool: ThreadPoolExecutor | None = None
+        self._nowait = hasattr(os, "RWF_NOWAIT")
+        index_path = self.path / INDEX_FILE
+        if not self.path.is_dir():
+            raise MoestackError(
+                f"expert store {self.path} does not exist; write it with ExpertStore.write"
+            )
+        try:
+            index = json.loads(index_path.read_text())
+        except FileNotFoundError:
+            raise MoestackError(
+                f"{index_path} is missing: {self.path} is not a complete expert store; "
+                "rewrite it with ExpertStore.write"
+            ) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise MoestackError(f"{index_path} is not valid JSON: the store is corrupt") from None
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise MoestackError(
+                f"{index_path}: format {index.get('format')!r} version {index.get('version')!r} "
+                f"is not {FORMAT!r} version {VERSION}"
+            )
+        self.index = index
+        model = index["model"]
+        self.layout: str = index["layout"]
+        self.num_layers: int = int(model["num_layers"])
+        self.num_experts: int = int(model["num_experts"])
+        self.d_model: int = int(model["d_model"])
+        self.d_ff: int = int(model["d_ff"])
+        self.top_k: int | None = model.get("top_k")
+        self.dtype: torch.dtype = _DTYPES[model["dtype"]]
+        self.meta: dict[str, Any] = dict(index.get("meta", {}))
+        self.expert_bytes: int = int(index["expert_bytes"])
+        self._entries: list[list[ExpertEntry]] = [
+            [self._entry_from_json(e) for e in layer] for layer in index["experts"]
+        ]
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._verify_files()
+        if model_cfg is not None:
+            self.check_model(model_cfg)
+
+    # ------------------------------------------------------------------ writing
+    @classmethod
+    def write(
+        cls,
+        model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+        path: str | os.PathLike[str],
+        layout: str = "per_layer",
+        *,
+        model_cfg: ModelConfig | None = None,
+        meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> ExpertStore:
+        """Write every expert of a MoETransformer (or its state_dict) to ``path`` atomically.
+
+        ``model_cfg`` records top_k (taken from the model when it is a MoETransformer);
+        ``meta`` is free-form JSON kept in the index (e.g. the source checkpoint).
+        """
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
+        w1s, w2s, cfg = _expert_tensors(model_or_state_dict)
+        cfg = model_cfg or cfg
+        path = Path(path)
+        if path.exists() and not overwrite:
+            raise MoestackError(
+                f"{path} already exists; pass overwrite=True or choose another store_dir"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            index = cls._write_files(tmp, w1s, w2s, layout, cfg, dict(meta or {}))
+            _write_file(tmp / INDEX_FILE, json.dumps(index, indent=1).encode())
+            _fsync_dir(tmp)
+            if path.exists():
+                old = path.with_name(f".{path.name}.old-{os.getpid()}")
+                os.rename(path, old)
+                os.rename(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, path)
+            _fsync_dir(path.parent)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if err.errno == errno.ENOSPC:
+                need = sum(w.numel() * w.element_size() for w in (*w1s, *w2s))
+                raise MoestackError(
+                    f"disk full while writing the expert store {path} (needs about "
+                    f"{need / 2**20:.1f} MiB); nothing was kept: free space or choose another "
+                    "store_dir"
+                ) from err
+            raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("wrote expert store %s (%d layers, layout %s)", path, len(w1s), layout)
+        return cls(path)
+
+    @staticmethod
+    def _write_files(
+        root: Path,
+        w1s: list[torch.Tensor],
+        w2s: list[torch.Tensor],
+        layout: str,
+        cfg: ModelConfig | None,
+        meta: dict[str, Any],
+    ) -> dict[str, Any]:
+        num_experts, d_model, two_f = w1s[0].shape
+        files: list[dict[str, Any]] = []
+        experts: list[list[dict[str, Any]]] = []
+        for layer, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
+            if tuple(w1.shape) != (num_experts, d_model, two_f) or w1.dtype != w1s[0].dtype:
+                raise MoestackError(
+                    f"layer {layer}: w1 {tuple(w1.shape)} {w1.dtype} differs from layer 0's; "
+                    "every MoE layer must have the same expert shape"
+                )
+            w1 = w1.to("cpu")
+            w2 = w2.to("cpu")
+            groups: list[tuple[str, dict[str, torch.Tensor], dict[int, str]]] = []
+            if layout == "per_layer":
+                tensors = {}
+                for e in range(num_experts):
+                    tensors[f"e{e:04d}.w1"] = w1[e].contiguous()
+                    tensors[f"e{e:04d}.w2"] = w2[e].contiguous()
+                names = {e: f"e{e:04d}." for e in range(num_experts)}
+                groups.append((f"layer_{layer:03d}.safetensors", tensors, names))
+            else:
+                (root / f"layer_{layer:03d}").mkdir()
+                for e in range(num_experts):
+                    tensors = {"w1": w1[e].contiguous(), "w2": w2[e].contiguous()}
+                    groups.append(
+                        (f"layer_{layer:03d}/expert_{e:04d}.safetensors", tensors, {e: ""})
+                    )
+            row: list[dict[str, Any]] = []
+            for name, tensors, prefixes in groups:
+                blob = safetensors.torch.save(tensors, metadata={"format": "pt"})
+                start, header = _parse_header(root / name, blob)
+                _write_file(root / name, blob)
+                files.append({"file": name, "size": len(blob), "data_start": start})
+                for prefix in prefixes.values():
+                    entry = {"file": name}
+                    for t in ("w1", "w2"):
+                        h = header[prefix + t]
+                        lo, hi = h["data_offsets"]
+                        entry[t] = {
+                            "offset": start + lo,
+                            "nbytes": hi - lo,
+                            "shape": h["shape"],
+                            "dtype": h["dtype"],
+                        }
+                    row.append(entry)
+            experts.append(row)
+        first = experts[0][0]
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "layout": layout,
+            "model": {
+                "num_layers": len(w1s),
+                "num_experts": int(num_experts),
+                "d_model": int(d_model),
+                "d_ff": int(two_f) // 2,
+                "top_k": cfg.moe.top_k if cfg is not None else None,
+                "dtype": _DTYPE_NAMES[w1s[0].dtype],
+            },
+            "expert_bytes": first["w1"]["nbytes"] + first["w2"]["nbytes"],
+            "meta": meta,
+            "files": files,
+            "experts": experts,
+        }
+
+    # ------------------------------------------------------------------ checking
+    @staticmethod
+    def _entry_from_json(e: dict[str, Any]) -> ExpertEntry:
+        def tensor(t: dict[str, Any]) -> TensorEntry:
+            return TensorEntry(
+                int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), _DTYPES[t["dtype"]]
+            )
+
+        return ExpertEntry(e["file"], tensor(e["w1"]), tensor(e["w2"]))
+
+    def _verify_files(self) -> None:
+        """Each file exists, has the indexed size, and its header matches the index."""
+        want_w1 = (self.d_model, 2 * self.d_ff)
+        want_w2 = (self.d_ff, self.d_model)
+        by_file: dict[str, list[tuple[int, int, ExpertEntry]]] = {}
+        for layer, row in enumerate(self._entries):
+            for e, entry in enumerate(row):
+                by_file.setdefault(entry.file, []).append((layer, e, entry))
+                if entry.w1.shape != want_w1 or entry.w2.shape != want_w2:
+                    raise MoestackError(
+                        f"{self.path / INDEX_FILE}: layer {layer} expert {e} has shapes "
+                        f"{entry.w1.shape} / {entry.w2.shape}, expected {want_w1} / {want_w2}"
+                    )
+        if len(self._entries) != self.num_layers or any(
+            len(row) != self.num_experts for row in self._entries
+        ):
+            raise MoestackError(f"{self.path / INDEX_FILE}: expert table is not layers x experts")
+        for f in self.index["files"]:
+            file = self.path / f["file"]
+            try:
+                size = file.stat().st_size
+            except FileNotFoundError:
+                raise MoestackError(
+                    f"expert file {file} is missing; rewrite the store with ExpertStore.write"
+                ) from None
+            if size != f["size"]:
+                raise MoestackError(
+                    f"expert file {file} is {size} bytes, the index says {f['size']}: it is "
+                    "truncated or was replaced; rewrite the store with ExpertStore.write"
+                )
+            start, header = _parse_header(file)
+            if start != f["data_start"]:
+                raise MoestackError(f"{file}: header size differs from the index; corrupt store")
+            for layer, e, entry in by_file.pop(f["file"], []):
+                prefix = f"e{e:04d}." if self.layout == "per_layer" else ""
+                for t, te in (("w1", entry.w1), ("w2", entry.w2)):
+                    h = header.get(prefix + t)
+                    ok = (
+                        isinstance(h, dict)
+                        and _DTYPES.get(h.get("dtype")) == te.dtype
+                        and tuple(h.get("shape", ())) == te.shape
+                        and [start + o for o in h.get("data_offsets", ())]
+                        == [te.offset, te.offset + te.nbytes]
+                    )
+                    if not ok:
+                        raise MoestackError(
+                            f"{file}: tensor {prefix + t} (layer {layer}, expert {e}) does not "
+                            f"match the index (header {h}); the store is corrupt: rewrite it"
+                        )
+                if entry.w2.offset != entry.w1.offset + entry.w1.nbytes:
+                    raise MoestackError(f"{file}: w1 and w2 of expert {e} are not adjacent")
+        if by_file:
+            raise MoestackError(
+                f"{self.path / INDEX_FILE} names files not listed in 'files': {sorted(by_file)}"
+            )
+
+    def check_model(self, model_cfg: ModelConfig) -> None:
+        """Refuse a store written for another model shape, naming the differing field."""
+        pairs = (
+            ("model.n_layers", self.num_layers, model_cfg.n_layers),
+            ("model.moe.num_experts", self.num_experts, model_cfg.moe.num_experts),
+            ("model.d_model", self.d_model, model_cfg.d_model),
+            ("model.moe.d_ff", self.d_ff, model_cfg.moe.d_ff),
+        )
+        for field, stored, current in pairs:
+            if stored != current:
+                raise MoestackError(
+                    f"expert store {self.path} was written for {field}={stored}, this model has "
+                    f"{current}; rewrite the store from this model (ExpertStore.write)"
+                )
+
+    # ------------------------------------------------------------------ reading
+    def entry(self, layer: int, expert: int) -> ExpertEntry:
+        """Index entry of one expert; ValueError for an out-of-range id."""
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(
+                f"layer={layer!r} out of range: the store has {self.num_layers} layers"
+            )
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"expert={expert!r} out of range: the store has {self.num_experts} experts per layer"
+            )
+        return self._entries[layer][expert]
+
+    def files(self) -> list[Path]:
+        """Every data file of the store (for page-cache control in benchmarks)."""
+        return [self.path / f["file"] for f in self.index["files"]]
+
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            with self._fd_lock:
+                fd = self._fds.get(name)
+                if fd is None:
+                    try:
+                        fd = os.open(self.path / name, os.O_RDONLY)
+                    except FileNotFoundError:
+                        raise MoestackError(
+                            f"expert file {self.path / name} is missing; rewrite the store"
+                        ) from None
+                    self._fds[name] = fd
+        return fd
+
+    def load(self, layer: int, expert: int, *, pin_memory: bool = False) -> dict[str, torch.Tensor]:
+        """``{"w1": [D, 2F], "w2": [F, D]}`` of one expert: positional reads of its byte
+        range only (one read; larger experts as parallel 1 MiB chunks).
+
+        ``pin_memory`` reads into page-locked host memory (fast, async copies to a GPU).
+        """
+        entry = self.entry(layer, expert)
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        view = memoryview(buf.numpy())
+        fd = self._fd(entry.file)
+        path = self.path / entry.file
+        offset = entry.w1.offset
+        done = 0
+        if entry.nbytes > _CHUNK and self._read_workers > 1:
+            done = self._read_cached(fd, view, offset)  # warm: one copy from the page cache
+        if done < entry.nbytes:
+            chunks = [
+                (lo, min(lo + _CHUNK, entry.nbytes)) for lo in range(done, entry.nbytes, _CHUNK)
+            ]
+            if len(chunks) > 1 and self._read_workers > 1:
+                # Several reads in flight: a cold expert reads at the device's sequential speed.
+                pool = self._reader_pool()
+                futures = [
+                    pool.submit(_pread_exact, fd, view[lo:hi], offset + lo, path)
+                    for lo, hi in chunks
+                ]
+                for fut in futures:
+                    fut.result()
+            else:
+                _pread_exact(fd, view[done:], offset + done, path)
+        split = entry.w1.nbytes
+        return {
+            "w1": buf[:split].view(entry.w1.dtype).view(entry.w1.shape),
+            "w2": buf[split:].view(entry.w2.dtype).view(entry.w2.shape),
+        }
+
+    def _read_cached(self, fd: int, view: memoryview, offset: int) -> int:
+        """Bytes read without waiting for the disk (RWF_NOWAIT: only what is in the page
+        cache); 0 where the flag is unsupported."""
+        if not self._nowait:
+            return 0
+        try:
+            return max(0, os.preadv(fd, [view], offset, os.RWF_NOWAIT))
+        except BlockingIOError:
+            return 0
+        except OSError:  # EOPNOTSUPP / EINVAL: the filesystem does not support it
+            self._nowait = False
+            return 0
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._fd_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        self._read_workers, thread_name_prefix="expert-read"
+                    )
+        return self._pool
+
+    def close(self) -> None:
+        """Close the open file descriptors and reader threads (loads reopen on demand)."""
+        with self._fd_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> ExpertStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"ExpertStore({str(self.path)!r}, layers={self.num_layers}, experts={self.num_experts}, "
+            f"layout={self.layout!r}, expert_bytes={self.expert_bytes})"
+        )
+
+
+def open_or_write_store(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    model_cfg: ModelConfig,
+    *,
+    source: str = "",
+    layout: str = "per_layer",
+) -> ExpertStore:
+    """The store at ``path`` if it is valid and was written from ``source``; else (re)write it.
+
+    ``source`` identifies the weights (e.g. the checkpoint path): a store from another
+    checkpoint or model shape is rewritten, so offloaded evaluation never mixes weights.
+    """
+    path = Path(path)
+    if (path / INDEX_FILE).is_file():
+        try:
+            store = ExpertStore(path, model_cfg)
+            if store.meta.get("source") == source:
+                return store
+            log.info(
+                "expert store %s is from %r, rewriting from %r",
+                path,
+                store.meta.get("source"),
+                source,
+            )
+            store.close()
+        except MoestackError as err:
+            log.warning("rewriting expert store %s: %s", path, err)
+    return ExpertStore.write(
+        model, path, layout, model_cfg=model_cfg, meta={"source": source}, overwrite=True
+    )
