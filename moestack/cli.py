@@ -8,6 +8,7 @@
                                                               write its trace and a report
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
     moestack report RUN_DIR [--out DIR]                       plots and an HTML page of a run
+    moestack prereg lock|run|analyze FILE                     pre-registered experiments
 
 Each verb prints its result; bad input ends with one line on stderr and exit status 2.
 """
@@ -101,7 +102,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from moestack.telemetry import RoutingTrace, sweep
 
     trace = RoutingTrace.load(args.trace)
-    capacities = [int(c) for c in _csv(args.capacities)] or [trace.top_k, 2 * trace.top_k]
+    top_k = max(trace.top_k) if isinstance(trace.top_k, list | tuple) else int(trace.top_k)
+    capacities = [int(c) for c in _csv(args.capacities)] or [top_k, 2 * top_k]
     results = sweep(trace, policies=_csv(args.policies), capacities=capacities)
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13}")
     for stats in results:
@@ -136,6 +138,7 @@ def _eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device) -> dict:
         capacity_bytes=args.capacity_bytes or cfg.cache.capacity_bytes or None,
         prefetch=args.prefetch or cfg.cache.prefetch,
         cache_aware_bias=args.cache_aware_bias,
+        warmup=args.warmup if args.warmup >= 0 else cfg.cache.warmup,
     )
     result = evaluate_offloaded(model, store, batches, device, **options)
     if args.generate:
@@ -144,6 +147,20 @@ def _eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device) -> dict:
         text = bytes(t for t in out["tokens"] if 0 < t < 256)
         result["generation"] = args.prompt + text.decode("utf-8", "replace")
     return result
+
+
+def cmd_prereg(args: argparse.Namespace) -> None:
+    from moestack import prereg
+
+    if args.action == "lock":
+        print(f"locked: {prereg.lock(args.file, force=args.force)}")
+    elif args.action == "run":
+        runs = prereg.run(args.file, out_dir=args.out or None)
+        print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
+    else:
+        report = prereg.analyze(args.file, out_dir=args.out or None, report_dir=args.report or None)
+        print(Path(report).read_text())
+        print(f"report: {report}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-bytes", type=int, default=0, help="or a byte budget per layer")
     p.add_argument(
         "--prefetch", action="store_true", help="load predicted next-layer experts early"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=-1, help="static policies: requests counted before pinning"
     )
     p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
     p.add_argument(
@@ -201,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="where to write (default: RUN_DIR/report)")
     p.add_argument("--trace", default="", help="trace directory (default: found in RUN_DIR)")
     p.set_defaults(func=cmd_report)
+
+    p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
+    p.add_argument("action", choices=("lock", "run", "analyze"))
+    p.add_argument("file", help="a pre-registration YAML, e.g. configs/experiment/prereg_cpu.yaml")
+    p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
+    p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
+    p.add_argument("--force", action="store_true", help="lock: replace an existing lock")
+    p.set_defaults(func=cmd_prereg)
     return parser
 
 

@@ -187,6 +187,7 @@ class CacheConfig:
     policy: str = "lru"  # "lru", "lfu", "static", "lru+static", "belady" (replay only)
     capacity: int = 0  # experts per layer held in fast memory, >= top_k (0 = 2 x top_k)
     capacity_bytes: int = 0  # alternatively a byte budget per layer (0 = use capacity)
+    warmup: int = 1024  # static policies: requests per layer counted before pinning
     prefetch: bool = False  # predict and load the next layer's experts in the background
     store_dir: str = ""  # where the safetensors expert store lives ("" = <run dir>/experts)
 
@@ -196,6 +197,7 @@ class CacheConfig:
             f"cache.policy={self.policy!r} is unknown; use one of {CACHE_POLICIES}",
         )
         _check(self.capacity >= 0, f"cache.capacity={self.capacity} must be >= 0 (0 = 2 x top_k)")
+        _check(self.warmup >= 0, f"cache.warmup={self.warmup} must be >= 0")
         _check(self.capacity_bytes >= 0, f"cache.capacity_bytes={self.capacity_bytes} must be >= 0")
 
 

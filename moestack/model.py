@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -164,6 +165,24 @@ class MoETransformer(nn.Module):
 
     @torch.no_grad()
     def update_router_biases(self) -> None:
-        """Apply the aux-loss-free balancing update of every router (after an optimizer step)."""
+        """Apply the aux-loss-free balancing update of every router (after an optimizer step).
+
+        Under torch.distributed the token counts are summed over ranks first, so every
+        replica moves its biases identically (as a single process over the global batch would).
+        """
+        routers = [moe.router for moe in self.moe_layers if moe.router.cfg.bias_update_rate > 0]
+        if not routers:
+            return
+        if dist.is_available() and dist.is_initialized():
+            counts_LE = torch.stack([r.pending_counts for r in routers])
+            dist.all_reduce(counts_LE)
+            for router, counts_E in zip(routers, counts_LE, strict=True):
+                router.pending_counts.copy_(counts_E)
+        for router in routers:
+            router.update_bias()
+
+    @torch.no_grad()
+    def discard_router_counts(self) -> None:
+        """Forget the token counts of a step that was skipped (a NaN/inf loss)."""
         for moe in self.moe_layers:
-            moe.router.update_bias()
+            moe.router.pending_counts.zero_()

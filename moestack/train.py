@@ -209,6 +209,7 @@ def _train(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> 
                 step_aux = distributed.all_reduce_mean(step_aux, dist_info, device)
             if not finite:
                 optimizer.zero_grad(set_to_none=True)
+                model.discard_router_counts()
                 scheduler.step()
                 bad_steps_total += 1
                 consecutive_bad += 1

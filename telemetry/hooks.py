@@ -592,13 +592,15 @@ class Telemetry:
             hits: dict[tuple[str, int], int] = {}
             for name in self.policies:
                 for cap in self.capacities:
-                    hits[(name, cap)] = self._replay(layer, name, cap, requests, dist, counts)
+                    hit = self._replay(layer, name, cap, requests, dist, counts)
+                    if hit is not None:
+                        hits[(name, cap)] = hit
             for acc in (self._interval[layer], self._total[layer]):
                 acc.tokens += tokens
                 acc.requests += int(requests.size)
                 acc.switch_sum += sw_sum
                 acc.switch_pairs += sw_pairs
-                for key, h in hits.items():
+                for key, h in hits.items():  # a policy's warm-up chunk is not counted
                     acc.hits[key] = acc.hits.get(key, 0) + h
                     acc.requests_by[key] = acc.requests_by.get(key, 0) + int(requests.size)
                 acc.counts = counts if acc.counts is None else acc.counts + counts
@@ -613,7 +615,8 @@ class Telemetry:
         requests: np.ndarray,
         dist: np.ndarray,
         counts: np.ndarray,
-    ) -> int:
+    ) -> int | None:
+        """Hits of one policy on this chunk; None for the warm-up chunk of a pinned policy."""
         if name == "lru":  # LRU of every capacity from the shared stack distances
             return int(((dist >= 0) & (dist < cap)).sum())
         if name == "belady":
@@ -630,6 +633,12 @@ class Telemetry:
             else:
                 policy = LRUStaticPolicy(cap, (), num_pinned=0)
             self._policy[key] = policy
+            if name != "lfu":
+                # The pins were chosen from these very requests: replay them to warm the
+                # cache, but scoring them would be hindsight (simulate() does the same
+                # with its uncounted warm-up window).
+                policy.access_many(requests)
+                return None
         return int(policy.access_many(requests).sum())
 
     # ------------------------------------------------------------------ outputs
@@ -786,15 +795,19 @@ def _metrics(
             key = (name, cap)
             hits = sum(a.hits.get(key, 0) for a in accs)
             reqs = sum(a.requests_by.get(key, 0) for a in accs)
+            if reqs == 0:  # nothing scored yet (a pinned policy's warm-up interval)
+                continue
             out[f"telemetry/{name}/cap{cap}/hit_rate"] = _ratio(hits, reqs)
             out[f"telemetry/{name}/cap{cap}/misses_per_token"] = _ratio(reqs - hits, tokens)
             for layer, a in enumerate(accs):
-                out[f"telemetry/layer{layer}/{name}/cap{cap}/hit_rate"] = _ratio(
-                    a.hits.get(key, 0), a.requests_by.get(key, 0)
-                )
+                if a.requests_by.get(key, 0):
+                    out[f"telemetry/layer{layer}/{name}/cap{cap}/hit_rate"] = _ratio(
+                        a.hits.get(key, 0), a.requests_by[key]
+                    )
     first = f"telemetry/{policies[0]}/cap{capacities[0]}"
-    out["telemetry/hit_rate"] = out[f"{first}/hit_rate"]
-    out["telemetry/misses_per_token"] = out[f"{first}/misses_per_token"]
+    if f"{first}/hit_rate" in out:
+        out["telemetry/hit_rate"] = out[f"{first}/hit_rate"]
+        out["telemetry/misses_per_token"] = out[f"{first}/misses_per_token"]
     ent, use, sw = [], [], []
     for layer, a in enumerate(accs):
         if a.entropy_tokens:

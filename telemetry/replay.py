@@ -133,7 +133,8 @@ def simulate(
                 policy,
                 cap,
                 pinned=pinned if policy in ("static", "lru+static") else None,
-                warmup=0 if pinned is not None else skip,
+                # static policies need at least one warm-up request to choose their pins
+                warmup=0 if pinned is not None else max(skip, 1),
                 num_pinned=num_pinned,
                 future=requests if policy == "belady" else None,
             )

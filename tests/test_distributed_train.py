@@ -16,7 +16,6 @@ SMALL = [
     "model.max_seq_len=32",
     "model.moe.num_experts=4",
     "model.moe.d_ff=32",
-    "router.load_balance=0",  # its batch statistics are per rank, so not bit-comparable
     "data.seq_len=32",
     "data.max_bytes=1000000",
     "telemetry=off",
@@ -39,7 +38,8 @@ def run(tmp_path, out_dir, nproc, *overrides):
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                     "--standalone", "-m", "moestack.train"]  # fmt: skip
     result = subprocess.run(
-        [*launcher, *SMALL, f"out_dir={out_dir}", *overrides],
+        # load_balance off: its batch statistics are per rank, so not bit-comparable
+        [*launcher, *SMALL, f"out_dir={out_dir}", *overrides, "router.load_balance=0"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -53,19 +53,66 @@ def run(tmp_path, out_dir, nproc, *overrides):
     }
 
 
-@pytest.mark.parametrize("optim", ["adamw", "offload_adamw"])
-def test_two_gloo_ranks_match_one_process(tmp_path, optim):
-    single = run(tmp_path, tmp_path / "single", 1, f"optim={optim}")
-    double = run(tmp_path, tmp_path / "double", 2, f"optim={optim}")
+@pytest.mark.parametrize(
+    "optim, router",
+    [("adamw", "baseline"), ("offload_adamw", "baseline"), ("offload_adamw", "aux_free")],
+)
+def test_two_gloo_ranks_match_one_process(tmp_path, optim, router):
+    overrides = [f"optim={optim}", f"router={router}"]
+    single = run(tmp_path, tmp_path / "single", 1, *overrides)
+    double = run(tmp_path, tmp_path / "double", 2, *overrides)
     assert sorted(single) == sorted(double) == list(range(1, 11))
     for step in single:
         assert double[step] == pytest.approx(single[step], rel=2e-5), step
 
-    if optim == "offload_adamw":  # a 2-rank checkpoint resumes on 1 rank
+    if optim == "offload_adamw" and router == "baseline":  # a 2-rank checkpoint resumes on 1 rank
         resumed = tmp_path / "resumed"
         shutil.copytree(tmp_path / "double", resumed)
         shutil.rmtree(resumed / "checkpoints" / "step_000010")
         assert checkpoint.latest_checkpoint(resumed / "checkpoints").name == "step_000005"
-        after = run(tmp_path, resumed, 1, f"optim={optim}", "resume=true")
+        after = run(tmp_path, resumed, 1, *overrides, "resume=true")
         for step in range(6, 11):
             assert after[step] == pytest.approx(double[step], rel=2e-5), step
+
+
+def _bias_update_worker(rank: int, init_file: str, result_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moestack import ModelConfig, MoEConfig, MoETransformer, RouterConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, moe=MoEConfig(6, 2, 8),
+                      router=RouterConfig(bias_update_rate=0.1, load_balance=0.0))  # fmt: skip
+    model = MoETransformer(cfg).train()
+    tokens = torch.randint(1, 256, (4, 16), generator=torch.Generator().manual_seed(7))
+    model(tokens[2 * rank : 2 * rank + 2])  # each rank routes its half of the batch
+    model.update_router_biases()
+    if rank == 0:
+        torch.save([m.router.expert_bias for m in model.moe_layers], result_file)
+    biases = torch.cat([m.router.expert_bias for m in model.moe_layers])
+    gathered = [torch.empty_like(biases) for _ in range(2)]
+    dist.all_gather(gathered, biases)
+    assert torch.equal(gathered[0], gathered[1]), gathered
+    dist.destroy_process_group()
+
+
+def test_router_bias_update_uses_counts_summed_over_ranks(tmp_path):
+    import torch
+    import torch.multiprocessing as mp
+
+    from moestack import ModelConfig, MoEConfig, MoETransformer, RouterConfig
+
+    result = tmp_path / "bias.pt"
+    mp.spawn(_bias_update_worker, args=(str(tmp_path / "init"), str(result)), nprocs=2)
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, moe=MoEConfig(6, 2, 8),
+                      router=RouterConfig(bias_update_rate=0.1, load_balance=0.0))  # fmt: skip
+    model = MoETransformer(cfg).train()
+    tokens = torch.randint(1, 256, (4, 16), generator=torch.Generator().manual_seed(7))
+    model(tokens)  # one process, the whole batch
+    model.update_router_biases()
+    expected = [m.router.expert_bias for m in model.moe_layers]
+    for got, want in zip(torch.load(result, weights_only=True), expected, strict=True):
+        torch.testing.assert_close(got, want)

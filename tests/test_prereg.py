@@ -1,0 +1,344 @@
+"""Pre-registration: file validation, lock and verify, the resumable runner, the analysis."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from moestack import prereg
+from moestack.errors import MoestackError
+
+REPO = Path(__file__).resolve().parents[1]
+EXPERIMENTS = REPO / "configs" / "experiment"
+
+
+def study(**changes: Any) -> dict[str, Any]:
+    """A small valid pre-registration: baseline and arms a, b; three seeds; four hypotheses."""
+    data: dict[str, Any] = {
+        "study": "synthetic",
+        "title": "synthetic study",
+        "model": ["model=tiny"],
+        "data": ["data.seq_len=32"],
+        "budget": {"steps": 3, "batch_size": 2},
+        "train": ["telemetry=off", "wandb_mode=disabled", "progress=false"],
+        "runs": {
+            "baseline": "baseline",
+            "arms": {
+                "baseline": ["router=baseline"],
+                "a": ["router=temporal", "router.temporal=0.1"],
+                "b": ["router=pin", "router.pin=0.1"],
+            },
+            "seeds": [0, 1, 2],
+        },
+        "analysis": {"eval_batches": 2, "policies": ["lru", "static"], "capacities": [2, 4]},
+        "hypotheses": [
+            {
+                "id": "H1",
+                "statement": "misses drop by 30%",
+                "metric": "lru/cap4/miss_rate",
+                "comparison": "relative_change",
+                "op": "<=",
+                "threshold": -0.30,
+                "arms": ["a", "b"],
+                "require": "any",
+            },
+            {
+                "id": "H2",
+                "statement": "perplexity within +1%",
+                "metric": "perplexity",
+                "comparison": "relative_change",
+                "op": "<=",
+                "threshold": 0.01,
+                "arms": ["a", "b"],
+                "require": "all",
+            },
+            {
+                "id": "H3",
+                "statement": "static hit rate up by 0.1",
+                "metric": "static/cap4/hit_rate",
+                "comparison": "difference",
+                "op": ">=",
+                "threshold": 0.10,
+                "arms": ["b"],
+            },
+            {
+                "id": "H4",
+                "statement": "one arm passes H1 and H2",
+                "comparison": "joint",
+                "of": ["H1", "H2"],
+                "arms": ["a", "b"],
+                "require": "any",
+            },
+        ],
+    }
+    for key, value in changes.items():
+        data[key] = value
+    return data
+
+
+def write(tmp_path: Path, data: dict[str, Any], name: str = "study.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# ------------------------------------------------------------------ validation
+def _break(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    node = data
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    last = keys[-1]
+    if isinstance(node, list):
+        node[int(last)] = value
+    elif value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "named"),
+    [
+        ("study", "bad name!", "study"),
+        ("budget.steps", KeyError, "budget.steps"),
+        ("budget.steps", 0, "budget.steps"),
+        ("runs.baseline", "nope", "runs.baseline"),
+        ("runs.seeds", [0, 0], "runs.seeds"),
+        ("runs.arms.a", ["router.temporal"], "runs.arms.a[0]"),
+        ("runs.arms.a", ["seed=3"], "runs.arms.a[0]"),
+        ("analysis.policies", ["lru", "fifo"], "analysis.policies[1]"),
+        ("analysis.warmup", 1.5, "analysis.warmup"),
+        ("analysis.colour", 1, "analysis.colour"),
+        ("hypotheses.0.metric", "lru/cap8/miss_rate", "hypotheses[0] (H1).metric"),
+        ("hypotheses.0.metric", "accuracy", "hypotheses[0] (H1).metric"),
+        ("hypotheses.1.op", "<", "hypotheses[1] (H2).op"),
+        ("hypotheses.1.threshold", "small", "hypotheses[1] (H2).threshold"),
+        ("hypotheses.2.arms", ["baseline"], "hypotheses[2] (H3).arms[0]"),
+        ("hypotheses.2.comparison", "ratio", "hypotheses[2] (H3).comparison"),
+        ("hypotheses.3.of", ["H9"], "hypotheses[3] (H4).of[0]"),
+    ],
+)
+def test_validation_errors_name_the_field(where: str, value: Any, named: str) -> None:
+    with pytest.raises(MoestackError) as err:
+        prereg.parse(_break(study(), where, value))
+    assert str(err.value).startswith(named + ":"), str(err.value)
+
+
+def test_load_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, study(budget={"steps": -1}))
+    with pytest.raises(MoestackError, match=r"study\.yaml: budget\.steps"):
+        prereg.load(path)
+
+
+def test_shipped_studies_are_valid_and_compose() -> None:
+    for name, runs in (("prereg_cpu", 8), ("prereg_137m", 12)):
+        spec = prereg.load(EXPERIMENTS / f"{name}.yaml")
+        assert spec.study == name and len(prereg.plan(spec)) == runs
+    spec = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
+    cfg = prereg.compose_config(spec.overrides("pin", 1))
+    assert (cfg.seed, cfg.steps, cfg.router.pin, cfg.model.moe.num_experts) == (1, 150, 0.1, 8)
+
+
+def test_shipped_cpu_study_matches_its_lock() -> None:
+    """The committed report was produced from this exact file."""
+    record = prereg.verify(EXPERIMENTS / "prereg_cpu.yaml")
+    assert record["study"] == "prereg_cpu"
+
+
+# ------------------------------------------------------------------ lock and verify
+def test_lock_records_hash_commit_time_and_refuses_overwrite(tmp_path: Path) -> None:
+    path = write(tmp_path, study())
+    lock = prereg.lock(path)
+    assert lock == tmp_path / "study.yaml.lock.json"
+    record = json.loads(lock.read_text())
+    assert record["sha256"] == prereg.sha256_file(path)
+    assert record["git_commit"]  # a commit id, or "unknown" outside a repository
+    assert record["locked_at"].endswith("+00:00")
+    with pytest.raises(MoestackError, match="already locked"):
+        prereg.lock(path)
+    again = json.loads(prereg.lock(path, force=True).read_text())
+    assert again["replaces"] == record["sha256"]
+    assert prereg.verify(path)["sha256"] == record["sha256"]
+
+
+def test_changed_file_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, study())
+    with pytest.raises(MoestackError, match="is not locked"):
+        prereg.analyze(path, tmp_path / "out")
+    prereg.lock(path)
+    data = study()
+    data["hypotheses"][0]["threshold"] = -0.10  # moving the goalposts after the lock
+    write(tmp_path, data)
+    for step in (prereg.analyze, prereg.run):
+        with pytest.raises(MoestackError, match="changed since it was locked") as err:
+            step(path, tmp_path / "out")
+        assert "git checkout" in str(err.value)
+
+
+# ------------------------------------------------------------------ runner
+def _fake_train(calls: list[tuple[str, bool]]):
+    def train(cfg, out_dir: Path) -> dict[str, Any]:
+        calls.append((Path(out_dir).name, cfg.resume))
+        assert Path(cfg.out_dir) == Path(out_dir)
+        (Path(out_dir) / "summary.json").write_text("{}")
+        return {}
+
+    return train
+
+
+def test_runner_skips_finished_runs_and_resumes_interrupted(tmp_path: Path) -> None:
+    data = study()
+    data["runs"]["seeds"] = [0, 1]
+    data["runs"]["arms"] = {k: v for k, v in data["runs"]["arms"].items() if k != "b"}
+    data["hypotheses"] = [h for h in data["hypotheses"] if h["id"] in ("H1",)]
+    data["hypotheses"][0]["arms"] = ["a"]
+    path = write(tmp_path, data)
+    with pytest.raises(MoestackError, match="is not locked"):
+        prereg.run(path, tmp_path / "out", train_fn=_fake_train([]))
+    prereg.lock(path)
+    runs = tmp_path / "out" / "runs"
+    (runs / "baseline-s0").mkdir(parents=True)
+    (runs / "baseline-s0" / "summary.json").write_text("{}")  # finished
+    ckpt = runs / "a-s1" / "checkpoints" / "step_000002"  # interrupted at step 2
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 2}))
+
+    calls: list[tuple[str, bool]] = []
+    dirs = prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
+    assert [d.name for d in dirs] == ["baseline-s0", "a-s0", "baseline-s1", "a-s1"]
+    assert calls == [("a-s0", False), ("baseline-s1", False), ("a-s1", True)]
+    calls.clear()
+    prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
+    assert calls == []
+
+
+# ------------------------------------------------------------------ analysis
+BASE = {"perplexity": 10.0, "lru/cap4/miss_rate": 0.40, "static/cap4/hit_rate": 0.50}
+ARMS = {
+    # seed -> metrics; a cuts misses by 40%, 50%, 30% (mean -40%) at +0.5% perplexity;
+    # b cuts misses by 10% at +2% perplexity and raises the static hit rate by 0.15.
+    "a": [
+        {"perplexity": 10.05, "lru/cap4/miss_rate": 0.24, "static/cap4/hit_rate": 0.5},
+        {"perplexity": 10.05, "lru/cap4/miss_rate": 0.20, "static/cap4/hit_rate": 0.5},
+        {"perplexity": 10.05, "lru/cap4/miss_rate": 0.28, "static/cap4/hit_rate": 0.5},
+    ],
+    "b": [{"perplexity": 10.2, "lru/cap4/miss_rate": 0.36, "static/cap4/hit_rate": 0.65}] * 3,
+}
+
+
+def _full(metrics: dict[str, float]) -> dict[str, float]:
+    """Every metric the report tables and plots read (values not under test set to 0.5)."""
+    out = {
+        f"{p}/cap{c}/{s}": 0.5
+        for p in ("lru", "static")
+        for c in (2, 4)
+        for s in prereg.CACHE_STATS
+    }
+    out.update(val_loss=math.log(metrics["perplexity"]), **metrics)
+    return out
+
+
+def fake_runs(spec: prereg.Prereg, root: Path, skip: tuple[str, ...] = ()) -> None:
+    """Run dirs as a finished study leaves them, with the cached per-run evaluation."""
+    key = prereg.analysis_key(spec)
+    for item in prereg.plan(spec, root):
+        if item.name in skip:
+            continue
+        metrics = BASE if item.arm == "baseline" else ARMS[item.arm][item.seed]
+        item.run_dir.mkdir(parents=True)
+        (item.run_dir / "summary.json").write_text("{}")
+        record = {"analysis_key": key, "step": 3, "metrics": _full(metrics)}
+        (item.run_dir / prereg.EVAL_FILE).write_text(json.dumps(record))
+
+
+def test_analysis_gives_known_verdicts_and_margins(tmp_path: Path) -> None:
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    spec = prereg.load(path)
+    fake_runs(spec, tmp_path / "out")
+    report = prereg.analyze(path, tmp_path / "out", evaluate=False)
+    results = json.loads((report.parent / "results.json").read_text())
+    hyp = {h["id"]: h for h in results["hypotheses"]}
+    assert {k: h["verdict"] for k, h in hyp.items()} == {
+        "H1": "pass", "H2": "fail", "H3": "pass", "H4": "pass"
+    }  # fmt: skip
+    a, b = hyp["H1"]["rows"]
+    assert a["estimate"] == pytest.approx(-0.40) and a["margin"] == pytest.approx(0.10)
+    half = 4.302653 * 0.1 / math.sqrt(3)  # t(0.975, 2) x sd / sqrt(n)
+    assert a["ci"] == pytest.approx([-0.40 - half, -0.40 + half], rel=1e-5)
+    assert a["ci_verdict"] == "inconclusive" and a["pass"] is True
+    assert b["estimate"] == pytest.approx(-0.10) and b["margin"] == pytest.approx(-0.20)
+    assert b["ci_verdict"] == "refuted" and b["pass"] is False
+    a2, b2 = hyp["H2"]["rows"]
+    assert a2["margin"] == pytest.approx(0.005) and a2["pass"] is True
+    assert b2["margin"] == pytest.approx(-0.01) and b2["pass"] is False
+    (b3,) = hyp["H3"]["rows"]
+    assert b3["estimate"] == pytest.approx(0.15) and b3["margin"] == pytest.approx(0.05)
+    assert [r["pass"] for r in hyp["H4"]["rows"]] == [True, False]
+    text = report.read_text()
+    assert "| H2 | perplexity within +1% | **fail** |" in text
+    for png in ("hit_rate_vs_perplexity.png", "hit_rate_vs_capacity.png"):
+        assert (report.parent / png).stat().st_size > 1000 and png in text
+
+
+def test_ci_decision_and_missing_runs(tmp_path: Path) -> None:
+    data = study()
+    data["analysis"]["decision"] = "ci"
+    path = write(tmp_path, data)
+    prereg.lock(path)
+    spec = prereg.load(path)
+    fake_runs(spec, tmp_path / "out", skip=("b-s0", "b-s1", "b-s2", "baseline-s2"))
+    report = prereg.analyze(path, tmp_path / "out", evaluate=False)
+    hyp = {
+        h["id"]: h for h in json.loads((report.parent / "results.json").read_text())["hypotheses"]
+    }
+    a, b = hyp["H1"]["rows"]
+    assert a["n"] == 2 and a["per_seed"] == pytest.approx([-0.4, -0.5])  # seed 2 has no baseline
+    assert a["pass"] is False  # the CI's upper end is above -30%
+    assert b["n"] == 0 and b["pass"] is None
+    assert hyp["H1"]["verdict"] == "incomplete" and hyp["H3"]["verdict"] == "incomplete"
+    assert "| b-s0 | missing |" in report.read_text()
+
+
+def test_t_quantile() -> None:
+    for df, expected in ((1, 12.7062), (2, 4.3027), (5, 2.5706), (30, 2.0423)):
+        assert prereg.t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+    mean, lo, hi = prereg.mean_ci([1.0], 0.95)
+    assert mean == 1.0 and math.isnan(lo) and math.isnan(hi)
+
+
+def test_end_to_end_micro_study(tmp_path: Path) -> None:
+    """The real train and evaluation on a micro model: two arms, one seed, two steps."""
+    data = study(
+        model=[
+            "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+            "model.moe.num_experts=4", "model.moe.d_ff=32",
+        ],
+        data=["data.seq_len=32", "data.max_bytes=1000000"],
+        budget={"steps": 2, "batch_size": 2},
+        train=["telemetry=off", "wandb_mode=disabled", "progress=false", "eval_batches=1",
+               "threads=1"],
+    )  # fmt: skip
+    data["runs"]["arms"].pop("b")
+    data["runs"]["seeds"] = [0]
+    data["hypotheses"] = data["hypotheses"][:2]
+    for hyp in data["hypotheses"]:
+        hyp["arms"] = ["a"]
+    data["hypotheses"][0]["metric"] = "lru/cap2/miss_rate"  # at cap 4 nothing misses
+    path = write(tmp_path, data)
+    prereg.lock(path)
+    prereg.run(path, tmp_path / "out", progress=False)
+    report = prereg.analyze(path, tmp_path / "out")
+    results = json.loads((report.parent / "results.json").read_text())
+    run = results["runs"][1]
+    assert run["run"] == "a-s0" and run["step"] == 2 and run["router"]["temporal"] == 0.1
+    assert 0 <= run["metrics"]["lru/cap2/hit_rate"] <= 1 and run["metrics"]["perplexity"] > 1
+    assert run["metrics"]["lru/cap4/hit_rate"] == 1.0  # 4 slots hold all 4 experts
+    assert {h["verdict"] for h in results["hypotheses"]} <= {"pass", "fail"}
