@@ -230,7 +230,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    steps: int = 400  # optimizer steps
+    steps: int = 300  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     eval_every: int = 100  # evaluate validation loss every N steps (0 = only at the end)
