@@ -76,7 +76,8 @@ def moe_experts_torch(
     d_ff = w2_EFD.shape[1]
     order_N, token_N, offsets_E = sort_by_expert(experts_TK, w1_EDF2.shape[0])
     h_NF2 = grouped_mm_torch(x_TD[token_N], w1_EDF2, offsets_E)
-    h_NF = F.silu(h_NF2[:, :d_ff]) * h_NF2[:, d_ff:]
+    gate_NF, up_NF = h_NF2.split(d_ff, dim=-1)  # split: its backward is one cat, not two fills
+    h_NF = F.silu(gate_NF) * up_NF
     y_ND = grouped_mm_torch(h_NF, w2_EFD, offsets_E)
     # Back to (token, slot) order with a permutation (deterministic, unlike index_add).
     y_TKD = (
