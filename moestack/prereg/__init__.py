@@ -1,0 +1,104 @@
+"""Pre-registered experiments: lock the hypotheses, run the grid, report pass/fail.
+
+A pre-registration file (YAML, ``configs/experiment/<study>.yaml``, format in docs/prereg.md)
+names the study, the training settings shared by every run (model, data, budget), the arms
+(one list of hydra overrides per router loss and weight), the seeds, the analysis (final
+checkpoint, the evaluation batches, cache policies and capacities, how seeds combine) and the
+hypotheses (metric, comparison against the baseline arm, threshold).
+
+Three steps, each a function the ``moestack prereg`` verbs call:
+
+- ``lock(path)`` writes ``<file>.lock.json`` (sha256 of the file, git commit, UTC time)
+  before any run; it refuses to overwrite a lock unless ``force``.
+- ``run(path, out_dir)`` checks the lock, then trains every arm x seed with
+  ``moestack.train.train``, each config composed by hydra from configs/ (``compose`` with the
+  same overrides ``moestack-train`` takes, one process, one run after another). A run whose
+  directory holds ``summary.json`` is skipped; one with a checkpoint resumes from it.
+- ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock, evaluates each
+  run's final checkpoint (perplexity over the pre-registered validation batches; the routing
+  of the same batches, recorded with telemetry in eval mode, replayed through LRU and
+  static-pin caches) and writes report.md, results.json and two PNGs.
+
+Seeds combine by pairing: arm and baseline with the same seed share the initialisation and
+the data order, so each hypothesis's comparison is computed per seed and the seeds give its
+mean and a two-sided t confidence interval.
+
+Layout: ``spec`` (the file format: dataclasses, parsing, validation), ``compose`` (hydra
+composition of a run's config), ``locking`` (lock and verify), ``runner`` (the grid and the
+resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics) and
+``report`` (markdown, figures, ``analyze``). Everything public is re-exported here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moestack.prereg.analysis import (
+    EVAL_FILE,
+    analysis_key,
+    collect,
+    evaluate_hypotheses,
+    evaluate_run,
+    mean_ci,
+    t_quantile,
+)
+from moestack.prereg.compose import check_overrides, compose_config
+from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
+from moestack.prereg.report import analyze, plot_capacity, plot_scatter, render_markdown
+from moestack.prereg.runner import SUMMARY_FILE, default_out_dir, is_finished, plan, run
+from moestack.prereg.spec import (
+    CACHE_STATS,
+    COMPARISONS,
+    DECISIONS,
+    OPS,
+    REQUIRES,
+    RESERVED_KEYS,
+    SCALAR_METRICS,
+    Analysis,
+    Hypothesis,
+    Prereg,
+    RunSpec,
+    load,
+    parse,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CACHE_STATS",
+    "COMPARISONS",
+    "DECISIONS",
+    "EVAL_FILE",
+    "LOCK_SUFFIX",
+    "OPS",
+    "REQUIRES",
+    "RESERVED_KEYS",
+    "SCALAR_METRICS",
+    "SUMMARY_FILE",
+    "Analysis",
+    "Hypothesis",
+    "Prereg",
+    "RunSpec",
+    "analysis_key",
+    "analyze",
+    "check_overrides",
+    "collect",
+    "compose_config",
+    "default_out_dir",
+    "evaluate_hypotheses",
+    "evaluate_run",
+    "is_finished",
+    "load",
+    "lock",
+    "lock_path",
+    "mean_ci",
+    "parse",
+    "plan",
+    "plot_capacity",
+    "plot_scatter",
+    "render_markdown",
+    "run",
+    "sha256_file",
+    "t_quantile",
+    "verify",
+]

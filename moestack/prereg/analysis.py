@@ -1,0 +1,275 @@
+"""Evaluating each run's final checkpoint, and the paired-seed statistics of the hypotheses."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from moestack.config import TrainConfig
+from moestack.errors import MoestackError
+from moestack.prereg.runner import is_finished, plan
+from moestack.prereg.spec import Analysis, Prereg
+
+log = logging.getLogger(__name__)
+
+EVAL_FILE = "prereg_eval.json"
+
+
+def analysis_key(spec: Prereg) -> str:
+    """Hash of the analysis settings: a cached per-run evaluation is reused only if it matches."""
+    blob = json.dumps(dataclasses.asdict(spec.analysis), sort_keys=True, default=list)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load_run_config(run_dir: Path) -> TrainConfig:
+    from omegaconf import OmegaConf
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise MoestackError(f"{path} not found: {run_dir} is not a finished training run")
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)
+
+
+def evaluate_run(
+    run_dir: Path, analysis: Analysis, corpora: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Perplexity and cache hit rates of a run's final checkpoint on the pre-registered batches.
+
+    One eval-mode pass over the batches gives the cross-entropy and, through telemetry, the
+    routing trace; each policy x capacity replays that trace with ``analysis.warmup``.
+    ``corpora`` caches loaded corpora between runs (keyed by the data config).
+    """
+    import torch
+
+    from moestack import checkpoint
+    from moestack.data import eval_batches, load_corpus
+    from moestack.model import MoETransformer
+    from moestack.telemetry import attach, simulate
+    from moestack.train import evaluate, resolve_device
+
+    cfg = _load_run_config(run_dir)
+    ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise MoestackError(f"{run_dir / 'checkpoints'} holds no checkpoint")
+    step = int(checkpoint.read_meta(ckpt)["step"])
+    if step != cfg.steps:
+        raise MoestackError(
+            f"{ckpt} is step {step}, not the final step {cfg.steps}; finish the run first"
+        )
+    device = resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
+    model = MoETransformer(cfg.model)
+    checkpoint.load_model_weights(ckpt, model, cfg.model)
+    model.to(device)
+    corpora = {} if corpora is None else corpora
+    key = repr(cfg.data)
+    if key not in corpora:
+        corpora[key] = load_corpus(cfg.data)
+    batch_size = analysis.eval_batch_size or cfg.batch_size
+    seq_len = analysis.eval_seq_len or cfg.data.seq_len
+    batches = eval_batches(corpora[key].val, batch_size, seq_len, analysis.eval_batches)
+    tokens = batch_size * seq_len * analysis.eval_batches
+    tel = attach(
+        model,
+        policies=analysis.policies,
+        capacities=analysis.capacities,
+        max_memory_tokens=tokens + 1,
+        entropy=False,
+    )
+    with tel, torch.no_grad():
+        result = evaluate(model, batches, device)
+    trace = tel.trace
+    metrics: dict[str, float] = {
+        "perplexity": result["eval/perplexity"],
+        "val_loss": result["loss/val"],
+    }
+    for policy in analysis.policies:
+        for cap in analysis.capacities:
+            stats = simulate(trace, policy, cap, warmup=analysis.warmup, reuse=False)
+            metrics[f"{policy}/cap{cap}/hit_rate"] = stats.hit_rate
+            metrics[f"{policy}/cap{cap}/miss_rate"] = 1.0 - stats.hit_rate
+            metrics[f"{policy}/cap{cap}/misses_per_token"] = stats.misses_per_token
+    return {
+        "checkpoint": str(ckpt),
+        "step": step,
+        "eval_tokens": tokens,
+        "router": dataclasses.asdict(cfg.router),  # as trained (config.yaml), for provenance
+        "top_k": cfg.model.moe.top_k,
+        "num_experts": cfg.model.moe.num_experts,
+        "metrics": metrics,
+    }
+
+
+def collect(
+    spec: Prereg, out_dir: Path | str | None = None, *, evaluate: bool = True
+) -> list[dict[str, Any]]:
+    """One record per planned run: its arm, seed, status and metrics (evaluated, or cached).
+
+    A finished run's evaluation is stored in ``<run>/prereg_eval.json`` with the analysis
+    hash, and reused while the analysis settings are unchanged.
+    """
+    key = analysis_key(spec)
+    corpora: dict[str, Any] = {}
+    records = []
+    for item in plan(spec, out_dir):
+        record: dict[str, Any] = {"run": item.name, "arm": item.arm, "seed": item.seed}
+        record["run_dir"] = str(item.run_dir)
+        cached = item.run_dir / EVAL_FILE
+        if not is_finished(item.run_dir):
+            record["status"] = "missing"
+        elif cached.is_file() and json.loads(cached.read_text()).get("analysis_key") == key:
+            record.update(json.loads(cached.read_text()), status="done")
+        elif evaluate:
+            log.info("%s: evaluating the final checkpoint", item.name)
+            result = evaluate_run(item.run_dir, spec.analysis, corpora)
+            result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
+            cached.write_text(json.dumps(result, indent=2))
+            record.update(result, status="done")
+        else:
+            record["status"] = "not evaluated"
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------- statistics
+def _t_cdf(x: float, df: int) -> float:
+    """Student t CDF by Simpson integration of the density from 0 (x >= 0)."""
+    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    n = 4000  # even
+    h = x / n
+    total = 0.0
+    for i in range(n + 1):
+        t = i * h
+        weight = 1 if i in (0, n) else (4 if i % 2 else 2)
+        total += weight * (1 + t * t / df) ** (-(df + 1) / 2)
+    return 0.5 + const * total * h / 3
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"df={df} must be >= 1")
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_ci(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """Mean and two-sided t interval; with one value the interval is (nan, nan)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan, math.nan
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def _compare(comparison: str, arm: float, base: float) -> float:
+    if comparison == "relative_change":
+        return arm / base - 1.0 if base else math.nan
+    if comparison == "difference":
+        return arm - base
+    return arm
+
+
+def _passes(value: float, op: str, threshold: float) -> bool:
+    return value <= threshold if op == "<=" else value >= threshold
+
+
+def evaluate_hypotheses(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per hypothesis: one row per arm (estimate, CI, margin, pass) and the verdict.
+
+    The comparison is computed per seed (arm and baseline share the seed), then averaged;
+    ``margin`` is the distance from the threshold on the passing side (negative = fails).
+    """
+    values: dict[tuple[str, int], dict[str, float]] = {
+        (r["arm"], r["seed"]): r["metrics"] for r in records if r.get("status") == "done"
+    }
+    conf = spec.analysis.confidence
+    results: dict[str, dict[str, Any]] = {}
+    for hyp in spec.hypotheses:
+        rows = []
+        for arm in hyp.arms:
+            if hyp.comparison == "joint":
+                parts = [
+                    next(row for row in results[ref]["rows"] if row["arm"] == arm) for ref in hyp.of
+                ]
+                if any(p["pass"] is None for p in parts):
+                    ok = None if all(p["pass"] is not False for p in parts) else False
+                else:
+                    ok = all(p["pass"] for p in parts)
+                margins = [p["margin"] for p in parts if p["margin"] is not None]
+                rows.append(
+                    {"arm": arm, "pass": ok, "margin": min(margins) if margins else None,
+                     "parts": {ref: p["pass"] for ref, p in zip(hyp.of, parts, strict=True)}}
+                )  # fmt: skip
+                continue
+            per_seed, base_vals, arm_vals = [], [], []
+            for seed in spec.seeds:
+                a = values.get((arm, seed))
+                b = values.get((spec.baseline, seed))
+                if a is None or (b is None and hyp.comparison != "value"):
+                    continue
+                arm_vals.append(a[hyp.metric])
+                if b is not None:
+                    base_vals.append(b[hyp.metric])
+                base = b[hyp.metric] if b is not None else math.nan
+                per_seed.append(_compare(hyp.comparison, a[hyp.metric], base))
+            row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
+            if not per_seed or any(math.isnan(v) for v in per_seed):
+                row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
+                rows.append(row)
+                continue
+            est, lo, hi = mean_ci(per_seed, conf)
+            margin = hyp.threshold - est if hyp.op == "<=" else est - hyp.threshold
+            if spec.analysis.decision == "ci":
+                bound = hi if hyp.op == "<=" else lo
+                ok = None if math.isnan(bound) else _passes(bound, hyp.op, hyp.threshold)
+            else:
+                ok = _passes(est, hyp.op, hyp.threshold)
+            ci_verdict = "n/a"
+            if not math.isnan(lo):
+                if _passes(hi if hyp.op == "<=" else lo, hyp.op, hyp.threshold):
+                    ci_verdict = "supported"
+                elif not _passes(lo if hyp.op == "<=" else hi, hyp.op, hyp.threshold):
+                    ci_verdict = "refuted"
+                else:
+                    ci_verdict = "inconclusive"
+            row.update(
+                baseline_mean=sum(base_vals) / len(base_vals) if base_vals else None,
+                arm_mean=sum(arm_vals) / len(arm_vals),
+                estimate=est,
+                ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+                margin=margin,
+                ci_verdict=ci_verdict,
+            )
+            row["pass"] = ok
+            rows.append(row)
+        passes = [r["pass"] for r in rows]
+        if hyp.require == "any":
+            verdict = (
+                "pass"
+                if any(p is True for p in passes)
+                else ("incomplete" if any(p is None for p in passes) else "fail")
+            )
+        else:
+            verdict = (
+                "fail"
+                if any(p is False for p in passes)
+                else ("incomplete" if any(p is None for p in passes) else "pass")
+            )
+        results[hyp.id] = {**dataclasses.asdict(hyp), "rows": rows, "verdict": verdict}
+    return list(results.values())

@@ -1,0 +1,279 @@
+"""The report: markdown tables, the two figures, results.json, and ``analyze``."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
+from moestack.prereg.locking import verify
+from moestack.prereg.runner import default_out_dir
+from moestack.prereg.spec import Prereg, load
+
+log = logging.getLogger(__name__)
+
+
+def _fmt(value: Any, digits: int = 4, pct: bool = False, pp: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if pct:
+        return f"{100 * value:+.1f}%"
+    if pp:  # a distance between two percentages: percentage points
+        return f"{100 * value:+.1f} pp"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("pass" if ok else "fail")
+
+
+def _claim(hyp: dict[str, Any]) -> str:
+    if hyp["comparison"] == "joint":
+        need = "any arm" if hyp["require"] == "any" else "every arm"
+        return f"one arm passes {' and '.join(hyp['of'])} together ({need})"
+    lhs = {
+        "relative_change": f"{hyp['metric']} (arm / baseline - 1)",
+        "difference": f"{hyp['metric']} (arm - baseline)",
+        "value": hyp["metric"],
+    }[hyp["comparison"]]
+    pct = hyp["comparison"] == "relative_change"
+    need = "any arm passing suffices" if hyp["require"] == "any" else "every arm must pass"
+    return f"{lhs} {hyp['op']} {_fmt(hyp['threshold'], pct=pct)}; {need}"
+
+
+def render_markdown(
+    spec: Prereg,
+    lock_record: dict[str, Any],
+    records: Sequence[dict[str, Any]],
+    hypotheses: Sequence[dict[str, Any]],
+    figures: Sequence[str],
+) -> str:
+    """The report: provenance, the verdicts, one table per hypothesis, the runs, the figures."""
+    a = spec.analysis
+    done = [r for r in records if r.get("status") == "done"]
+    lines = [
+        f"# Pre-registered study: {spec.title}",
+        "",
+        f"- Study `{spec.study}`, file `{spec.path.name}`, sha256 `{lock_record['sha256']}`",
+        f"- Locked at {lock_record.get('locked_at')} (git commit "
+        f"`{lock_record.get('git_commit')}`); the file matches its lock.",
+        f"- Runs: {len(done)} of {len(records)} finished and evaluated "
+        f"({len(spec.arms)} arms x {len(spec.seeds)} seeds).",
+        f"- Evaluation: final checkpoint, {a.eval_batches} validation batches; cache replay "
+        f"with the first {a.warmup:.0%} of each layer's requests as warm-up (not counted); "
+        f"seeds paired with the baseline, mean and {a.confidence:.0%} t interval; "
+        f"decision rule: {a.decision}"
+        + (
+            f"; with {len(spec.seeds)} seeds the interval is mean +- "
+            f"{t_quantile(0.5 + a.confidence / 2, len(spec.seeds) - 1):.2f} x sd / sqrt(n)."
+            if len(spec.seeds) > 1
+            else "."
+        ),
+        "",
+    ]
+    if spec.question:
+        lines += [f"Question: {spec.question}", ""]
+    lines += ["## Runs as registered", "", f"Shared: `{' '.join(spec.base_overrides)}`", ""]
+    lines += ["| arm | overrides |", "|---|---|"]
+    lines += [f"| {arm} | `{' '.join(ov)}` |" for arm, ov in spec.arms.items()]
+    lines += ["", f"Seeds: {', '.join(map(str, spec.seeds))}; baseline: {spec.baseline}.", ""]
+    lines += ["## Verdicts", "", "| id | hypothesis | verdict |", "|---|---|---|"]
+    lines += [f"| {h['id']} | {h['statement']} | **{h['verdict']}** |" for h in hypotheses]
+    lines.append("")
+    for h in hypotheses:
+        lines += [
+            f"## {h['id']}: {h['verdict']}",
+            "",
+            h["statement"],
+            "",
+            f"Test: {_claim(h)}.",
+            "",
+        ]
+        if h["comparison"] == "joint":
+            lines += ["| arm | " + " | ".join(h["of"]) + " | min margin | pass |"]
+            lines += ["|---|" + "---|" * len(h["of"]) + "---|---|"]
+            for row in h["rows"]:
+                parts = " | ".join(_verdict(row["parts"][ref]) for ref in h["of"])
+                lines.append(
+                    f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {_verdict(row['pass'])} |"
+                )
+            lines.append("")
+            continue
+        pct = h["comparison"] == "relative_change"
+        lines += [
+            "| arm | seeds | baseline mean | arm mean | estimate | CI | threshold | margin "
+            "| CI says | pass |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in h["rows"]:
+            ci = row.get("ci", [None, None])
+            lines.append(
+                f"| {row['arm']} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
+                f"{_fmt(row.get('arm_mean'))} | {_fmt(row['estimate'], pct=pct)} | "
+                f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
+                f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
+                f"{row.get('ci_verdict', 'n/a')} | **{_verdict(row['pass'])}** |"
+            )
+        lines.append("")
+    metrics = ["perplexity"] + [f"{p}/cap{c}/hit_rate" for p in a.policies for c in a.capacities]
+    lines += ["## Per-run results", "", "| run | status | " + " | ".join(metrics) + " |"]
+    lines.append("|---|---|" + "---|" * len(metrics))
+    for r in records:
+        vals = [_fmt(r.get("metrics", {}).get(m)) for m in metrics]
+        lines.append(f"| {r['run']} | {r['status']} | " + " | ".join(vals) + " |")
+    lines.append("")
+    if figures:
+        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def _arm_colors(arms: Sequence[str]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {arm: cmap(i % 10) for i, arm in enumerate(arms)}
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_scatter(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Hit rate (each policy) vs validation perplexity: one point per run, one colour per arm."""
+    a = spec.analysis
+    done = [r for r in records if r.get("status") == "done"]
+    if not done:
+        return None
+    cap = a.scatter_capacity or a.capacities[min(1, len(a.capacities) - 1)]
+    colors = _arm_colors(list(spec.arms))
+    fig = _figure(4.2 * len(a.policies), 3.8)
+    for i, policy in enumerate(a.policies):
+        ax = fig.add_subplot(1, len(a.policies), i + 1)
+        for arm in spec.arms:
+            pts = [r for r in done if r["arm"] == arm]
+            if pts:
+                ax.scatter(
+                    [r["metrics"]["perplexity"] for r in pts],
+                    [r["metrics"][f"{policy}/cap{cap}/hit_rate"] for r in pts],
+                    color=colors[arm],
+                    label=arm,
+                    s=36,
+                )
+        base = [r["metrics"]["perplexity"] for r in done if r["arm"] == spec.baseline]
+        if base:
+            budget = sum(base) / len(base) * 1.01
+            ax.axvline(budget, color="grey", ls="--", lw=1, label="baseline +1% ppl")
+        ax.set_xlabel("validation perplexity")
+        ax.set_ylabel(f"{policy} hit rate, capacity {cap}")
+        ax.set_title(f"{policy} cache, {cap} slots/layer")
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "hit_rate_vs_perplexity.png"
+    fig.savefig(path)
+    return path
+
+
+def plot_capacity(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Hit rate vs capacity per policy: the mean over seeds of each arm, a bar for min..max."""
+    a = spec.analysis
+    done = [r for r in records if r.get("status") == "done"]
+    if not done:
+        return None
+    colors = _arm_colors(list(spec.arms))
+    fig = _figure(4.2 * len(a.policies), 3.8)
+    for i, policy in enumerate(a.policies):
+        ax = fig.add_subplot(1, len(a.policies), i + 1)
+        for arm in spec.arms:
+            pts = [r for r in done if r["arm"] == arm]
+            if not pts:
+                continue
+            ys = [[r["metrics"][f"{policy}/cap{c}/hit_rate"] for r in pts] for c in a.capacities]
+            mean = [sum(y) / len(y) for y in ys]
+            low = [m - min(y) for m, y in zip(mean, ys, strict=True)]
+            high = [max(y) - m for m, y in zip(mean, ys, strict=True)]
+            ax.errorbar(
+                a.capacities,
+                mean,
+                yerr=[low, high],
+                color=colors[arm],
+                marker="o",
+                capsize=3,
+                label=arm,
+            )
+        ax.set_xlabel("cache capacity (experts per layer)")
+        ax.set_ylabel("hit rate")
+        ax.set_title(f"{policy}")
+        ax.set_xticks(list(a.capacities))
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "hit_rate_vs_capacity.png"
+    fig.savefig(path)
+    return path
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def analyze(
+    path: Path | str,
+    out_dir: Path | str | None = None,
+    report_dir: Path | str | None = None,
+    *,
+    evaluate: bool = True,
+) -> Path:
+    """Check the lock, evaluate every finished run, write the report; returns report.md.
+
+    ``out_dir`` is the study directory given to ``run``; the report goes to ``report_dir``
+    (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
+    hit_rate_vs_capacity.png. Missing runs are listed and make hypotheses "incomplete".
+    """
+    record = verify(path)
+    spec = load(path)
+    root = Path(out_dir) if out_dir else default_out_dir(spec)
+    report = Path(report_dir) if report_dir else root / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    records = collect(spec, root, evaluate=evaluate)
+    hypotheses = evaluate_hypotheses(spec, records)
+    figures = [
+        p.name
+        for p in (plot_scatter(spec, records, report), plot_capacity(spec, records, report))
+        if p is not None
+    ]
+    results = {
+        "study": spec.study,
+        "lock": record,
+        "analysis": dataclasses.asdict(spec.analysis),
+        "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hypotheses": hypotheses,
+        "runs": [
+            {k: v for k, v in r.items() if k not in ("run_dir", "checkpoint", "analysis_key")}
+            for r in records
+        ],
+    }
+    (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    md = report / "report.md"
+    md.write_text(render_markdown(spec, record, records, hypotheses, figures))
+    log.info("report: %s", md)
+    return md

@@ -1,0 +1,98 @@
+"""The resumable runner: plan the arm x seed grid and train every unfinished run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moestack.config import TrainConfig
+from moestack.errors import MoestackError
+from moestack.prereg.compose import compose_config
+from moestack.prereg.locking import verify
+from moestack.prereg.spec import Prereg, RunSpec, load
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
+
+
+def default_out_dir(spec: Prereg) -> Path:
+    return Path("runs") / "prereg" / spec.study
+
+
+def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
+    """Every run of the grid, seed by seed (each seed's arms in file order), so that a study
+    cut short still holds complete seeds: paired comparisons need every arm of a seed."""
+    root = Path(out_dir) if out_dir else default_out_dir(spec)
+    return [
+        RunSpec(arm, seed, root / "runs" / f"{arm}-s{seed}", tuple(spec.overrides(arm, seed)))
+        for seed in spec.seeds
+        for arm in spec.arms
+    ]
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / SUMMARY_FILE).is_file()
+
+
+def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
+    """moestack.train.train, imported late: torch loads only when a run trains."""
+    from moestack.train import train
+
+    return train(cfg, out_dir)
+
+
+def run(
+    path: Path | str,
+    out_dir: Path | str | None = None,
+    *,
+    train_fn: Callable[[TrainConfig, Path], dict[str, Any]] | None = None,
+    progress: bool = True,
+) -> list[Path]:
+    """Train every run of the locked study that has not finished; returns all run dirs.
+
+    A run with ``summary.json`` is skipped; one with a checkpoint resumes from it
+    (``resume=true``, same out_dir). ``train_fn`` replaces ``moestack.train.train``.
+    """
+    from moestack import checkpoint
+
+    verify(path)
+    spec = load(path)
+    runs = plan(spec, out_dir)
+    train_fn = train_fn or _train
+    todo = [r for r in runs if not is_finished(r.run_dir)]
+    log.info(
+        "study %s: %d runs, %d finished, %d to train", spec.study, len(runs), len(runs) - len(todo),
+        len(todo),
+    )  # fmt: skip
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=spec.study, unit="run")
+    try:
+        for item in todo:
+            resume = checkpoint.latest_checkpoint(item.run_dir / "checkpoints") is not None
+            overrides = [
+                *item.overrides,
+                f"out_dir={item.run_dir}",
+                f"resume={str(resume).lower()}",
+            ]
+            cfg = compose_config(overrides)
+            item.run_dir.mkdir(parents=True, exist_ok=True)
+            (item.run_dir / "prereg_overrides.json").write_text(json.dumps(overrides, indent=2))
+            log.info("%s: %s %s", item.name, "resuming" if resume else "training", item.run_dir)
+            if bar is not None:
+                bar.set_postfix_str(item.name)
+            train_fn(cfg, item.run_dir)
+            if not is_finished(item.run_dir):
+                raise MoestackError(f"{item.name}: training ended without {SUMMARY_FILE}")
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return [r.run_dir for r in runs]
