@@ -259,7 +259,7 @@ class ExpertStore:
         cls,
         model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
         path: str | os.PathLike[str],
-        layout: str = "per_layer",
+        layout: str = "per_expert",  # cold loads: 97% of a sequential read vs 72-76% per layer
         *,
         model_cfg: ModelConfig | None = None,
         meta: Mapping[str, Any] | None = None,
@@ -586,7 +586,7 @@ def open_or_write_store(
     model_cfg: ModelConfig,
     *,
     source: str = "",
-    layout: str = "per_layer",
+    layout: str = "per_expert",
 ) -> ExpertStore:
     """The store at ``path`` if it is valid and was written from ``source``; else (re)write it.
 

@@ -20,7 +20,7 @@ from moestack.telemetry import RoutingTrace, simulate
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     path = tmp_path_factory.mktemp("cache") / "store"
-    return ExpertStore.write(tiny_model(), path)
+    return ExpertStore.write(tiny_model(), path, layout="per_layer")
 
 
 def _skewed(n: int, num_experts: int = 8, seed: int = 0) -> list[int]:

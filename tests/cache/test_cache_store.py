@@ -125,7 +125,7 @@ def test_existing_path_needs_overwrite(tmp_path):
 
 
 def test_truncated_file(tmp_path):
-    ExpertStore.write(tiny_model(), tmp_path / "s")
+    ExpertStore.write(tiny_model(), tmp_path / "s", layout="per_layer")
     file = tmp_path / "s" / "layer_001.safetensors"
     data = file.read_bytes()
     file.write_bytes(data[:-100])
@@ -134,7 +134,7 @@ def test_truncated_file(tmp_path):
 
 
 def test_corrupt_header(tmp_path):
-    ExpertStore.write(tiny_model(), tmp_path / "s")
+    ExpertStore.write(tiny_model(), tmp_path / "s", layout="per_layer")
     file = tmp_path / "s" / "layer_000.safetensors"
     data = bytearray(file.read_bytes())
     data[8:12] = b"#!#!"  # the JSON header's first bytes, same size
