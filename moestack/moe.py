@@ -55,13 +55,12 @@ def grouped_mm_torch(
     """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable."""
     if x_NK.shape[0] > 0 and _grouped_mm_applies(x_NK, w_EKM):
         return torch._grouped_mm(x_NK.contiguous(), w_EKM, offs=offsets_E)
-    y_NM = x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
     parts, start = [], 0
     for e, end in enumerate(offsets_E.tolist()):
         if end > start:
             parts.append(x_NK[start:end] @ w_EKM[e])
         start = end
-    return torch.cat(parts) if parts else y_NM
+    return torch.cat(parts) if parts else x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
 
 
 def moe_experts_torch(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -180,7 +181,6 @@ def _train(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> 
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
     model.train()
-    summary: dict[str, Any] = {}
     interval_loss, interval_aux, interval_steps = 0.0, 0.0, 0
     consecutive_bad = 0
     last_metrics: dict[str, float] = {}
@@ -345,9 +345,6 @@ def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    import json
-    import os
-
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
