@@ -95,6 +95,7 @@ def _bias_update_worker(rank: int, init_file: str, result_file: str) -> None:
     gathered = [torch.empty_like(biases) for _ in range(2)]
     dist.all_gather(gathered, biases)
     assert torch.equal(gathered[0], gathered[1]), gathered
+    dist.barrier()  # neither rank tears gloo down while the other is still connected
     dist.destroy_process_group()
 
 

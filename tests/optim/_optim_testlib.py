@@ -163,4 +163,7 @@ def dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 f"{out_dir}/{config}{rank}.pt",
             )
     finally:
+        # Both ranks reach here before either tears gloo down: a rank that destroys its group
+        # while the other is still connected can abort it ("terminate called ...").
+        dist.barrier()
         dist.destroy_process_group()
