@@ -126,6 +126,9 @@ class OptimConfig:
     overlap: bool = True  # offload_adamw: overlap host copies with compute
     skip_idle_experts: bool = False  # offload_adamw: skip experts that got no tokens
     moment_dtype: str = "float32"  # offload_adamw: "float32" or "bfloat16" host moments
+    # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
+    # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
+    param_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check(
@@ -146,6 +149,10 @@ class OptimConfig:
         _check(
             self.moment_dtype in ("float32", "bfloat16"),
             f"optim.moment_dtype={self.moment_dtype!r}; use 'float32' or 'bfloat16'",
+        )
+        _check(
+            self.param_dtype in ("auto", "float32", "bfloat16"),
+            f"optim.param_dtype={self.param_dtype!r}; use 'auto', 'float32' or 'bfloat16'",
         )
 
 

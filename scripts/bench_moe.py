@@ -5,7 +5,9 @@ on the same weights, with its eager experts (a loop over experts) and with its g
 experts. GPU: moestack triton and torch impls, a loop over experts, and megablocks when
 installed, at Mixtral-, Qwen3-30B- and OLMoE-like shapes in bf16, with TFLOP/s counting useful
 FLOPs only, the fraction of the dense bf16 matmul rate measured in the same run, and peak
-memory. Ratios are against the first contender. Prints a table; --json writes it.
+memory; forward+backward, and the forward alone (no grad). Ratios are against the first
+contender. On a GPU it ends with the issue-3 targets, each marked met or missed. Prints a
+table; --json writes it.
 
     python scripts/bench_moe.py                       # CPU defaults
     python scripts/bench_moe.py --json bench.json     # also write JSON
@@ -49,6 +51,9 @@ class Result:
     peak_mib: float
     ratio: float = 1.0  # time of the first contender / this time (higher = faster)
     dense_fraction: float = 0.0
+    fwd_ms: float = 0.0  # the forward alone, under torch.no_grad()
+    fwd_tflops: float = 0.0
+    fwd_dense_fraction: float = 0.0
 
 
 def useful_flops(tokens: int, top_k: int, d_model: int, d_ff: int, backward: bool = True) -> float:
@@ -89,6 +94,14 @@ def qwen3_block(
     block = Qwen3MoeSparseMoeBlock(cfg)
     block.experts.config._experts_implementation = impl
     return block
+
+
+def fwd_only(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        with torch.no_grad():
+            module(x)
+
+    return run
 
 
 def fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
@@ -150,11 +163,15 @@ def bench_shape(
             torch.cuda.reset_peak_memory_stats()
         try:
             ms = time_fn(fwd_bwd(module, x, grad), device, args.warmup, args.repeats)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+            fwd_ms = time_fn(fwd_only(module, x), device, args.warmup, args.repeats)
         except Exception as err:  # one contender failing must not hide the others
-            print(f"{name} {contender}: failed: {err}")
+            print(f"{name} {contender}: failed: {type(err).__name__}: {err}")
             continue
-        peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
-        results.append(Result(name, contender, ms, flops / ms / 1e9, peak))
+        fwd_flops = useful_flops(tokens, top_k, d_model, d_ff, backward=False)
+        row = Result(name, contender, ms, flops / ms / 1e9, peak)
+        row.fwd_ms, row.fwd_tflops = fwd_ms, fwd_flops / fwd_ms / 1e9
+        results.append(row)
     for r in results:
         r.ratio = results[0].ms / r.ms
     return results
@@ -192,6 +209,38 @@ def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, args) -> float
     return 2 * n**3 / ms / 1e9
 
 
+def issue3_targets(results: list[Result]) -> list[dict]:
+    """Each target of issue 3 at each shape: the measured value and whether it is met."""
+    by = {(r.shape, r.contender): r for r in results}
+    out = []
+    for shape in sorted({r.shape for r in results}):
+        ours, torch_path = by.get((shape, "moestack-triton")), by.get((shape, "moestack-torch"))
+        if ours is None or torch_path is None:
+            continue
+        speedup = torch_path.ms / ours.ms
+        need = 1.0 if shape.startswith("mixtral") else 1.2
+        out.append(
+            {
+                "what": f"{shape} fwd+bwd speed-up over torch (>= {need})",
+                "value": speedup,
+                "met": speedup >= need,
+            }
+        )
+        memory = ours.peak_mib / torch_path.peak_mib
+        out.append(
+            {"what": f"{shape} peak memory / torch's (<= 1)", "value": memory, "met": memory <= 1}
+        )
+        if shape.startswith("mixtral"):
+            out.append(
+                {
+                    "what": f"{shape} forward, fraction of dense bf16 (>= 0.6)",
+                    "value": ours.fwd_dense_fraction,
+                    "met": ours.fwd_dense_fraction >= 0.6,
+                }
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -219,6 +268,7 @@ def main() -> None:
         rows = bench_shape(*shape, device, dtype, args)
         for r in rows:
             r.dense_fraction = r.tflops / dense
+            r.fwd_dense_fraction = r.fwd_tflops / dense
         results += rows
 
     machine = (
@@ -230,14 +280,23 @@ def main() -> None:
         f"device: {machine}, dtype: {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
     print(f"dense {dtype} matmul: {dense:.2f} TFLOP/s")
-    header = f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} {'of dense':>8} {'peak MiB':>9}"
+    header = (
+        f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} "
+        f"{'of dense':>8} {'peak MiB':>9} {'fwd ms':>8} {'fwd dense':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
             f"{r.shape:<14} {r.contender:<24} {r.ms:>9.2f} {r.tflops:>8.3f} {r.ratio:>8.2f} "
-            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f}"
+            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f} {r.fwd_ms:>8.2f} "
+            f"{r.fwd_dense_fraction:>9.1%}"
         )
+    targets = issue3_targets(results) if device.type == "cuda" else []
+    if targets:
+        print("\nissue-3 targets (triton against torch._grouped_mm, same run):")
+        for t in targets:
+            print(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']:.3f}")
     if args.json:
         payload = {
             "device": machine,
@@ -245,6 +304,7 @@ def main() -> None:
             "torch": torch.__version__,
             "dense_tflops": dense,
             "results": [r.__dict__ for r in results],
+            "targets": targets,
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)

@@ -7,7 +7,12 @@ Measures, in one process:
      on the CPU, same tensors and thread count;
   3. bf16 host moments: moment bytes and parameter drift against fp32 torch AdamW after N steps;
   4. skip_idle_experts: drift of an expert idle half of the steps against dense AdamW;
-  5. on a GPU (when present): step time with offload against torch AdamW on the device.
+  5. on a GPU (when present): optimizer step time with offload against torch AdamW on the
+     device;
+  6. a whole training step (forward, backward, clip, optimizer) of an MoE transformer with
+     OffloadAdamW (bf16 device weights, fp32 state on the host) against fused torch AdamW
+     on the device (fp32 weights under bf16 autocast): time and peak device memory. On a GPU
+     the model is the 137M-parameter m137 config; on the CPU a tiny one (a dry run of the code).
 
     python scripts/bench_optim.py [--params 8e6] [--experts 8] [--reps 10] [--json out.json]
 """
@@ -15,6 +20,7 @@ Measures, in one process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -22,7 +28,9 @@ from typing import Any
 
 import torch
 
-from moestack.optim import OffloadAdamW
+from moestack.config import ModelConfig, MoEConfig, OptimConfig
+from moestack.model import MoETransformer
+from moestack.optim import OffloadAdamW, build_optimizer, clip_grad_norm, device_param_dtype
 
 
 def make_params(
@@ -207,6 +215,71 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
     return out
 
 
+def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
+    """Whole training steps, OffloadAdamW against torch AdamW, as moestack.train runs them."""
+    if device.type == "cuda":  # configs/model/m137.yaml: 137M parameters, 64 experts top-8
+        model_cfg = ModelConfig(
+            d_model=384, n_layers=8, n_heads=6, max_seq_len=1024, moe=MoEConfig(64, 8, 224, impl)
+        )
+        batch, seq = 16, 1024
+    else:  # a dry run of the same code, small enough for a CPU
+        model_cfg = ModelConfig(
+            d_model=64, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 64, impl)
+        )
+        batch, seq = 4, 64
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
+    out: dict[str, Any] = {"device": str(device), "tokens_per_step": batch * seq, "impl": impl}
+    for name in ("adamw", "offload_adamw"):
+        cfg = OptimConfig(name=name, lr=1e-3)
+        torch.manual_seed(0)
+        model = MoETransformer(model_cfg).to(device)
+        dtype = device_param_dtype(cfg, device)
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        opt = build_optimizer(model, cfg)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+
+        def step(model=model, opt=opt, autocast=autocast) -> float:
+            with autocast:
+                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+            loss.backward()
+            clip_grad_norm(model, opt, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        losses = [step(), step()]  # warm-up: lazy state, kernel compilation
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            losses.append(step())  # float(loss) synchronises with the device
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        numel = sum(p.numel() for p in model.parameters())
+        out["params"] = numel
+        out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_param_dtype"] = str(dtype).removeprefix("torch.")
+        out[f"{name}_loss_first_last"] = [losses[0], losses[-1]]
+        if device.type == "cuda":
+            out[f"{name}_peak_device_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+        del model, opt
+    out["offload_vs_adamw_step_time"] = out["offload_adamw_step_ms"] / out["adamw_step_ms"]
+    if device.type == "cuda":
+        out["offload_vs_adamw_peak_memory"] = (
+            out["offload_adamw_peak_device_MiB"] / out["adamw_peak_device_MiB"]
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=8e6, help="parameters per measurement")
@@ -215,16 +288,30 @@ def main() -> None:
     ap.add_argument("--drift-steps", type=int, default=200, help="steps for drift figures")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated sections to run (memory,throughput,drift,gpu,train_step)",
+    )
+    ap.add_argument("--train-impl", default="torch", help="MoE impl of the train-step model")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {
-        "torch": torch.__version__,
-        "memory": memory(args.params, args.experts),
-        "throughput": throughput(args.params, args.experts, args.reps),
-        "drift": drift(args.drift_steps, args.experts),
-        "gpu": gpu_step_time(args.params, args.experts, args.reps),
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sections = {
+        "memory": lambda: memory(args.params, args.experts),
+        "throughput": lambda: throughput(args.params, args.experts, args.reps),
+        "drift": lambda: drift(args.drift_steps, args.experts),
+        "gpu": lambda: gpu_step_time(args.params, args.experts, args.reps),
+        "train_step": lambda: train_step_time(device, args.reps, args.train_impl),
     }
+    wanted = [w for w in args.only.split(",") if w] or list(sections)
+    unknown = sorted(set(wanted) - set(sections))
+    if unknown:
+        ap.error(f"--only: unknown section(s) {unknown}; choose from {list(sections)}")
+    results: dict[str, Any] = {"torch": torch.__version__}
+    for name in wanted:
+        results[name] = sections[name]()
     for section, rows in results.items():
         if not isinstance(rows, dict):
             print(f"{section}: {rows}")

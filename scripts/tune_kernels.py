@@ -95,10 +95,17 @@ def main(argv: list[str] | None = None) -> int:
             "tuning %s: E=%d k=%d D=%d F=%d tokens=%d %s", name, E, k, D, F, args.tokens, dtype
         )
         tune_shape(E, k, D, F, args.tokens, dtype)
+        save(args.out)  # after every shape: a run stopped part-way keeps what it measured
+    return 0
+
+
+def save(out: Path) -> None:
+    """Merge the autotune cache into the table at ``out`` (atomically: temp file, rename)."""
+    from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
     found = tuning.export_cache().get(gpu, {})
-    table = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    table = json.loads(out.read_text()) if out.is_file() else {}
     table.setdefault("format", tuning.TABLE_FORMAT)
     table.setdefault("gpus", {}).setdefault(gpu, {}).update(found)
     table["gpus"][gpu] = dict(sorted(table["gpus"][gpu].items()))
@@ -113,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         "Tile configs measured by scripts/tune_kernels.py, keyed by "
         "torch.cuda.get_device_name(); GPUs or shapes not listed autotune on first use."
     )
-    args.out.write_text(json.dumps(table, indent=2) + "\n")
-    log.info("wrote %d configs for %s to %s", len(found), gpu, args.out)
-    return 0
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=2) + "\n")
+    tmp.replace(out)
+    log.info("wrote %d configs for %s to %s", len(found), gpu, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,17 @@
 """Optimizers: OffloadAdamW (host-resident, sharded AdamW state) and the config factory."""
 
-from moestack.optim.factory import build_optimizer, clip_grad_norm, param_groups
+from moestack.optim.factory import (
+    build_optimizer,
+    clip_grad_norm,
+    device_param_dtype,
+    param_groups,
+)
 from moestack.optim.offload import OffloadAdamW
 
-__all__ = ["OffloadAdamW", "build_optimizer", "clip_grad_norm", "param_groups"]
+__all__ = [
+    "OffloadAdamW",
+    "build_optimizer",
+    "clip_grad_norm",
+    "device_param_dtype",
+    "param_groups",
+]

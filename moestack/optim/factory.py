@@ -59,6 +59,27 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")
 
 
+def device_param_dtype(cfg: Any, device: torch.device) -> torch.dtype:
+    """The dtype the model's weights (and so gradients) take on ``device`` (``cfg.param_dtype``).
+
+    ``"auto"``: bfloat16 for ``offload_adamw`` on CUDA, where the fp32 master weights live in
+    host memory, so the device holds 4 bytes per parameter (weights and gradients); float32
+    otherwise (torch AdamW keeps the parameters as its master copy).
+    """
+    name = getattr(cfg, "param_dtype", "auto")
+    if name == "auto":
+        offloaded = cfg.name == "offload_adamw" and device.type == "cuda"
+        return torch.bfloat16 if offloaded else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"optim.param_dtype={name!r}; use 'auto', 'float32' or 'bfloat16'")
+    if name == "bfloat16" and cfg.name == "adamw":
+        log.warning(
+            "optim.param_dtype=bfloat16 with adamw trains without an fp32 master copy; "
+            "use optim=offload_adamw for bf16 device weights with fp32 master weights"
+        )
+    return getattr(torch, name)
+
+
 def clip_grad_norm(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
 ) -> float:

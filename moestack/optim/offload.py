@@ -20,6 +20,10 @@ weights and moments of its shard only. One step:
 3. The updated master weights are all-gathered and copied back into the parameters (on CUDA
    on a side stream; the compute stream waits on an event, the host does not).
 
+On CUDA, 16-bit parameters and gradients change dtype on the device, through one fp32
+scratch of at most 64 MiB: the host only runs the AdamW step. Training keeps bf16 weights on
+the device with this optimizer (``optim.param_dtype``), 4 bytes per parameter with gradients.
+
 On a CPU-only machine without ``torch.distributed`` and with fp32 parameters, host and
 device are the same memory, so the optimizer steps the parameters in place and keeps no
 separate master copy (``in_place`` is then True); otherwise a separate fp32 master copy is
@@ -60,6 +64,9 @@ FORMAT = "moestack.optim.OffloadAdamW"
 FORMAT_VERSION = 1
 DEFAULT_EXPERT_PATTERN = r"(^|\.)w[12]$"
 _BF16_CHUNK = 1 << 21  # elements per fp32 scratch slice when moments are stored in bf16
+# Elements per device-side dtype conversion between 16-bit device tensors and the fp32 host
+# buffers: the device holds one fp32 scratch of at most this size (64 MiB).
+_XFER_CHUNK = 1 << 24
 
 
 @dataclass
@@ -201,7 +208,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._active = [False] * len(self._params)
         self._hooks: list[Any] = []
         self._hooked = [False] * len(self._params)
-        self._side = torch.cuda.Stream() if (self._cuda and self.overlap) else None
+        cuda_devs = [p.device for p in self._params if p.is_cuda]
+        self._side = (
+            torch.cuda.Stream(device=cuda_devs[0]) if (cuda_devs and self.overlap) else None
+        )
+        self._xfer_scratch: dict[torch.device, Tensor] = {}  # see _to_host / _to_device
         if self._side is not None and not self.in_place:
             for p in self._params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -359,8 +370,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             flat = grad.view(-1)
             for s in self._segs_of[i]:
                 base = s.shard * self._S + s.off if self.num_shards > 1 else s.off
-                self._comm[base : base + s.numel].copy_(
-                    flat[s.start : s.start + s.numel], non_blocking=True
+                self._to_host(
+                    self._comm[base : base + s.numel],
+                    flat[s.start : s.start + s.numel],
+                    non_blocking=True,
                 )
             grad.record_stream(self._side)
         self._hooked[i] = True
@@ -388,7 +401,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     if flat is None:
                         dst.zero_()
                     else:
-                        dst.copy_(flat[s.start : s.start + s.numel])
+                        self._to_host(dst, flat[s.start : s.start + s.numel], non_blocking=False)
             self._hooked = [False] * len(self._params)
             if self._dist:
                 if self.num_shards > 1:
@@ -556,7 +569,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             src, stride = self._master, 0
         idle_segs = self._idle_param_ranges() if self._idle and self.num_shards == 1 else None
         if self._side is not None:  # the compute stream may still read the old weights
-            self._side.wait_stream(torch.cuda.current_stream())
+            self._side.wait_stream(torch.cuda.current_stream(self._side.device))
         ctx = torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
         with ctx:
             for s in self._segments:
@@ -568,15 +581,17 @@ class OffloadAdamW(torch.optim.Optimizer):
                 if idle_segs is not None and idle_segs.get(s.pidx):
                     self._copy_skipping(flat, src, s, base, idle_segs[s.pidx])
                     continue
-                flat[s.start : s.start + s.numel].copy_(
-                    src[base : base + s.numel], non_blocking=self._side is not None
+                self._to_device(
+                    flat[s.start : s.start + s.numel],
+                    src[base : base + s.numel],
+                    non_blocking=self._side is not None,
                 )
         if self._side is not None:
             event = torch.cuda.Event()
             event.record(self._side)
             # The compute stream waits, the host does not: the next step synchronises the side
             # stream before it touches the host buffers again.
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self._side.device).wait_event(event)
 
     def _idle_param_ranges(self) -> dict[int, list[tuple[int, int]]]:
         out: dict[int, list[tuple[int, int]]] = {}
@@ -596,9 +611,56 @@ class OffloadAdamW(torch.optim.Optimizer):
                 continue
             if s.start <= u.start < s.start + s.numel:
                 a = base + (u.start - s.start)
-                flat[u.start : u.start + u.numel].copy_(
-                    src[a : a + u.numel], non_blocking=self._side is not None
+                self._to_device(
+                    flat[u.start : u.start + u.numel],
+                    src[a : a + u.numel],
+                    non_blocking=self._side is not None,
                 )
+
+    # ------------------------------------------------------------------- host <-> device
+
+    def _scratch(self, device: torch.device) -> Tensor:
+        """The fp32 device scratch through which 16-bit tensors change dtype on the device."""
+        buf = self._xfer_scratch.get(device)
+        if buf is None:
+            largest = max(p.numel() for p in self._params if p.device == device)
+            buf = torch.empty(min(largest, _XFER_CHUNK), dtype=torch.float32, device=device)
+            self._xfer_scratch[device] = buf
+        return buf
+
+    def _to_host(self, dst: Tensor, src: Tensor, non_blocking: bool) -> None:
+        """fp32 host ``dst`` <- ``src``; a 16-bit CUDA ``src`` is widened on the device.
+
+        Why: torch widens a cross-device copy into a temporary as large as ``src``; the
+        chunked scratch bounds that device memory. Every use of the scratch is on one
+        stream (the side stream, or the current one without overlap), so reuse is ordered.
+        """
+        if src.dtype == dst.dtype or not src.is_cuda:
+            dst.copy_(src, non_blocking=non_blocking)
+            return
+        scratch = self._scratch(src.device)
+        for a in range(0, src.numel(), scratch.numel()):
+            b = min(a + scratch.numel(), src.numel())
+            tmp = scratch[: b - a]
+            tmp.copy_(src[a:b])
+            dst[a:b].copy_(tmp, non_blocking=non_blocking)
+
+    def _to_device(self, dst: Tensor, src: Tensor, non_blocking: bool) -> None:
+        """16-bit or fp32 ``dst`` <- fp32 host ``src``; narrowing runs on the device.
+
+        Why: torch narrows a host-to-device copy on the host into a pageable temporary,
+        which costs a host pass and turns the copy synchronous; here the fp32 words cross
+        PCIe from the (pinned) buffer and a device kernel narrows them.
+        """
+        if src.dtype == dst.dtype or not dst.is_cuda:
+            dst.copy_(src, non_blocking=non_blocking)
+            return
+        scratch = self._scratch(dst.device)
+        for a in range(0, src.numel(), scratch.numel()):
+            b = min(a + scratch.numel(), src.numel())
+            tmp = scratch[: b - a]
+            tmp.copy_(src[a:b], non_blocking=non_blocking)
+            dst[a:b].copy_(tmp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: clear ``.grad``; also forget host gradients not yet consumed."""

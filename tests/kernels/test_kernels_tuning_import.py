@@ -129,17 +129,26 @@ def compile_for(fn, ptr, constexprs, num_warps):
     except TypeError:  # another triton version's compiler API
         print("API-MISMATCH")
         raise SystemExit(0)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=num_warps, num_stages=3))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=3))
 
+# A launch specialises integer arguments equal to 1 into constants: contiguous tensors'
+# unit strides, given here as such, so that what compiles is what a real launch runs.
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32")
-compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, GATHER_A=True, SCATTER_C=False,
-            HAS_SCALE=False, SWIGLU=True, STORE_Z=True, BLOCK_E=128), 8)
-compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, GATHER_A=False, SCATTER_C=True,
-            HAS_SCALE=True, SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)
-compile_for(tk.grouped_wgrad_kernel, "*bf16", dict(tiles, GATHER_A=False, GATHER_B=True,
-            HAS_SCALE=True), 8)
+unit_mm = dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1)
+fwd = compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=True,
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=True, STORE_Z=True, BLOCK_E=128), 8)
+compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=False,
+            SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)
+dx = compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1,
+                 stride_cn=1, stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False,
+                 SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)  # A @ W^T: W's K is unit
+compile_for(tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1,
+            stride_cn=1, GATHER_A=False, GATHER_B=True, HAS_SCALE=True), 8)
 compile_for(tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4)
+# Software pipelining (several K tiles in flight through shared memory) is what makes the
+# main loop fast: one stage of a 128x128x64 bf16 tile pair is 32 KiB.
+print("SHARED", fwd.metadata.shared, dx.metadata.shared)
 print("COMPILED")
 """
 
@@ -153,3 +162,5 @@ def test_kernels_compile_for_sm90():
     if "COMPILED" not in out.stdout and ("ptxas" in out.stderr and "not found" in out.stderr):
         pytest.skip("no ptxas in this triton install")
     assert "COMPILED" in out.stdout, out.stderr[-3000:]
+    shared = [int(v) for v in out.stdout.split("SHARED", 1)[1].split()[:2]]
+    assert min(shared) > 32 * 1024, f"main loops not pipelined: shared memory {shared} bytes"

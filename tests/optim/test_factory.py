@@ -7,7 +7,7 @@ import torch
 from _optim_testlib import TinyMoE, micro_step
 
 from moestack.config import OptimConfig
-from moestack.optim import OffloadAdamW, build_optimizer, clip_grad_norm
+from moestack.optim import OffloadAdamW, build_optimizer, clip_grad_norm, device_param_dtype
 
 
 def _decay_by_name(opt: torch.optim.Optimizer) -> dict[str, float]:
@@ -44,3 +44,23 @@ def test_clip_grad_norm_matches_torch(name: str) -> None:
     got = clip_grad_norm(model, opt, 0.01)
     assert isinstance(got, float)
     assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "param_dtype", "device", "expected"),
+    [
+        ("offload_adamw", "auto", "cuda", torch.bfloat16),  # master weights on the host
+        ("offload_adamw", "auto", "cpu", torch.float32),
+        ("adamw", "auto", "cuda", torch.float32),  # the parameters are AdamW's master copy
+        ("offload_adamw", "float32", "cuda", torch.float32),
+        ("adamw", "bfloat16", "cpu", torch.bfloat16),
+    ],
+)
+def test_device_param_dtype(name: str, param_dtype: str, device: str, expected) -> None:
+    cfg = OptimConfig(name=name, param_dtype=param_dtype)
+    assert device_param_dtype(cfg, torch.device(device)) == expected
+
+
+def test_bad_param_dtype_names_the_field() -> None:
+    with pytest.raises(ValueError, match="optim.param_dtype='fp8'"):
+        OptimConfig(param_dtype="fp8")

@@ -1,0 +1,176 @@
+"""OffloadAdamW with parameters on a device: against torch.optim.AdamW, every step.
+
+On CUDA this exercises the overlap path (gradient copies started by post-accumulate-grad
+hooks on a side stream, weights returned on the side stream, dtype changes on the device,
+pinned host buffers). The same checks run on the CPU, so the test logic itself is exercised
+on machines without a GPU (there the fp32 case steps in place and bf16 keeps a master copy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestack.optim import OffloadAdamW
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SHAPES = {  # stacked experts are split per expert by the optimizer (name pattern .w1/.w2)
+    "layers.0.moe.w1": (4, 24, 40),
+    "layers.0.moe.w2": (4, 40, 24),
+    "layers.0.attn.weight": (40, 24),
+    "layers.0.norm.weight": (24,),
+}
+IDLE_EXPERT, IDLE_STEP = 1, 3  # expert 1 of w1 gets an exactly zero gradient at step 3
+STEPS, ACCUM, MAX_NORM = 8, 2, 2.0
+
+
+def make_params(device: str, dtype: torch.dtype) -> dict[str, torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        n: torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(device, dtype))
+        for n, s in SHAPES.items()
+    }
+
+
+def coefficients(step: int, micro: int) -> dict[str, torch.Tensor]:
+    """Random loss coefficients: the gradient of sum(p * c) is c, bf16-exact."""
+    g = torch.Generator().manual_seed(100 * step + micro)
+    out = {n: torch.randn(s, generator=g).bfloat16().float() for n, s in SHAPES.items()}
+    if step == IDLE_STEP:
+        out["layers.0.moe.w1"][IDLE_EXPERT] = 0.0
+    return out
+
+
+def backward(params: dict[str, torch.nn.Parameter], step: int) -> None:
+    """ACCUM micro-batches whose gradients accumulate in .grad (hooks fire on each)."""
+    for micro in range(ACCUM):
+        c = coefficients(step, micro)
+        loss = sum((p.float() * c[n].to(p.device)).sum() for n, p in params.items())
+        loss.backward()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12))
+
+
+def ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units of b's bf16 spacing (2**-7 relative, 8 mantissa bits)."""
+    spacing = b.double().abs().clamp_min(1e-30) * 2.0**-7
+    return float(((a.double() - b.double()).abs() / spacing).max())
+
+
+def lr_lambda(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype) -> None:
+    params = make_params(device, dtype)
+    ref = {n: torch.nn.Parameter(p.detach().float().cpu()) for n, p in params.items()}
+    opt = OffloadAdamW(list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(
+        list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(params, step)
+        if device == "cuda":  # the copies to the host started inside backward
+            assert all(opt._hooked), "post-accumulate-grad hooks did not fire"
+        for n, r in ref.items():  # the reference sees the same accumulated gradients
+            r.grad = params[n].grad.float().cpu().clone()
+        norm = opt.clip_grad_norm_(MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(list(ref.values()), MAX_NORM)
+        assert abs(float(norm) - float(ref_norm)) <= 1e-5 * float(ref_norm), step
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        for n, p in params.items():  # read on the compute stream: it waits for the copy back
+            got = p.detach().cpu()
+            if dtype == torch.float32:
+                assert rel(got, ref[n].detach()) <= 1e-6, (step, n)
+            else:
+                assert ulps_bf16(got, ref[n].detach()) <= 1.0, (step, n)
+
+    state = opt.state_dict()["state"]
+    ref_state = ref_opt.state_dict()["state"]
+    for i, (n, p) in enumerate(params.items()):
+        # Stacked expert tensors are saved per expert: stack them back for the comparison.
+        keys = [f"{n}/expert{e}" for e in range(p.shape[0])] if ".moe." in n else [n]
+
+        def full(entry: str, keys: list[str] = keys) -> torch.Tensor:
+            parts = [state[k][entry] for k in keys]
+            return torch.stack(parts) if len(parts) > 1 else parts[0]
+
+        for entry in ("exp_avg", "exp_avg_sq"):
+            assert rel(full(entry), ref_state[i][entry]) <= 1e-6, (n, entry)
+        if dtype != torch.float32:  # the fp32 master copy is the reference's parameter
+            assert rel(full("master"), ref[n].detach()) <= 1e-6, n
+            assert torch.equal(p.detach().cpu(), full("master").to(dtype)), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_on_device_continues_exactly(device: str) -> None:
+    params = make_params(device, torch.bfloat16)
+    opt = OffloadAdamW(list(params.items()), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        backward(params, step)
+        opt.step()
+    saved = opt.state_dict()
+    twin = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    resumed = OffloadAdamW(list(twin.items()), lr=1e-2, weight_decay=0.1)
+    resumed.load_state_dict(saved)
+    for step in range(3, 6):
+        for ps, o in ((params, opt), (twin, resumed)):
+            o.zero_grad()
+            backward(ps, step)
+            o.step()
+    for n in params:
+        assert torch.equal(params[n].detach().cpu(), twin[n].detach().cpu()), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_and_synchronous_paths_agree() -> None:
+    results = []
+    for overlap in (True, False):
+        params = make_params("cuda", torch.bfloat16)
+        opt = OffloadAdamW(list(params.items()), lr=1e-2, weight_decay=0.1, overlap=overlap)
+        for step in range(4):
+            opt.zero_grad()
+            backward(params, step)
+            opt.step()
+        results.append({n: p.detach().cpu() for n, p in params.items()})
+    for n in SHAPES:
+        assert torch.equal(results[0][n], results[1][n]), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_keeps_only_weights_grads_and_a_bounded_scratch() -> None:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    experts, rows, cols = 8, 512, 1024  # 4M bf16 elements per expert tensor
+    params = {
+        f"layers.{i}.moe.w1": torch.nn.Parameter(
+            torch.randn(experts, rows, cols, device="cuda", dtype=torch.bfloat16)
+        )
+        for i in range(2)
+    }
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    weights_and_grads = torch.cuda.memory_allocated() - base
+    opt = OffloadAdamW(list(params.items()), lr=1e-3)
+    for _ in range(2):
+        opt.step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.memory_allocated() - base - weights_and_grads
+    scratch = 4 * min(max(p.numel() for p in params.values()), 1 << 24)
+    assert extra <= scratch + (1 << 20), f"{extra} device bytes beyond weights and grads"
+    bufs = opt.host_buffers()
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in bufs.values())
+    assert sum(t.numel() * t.element_size() for t in bufs.values()) >= 12 * sum(
+        p.numel() for p in params.values()
+    )
