@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_check.sh                  # writes under $OUT (or ./gpu_out)
 #   GPU_CHECK_SECONDS=300 bash scripts/gpu_check.sh
+#   GPU_CHECK_PHASES=bench_moe,bench_optim bash scripts/gpu_check.sh   # a rerun of some phases
 #
 # Phases (each capped at its own limit and at what is left of GPU_CHECK_SECONDS, default 500):
 #   env         GPU, driver, python/torch/triton versions; the staged package imports
@@ -42,6 +43,13 @@ cp -r "$REPO/configs" "$STAGE/moestack/configs"
 cp -r "$REPO/tests" "$REPO/scripts" "$REPO/pyproject.toml" "$STAGE/"
 cd "$STAGE" || exit 1
 export PYTHONPATH=$STAGE
+# Optional baselines carried as wheels in .whl/ (e.g. torchao, docs/kernels.md): no network,
+# no dependencies, installed beside the staged package.
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$STAGE/site" "$REPO"/.whl/*.whl >>"$LOG" 2>&1 &&
+        export PYTHONPATH=$STAGE:$STAGE/site
+fi
 # Tuning merges into a copy of the checked-in table; every later phase reads that copy.
 cp "$REPO/kernels/tuned_configs.json" "$OUT/tuned_configs.json"
 export MOESTACK_TUNED_CONFIGS=$OUT/tuned_configs.json
@@ -49,6 +57,9 @@ export MOESTACK_TUNED_CONFIGS=$OUT/tuned_configs.json
 phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, record the outcome
     local name=$1 limit=$2
     shift 2
+    if [[ -n ${GPU_CHECK_PHASES:-} && ",$GPU_CHECK_PHASES," != *",$name,"* ]]; then
+        return
+    fi
     local left=$((BUDGET - SECONDS))
     ((left < limit)) && limit=$left
     if ((limit < 10)); then
@@ -70,7 +81,8 @@ pytest_cmd=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra")
 phase env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); \
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda); \
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\"); \
-import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__)'"
+import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__); \
+import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")))'"
 MOESTACK_AUTOTUNE=0 phase gpu_tests 150 "${pytest_cmd[@]}" \
     tests/kernels/test_kernels_gpu.py tests/optim/test_offload_devices.py
 phase tune 180 "$PY" scripts/tune_kernels.py --out "$OUT/tuned_configs.json"
@@ -89,5 +101,7 @@ MOESTACK_AUTOTUNE=0 phase more_tests 120 "${pytest_cmd[@]}" \
     echo "--- bench_optim"
     sed -n '/^\[gpu\]/,/^=====/p' "$LOG" | grep -v "^=====" | head -40
     echo "--- tuned configs"
-    grep -c '"block_m"' "$OUT/tuned_configs.json" | sed 's/^/entries with block_m: /'
+    echo "configs in the table: $(grep -c '"block_m"' "$OUT/tuned_configs.json")"
 } | tee -a "$SUMMARY"
+# The exit status says whether every phase that ran passed.
+! grep -qE ": (FAILED|TIMED OUT)" "$SUMMARY"

@@ -165,3 +165,16 @@ def test_load_rejects_torch_state() -> None:
     torch_sd = torch.optim.AdamW(model.parameters()).state_dict()
     with pytest.raises(ValueError, match="format"):
         OffloadAdamW(model.named_parameters()).load_state_dict(torch_sd)
+
+
+def test_idle_check_is_exact_beyond_its_probe() -> None:
+    """The zero test probes 64 strided elements first; values between probes still count."""
+    from moestack.optim.offload import _all_zero
+
+    g = torch.zeros(1000)
+    assert _all_zero(g) and _all_zero(g[:0])
+    for value in (1e-30, -2.0, float("nan")):
+        h = g.clone()
+        h[7] = value  # 1000 // 64 = 15: element 7 is between two probes
+        assert not _all_zero(h), value
+    assert not _all_zero(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
