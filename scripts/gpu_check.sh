@@ -77,6 +77,11 @@ phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, recor
 }
 
 pytest_cmd=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra")
+# Kernel compilation, not GPU time, dominates the tests: with pytest-xdist (on the GPU image)
+# four workers compile in parallel; triton's on-disk cache is shared between them.
+if "$PY" -c "import xdist" 2>/dev/null; then
+    pytest_cmd+=(-n 4)
+fi
 
 phase env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); \
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda); \

@@ -43,9 +43,9 @@ def parse_shape(text: str) -> tuple[str, tuple[int, int, int, int]]:
     return text, parts  # type: ignore[return-value]
 
 
-def tune_shape(E: int, k: int, D: int, F: int, tokens: int, dtype: torch.dtype) -> None:
-    """Run every kernel variant once at this shape; autotuning fills the cache."""
-    from moestack.kernels import grouped_gemm, moe_experts
+def tune_moe(E: int, k: int, D: int, F: int, tokens: int, dtype: torch.dtype) -> None:
+    """Run the MoE layer's kernel variants once at this shape; autotuning fills the cache."""
+    from moestack.kernels import moe_experts
 
     dev = "cuda"
     x = torch.randn(tokens, D, device=dev, dtype=dtype, requires_grad=True)
@@ -56,8 +56,16 @@ def tune_shape(E: int, k: int, D: int, F: int, tokens: int, dtype: torch.dtype) 
     weights.requires_grad_()
     y = moe_experts(x, w1, w2, experts, weights)
     y.backward(torch.randn_like(y))
+    torch.cuda.synchronize()
 
-    # The plain grouped GEMM (moestack's torch-free API) at the two expert matmul shapes.
+
+def tune_grouped_gemm(E: int, k: int, D: int, F: int, tokens: int, dtype: torch.dtype) -> None:
+    """The plain grouped GEMM (moestack's torch-free API) at the two expert matmul shapes."""
+    from moestack.kernels import grouped_gemm
+
+    dev = "cuda"
+    scores = torch.randn(tokens, E, device=dev)
+    experts = scores.topk(k, dim=-1).indices
     counts = torch.bincount(experts.flatten(), minlength=E)
     offsets = counts.cumsum(0).to(torch.int32)
     rows = tokens * k
@@ -90,12 +98,18 @@ def main(argv: list[str] | None = None) -> int:
 
     tuning.clear_cache()
     dtype = DTYPES[args.dtype]
-    for name, (E, k, D, F) in args.shapes:
-        log.info(
-            "tuning %s: E=%d k=%d D=%d F=%d tokens=%d %s", name, E, k, D, F, args.tokens, dtype
-        )
-        tune_shape(E, k, D, F, args.tokens, dtype)
-        save(args.out)  # after every shape: a run stopped part-way keeps what it measured
+    # The MoE layer's kernels at every shape first, then the plain grouped GEMM: the table
+    # is saved after every step, so a run stopped part-way keeps what it measured.
+    for tune in (tune_moe, tune_grouped_gemm):
+        for name, (E, k, D, F) in args.shapes:
+            log.info(
+                "%s %s: E=%d k=%d D=%d F=%d tokens=%d %s",
+                tune.__name__,
+                name,
+                *(E, k, D, F, args.tokens, dtype),
+            )
+            tune(E, k, D, F, args.tokens, dtype)
+            save(args.out)
     return 0
 
 
