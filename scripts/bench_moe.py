@@ -16,12 +16,14 @@ table; --json writes it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -121,7 +123,8 @@ def bench_shape(
     ours_cfg = MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=d_ff, impl="torch")
     router_cfg = RouterConfig(load_balance=0.0, z_loss=0.0)
     contenders: dict[str, torch.nn.Module] = {}
-    ours = MoE(d_model, ours_cfg, router_cfg).to(device, dtype)
+    with torch.device(device):  # initialised where it runs (Mixtral's experts are 1.4G params)
+        ours = MoE(d_model, ours_cfg, router_cfg).to(dtype)
     if device.type == "cpu":
         from moestack.interop.hf import moe_from_hf
 
@@ -137,18 +140,14 @@ def bench_shape(
         if contenders:  # same weights in ours
             ours = moe_from_hf(next(iter(contenders.values())), impl="torch")
         contenders = {"moestack-torch": ours, **contenders}
-    else:
-        for label, impl in (("moestack-triton", "triton"), ("moestack-torch", "torch")):
-            layer = MoE(d_model, MoEConfig(num_experts, top_k, d_ff, impl), router_cfg)
-            layer.load_state_dict(ours.state_dict())
-            contenders[label] = layer.to(device, dtype)
+    else:  # every contender shares ours' weights: one copy in memory, identical inputs
+        contenders["moestack-triton"] = _sharing_weights(ours, "triton")
+        contenders["moestack-torch"] = ours
         contenders["loop"] = _LoopMoE(ours)
         try:
             import megablocks  # noqa: F401
 
-            layer = MoE(d_model, MoEConfig(num_experts, top_k, d_ff, "megablocks"), router_cfg)
-            layer.load_state_dict(ours.state_dict())
-            contenders["megablocks"] = layer.to(device, dtype)
+            contenders["megablocks"] = _sharing_weights(ours, "megablocks")
         except ImportError:
             pass
 
@@ -158,23 +157,49 @@ def bench_shape(
     flops = useful_flops(tokens, top_k, d_model, d_ff)
     results = []
     for contender, module in contenders.items():
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        base = _fresh_memory(device, module, x)
         try:
             ms = time_fn(fwd_bwd(module, x, grad), device, args.warmup, args.repeats)
-            peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else 0.0
+            # Peak above what every contender holds alike (the shared weights, x, the
+            # benchmark's buffers): gradients, activations kept for backward, workspaces.
+            peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0
             fwd_ms = time_fn(fwd_only(module, x), device, args.warmup, args.repeats)
         except Exception as err:  # one contender failing must not hide the others
-            print(f"{name} {contender}: failed: {type(err).__name__}: {err}")
+            print(f"{name} {contender}: failed: {type(err).__name__}: {err}", flush=True)
             continue
+        finally:
+            _fresh_memory(device, module, x)
         fwd_flops = useful_flops(tokens, top_k, d_model, d_ff, backward=False)
-        row = Result(name, contender, ms, flops / ms / 1e9, peak)
+        row = Result(name, contender, ms, flops / ms / 1e9, peak / 2**20)
         row.fwd_ms, row.fwd_tflops = fwd_ms, fwd_flops / fwd_ms / 1e9
         results.append(row)
+        print(f"{name} {contender}: {ms:.2f} ms fwd+bwd, {fwd_ms:.2f} ms fwd", flush=True)
     for r in results:
         r.ratio = results[0].ms / r.ms
     return results
+
+
+def _fresh_memory(device: torch.device, module: torch.nn.Module, x: torch.Tensor) -> int:
+    """Drop gradients and cached blocks, reset the peak counter; return the bytes in use."""
+    x.grad = None
+    for p in module.parameters():
+        p.grad = None
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _sharing_weights(ours: MoE, impl: str) -> MoE:
+    """The same layer (the very same parameters and router) run through another impl."""
+    cfg = MoEConfig(ours.cfg.num_experts, ours.cfg.top_k, ours.cfg.d_ff, impl)
+    with torch.device("meta"):  # no second copy of the weights is ever allocated
+        layer = MoE(ours.d_model, cfg, ours.router_cfg)
+    layer.router, layer.w1, layer.w2 = ours.router, ours.w1, ours.w2
+    return layer
 
 
 class _LoopMoE(torch.nn.Module):
@@ -251,7 +276,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    parser.add_argument("--json", default="", help="write the results here")
+    parser.add_argument("--json", default="", help="write the results here (after each shape)")
+    parser.add_argument(
+        "--save-tuned",
+        default="",
+        help="GPU: merge the tile configs autotuned during the run into this table",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -263,21 +293,30 @@ def main() -> None:
         shapes = [s for s in shapes if s[0] in wanted]
 
     dense = dense_matmul_tflops(device, dtype, args)
-    results = []
+    machine = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
+    print(f"device: {machine}, dense {dtype} matmul: {dense:.2f} TFLOP/s", flush=True)
+    results: list[Result] = []
     for shape in shapes:
         rows = bench_shape(*shape, device, dtype, args)
         for r in rows:
             r.dense_fraction = r.tflops / dense
             r.fwd_dense_fraction = r.fwd_tflops / dense
         results += rows
+        # After every shape, so that a run stopped part-way keeps what it measured.
+        if args.json:
+            write_json(args.json, machine, dtype, dense, results, device)
+        if args.save_tuned:
+            from tune_kernels import save  # scripts/ is on sys.path when run as a script
 
-    machine = (
-        torch.cuda.get_device_name()
-        if device.type == "cuda"
-        else platform.processor() or platform.machine()
-    )
+            save(Path(args.save_tuned))
+
     print(
-        f"device: {machine}, dtype: {dtype}, torch {torch.__version__}, threads {torch.get_num_threads()}"
+        f"\ndevice: {machine}, dtype: {dtype}, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}"
     )
     print(f"dense {dtype} matmul: {dense:.2f} TFLOP/s")
     header = (
@@ -297,17 +336,29 @@ def main() -> None:
         print("\nissue-3 targets (triton against torch._grouped_mm, same run):")
         for t in targets:
             print(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']:.3f}")
-    if args.json:
-        payload = {
-            "device": machine,
-            "dtype": str(dtype),
-            "torch": torch.__version__,
-            "dense_tflops": dense,
-            "results": [r.__dict__ for r in results],
-            "targets": targets,
-        }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+
+
+def write_json(
+    path: str,
+    machine: str,
+    dtype: torch.dtype,
+    dense: float,
+    results: list[Result],
+    device: torch.device,
+) -> None:
+    """The results so far, with the targets on a GPU (atomically: temp file, rename)."""
+    payload = {
+        "device": machine,
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "dense_tflops": dense,
+        "peak_mib_note": "peak above the shared weights and inputs (grads, saved, workspaces)",
+        "results": [r.__dict__ for r in results],
+        "targets": issue3_targets(results) if device.type == "cuda" else [],
+    }
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

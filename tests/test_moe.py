@@ -148,6 +148,7 @@ def test_aux_loss_only_in_training_and_metrics_present():
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
 def test_triton_impl_matches_torch_impl(dtype, atol):
     """The whole layer with impl="triton" (Triton interpreter on CPU) against impl="torch"."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(5)
     layers = {}
     for impl in ("torch", "triton"):
@@ -157,8 +158,8 @@ def test_triton_impl_matches_torch_impl(dtype, atol):
     x = torch.randn(2, 9, 16)
     outs, grads = {}, {}
     for impl, layer in layers.items():
-        layer.to(dtype)
-        xi = x.to(dtype).requires_grad_(True)
+        layer.to(device, dtype)
+        xi = x.to(device, dtype).requires_grad_(True)
         y = layer(xi)
         y.float().square().sum().backward()
         outs[impl] = y.float()

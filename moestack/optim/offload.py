@@ -203,7 +203,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._build_layout()
         self._alloc()
         self._grads_ready = False
-        self._scratch: Tensor | None = None  # fp32 moment scratch for bf16 moments
+        self._moment_scratch: Tensor | None = None  # fp32 slices of bf16 moments
         self._idle: set[int] = set()  # indices (into self._units) of owned units skipped now
         self._active = [False] * len(self._params)
         self._hooks: list[Any] = []
@@ -215,7 +215,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._xfer_scratch: dict[torch.device, Tensor] = {}  # see _to_host / _to_device
         if self._side is not None and not self.in_place:
             for p in self._params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                if p.requires_grad:  # torch refuses hooks on frozen tensors
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
         self._built = True
         log.info(
             "OffloadAdamW: %d tensors, %d elements, %d shard(s), this rank holds %d "
@@ -352,8 +353,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             out["grad_comm"] = self._comm
             if self._grad is not self._comm:
                 out["grad_shard"] = self._grad
-        if self._scratch is not None:
-            out["bf16_moment_scratch"] = self._scratch
+        if self._moment_scratch is not None:
+            out["bf16_moment_scratch"] = self._moment_scratch
         return out
 
     # ----------------------------------------------------------------------- gradients
@@ -543,13 +544,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             _adamw(xs, gs, ms, vs, ss, **kw)
             return
         longest = max(x.numel() for x, *_ in runs)
-        if self._scratch is None or self._scratch.shape[1] < min(longest, _BF16_CHUNK):
-            self._scratch = torch.empty(2, min(longest, _BF16_CHUNK))
+        scratch = self._moment_scratch
+        if scratch is None or scratch.shape[1] < min(longest, _BF16_CHUNK):
+            scratch = self._moment_scratch = torch.empty(2, min(longest, _BF16_CHUNK))
         for x, g, m, v, s in runs:  # bf16 moments: fp32 scratch slice by slice
             for a in range(0, x.numel(), _BF16_CHUNK):
                 b = min(a + _BF16_CHUNK, x.numel())
-                m32 = self._scratch[0, : b - a].copy_(m[a:b])
-                v32 = self._scratch[1, : b - a].copy_(v[a:b])
+                m32 = scratch[0, : b - a].copy_(m[a:b])
+                v32 = scratch[1, : b - a].copy_(v[a:b])
                 _adamw([x[a:b]], [g[a:b]], [m32], [v32], [s], **kw)
                 m[a:b].copy_(m32)
                 v[a:b].copy_(v32)
@@ -619,7 +621,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- host <-> device
 
-    def _scratch(self, device: torch.device) -> Tensor:
+    def _xfer_buffer(self, device: torch.device) -> Tensor:
         """The fp32 device scratch through which 16-bit tensors change dtype on the device."""
         buf = self._xfer_scratch.get(device)
         if buf is None:
@@ -635,10 +637,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         chunked scratch bounds that device memory. Every use of the scratch is on one
         stream (the side stream, or the current one without overlap), so reuse is ordered.
         """
-        if src.dtype == dst.dtype or not src.is_cuda:
+        if not _cast_on_device(src, dst):
             dst.copy_(src, non_blocking=non_blocking)
             return
-        scratch = self._scratch(src.device)
+        scratch = self._xfer_buffer(src.device)
         for a in range(0, src.numel(), scratch.numel()):
             b = min(a + scratch.numel(), src.numel())
             tmp = scratch[: b - a]
@@ -652,10 +654,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         which costs a host pass and turns the copy synchronous; here the fp32 words cross
         PCIe from the (pinned) buffer and a device kernel narrows them.
         """
-        if src.dtype == dst.dtype or not dst.is_cuda:
+        if not _cast_on_device(dst, src):
             dst.copy_(src, non_blocking=non_blocking)
             return
-        scratch = self._scratch(dst.device)
+        scratch = self._xfer_buffer(dst.device)
         for a in range(0, src.numel(), scratch.numel()):
             b = min(a + scratch.numel(), src.numel())
             tmp = scratch[: b - a]
@@ -864,6 +866,11 @@ def _host_group(group: Any) -> Any:
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     log.info("OffloadAdamW: backend %r cannot reduce host tensors; adding a gloo group", backend)
     return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _cast_on_device(device_side: Tensor, host_side: Tensor) -> bool:
+    """Whether a copy between a device tensor and an fp32 host buffer changes dtype on a GPU."""
+    return device_side.is_cuda and device_side.dtype != host_side.dtype
 
 
 def _all_zero(t: Tensor) -> bool:
