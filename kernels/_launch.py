@@ -162,9 +162,8 @@ def grouped_wgrad(
     *,
     a_rows: torch.Tensor | None = None,
     b_rows: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
 ) -> None:
-    """out[e] = a[a_rows[r]]^T @ (scale[r] * b[b_rows[r]]) summed over the rows r of expert e.
+    """out[e] = a[a_rows[r]]^T @ b[b_rows[r]] summed over the rows r of expert e.
 
     Every element of ``out_EKM`` is written (zeros for experts without rows).
     """
@@ -174,7 +173,7 @@ def grouped_wgrad(
     tk = kernels()
     E, K, M = out_EKM.shape
     dummy = offsets_E
-    flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}c{int(scale is not None)}"
+    flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}"
     precision = _dot_precision(a.dtype)
 
     def run(cfg: tuning.KernelConfig) -> None:
@@ -186,7 +185,6 @@ def grouped_wgrad(
             offsets_E,
             a_rows if a_rows is not None else dummy,
             b_rows if b_rows is not None else dummy,
-            scale if scale is not None else dummy,
             K,
             M,
             a.stride(0),
@@ -198,7 +196,6 @@ def grouped_wgrad(
             out_EKM.stride(2),
             GATHER_A=a_rows is not None,
             GATHER_B=b_rows is not None,
-            HAS_SCALE=scale is not None,
             DOT_PRECISION=precision,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -221,7 +218,7 @@ def swiglu_bwd(
     dscale_R: torch.Tensor,
     h_RF: torch.Tensor | None,
 ) -> None:
-    """Row-wise SwiGLU backward with the router-weight gradient (see the kernel)."""
+    """Row-wise SwiGLU backward with the router-weight gradient; ``h_RF`` gets scale * h."""
     interp = check_tensors(z_RF2, g_RF, dz_RF2)
     R, F = g_RF.shape
     if R == 0:

@@ -180,7 +180,6 @@ def grouped_wgrad_kernel(
     offsets_ptr,
     a_rows_ptr,
     b_rows_ptr,
-    scale_ptr,
     K,
     M,
     stride_am,
@@ -192,19 +191,19 @@ def grouped_wgrad_kernel(
     stride_cn,
     GATHER_A: tl.constexpr,
     GATHER_B: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """C[e] = A_e^T @ (scale * B_e) over the sorted rows of expert e; C is [E, K, M].
+    """C[e] = A_e^T @ B_e over the sorted rows of expert e; C is [E, K, M].
 
     Grid: (tiles of the [K, M] output, E). BLOCK_M x BLOCK_N is the output tile (over K and
     M), BLOCK_K the chunk of rows reduced per step. A rows are read through ``a_rows``
-    (GATHER_A) and B rows through ``b_rows`` (GATHER_B); ``scale`` multiplies B's rows. An
-    expert without rows stores a zero tile, so the gradient is always fully written.
+    (GATHER_A) and B rows through ``b_rows`` (GATHER_B). Both operands go to the matrix
+    unit as loaded (a per-row scale belongs in the producer of A, see swiglu_bwd_kernel).
+    An expert without rows stores a zero tile, so the gradient is always fully written.
     """
     pid = tl.program_id(0)
     expert = tl.program_id(1)
@@ -241,9 +240,6 @@ def grouped_wgrad_kernel(
         a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_n[None, :] * stride_bn
         b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-            b = (b.to(tl.float32) * scale[:, None]).to(a.dtype)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
     c_ptrs = (
@@ -276,9 +272,10 @@ def swiglu_bwd_kernel(
     One program per sorted row r. Recomputes h = silu(gate) * up from the saved
     pre-activations Z = [gate | up], and writes
     dZ = [scale * G * up * silu'(gate) | scale * G * silu(gate)],
-    dscale_r = <G_r, h_r> (the router-weight gradient, in fp32), and h itself when STORE_H
-    (the weight gradient of W2 needs it). Rows of Z, G, dZ and h are contiguous (inner
-    stride 1): moe.py allocates all of them.
+    dscale_r = <G_r, h_r> (the router-weight gradient, in fp32), and, when STORE_H, the
+    router-weighted activation scale * h: the weight gradient of W2 is
+    sum_r (scale_r h_r)^T dy_r, so its GEMM then needs no scaling in its main loop. Rows of
+    Z, G, dZ and h are contiguous (inner stride 1): moe.py allocates all of them.
     """
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr + row).to(tl.float32)
@@ -302,5 +299,6 @@ def swiglu_bwd_kernel(
         tl.store(dz_row + offs, d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
         tl.store(dz_row + F + offs, d_up.to(dz_ptr.dtype.element_ty), mask=mask)
         if STORE_H:
-            tl.store(h_ptr + row * stride_hm + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+            hw = h * scale
+            tl.store(h_ptr + row * stride_hm + offs, hw.to(h_ptr.dtype.element_ty), mask=mask)
     tl.store(dscale_ptr + row, tl.sum(dot, 0))

@@ -15,7 +15,8 @@ elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after f
 
 Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dweight[pair] = <dy[tok], h @ W2[e]> = <G, h>``; ``dz = SwiGLU'(z, weight * G)``;
-  ``dW2[e] = h_e^T @ (weight * dy[tok])_e``; ``dx = sum_slots dz @ W1[e]^T``;
+  ``dW2[e] = (weight * h)_e^T @ dy[tok]_e`` (the elementwise kernel writes weight * h, so
+  the GEMM's main loop only loads and multiplies); ``dx = sum_slots dz @ W1[e]^T``;
   ``dW1[e] = x[tok]_e^T @ dz_e``.
 """
 
@@ -98,8 +99,8 @@ class _MoEExperts(torch.autograd.Function):
         _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
         dz_RF2 = _launch.new_empty((R, 2 * F), dt, dev)
         dweight_R = _launch.new_empty((R,), torch.float32, dev)
-        h_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None
-        _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, h_RF)
+        hw_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None  # weight * h
+        _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF)
         del g_RF
 
         dx_TD = dw1 = dw2 = dweights_TK = None
@@ -109,8 +110,8 @@ class _MoEExperts(torch.autograd.Function):
             dweights_TK = flat.view(T, k).to(ctx.weights_dtype)
         if need_w2:
             dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
-            _launch.grouped_wgrad(h_RF, dy_TD, offsets_E, dw2, b_rows=token_R, scale=weight_R)
-            del h_RF
+            _launch.grouped_wgrad(hw_RF, dy_TD, offsets_E, dw2, b_rows=token_R)
+            del hw_RF
         if need_x:
             dxs_RD = _launch.new_empty((R, D), dt, dev)
             _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)

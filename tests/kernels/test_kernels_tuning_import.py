@@ -144,7 +144,7 @@ dx = compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_
                  stride_cn=1, stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False,
                  SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)  # A @ W^T: W's K is unit
 compile_for(tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1,
-            stride_cn=1, GATHER_A=False, GATHER_B=True, HAS_SCALE=True), 8)
+            stride_cn=1, GATHER_A=False, GATHER_B=True), 8)
 compile_for(tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4)
 # Software pipelining (several K tiles in flight through shared memory) is what makes the
 # main loop fast: one stage of a 128x128x64 bf16 tile pair is 32 KiB.
