@@ -18,6 +18,7 @@
 #   tune        scripts/tune_kernels.py: every variant again at 16k tokens, and the plain
 #               grouped GEMM, into the same table (saved after every shape)
 #   more_tests  the other kernel tests and the MoE layer tests, on CUDA
+#   train_*     20 steps of the 137M model with offload_adamw, then adamw (needs hydra wheels)
 # Output: $OUT/summary.txt (also printed last), $OUT/log.txt (every phase's full output),
 # the JSON files above. After a run, copy tuned_configs.json to kernels/ and commit it, and
 # record the tables in BENCHMARKS.md with the date and the GPU.
@@ -101,6 +102,18 @@ phase bench_moe 220 "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
 phase tune 120 "$PY" scripts/tune_kernels.py --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests 90 "${pytest_cmd[@]}" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
+# End-to-end training of the 137M model (bf16 autocast, triton experts): the training CLI
+# needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
+if "$PY" -c "import hydra" 2>/dev/null; then
+    for optim in offload_adamw adamw; do
+        MOESTACK_AUTOTUNE=0 phase "train_$optim" 90 "$PY" -m moestack.train model=m137 \
+            optim="$optim" telemetry=off steps=20 batch_size=8 data.seq_len=512 eval_every=0 \
+            eval_batches=2 ckpt_every=0 log_every=5 wandb_mode=disabled progress=false \
+            out_dir="$STAGE/run_$optim"
+    done
+elif [[ -z ${GPU_CHECK_PHASES:-} || $GPU_CHECK_PHASES == *train* ]]; then
+    echo "train: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
+fi
 
 {
     echo
@@ -110,6 +123,8 @@ MOESTACK_AUTOTUNE=0 phase more_tests 90 "${pytest_cmd[@]}" \
     sed -n '/^device: .*dtype:/,/^=====/p' "$LOG" | grep -v "^=====" | head -60
     echo "--- bench_optim"
     sed -n '/^\[gpu\]/,/^=====/p' "$LOG" | grep -v "^=====" | head -40
+    echo "--- training (offload_adamw, then adamw)"
+    grep -E "^(train loss|val loss|tokens/s) " "$LOG"
     echo "--- tuned configs"
     echo "configs in the table: $(grep -c '"block_m"' "$OUT/tuned_configs.json")"
 } | tee -a "$SUMMARY"
