@@ -10,6 +10,10 @@ shipped configs.
 
     python scripts/sweep_locality.py --steps 300 --weights 0.01,0.03,0.1 \
         --losses temporal,window,pin --out runs/sweep_locality
+    python scripts/sweep_locality.py --base-router aux_free --losses temporal --weights 0.03
+
+With ``--base-router NAME`` every run starts from configs/router/NAME.yaml (the baseline is
+that config alone) and the locality loss is added to it by its weight.
 
 Writes ``<out>/results.json`` and ``<out>/table.md``; a run whose directory already holds a
 ``summary.json`` is reused, so an interrupted sweep continues where it stopped.
@@ -50,16 +54,24 @@ class Run:
 
     loss: str  # "baseline" or a name from LOSSES
     weight: float  # weight of that loss (0 for the baseline)
+    base: str = ""  # router config the loss is added to ("" = the loss's own config)
 
     @property
     def name(self) -> str:
-        return "baseline" if self.loss == "baseline" else f"{self.loss}_w{self.weight:g}"
+        own = "baseline" if self.loss == "baseline" else f"{self.loss}_w{self.weight:g}"
+        if not self.base:
+            return own
+        return self.base if self.loss == "baseline" else f"{self.base}+{own}"
+
+    @property
+    def router(self) -> str:
+        return self.base or self.loss
 
 
 def build_config(run: Run, args: argparse.Namespace) -> TrainConfig:
     """The training config of ``run``: configs/router/<loss>.yaml, weight and sizes overridden."""
     overrides = [
-        f"router={run.loss}",
+        f"router={run.router}",
         f"steps={args.steps}",
         f"batch_size={args.batch_size}",
         f"data.seq_len={args.seq_len}",
@@ -217,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capacity", type=int, default=0, help="experts/layer (0 = 2 x top_k)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--base-router", default="", help="add the losses to configs/router/<this>.yaml"
+    )
     args = parser.parse_args(argv)
     unknown = set(args.losses.split(",")) - set(LOSSES)
     if unknown:
@@ -228,8 +243,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args(argv)
     weights = [float(w) for w in args.weights.split(",")]
-    runs = [Run("baseline", 0.0)]
-    runs += [Run(loss, w) for loss in args.losses.split(",") for w in weights]
+    runs = [Run("baseline", 0.0, args.base_router)]
+    runs += [Run(loss, w, args.base_router) for loss in args.losses.split(",") for w in weights]
     first = build_config(runs[0], args)
     val_tokens = load_corpus(first.data).val
     out = Path(args.out)
