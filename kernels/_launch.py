@@ -75,6 +75,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _block_e(num_experts: int) -> int:
+    """Expert lanes of the tile-locating prologue: at least 128, so that layers with 8, 64 or
+    128 experts share one compiled kernel (BLOCK_E is a compile-time constant); a 128-wide
+    cumsum per program costs nothing next to a tile's GEMM."""
+    return max(_next_pow2(num_experts), 128)
+
+
 def grouped_mm(
     a: torch.Tensor,
     b_EKM: torch.Tensor,
@@ -144,7 +151,7 @@ def grouped_mm(
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
             GROUP_M=cfg.group_m,
-            BLOCK_E=max(_next_pow2(E), 2),
+            BLOCK_E=_block_e(E),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

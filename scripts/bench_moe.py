@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -157,12 +158,18 @@ def bench_shape(
     flops = useful_flops(tokens, top_k, d_model, d_ff)
     results = []
     for contender, module in contenders.items():
-        base = _fresh_memory(device, module, x)
+        _fresh_memory(device, module, x)
         try:
-            ms = time_fn(fwd_bwd(module, x, grad), device, args.warmup, args.repeats)
-            # Peak above what every contender holds alike (the shared weights, x, the
-            # benchmark's buffers): gradients, activations kept for backward, workspaces.
-            peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else 0
+            step = fwd_bwd(module, x, grad)
+            ms = time_fn(step, device, args.warmup, args.repeats)
+            peak = 0
+            if device.type == "cuda":  # one more step, alone: do_bench's buffers are gone
+                # Peak above what every contender holds alike (the shared weights, x):
+                # gradients, activations kept for backward, workspaces.
+                base = _fresh_memory(device, module, x)
+                step()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
             fwd_ms = time_fn(fwd_only(module, x), device, args.warmup, args.repeats)
         except Exception as err:  # one contender failing must not hide the others
             print(f"{name} {contender}: failed: {type(err).__name__}: {err}", flush=True)
@@ -283,6 +290,8 @@ def main() -> None:
         help="GPU: merge the tile configs autotuned during the run into this table",
     )
     args = parser.parse_args()
+    if args.save_tuned:  # save what was measured, never the untimed fallback configs
+        os.environ["MOESTACK_AUTOTUNE"] = "1"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -309,7 +318,7 @@ def main() -> None:
         # After every shape, so that a run stopped part-way keeps what it measured.
         if args.json:
             write_json(args.json, machine, dtype, dense, results, device)
-        if args.save_tuned:
+        if args.save_tuned and device.type == "cuda":
             from tune_kernels import save  # scripts/ is on sys.path when run as a script
 
             save(Path(args.save_tuned))

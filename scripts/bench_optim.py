@@ -26,6 +26,7 @@ import gc
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -223,7 +224,7 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     for name in ("offload", "device_adamw_fused"):
-        _fresh_cuda_memory()
+        base = _fresh_cuda_memory()
         params = make_params(n, experts, torch.bfloat16, "cuda")
         if name == "offload":
             opt: torch.optim.Optimizer = OffloadAdamW(params)
@@ -241,18 +242,28 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
-        out[f"{name}_peak_device_MiB"] = torch.cuda.max_memory_allocated() / 2**20
-        del opt, params  # the hooks tie parameters and optimizer in a cycle: gc frees both
+        out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        _release(opt)
+        del opt, params
     _fresh_cuda_memory()
     return out
 
 
-def _fresh_cuda_memory() -> None:
-    """Free what earlier contenders left (reference cycles, cached blocks); reset the peak."""
+def _release(opt: Any) -> None:
+    """Unhook an OffloadAdamW from its parameters, so that dropping both frees them."""
+    remove = getattr(opt, "remove_hooks", None)
+    if callable(remove):
+        remove()
+
+
+def _fresh_cuda_memory() -> int:
+    """Free what earlier contenders left, reset the peak; return the bytes still allocated
+    (subtracted from each contender's peak, so that nothing left over is counted)."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
@@ -274,14 +285,13 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
     if device.type == "cuda" and _torchao_offload() is not None:
         contenders.append("torchao_cpu_offload")
     for name in contenders:
-        if device.type == "cuda":
-            _fresh_cuda_memory()  # the previous contender's model and optimizer are gone
+        base = _fresh_cuda_memory() if device.type == "cuda" else 0
         cfg = OptimConfig(name="adamw" if name == "torchao_cpu_offload" else name, lr=1e-3)
         torch.manual_seed(0)
         model = MoETransformer(model_cfg).to(device)
         dtype = device_param_dtype(cfg, device)
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
         if name == "torchao_cpu_offload":  # its intended use: fp32 weights, state on the host
             opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
         else:
@@ -323,7 +333,8 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         out[f"{name}_param_dtype"] = str(dtype).removeprefix("torch.")
         out[f"{name}_loss_first_last"] = [losses[0], losses[-1]]
         if device.type == "cuda":
-            out[f"{name}_peak_device_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+            out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        _release(opt)
         del model, opt, step  # step holds both through its defaults
     for name in contenders[1:]:
         out[f"{name}_vs_adamw_step_time"] = out[f"{name}_step_ms"] / out["adamw_step_ms"]
@@ -373,20 +384,18 @@ def main() -> None:
     if unknown:
         ap.error(f"--only: unknown section(s) {unknown}; choose from {list(sections)}")
     results: dict[str, Any] = {"torch": torch.__version__}
-    for name in wanted:
-        results[name] = sections[name]()
-    for section, rows in results.items():
-        if not isinstance(rows, dict):
-            print(f"{section}: {rows}")
-            continue
-        print(f"\n[{section}]")
+    print(f"torch: {torch.__version__}")
+    for name in wanted:  # printed and saved section by section: a stopped run keeps them
+        rows = results[name] = sections[name]()
+        print(f"\n[{name}]")
         for k, v in rows.items():
             if isinstance(v, float):
                 v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
-            print(f"  {k:<45} {v}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            print(f"  {k:<45} {v}", flush=True)
+        if args.json:
+            tmp = Path(args.json + ".tmp")
+            tmp.write_text(json.dumps(results, indent=2) + "\n")
+            tmp.replace(args.json)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
 #
 #   bash scripts/gpu_check.sh                  # writes under $OUT (or ./gpu_out)
 #   GPU_CHECK_SECONDS=300 bash scripts/gpu_check.sh
-#   GPU_CHECK_PHASES=bench_moe,bench_optim bash scripts/gpu_check.sh   # a rerun of some phases
+#   GPU_CHECK_PHASES=bench_moe,train bash scripts/gpu_check.sh   # rerun some (names or prefixes)
 #
-# Phases (each capped at its own limit and at what is left of GPU_CHECK_SECONDS, default 480):
+# Phases (each capped at its own limit and at what is left of GPU_CHECK_SECONDS, default 500):
 #   env         GPU, driver, python/torch/triton versions; the staged package imports
 #   gpu_tests   tests/kernels/test_kernels_gpu.py (bf16, poisoned outputs, >2^31 elements)
 #               and tests/optim/test_offload_devices.py (overlap path against torch AdamW)
@@ -15,10 +15,10 @@
 #               device AdamW; device memory) -> $OUT/bench_optim.json
 #   bench_moe   scripts/bench_moe.py -> $OUT/bench_moe.json, ending with the issue-3 targets;
 #               the configs it autotunes go into $OUT/tuned_configs.json after every shape
+#   train_*     20 steps of the 137M model with offload_adamw, then adamw (needs hydra wheels)
 #   tune        scripts/tune_kernels.py: every variant again at 16k tokens, and the plain
 #               grouped GEMM, into the same table (saved after every shape)
 #   more_tests  the other kernel tests and the MoE layer tests, on CUDA
-#   train_*     20 steps of the 137M model with offload_adamw, then adamw (needs hydra wheels)
 # Output: $OUT/summary.txt (also printed last), $OUT/log.txt (every phase's full output),
 # the JSON files above. After a run, copy tuned_configs.json to kernels/ and commit it, and
 # record the tables in BENCHMARKS.md with the date and the GPU.
@@ -26,7 +26,7 @@ set -u -o pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/gpu_out}
-BUDGET=${GPU_CHECK_SECONDS:-480}
+BUDGET=${GPU_CHECK_SECONDS:-500}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
@@ -60,8 +60,12 @@ export MOESTACK_TUNED_CONFIGS=$OUT/tuned_configs.json
 phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, record the outcome
     local name=$1 limit=$2
     shift 2
-    if [[ -n ${GPU_CHECK_PHASES:-} && ",$GPU_CHECK_PHASES," != *",$name,"* ]]; then
-        return
+    if [[ -n ${GPU_CHECK_PHASES:-} ]]; then # names or prefixes: "train" selects train_*
+        local wanted=0 item
+        for item in ${GPU_CHECK_PHASES//,/ }; do
+            [[ $name == "$item"* ]] && wanted=1
+        done
+        ((wanted)) || return 0
     fi
     local left=$((BUDGET - SECONDS))
     ((left < limit)) && limit=$left
@@ -98,15 +102,11 @@ phase bench_optim 90 "$PY" scripts/bench_optim.py --only memory,gpu,train_step \
 # Autotunes on first use and saves the winners into the table after every shape.
 phase bench_moe 220 "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
     --save-tuned "$OUT/tuned_configs.json"
-# Re-tunes every variant (compiled by now) at 16k tokens, and the plain grouped GEMM.
-phase tune 120 "$PY" scripts/tune_kernels.py --out "$OUT/tuned_configs.json"
-MOESTACK_AUTOTUNE=0 phase more_tests 90 "${pytest_cmd[@]}" \
-    tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
 # End-to-end training of the 137M model (bf16 autocast, triton experts): the training CLI
 # needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
 if "$PY" -c "import hydra" 2>/dev/null; then
     for optim in offload_adamw adamw; do
-        MOESTACK_AUTOTUNE=0 phase "train_$optim" 90 "$PY" -m moestack.train model=m137 \
+        MOESTACK_AUTOTUNE=0 phase "train_$optim" 75 "$PY" -m moestack.train model=m137 \
             optim="$optim" telemetry=off steps=20 batch_size=8 data.seq_len=512 eval_every=0 \
             eval_batches=2 ckpt_every=0 log_every=5 wandb_mode=disabled progress=false \
             out_dir="$STAGE/run_$optim"
@@ -114,13 +114,21 @@ if "$PY" -c "import hydra" 2>/dev/null; then
 elif [[ -z ${GPU_CHECK_PHASES:-} || $GPU_CHECK_PHASES == *train* ]]; then
     echo "train: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
 fi
+# Re-tunes every variant (compiled by now) at 16k tokens, and the plain grouped GEMM.
+phase tune 120 "$PY" scripts/tune_kernels.py --out "$OUT/tuned_configs.json"
+MOESTACK_AUTOTUNE=0 phase more_tests 90 "${pytest_cmd[@]}" \
+    tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
 
 {
     echo
     echo "--- test results"
     grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|^SKIPPED" "$LOG" | head -40
     echo "--- bench_moe"
-    sed -n '/^device: .*dtype:/,/^=====/p' "$LOG" | grep -v "^=====" | head -60
+    if grep -q "^device: .*dtype:" "$LOG"; then
+        sed -n '/^device: .*dtype:/,/^=====/p' "$LOG" | grep -v "^=====" | head -60
+    else # stopped before its table: the lines it printed per contender
+        grep -E "^[a-z0-9_]+-[0-9]+k [a-z-]+: " "$LOG" | head -40
+    fi
     echo "--- bench_optim"
     sed -n '/^\[gpu\]/,/^=====/p' "$LOG" | grep -v "^=====" | head -40
     echo "--- training (offload_adamw, then adamw)"

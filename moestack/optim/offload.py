@@ -50,6 +50,7 @@ import contextlib
 import logging
 import math
 import re
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -214,9 +215,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         )
         self._xfer_scratch: dict[torch.device, Tensor] = {}  # see _to_host / _to_device
         if self._side is not None and not self.in_place:
+            # The hooks hold the optimizer weakly: a hook registry lives in C++, out of reach
+            # of Python's garbage collector, so a strong reference would keep a dropped
+            # optimizer (and its device scratch) alive as long as the parameters.
+            hook = _weak_grad_hook(self)
             for p in self._params:
                 if p.requires_grad:  # torch refuses hooks on frozen tensors
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._built = True
         log.info(
             "OffloadAdamW: %d tensors, %d elements, %d shard(s), this rank holds %d "
@@ -664,6 +669,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             tmp.copy_(src[a:b], non_blocking=non_blocking)
             dst[a:b].copy_(tmp)
 
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks from the parameters (before handing them to another
+        optimizer); later steps copy gradients synchronously."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._hooked = [False] * len(self._params)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: clear ``.grad``; also forget host gradients not yet consumed."""
         super().zero_grad(set_to_none=set_to_none)
@@ -866,6 +879,18 @@ def _host_group(group: Any) -> Any:
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     log.info("OffloadAdamW: backend %r cannot reduce host tensors; adding a gloo group", backend)
     return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def _weak_grad_hook(opt: OffloadAdamW) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook that calls ``opt._grad_hook`` while ``opt`` is alive."""
+    ref = weakref.ref(opt)
+
+    def hook(p: Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._grad_hook(p)
+
+    return hook
 
 
 def _cast_on_device(device_side: Tensor, host_side: Tensor) -> bool:

@@ -178,3 +178,26 @@ def test_idle_check_is_exact_beyond_its_probe() -> None:
         h[7] = value  # 1000 // 64 = 15: element 7 is between two probes
         assert not _all_zero(h), value
     assert not _all_zero(torch.randn(1000, generator=torch.Generator().manual_seed(0)))
+
+
+def test_gradient_hooks_hold_the_optimizer_weakly() -> None:
+    """The CUDA hooks outlive a dropped optimizer (torch keeps them in C++): they must not
+    keep it, and its device scratch, alive."""
+    import gc
+    import weakref
+
+    from moestack.optim.offload import _weak_grad_hook
+
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    opt = OffloadAdamW([("w", p)])
+    seen = []
+    opt._grad_hook = seen.append  # what the hook forwards to while the optimizer lives
+    hook = _weak_grad_hook(opt)
+    hook(p)
+    assert seen == [p]
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None
+    hook(p)  # a no-op once the optimizer is gone
+    assert seen == [p]

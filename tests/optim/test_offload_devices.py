@@ -211,3 +211,24 @@ def test_device_keeps_only_weights_grads_and_a_bounded_scratch() -> None:
     assert sum(t.numel() * t.element_size() for t in bufs.values()) >= 12 * sum(
         p.numel() for p in params.values()
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dropped_optimizer_is_freed_and_hooks_can_be_removed() -> None:
+    import gc
+    import weakref
+
+    params = make_params("cuda", torch.bfloat16)
+    opt = OffloadAdamW(list(params.items()), lr=1e-2)
+    backward(params, 0)
+    opt.step()
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None, "the gradient hooks keep a dropped optimizer alive"
+    other = OffloadAdamW(list(params.items()), lr=1e-2)
+    other.remove_hooks()
+    other.zero_grad()
+    backward(params, 1)  # the first optimizer's hooks are no-ops now; none of other's run
+    assert not any(other._hooked)
+    other.step()
