@@ -199,8 +199,8 @@ def _train(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> 
             for micro in range(cfg.grad_accum):
                 inputs, targets = loader.next()
                 inputs, targets = inputs[rows].to(device), targets[rows].to(device)
-                sync = not ddp or micro == cfg.grad_accum - 1
-                with autocast_context(device), _maybe_no_sync(forward_model, sync):
+                last = micro == cfg.grad_accum - 1
+                with autocast_context(device), _accumulating(forward_model, optimizer, last):
                     out = forward_model(inputs, targets)
                     # A bad loss still runs backward, so DDP ranks stay in step; the update
                     # is skipped below and the gradients dropped.
@@ -334,11 +334,17 @@ def _paused(telemetry: Any) -> contextlib.AbstractContextManager:
     return telemetry.paused() if telemetry is not None else contextlib.nullcontext()
 
 
-def _maybe_no_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
-    if sync or not hasattr(model, "no_sync"):
-        return contextlib.nullcontext()
-    return model.no_sync()
+def _accumulating(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, last: bool
+) -> contextlib.AbstractContextManager:
+    """On all but the last micro-batch of a step, gradients only accumulate on the device:
+    DDP skips its all-reduce and OffloadAdamW its copies to the host (their ``no_sync``)."""
+    stack = contextlib.ExitStack()
+    if not last:
+        for owner in (model, optimizer):
+            if hasattr(owner, "no_sync"):
+                stack.enter_context(owner.no_sync())
+    return stack
 
 
 def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:

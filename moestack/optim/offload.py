@@ -20,6 +20,9 @@ weights and moments of its shard only. One step:
 3. The updated master weights are all-gathered and copied back into the parameters (on CUDA
    on a side stream; the compute stream waits on an event, the host does not).
 
+With gradient accumulation, run every micro-batch but the last inside ``opt.no_sync()`` (as
+with DDP; moestack.train does): the gradients then cross to the host once per step.
+
 On CUDA, 16-bit parameters and gradients change dtype on the device, through one fp32
 scratch of at most 64 MiB: the host only runs the AdamW step. Training keeps bf16 weights on
 the device with this optimizer (``optim.param_dtype``), 4 bytes per parameter with gradients.
@@ -51,7 +54,7 @@ import logging
 import math
 import re
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +217,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             torch.cuda.Stream(device=cuda_devs[0]) if (cuda_devs and self.overlap) else None
         )
         self._xfer_scratch: dict[torch.device, Tensor] = {}  # see _to_host / _to_device
+        self._defer_copies = False  # inside no_sync(): hooks start no copies
         if self._side is not None and not self.in_place:
             # The hooks hold the optimizer weakly: a hook registry lives in C++, out of reach
             # of Python's garbage collector, so a strong reference would keep a dropped
@@ -366,8 +370,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _grad_hook(self, p: Tensor) -> None:
         """Post-accumulate-grad hook (CUDA): start this gradient's copy to the host."""
-        assert self._side is not None and self._comm is not None
         i = self._index[id(p)]
+        if self._defer_copies:  # inside no_sync(): a later backward copies the sum
+            self._hooked[i] = False
+            return
+        assert self._side is not None and self._comm is not None
         grad = p.grad
         if grad is None:
             return
@@ -668,6 +675,19 @@ class OffloadAdamW(torch.optim.Optimizer):
             tmp = scratch[: b - a]
             tmp.copy_(src[a:b], non_blocking=non_blocking)
             dst[a:b].copy_(tmp)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside start no copies to the host (as ``DDP.no_sync``).
+
+        For gradient accumulation: wrap every micro-batch but the last, so the gradients
+        cross to the host once per step, summed, instead of once per micro-batch.
+        """
+        previous, self._defer_copies = self._defer_copies, True
+        try:
+            yield
+        finally:
+            self._defer_copies = previous
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters (before handing them to another

@@ -8,6 +8,8 @@ on machines without a GPU (there the fp32 case steps in place and bf16 keeps a m
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -41,12 +43,18 @@ def coefficients(step: int, micro: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def backward(params: dict[str, torch.nn.Parameter], step: int) -> None:
-    """ACCUM micro-batches whose gradients accumulate in .grad (hooks fire on each)."""
+def backward(
+    params: dict[str, torch.nn.Parameter], step: int, deferring: OffloadAdamW | None = None
+) -> None:
+    """ACCUM micro-batches whose gradients accumulate in .grad (hooks fire on each); with
+    ``deferring``, all but the last run inside its ``no_sync()``."""
     for micro in range(ACCUM):
         c = coefficients(step, micro)
-        loss = sum((p.float() * c[n].to(p.device)).sum() for n, p in params.items())
-        loss.backward()
+        last = micro == ACCUM - 1
+        ctx = deferring.no_sync() if deferring is not None and not last else nullcontext()
+        with ctx:
+            loss = sum((p.float() * c[n].to(p.device)).sum() for n, p in params.items())
+            loss.backward()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -63,9 +71,10 @@ def lr_lambda(step: int) -> float:
     return min(1.0, (step + 1) / 3)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["copy-each", "no_sync"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype) -> None:
+def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype, defer: bool) -> None:
     params = make_params(device, dtype)
     ref = {n: torch.nn.Parameter(p.detach().float().cpu()) for n, p in params.items()}
     opt = OffloadAdamW(list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
@@ -76,7 +85,7 @@ def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype) -> None:
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
     for step in range(STEPS):
         opt.zero_grad()
-        backward(params, step)
+        backward(params, step, deferring=opt if defer else None)
         if device == "cuda":  # the copies to the host started inside backward
             assert all(opt._hooked), "post-accumulate-grad hooks did not fire"
         for n, r in ref.items():  # the reference sees the same accumulated gradients
@@ -124,7 +133,7 @@ def test_device_cast_path_on_the_cpu(monkeypatch) -> None:
         return buffers[-1]
 
     monkeypatch.setattr(OffloadAdamW, "_xfer_buffer", spy)
-    test_matches_torch_adamw_on_device("cpu", torch.bfloat16)
+    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=False)
     assert buffers and all(b.numel() == 7 and b.dtype == torch.float32 for b in buffers)
 
 
@@ -143,7 +152,7 @@ def test_delayed_transfers_are_waited_for(monkeypatch) -> None:
 
     monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
     monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
-    test_matches_torch_adamw_on_device("cuda", torch.bfloat16)
+    test_matches_torch_adamw_on_device("cuda", torch.bfloat16, defer=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -232,3 +241,36 @@ def test_dropped_optimizer_is_freed_and_hooks_can_be_removed() -> None:
     backward(params, 1)  # the first optimizer's hooks are no-ops now; none of other's run
     assert not any(other._hooked)
     other.step()
+
+
+def test_no_sync_defers_the_copy_to_a_later_backward() -> None:
+    """Inside no_sync a hook starts no copy and marks the gradient as not yet on the host."""
+    p = torch.nn.Parameter(torch.randn(4, 3))
+    opt = OffloadAdamW([("w", p)])
+    opt._hooked[0] = True  # as if an earlier backward had copied a partial sum
+    with opt.no_sync():
+        opt._grad_hook(p)  # returns before any CUDA work
+    assert opt._hooked == [False]  # so the step copies the final sum itself
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_sync_copies_once_per_step(monkeypatch) -> None:
+    copies = []
+    to_host = OffloadAdamW._to_host
+
+    def counting(self, dst, src, non_blocking):
+        copies.append(dst.numel())
+        to_host(self, dst, src, non_blocking)
+
+    monkeypatch.setattr(OffloadAdamW, "_to_host", counting)
+    counts = {}
+    for defer in (False, True):
+        params = make_params("cuda", torch.bfloat16)
+        opt = OffloadAdamW(list(params.items()), lr=1e-2)
+        copies.clear()
+        opt.zero_grad()
+        backward(params, 0, deferring=opt if defer else None)
+        opt.step()
+        counts[defer] = sum(copies)
+    total = sum(p.numel() for p in make_params("cpu", torch.float32).values())
+    assert counts == {False: ACCUM * total, True: total}
