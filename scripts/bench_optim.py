@@ -77,6 +77,7 @@ def memory(n: float, experts: int) -> dict[str, Any]:
     opt.step()
     model_bytes = sum(nbytes(p) + nbytes(p.grad) for _, p in params)
     host = opt.host_buffers()
+    own_device = sum(nbytes(t) for t in opt.device_buffers().values())  # transfer scratch
     host_on_device = sum(nbytes(t) for t in host.values() if t.device.type != "cpu")
     host_bytes = sum(nbytes(t) for t in host.values() if t.device.type == "cpu")
     state = sum(nbytes(host[k]) for k in ("master", "exp_avg", "exp_avg_sq") if k in host)
@@ -93,7 +94,8 @@ def memory(n: float, experts: int) -> dict[str, Any]:
     out = {
         "params": numel,
         "where": device,
-        "offload_device_B_per_param": (model_bytes + host_on_device) / numel,
+        "offload_device_B_per_param": (model_bytes + host_on_device + own_device) / numel,
+        "offload_device_scratch_MiB": own_device / 2**20,
         "offload_host_B_per_param": host_bytes / numel,
         "offload_host_state_B_per_param": state / numel,
         "mixed_adamw_device_B_per_param": base_bytes / numel,
@@ -101,6 +103,7 @@ def memory(n: float, experts: int) -> dict[str, Any]:
     }
     if device == "cpu":
         out["note"] = "no GPU: 'device' counts the model's weights and grads by role"
+    _release(opt)
     return out
 
 

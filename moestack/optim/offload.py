@@ -366,6 +366,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             out["bf16_moment_scratch"] = self._moment_scratch
         return out
 
+    def device_buffers(self) -> dict[str, Tensor]:
+        """Every device tensor this optimizer owns (the dtype-change scratch, once used)."""
+        return {f"xfer_scratch/{dev}": buf for dev, buf in self._xfer_scratch.items()}
+
     # ----------------------------------------------------------------------- gradients
 
     def _grad_hook(self, p: Tensor) -> None:
