@@ -28,7 +28,7 @@ from moestack.data import BatchLoader, eval_batches, load_corpus
 from moestack.errors import MoestackError
 from moestack.metrics import MetricsWriter
 from moestack.model import MoETransformer
-from moestack.optim import build_optimizer, clip_grad_norm, device_param_dtype
+from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,8 @@ def _train(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> 
     model = MoETransformer(cfg.model).to(device)
     if resume_from is not None:
         meta = checkpoint.load_model_weights(resume_from, model, cfg.model)
-    param_dtype = device_param_dtype(cfg.optim, device)
-    if param_dtype != torch.float32:  # parameters only: buffers (rotary tables, biases) stay fp32
-        for p in model.parameters():
-            p.data = p.data.to(param_dtype)
+    param_dtype = apply_param_dtype(model, cfg.optim, device)
+    if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
     # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it.
     ddp = dist_info.active and cfg.optim.name == "adamw"

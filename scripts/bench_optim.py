@@ -33,7 +33,7 @@ import torch
 
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.model import MoETransformer
-from moestack.optim import OffloadAdamW, build_optimizer, clip_grad_norm, device_param_dtype
+from moestack.optim import OffloadAdamW, apply_param_dtype, build_optimizer, clip_grad_norm
 
 
 def make_params(
@@ -292,9 +292,7 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         cfg = OptimConfig(name="adamw" if name == "torchao_cpu_offload" else name, lr=1e-3)
         torch.manual_seed(0)
         model = MoETransformer(model_cfg).to(device)
-        dtype = device_param_dtype(cfg, device)
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
+        dtype = apply_param_dtype(model, cfg, device)
         if name == "torchao_cpu_offload":  # its intended use: fp32 weights, state on the host
             opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
         else:

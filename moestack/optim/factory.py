@@ -80,6 +80,18 @@ def device_param_dtype(cfg: Any, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def apply_param_dtype(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.dtype:
+    """Cast the model's parameters (not its buffers) to :func:`device_param_dtype`; return it.
+
+    Buffers such as rotary tables and router biases stay in fp32.
+    """
+    dtype = device_param_dtype(cfg, device)
+    if dtype != torch.float32:
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return dtype
+
+
 def clip_grad_norm(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
 ) -> float:
