@@ -25,6 +25,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/lint_imports.py
 
 format: setup
 	$(BIN)/ruff check --fix .

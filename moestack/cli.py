@@ -16,62 +16,39 @@ Each verb prints its result; bad input ends with one line on stderr and exit sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
-from moestack import checkpoint
-from moestack.config import TrainConfig
+from moestack.config import CacheConfig
 from moestack.errors import MoestackError
 
 log = logging.getLogger("moestack")
 
 
-def load_run_config(run_dir: Path | str) -> TrainConfig:
-    """The resolved config a training run wrote into ``run_dir/config.yaml``."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise MoestackError(f"{path} not found: {run_dir} is not a moestack run directory")
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)
-
-
-def resolve_checkpoint(run_dir: Path, checkpoint_path: str | None) -> Path:
-    if checkpoint_path:
-        return Path(checkpoint_path)
-    latest = checkpoint.latest_checkpoint(run_dir / "checkpoints")
-    if latest is None:
-        raise MoestackError(f"{run_dir / 'checkpoints'} holds no checkpoint")
-    return latest
-
-
 def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.data import eval_batches, load_corpus
-    from moestack.model import MoETransformer
-    from moestack.train import evaluate, resolve_device
+    from moestack.evaluation import evaluate, resolve_device
+    from moestack.runs import load_run
 
-    run_dir = Path(args.run_dir)
-    cfg = load_run_config(run_dir)
-    ckpt = resolve_checkpoint(run_dir, args.checkpoint)
+    run = load_run(args.run_dir, args.checkpoint)
+    cfg = run.cfg
     device = resolve_device(args.device or cfg.device)
-    model = MoETransformer(cfg.model)
-    checkpoint.load_model_weights(ckpt, model, cfg.model)
     corpus = load_corpus(cfg.data)
     batches = eval_batches(
         corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
     )
-    if not args.offload:
-        model.to(device)
-        result = {"checkpoint": str(ckpt), **evaluate(model, batches, device)}
+    if args.offload:
+        metrics = _eval_offloaded(args, run, batches, device)
     else:
-        result = {
-            "checkpoint": str(ckpt),
-            **_eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device),
-        }
+        run.model.to(device)
+        metrics = evaluate(run.model, batches, device)
+    result = {"checkpoint": str(run.checkpoint), **metrics}
     print(json.dumps(result, indent=2))
     return result
 
@@ -91,7 +68,7 @@ def cmd_telemetry(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         policies=_csv(args.policies),
-        capacities=[int(c) for c in _csv(args.capacities)],
+        capacities=[int(c) for c in _csv(args.capacities)] or None,
         device=args.device,
         record_probs=args.record_probs,
     )
@@ -102,8 +79,10 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from moestack.telemetry import RoutingTrace, sweep
 
     trace = RoutingTrace.load(args.trace)
+    from moestack.cache.policies import default_capacities
+
     top_k = max(trace.top_k) if isinstance(trace.top_k, list | tuple) else int(trace.top_k)
-    capacities = [int(c) for c in _csv(args.capacities)] or [top_k, 2 * top_k]
+    capacities = [int(c) for c in _csv(args.capacities)] or list(default_capacities(top_k))
     results = sweep(trace, policies=_csv(args.policies), capacities=capacities)
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13}")
     for stats in results:
@@ -122,28 +101,39 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"report: {index}")
 
 
-def _eval_offloaded(args, cfg, run_dir, ckpt, model, batches, device) -> dict:
+def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
+    """The run's cache settings with the command line's on top."""
+    changes: dict[str, Any] = {"prefetch": args.prefetch or cfg.prefetch}
+    if args.policy:
+        changes["policy"] = args.policy
+    if args.capacity:
+        changes.update(capacity=args.capacity, capacity_bytes=0)
+    if args.capacity_bytes:
+        changes.update(capacity=0, capacity_bytes=args.capacity_bytes)
+    if args.warmup >= 0:
+        changes["warmup"] = args.warmup
+    return dataclasses.replace(cfg, **changes)
+
+
+def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
     """Every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
 
-    policy = args.policy or cfg.cache.policy
-    if policy == "belady":
+    cache_cfg = _cache_config(args, run.cfg.cache)
+    if cache_cfg.policy == "belady":
         raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
-    store_dir = args.store_dir or cfg.cache.store_dir or run_dir / "experts"
-    store = open_or_write_store(model, store_dir, cfg.model, source=str(Path(ckpt).resolve()))
-    model.to(device)  # before offloading: released experts are meta tensors
-    options = dict(
-        policy=policy,
-        capacity=args.capacity or cfg.cache.capacity or None,
-        capacity_bytes=args.capacity_bytes or cfg.cache.capacity_bytes or None,
-        prefetch=args.prefetch or cfg.cache.prefetch,
-        cache_aware_bias=args.cache_aware_bias,
-        warmup=args.warmup if args.warmup >= 0 else cfg.cache.warmup,
+    store_dir = args.store_dir or cache_cfg.store_dir or run.run_dir / "experts"
+    store = open_or_write_store(
+        run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve())
     )
-    result = evaluate_offloaded(model, store, batches, device, **options)
+    run.model.to(device)  # before offloading: released experts are meta tensors
+    bias = args.cache_aware_bias
+    result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
     if args.generate:
         prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
-        out = generate_offloaded(model, store, prompt, args.generate, device, **options)
+        out = generate_offloaded(
+            run.model, store, prompt, args.generate, device, cache_cfg, cache_aware_bias=bias
+        )
         text = bytes(t for t in out["tokens"] if 0 < t < 256)
         result["generation"] = args.prompt + text.decode("utf-8", "replace")
     return result
@@ -204,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--policies", default="lru,lfu,static,lru+static,belady")
-    p.add_argument("--capacities", default="2,4")
+    p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--record-probs", action="store_true")
     p.set_defaults(func=cmd_telemetry)

@@ -13,7 +13,6 @@ from typing import Any
 
 MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
 ROUTER_SCORES = ("softmax", "sigmoid")
-CACHE_POLICIES = ("lru", "lfu", "static", "lru+static", "belady")
 OPTIMIZERS = ("adamw", "offload_adamw")
 DATA_SOURCES = ("stdlib", "files", "hf")
 
@@ -21,6 +20,14 @@ DATA_SOURCES = ("stdlib", "files", "hf")
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_policy(name: str, field: str) -> None:
+    """The policy names live in one registry, moestack.cache.policies (imported here, not at
+    the top, because the cache package imports this module)."""
+    from moestack.cache.policies import check_policy
+
+    check_policy(name, field)
 
 
 @dataclass
@@ -199,13 +206,15 @@ class CacheConfig:
     store_dir: str = ""  # where the safetensors expert store lives ("" = <run dir>/experts)
 
     def __post_init__(self) -> None:
-        _check(
-            self.policy in CACHE_POLICIES,
-            f"cache.policy={self.policy!r} is unknown; use one of {CACHE_POLICIES}",
-        )
+        _check_policy(self.policy, "cache.policy")
         _check(self.capacity >= 0, f"cache.capacity={self.capacity} must be >= 0 (0 = 2 x top_k)")
         _check(self.warmup >= 0, f"cache.warmup={self.warmup} must be >= 0")
         _check(self.capacity_bytes >= 0, f"cache.capacity_bytes={self.capacity_bytes} must be >= 0")
+        _check(
+            not (self.capacity and self.capacity_bytes),
+            f"cache.capacity={self.capacity} and cache.capacity_bytes={self.capacity_bytes} are "
+            "both set; give one of them",
+        )
 
 
 @dataclass
@@ -219,10 +228,7 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         for policy in self.policies:
-            _check(
-                policy in CACHE_POLICIES,
-                f"telemetry.policies has {policy!r}; use names from {CACHE_POLICIES}",
-            )
+            _check_policy(policy, "telemetry.policies")
         for capacity in self.capacities:
             _check(capacity >= 1, f"telemetry.capacities has {capacity}; each must be >= 1")
 
@@ -232,7 +238,9 @@ class TrainConfig:
     """One training run: model, data, optimizer, loop settings, logging."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)  # copied into model.router
+    # The one place the router is configured (the `router` group, `router.FIELD=...`); it
+    # becomes model.router, and setting model.router to something else is an error.
+    router: RouterConfig = field(default_factory=RouterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -262,7 +270,7 @@ class TrainConfig:
         self.data = _coerce(self.data, DataConfig)
         self.cache = _coerce(self.cache, CacheConfig)
         self.telemetry = _coerce(self.telemetry, TelemetryConfig)
-        self.model.router = self.router
+        self.model.router = _one_router(self.router, self.model.router)
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
             value = getattr(self, name)
             _check(value >= 1, f"{name}={value} must be >= 1")
@@ -284,16 +292,29 @@ class TrainConfig:
             f"router.window_size={self.router.window_size} exceeds data.seq_len="
             f"{self.data.seq_len}; shorten the window or lengthen the sequences",
         )
+        from moestack.cache.policies import default_capacities, default_capacity
+
         top_k = self.model.moe.top_k
-        if self.cache.capacity == 0:
-            self.cache.capacity = 2 * top_k
+        if self.cache.capacity == 0 and self.cache.capacity_bytes == 0:
+            self.cache.capacity = default_capacity(top_k)
         if not self.telemetry.capacities:
-            self.telemetry.capacities = [top_k, 2 * top_k]
+            self.telemetry.capacities = list(default_capacities(top_k))
         _check(
-            self.cache.capacity >= self.model.moe.top_k,
+            self.cache.capacity_bytes > 0 or self.cache.capacity >= self.model.moe.top_k,
             f"cache.capacity={self.cache.capacity} is smaller than moe.top_k="
             f"{self.model.moe.top_k}: one token would not fit",
         )
+
+
+def _one_router(router: RouterConfig, model_router: RouterConfig) -> RouterConfig:
+    """``router`` for the model; ``model.router`` may only be left alone or repeat it (as a
+    saved config.yaml does), so two router settings can never disagree."""
+    if model_router not in (router, RouterConfig()):
+        raise ValueError(
+            f"model.router={model_router} differs from router={router}; the router is set in "
+            "one place: use router=NAME and router.FIELD=VALUE, not model.router"
+        )
+    return router
 
 
 def _coerce(value: Any, cls: type) -> Any:

@@ -19,14 +19,21 @@ log = logging.getLogger(__name__)
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file (a torn last line from a crash is skipped)."""
+    """All records of a metrics.jsonl file; a line that is not a JSON object (a torn last
+    line from a crash) is skipped with a warning naming the file and line."""
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
                 continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s:%d: not JSON, skipped", path, number)
+                continue
+            if isinstance(record, dict):
+                records.append(record)
     return records
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from moestack.config import ModelConfig
@@ -58,13 +59,12 @@ class Attention(nn.Module):
     def forward(
         self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
     ) -> torch.Tensor:
-        batch, seq, d_model = x_BSD.shape
-        qkv = self.qkv(x_BSD).view(batch, seq, 3, self.n_heads, self.head_dim)
-        q_BHSd, k_BHSd, v_BHSd = qkv.permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x_BSD)
+        q_BHSd, k_BHSd, v_BHSd = rearrange(qkv, "b s (n h d) -> n b h s d", n=3, h=self.n_heads)
         q_BHSd = apply_rotary(q_BHSd, cos_SH, sin_SH)
         k_BHSd = apply_rotary(k_BHSd, cos_SH, sin_SH)
         y_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
-        return self.out(y_BHSd.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.out(rearrange(y_BHSd, "b h s d -> b s (h d)"))
 
 
 class Block(nn.Module):

@@ -87,10 +87,46 @@ def moe_experts_torch(
     return torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The expert implementation ``impl`` means on ``device``: "auto" is triton on CUDA and
+    torch elsewhere."""
     if impl == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return impl
+
+
+def run_experts(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Apply the chosen SwiGLU experts to flat tokens and combine them with the weights.
+
+    The one way into the expert computation, for the MoE layer and for anything that holds
+    expert weights elsewhere (the expert cache): under autocast everything runs in the
+    autocast dtype (the custom kernels don't autocast), otherwise ``x`` takes the weights'
+    dtype; ``impl`` is one of ``MOE_IMPLS``.
+    """
+    device_type = x_TD.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x_TD, w1_EDF2, w2_EFD = x_TD.to(dtype), w1_EDF2.to(dtype), w2_EFD.to(dtype)
+    elif w1_EDF2.dtype != x_TD.dtype:
+        x_TD = x_TD.to(w1_EDF2.dtype)
+    args = (x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK)
+    impl = resolve_impl(impl, x_TD.device)
+    if impl == "torch":
+        return moe_experts_torch(*args)
+    if impl == "triton":
+        from moestack.kernels import moe_experts
+
+        return moe_experts(*args)
+    from moestack.kernels.megablocks_adapter import moe_experts_megablocks
+
+    return moe_experts_megablocks(*args)
 
 
 class MoE(nn.Module):
@@ -119,23 +155,7 @@ class MoE(nn.Module):
 
     def experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Apply the chosen experts to flat tokens and combine them with the router weights."""
-        impl = _resolve_impl(self.cfg.impl, x_TD.device)
-        w1, w2 = self.w1, self.w2
-        if torch.is_autocast_enabled(x_TD.device.type):  # custom kernels don't autocast
-            dtype = torch.get_autocast_dtype(x_TD.device.type)
-            x_TD, w1, w2 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype)
-        elif w1.dtype != x_TD.dtype:
-            x_TD = x_TD.to(w1.dtype)
-        args = (x_TD, w1, w2, routing.experts, routing.weights)
-        if impl == "torch":
-            return moe_experts_torch(*args)
-        if impl == "triton":
-            from moestack.kernels import moe_experts
-
-            return moe_experts(*args)
-        from moestack.kernels.megablocks_adapter import moe_experts_megablocks
-
-        return moe_experts_megablocks(*args)
+        return run_experts(x_TD, self.w1, self.w2, routing.experts, routing.weights, self.cfg.impl)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., D] -> [..., D]``; ``segment_ids [...]`` (document of each token, optional)

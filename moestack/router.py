@@ -44,22 +44,40 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
-        if self.cfg.score == "softmax":
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-        else:
-            scores_TE = torch.sigmoid(logits_TE)
-        if self.cfg.bias_update_rate > 0:
-            _, experts_TK = torch.topk(scores_TE + self.expert_bias, self.top_k, dim=-1)
-            weights_TK = scores_TE.gather(-1, experts_TK)
-        else:
-            weights_TK, experts_TK = torch.topk(scores_TE, self.top_k, dim=-1)
-        if self.cfg.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        logits_TE, scores_TE = self.score(x_TD)
+        weights_TK, experts_TK = self.select(scores_TE)
         if self.training and self.cfg.bias_update_rate > 0:
             counts = torch.bincount(experts_TK.reshape(-1), minlength=self.num_experts)
             self.pending_counts += counts.to(self.pending_counts.dtype)
         return Routing(logits_TE, weights_TK, experts_TK, scores_TE)
+
+    def score(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [T, E], scores [T, E])`` in float32: softmax or sigmoid of the logits."""
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.cfg.score == "softmax":
+            return logits_TE, torch.softmax(logits_TE, dim=-1)
+        return logits_TE, torch.sigmoid(logits_TE)
+
+    def select(
+        self, scores_TE: torch.Tensor, extra_bias_TE: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k], experts [T, k])``: the top k by score plus the aux-loss-free bias
+        and ``extra_bias_TE`` (``[E]`` or ``[T, E]``, e.g. a cache's resident experts). Biases
+        steer selection only: the weights are the chosen experts' scores (renormalised when
+        ``cfg.renormalize``)."""
+        select_TE = None
+        if self.cfg.bias_update_rate > 0:
+            select_TE = scores_TE + self.expert_bias
+        if extra_bias_TE is not None:
+            select_TE = (scores_TE if select_TE is None else select_TE) + extra_bias_TE
+        if select_TE is None:
+            weights_TK, experts_TK = torch.topk(scores_TE, self.top_k, dim=-1)
+        else:
+            experts_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
+            weights_TK = scores_TE.gather(-1, experts_TK)
+        if self.cfg.renormalize:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return weights_TK, experts_TK
 
     @torch.no_grad()
     def update_bias(self) -> None:

@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from einops import rearrange
 
 from moestack.config import RouterConfig
 from moestack.router import Routing
@@ -101,8 +102,8 @@ def temporal_consistency(
     probs_TE = _probs(routing)
     if rows == 0 or seq_len < 2:
         return probs_TE.sum() * 0.0
-    probs_RSE = probs_TE.reshape(rows, seq_len, -1)
-    experts_RSK = routing.experts.reshape(rows, seq_len, -1)
+    probs_RSE = rearrange(probs_TE, "(r s) e -> r s e", r=rows)
+    experts_RSK = rearrange(routing.experts, "(r s) k -> r s k", r=rows)
     kept_RP = probs_RSE[:, 1:].gather(-1, experts_RSK[:, :-1]).sum(-1)  # P = S - 1 pairs
     outside_RP = 1.0 - kept_RP
     if seg_RS is None:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from moestack import ModelConfig, MoETransformer
+from moestack import CacheConfig, ModelConfig, MoETransformer
 from moestack.cache import ExpertStore, evaluate_offloaded
-from moestack.train import evaluate
+from moestack.evaluation import evaluate
 
 CPU = torch.device("cpu")
 
@@ -114,15 +114,11 @@ def bench_io(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
 
 def load_model(args: argparse.Namespace) -> tuple[MoETransformer, list]:
     if args.run_dir:
-        from moestack import checkpoint
-        from moestack.cli import load_run_config, resolve_checkpoint
         from moestack.data import eval_batches, load_corpus
+        from moestack.runs import load_run
 
-        cfg = load_run_config(args.run_dir)
-        model = MoETransformer(cfg.model)
-        checkpoint.load_model_weights(
-            resolve_checkpoint(Path(args.run_dir), None), model, cfg.model
-        )
+        run = load_run(args.run_dir)
+        cfg, model = run.cfg, run.model
         corpus = load_corpus(cfg.data)
         data = eval_batches(corpus.val, args.batch, min(args.seq, cfg.data.seq_len), args.batches)
         return model.eval(), data
@@ -165,7 +161,7 @@ def bench_eval(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 drop_pages(store.files())
                 runs.append(
                     evaluate_offloaded(
-                        fresh(), store, data, CPU, capacity=capacity, prefetch=prefetch
+                        fresh(), store, data, CPU, CacheConfig(capacity=capacity, prefetch=prefetch)
                     )
                 )
             best = max(runs, key=lambda r: r["eval/tokens_per_s"])
@@ -187,7 +183,7 @@ def bench_eval(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     for capacity in args.bias_capacities:
         for bias in args.biases:
             r = evaluate_offloaded(
-                fresh(), store, data, CPU, capacity=capacity, cache_aware_bias=bias
+                fresh(), store, data, CPU, CacheConfig(capacity=capacity), cache_aware_bias=bias
             )
             bias_rows.append(
                 {

@@ -36,12 +36,13 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moestack import checkpoint
+from moestack.cache.policies import default_capacity
 from moestack.config import TelemetryConfig, TrainConfig, register_configs
 from moestack.data import eval_batches, load_corpus
 from moestack.model import MoETransformer
 from moestack.router import Router
-from moestack.train import train
+from moestack.runs import load_run
+from moestack.trainer import train
 
 log = logging.getLogger("sweep_locality")
 
@@ -172,13 +173,9 @@ def measure(run: Run, args: argparse.Namespace, val_tokens: np.ndarray) -> dict[
     else:
         log.info("%s: training %d steps into %s", run.name, cfg.steps, out_dir)
         summary = train(cfg, out_dir)
-    model = MoETransformer(cfg.model)
-    ckpt = checkpoint.latest_checkpoint(out_dir / "checkpoints")
-    if ckpt is None:
-        raise FileNotFoundError(f"{out_dir}/checkpoints holds no checkpoint; delete {out_dir}")
-    checkpoint.load_model_weights(ckpt, model, cfg.model)
+    model = load_run(out_dir).model
     batches = eval_batches(val_tokens, cfg.batch_size, cfg.data.seq_len, args.replay_batches)
-    capacity = args.capacity or 2 * cfg.model.moe.top_k
+    capacity = args.capacity or default_capacity(cfg.model.moe.top_k)
     result = {
         "run": run.name,
         "loss": run.loss,

@@ -5,7 +5,8 @@
 ``run_telemetry`` and ``render_report`` work on their own, without a training loop.
 """
 
-from moestack.telemetry.hooks import ROUTER_DETECTORS, RouterSpec, Telemetry, attach, find_routers
+from moestack.telemetry.detect import ROUTER_DETECTORS, RouterSpec, find_routers
+from moestack.telemetry.hooks import Telemetry, attach
 from moestack.telemetry.replay import CacheStats, LayerStats, simulate, sweep
 from moestack.telemetry.report import render_report
 from moestack.telemetry.standalone import run_telemetry, tiny_model

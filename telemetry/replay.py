@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from moestack.cache.policies import POLICIES, CachePolicy, make_policy, stack_distances
+from moestack.cache.policies import (
+    POLICIES,
+    CachePolicy,
+    check_policy,
+    make_policy,
+    stack_distances,
+)
 from moestack.telemetry.trace import RoutingTrace
 
 log = logging.getLogger(__name__)
@@ -112,8 +118,8 @@ def simulate(
     requests (belady on huge traces). ``reuse`` adds the reuse-distance histograms.
     """
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
-    if isinstance(policy, str) and policy not in POLICIES:
-        raise ValueError(f"policy={policy!r} is unknown; use one of {POLICIES}")
+    if isinstance(policy, str):
+        check_policy(policy, "policy")
     layer_ids = list(range(trace.num_layers)) if layers is None else list(layers)
     sizes = _expert_sizes(trace, expert_bytes)
     stats: list[LayerStats] = []
@@ -129,15 +135,7 @@ def simulate(
         skip = _resolve_warmup(warmup, requests.size)
         if isinstance(policy, str):
             pinned = None if static_experts is None else list(static_experts[layer])
-            pol = make_policy(
-                policy,
-                cap,
-                pinned=pinned if policy in ("static", "lru+static") else None,
-                # static policies need at least one warm-up request to choose their pins
-                warmup=0 if pinned is not None else max(skip, 1),
-                num_pinned=num_pinned,
-                future=requests if policy == "belady" else None,
-            )
+            pol = _named_policy(policy, cap, requests, skip, pinned, num_pinned)
         else:
             pol = policy(layer, cap, requests)
         start = time.perf_counter()
@@ -162,12 +160,53 @@ def simulate(
         tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
         if reuse:
             hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
+    return _total_stats(
+        name,
+        stats[0].capacity if stats else int(capacity or 0),
+        stats,
+        hists,
+        tokens,
+        seconds,
+        replayed,
+    )
+
+
+def _named_policy(
+    name: str,
+    capacity: int,
+    requests: np.ndarray,
+    skip: int,
+    pinned: list[int] | None,
+    num_pinned: int | None,
+) -> CachePolicy:
+    """The policy ``name`` for one layer's ``requests``, of which the first ``skip`` warm up."""
+    return make_policy(
+        name,
+        capacity,
+        pinned=pinned if name in ("static", "lru+static") else None,
+        # static policies need at least one warm-up request to choose their pins
+        warmup=0 if pinned is not None else max(skip, 1),
+        num_pinned=num_pinned,
+        future=requests if name == "belady" else None,
+    )
+
+
+def _total_stats(
+    name: str,
+    capacity: int,
+    stats: list[LayerStats],
+    hists: list[list[int]],
+    tokens: int,
+    seconds: float,
+    replayed: int,
+) -> CacheStats:
+    """The CacheStats summing the layers' stats."""
     hits = sum(s.hits for s in stats)
     accesses = sum(s.accesses for s in stats)
     misses = accesses - hits
     return CacheStats(
         policy=name,
-        capacity=stats[0].capacity if stats else int(capacity or 0),
+        capacity=capacity,
         accesses=accesses,
         hits=hits,
         misses=misses,

@@ -20,29 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from moestack.metrics import read_metrics
+
 log = logging.getLogger(__name__)
 
 _HIT = re.compile(r"^telemetry/([^/]+)/cap(\d+)/hit_rate$")
 _LAYER_HIT = re.compile(r"^telemetry/layer(\d+)/([^/]+)/cap(\d+)/hit_rate$")
 _LOSS = re.compile(r"(loss|perplexity|ppl)", re.I)
-
-
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl; lines that are not JSON objects are skipped with a warning."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s:%d: not JSON, skipped", path, number)
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
 
 
 def _figure(width: float = 7.0, height: float = 4.0) -> Any:
@@ -133,33 +117,12 @@ def _sweep_plot(rows: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out)
 
 
-def render_report(
-    run_dir: str | os.PathLike[str],
-    *,
-    out_dir: str | os.PathLike[str] | None = None,
-    trace_dir: str | os.PathLike[str] | None = None,
-    policies: Sequence[str] = ("lru", "lfu", "static", "lru+static", "belady"),
-    max_accesses: int = 200_000,
-) -> Path:
-    """Render PNGs and index.html for ``run_dir``; returns the path of index.html.
-
-    ``max_accesses`` caps the requests per layer replayed for the capacity sweep.
-    """
-    from moestack.telemetry.replay import sweep
-    from moestack.telemetry.trace import HEADER_FILE, RoutingTrace
-
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"run_dir={str(run)!r} is not a directory")
-    out = Path(out_dir) if out_dir is not None else run / "report"
-    out.mkdir(parents=True, exist_ok=True)
+def _metric_plots(
+    rows: list[dict[str, Any]], out: Path
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Plots of the metrics.jsonl rows: (images as (file, caption), table of last values)."""
     images: list[tuple[str, str]] = []
     table: list[tuple[str, str]] = []
-
-    metrics_path = run / "metrics.jsonl"
-    rows = read_metrics(metrics_path) if metrics_path.is_file() else []
-    if not rows:
-        log.warning("%s: no metrics.jsonl rows; the report has only trace plots", run)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     loss_keys = [k for k in keys if _LOSS.search(k) and not k.startswith("telemetry/")][:8]
     if loss_keys and _line_plot(rows, loss_keys, loss_keys, "Loss", "value", out / "loss.png"):
@@ -202,34 +165,54 @@ def render_report(
         for k in [*loss_keys, *hit_keys, *route_keys]:
             if isinstance(last.get(k), (int, float)):
                 table.append((k, f"{last[k]:.4g}"))
+    return images, table
+
+
+def _find_trace(run: Path, trace_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The trace directory of a run (resumed runs: trace/<part>/, the last); None if none."""
+    from moestack.telemetry.trace import HEADER_FILE
 
     trace_path = Path(trace_dir) if trace_dir is not None else run / "trace"
-    if not (trace_path / HEADER_FILE).is_file():  # resumed runs: trace/<part>/, use the last
+    if not (trace_path / HEADER_FILE).is_file():
         parts = sorted(p.parent for p in trace_path.glob(f"*/{HEADER_FILE}"))
         trace_path = parts[-1] if parts else trace_path
-    if (trace_path / HEADER_FILE).is_file():
-        trace = RoutingTrace.load(trace_path)
-        usage = np.zeros((trace.num_layers, max(trace.num_experts)), dtype=np.int64)
-        for layer in range(trace.num_layers):
-            req = trace.accesses(layer)
-            usage[layer, : trace.num_experts[layer]] = np.bincount(
-                req, minlength=trace.num_experts[layer]
-            )[: trace.num_experts[layer]]
-        usage_heatmap_figure(usage).savefig(out / "expert_usage.png")
-        images.append(("expert_usage.png", "Expert usage (layers x experts)"))
-        results = sweep(trace, policies, max_accesses=max_accesses)
-        sweep_rows = [
-            {
-                k: r.to_dict()[k]
-                for k in ("policy", "capacity", "hit_rate", "misses_per_token", "bytes_loaded")
-            }
-            for r in results
-        ]
-        (out / "sweep.json").write_text(json.dumps(sweep_rows, indent=1))
-        _sweep_plot(sweep_rows, out / "capacity_sweep.png")
-        images.append(("capacity_sweep.png", "Hit rate vs capacity, every policy (trace replay)"))
-        table.append(("trace tokens", str(trace.num_tokens)))
+    return trace_path if (trace_path / HEADER_FILE).is_file() else None
 
+
+def _trace_plots(
+    trace_path: Path, out: Path, policies: Sequence[str], max_accesses: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Expert usage and the capacity sweep of a trace (also sweep.json): (images, table)."""
+    from moestack.telemetry.replay import sweep
+    from moestack.telemetry.trace import RoutingTrace
+
+    trace = RoutingTrace.load(trace_path)
+    usage = np.zeros((trace.num_layers, max(trace.num_experts)), dtype=np.int64)
+    for layer in range(trace.num_layers):
+        req = trace.accesses(layer)
+        usage[layer, : trace.num_experts[layer]] = np.bincount(
+            req, minlength=trace.num_experts[layer]
+        )[: trace.num_experts[layer]]
+    usage_heatmap_figure(usage).savefig(out / "expert_usage.png")
+    results = sweep(trace, policies, max_accesses=max_accesses)
+    sweep_rows = [
+        {
+            k: r.to_dict()[k]
+            for k in ("policy", "capacity", "hit_rate", "misses_per_token", "bytes_loaded")
+        }
+        for r in results
+    ]
+    (out / "sweep.json").write_text(json.dumps(sweep_rows, indent=1))
+    _sweep_plot(sweep_rows, out / "capacity_sweep.png")
+    images = [
+        ("expert_usage.png", "Expert usage (layers x experts)"),
+        ("capacity_sweep.png", "Hit rate vs capacity, every policy (trace replay)"),
+    ]
+    return images, [("trace tokens", str(trace.num_tokens))]
+
+
+def _index_page(run: Path, images: list[tuple[str, str]], table: list[tuple[str, str]]) -> str:
+    """index.html: the table, the images and run_dir/summary.json when there is one."""
     summary_path = run / "summary.json"
     summary_html = ""
     if summary_path.is_file():
@@ -244,7 +227,7 @@ def render_report(
     rows_html = "".join(
         f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in table
     )
-    page = (
+    return (
         "<!doctype html><html><head><meta charset='utf-8'>"
         f"<title>moestack report: {html.escape(run.name)}</title>"
         "<style>body{font-family:sans-serif;max-width:960px;margin:auto}"
@@ -252,7 +235,38 @@ def render_report(
         f"<h1>moestack report: {html.escape(str(run))}</h1>"
         f"<table>{rows_html}</table>{body}{summary_html}</body></html>"
     )
+
+
+def render_report(
+    run_dir: str | os.PathLike[str],
+    *,
+    out_dir: str | os.PathLike[str] | None = None,
+    trace_dir: str | os.PathLike[str] | None = None,
+    policies: Sequence[str] = ("lru", "lfu", "static", "lru+static", "belady"),
+    max_accesses: int = 200_000,
+) -> Path:
+    """Render PNGs and index.html for ``run_dir``; returns the path of index.html.
+
+    ``max_accesses`` caps the requests per layer replayed for the capacity sweep.
+    """
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run_dir={str(run)!r} is not a directory")
+    out = Path(out_dir) if out_dir is not None else run / "report"
+    out.mkdir(parents=True, exist_ok=True)
+
+    metrics_path = run / "metrics.jsonl"
+    rows = read_metrics(metrics_path) if metrics_path.is_file() else []
+    if not rows:
+        log.warning("%s: no metrics.jsonl rows; the report has only trace plots", run)
+    images, table = _metric_plots(rows, out)
+    trace_path = _find_trace(run, trace_dir)
+    if trace_path is not None:
+        trace_images, trace_table = _trace_plots(trace_path, out, policies, max_accesses)
+        images += trace_images
+        table += trace_table
+
     index = out / "index.html"
-    index.write_text(page, encoding="utf-8")
+    index.write_text(_index_page(run, images, table), encoding="utf-8")
     log.info("report written to %s", index)
     return index

@@ -160,6 +160,36 @@ def _vocab_size(model: nn.Module) -> int:
     raise ValueError(f"cannot tell the vocabulary size of {type(model).__name__}")
 
 
+def _read_tokens(
+    text_path: str | os.PathLike[str], tokenizer: Any | None, vocab: int
+) -> np.ndarray:
+    """Token ids int64 of a text file: the tokenizer's, else bytes modulo ``vocab``."""
+    text = Path(text_path).read_bytes()
+    if tokenizer is not None:
+        ids = np.asarray(tokenizer(text.decode("utf-8", errors="replace"))["input_ids"], np.int64)
+    else:
+        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
+    if ids.size == 0 and text:
+        log.warning("the tokenizer gave no tokens for %s; using bytes instead", text_path)
+        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
+    return ids
+
+
+def _next_token_loss(
+    net: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, is_moestack: bool
+) -> float:
+    """Mean next-token cross-entropy of one batch (no gradients)."""
+    with torch.no_grad():
+        if is_moestack:
+            loss = net(inputs, targets=targets).ce_loss
+        else:
+            logits = net(input_ids=inputs).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            )
+    return float(loss)
+
+
 def run_telemetry(
     model: str | os.PathLike[str] | nn.Module,
     text_path: str | os.PathLike[str],
@@ -169,7 +199,7 @@ def run_telemetry(
     batch_size: int = 4,
     max_tokens: int = 1 << 16,
     policies: Sequence[str] = ("lru", "lfu", "static", "lru+static", "belady"),
-    capacities: Sequence[int] = (2, 4),
+    capacities: Sequence[int] | None = None,
     device: str = "cpu",
     record_probs: bool = False,
     seed: int = 0,
@@ -177,7 +207,9 @@ def run_telemetry(
 ) -> Path:
     """Run ``model`` over ``text_path``; writes trace, metrics.jsonl, summary.json, report/.
 
-    Returns ``out_dir``. ``max_tokens`` caps the tokens read from the text.
+    Returns ``out_dir``. ``max_tokens`` caps the tokens read from the text. ``capacities``
+    (expert slots per layer) default to ``default_capacities(top_k)`` of the model's routers
+    (``attach``): (2, 4) for top_k = 2.
     """
     if seq_len < 2 or batch_size < 1 or max_tokens < seq_len:
         raise ValueError(
@@ -190,16 +222,7 @@ def run_telemetry(
     out.mkdir(parents=True, exist_ok=True)
     net, tokenizer = load_model(model, seed)
     net.to(device).eval()
-    vocab = _vocab_size(net)
-    text = Path(text_path).read_bytes()
-    if tokenizer is not None:
-        ids = np.asarray(tokenizer(text.decode("utf-8", errors="replace"))["input_ids"], np.int64)
-    else:
-        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
-    if ids.size == 0 and text:
-        log.warning("the tokenizer gave no tokens for %s; using bytes instead", text_path)
-        ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64) % vocab
-    ids = ids[:max_tokens]
+    ids = _read_tokens(text_path, tokenizer, _vocab_size(net))[:max_tokens]
     width = seq_len + 1  # next-token targets
     n_seq = len(ids) // width
     if n_seq == 0:
@@ -216,17 +239,9 @@ def run_telemetry(
     with tel, (out / "metrics.jsonl").open("w", encoding="utf-8") as metrics_file:
         for step, start in enumerate(range(0, n_seq, batch_size)):
             batch = blocks[start : start + batch_size].to(device)
-            inputs, targets = batch[:, :-1], batch[:, 1:]
-            with torch.no_grad():
-                if is_moestack:
-                    loss = net(inputs, targets=targets).ce_loss
-                else:
-                    logits = net(input_ids=inputs).logits
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
-                    )
+            inputs = batch[:, :-1]
             row: dict[str, Any] = {"step": step, "tokens": int(inputs.numel())}
-            row["loss"] = float(loss)
+            row["loss"] = _next_token_loss(net, inputs, batch[:, 1:], is_moestack)
             row["perplexity"] = math.exp(min(row["loss"], 50.0))
             row.update(tel.interval_metrics(step=step))
             metrics_file.write(json.dumps(row) + "\n")

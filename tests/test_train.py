@@ -22,7 +22,7 @@ from moestack.data import BatchLoader
 from moestack.errors import MoestackError
 from moestack.metrics import read_metrics
 from moestack.model import MoETransformer
-from moestack.train import train
+from moestack.trainer import train
 
 
 def small_config(**overrides) -> TrainConfig:

@@ -33,12 +33,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from moestack.cache.policies import CachePolicy, make_policy
+from moestack.cache.policies import CachePolicy, check_policy, make_policy
 from moestack.cache.store import ExpertStore
 
 log = logging.getLogger(__name__)
 
-CACHE_POLICIES = ("lru", "lfu", "static", "lru+static")
 Expert = dict[str, torch.Tensor]
 
 
@@ -113,13 +112,7 @@ class ExpertCache:
         prefetch_workers: int = 2,
         record: bool = False,
     ) -> None:
-        if policy not in CACHE_POLICIES:
-            extra = (
-                " (belady is offline-only: use moestack.telemetry.simulate)"
-                if policy == "belady"
-                else ""
-            )
-            raise ValueError(f"policy={policy!r} is unknown; use one of {CACHE_POLICIES}{extra}")
+        check_policy(policy, "policy", online=True)
         self.store = store
         self.device = torch.device(device)
         self.policy_name = policy

@@ -9,14 +9,15 @@ by ``OffloadedExperts``, a small callable that
    call after another), so the cache's hits and misses equal ``moestack.telemetry.simulate``
    on the trace of the same run;
 2. stacks the fetched experts (only those used, in expert order) and calls the same expert
-   function the in-memory layer uses (``moe_experts_torch`` on CPU) with remapped expert
+   function the in-memory layer uses (``moestack.moe.run_experts``) with remapped expert
    ids: the stable sort keeps every row in the same place, so outputs are bitwise equal;
 3. with ``prefetch``, first applies the *next* layer's router to this layer's input to
    predict that layer's experts and starts reading them in the background.
 
 ``cache_aware_bias > 0`` adds that bias to the router scores of the experts resident in the
-cache when the layer is reached (selection only; combine weights stay the router's scores,
-as in cache-conditional routing). moe.py and model.py are not modified.
+cache when the layer is reached, through ``Router.select``'s extra bias (selection only;
+combine weights stay the router's scores, as in cache-conditional routing). moe.py and
+model.py are not modified.
 """
 
 from __future__ import annotations
@@ -29,31 +30,29 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestack.cache.expert_cache import ExpertCache
+from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
+from moestack.config import CacheConfig
 from moestack.errors import MoestackError
-from moestack.moe import MoE, _resolve_impl, moe_experts_torch
+from moestack.evaluation import evaluate
+from moestack.moe import MoE, run_experts
 from moestack.router import Router, Routing
 
 log = logging.getLogger(__name__)
 
 
-def _selection_scores(router: Router, scores_TE: torch.Tensor) -> torch.Tensor:
-    """What the router ranks experts by (its aux-loss-free bias included)."""
-    if router.cfg.bias_update_rate > 0:
-        return scores_TE + router.expert_bias
-    return scores_TE
-
-
-def _resident_bias(scores_TE: torch.Tensor, resident: list[int], bias: float) -> torch.Tensor:
+def _resident_bias(
+    scores_TE: torch.Tensor, resident: list[int], bias: float
+) -> torch.Tensor | None:
+    """``[E]``: ``bias`` on the experts resident in the cache, 0 elsewhere (None if none)."""
     if not resident or bias == 0:
-        return scores_TE
+        return None
     bias_E = torch.zeros(scores_TE.shape[-1], dtype=scores_TE.dtype, device=scores_TE.device)
     bias_E[resident] = bias
-    return scores_TE + bias_E
+    return bias_E
 
 
 class OffloadedExperts:
@@ -83,16 +82,12 @@ class OffloadedExperts:
         first, at most ``prefetch_limit``."""
         router = self.next_router
         assert router is not None
-        logits_TE = F.linear(x_TD.float(), router.weight.float())
-        if router.cfg.score == "softmax":
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-        else:
-            scores_TE = torch.sigmoid(logits_TE)
-        scores_TE = _selection_scores(router, scores_TE)
+        _, scores_TE = router.score(x_TD)
+        bias_E = None
         if self.cache_aware_bias:
             resident = self.cache.resident(self.layer + 1)
-            scores_TE = _resident_bias(scores_TE, resident, self.cache_aware_bias)
-        experts_TK = torch.topk(scores_TE, router.top_k, dim=-1).indices
+            bias_E = _resident_bias(scores_TE, resident, self.cache_aware_bias)
+        _, experts_TK = router.select(scores_TE, bias_E)
         counts_E = torch.bincount(experts_TK.reshape(-1), minlength=router.num_experts).cpu()
         order = torch.argsort(counts_E, descending=True, stable=True)
         return [int(e) for e in order.tolist() if counts_E[e] > 0][: self.prefetch_limit]
@@ -110,23 +105,7 @@ class OffloadedExperts:
         lut_E = torch.full((self.num_experts,), -1, dtype=experts_TK.dtype)
         lut_E[used] = torch.arange(len(used), dtype=experts_TK.dtype)
         compact_TK = lut_E.to(device)[experts_TK]
-        # Same dtype handling and kernel choice as MoE.experts.
-        impl = _resolve_impl(self.impl, device)
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-            x_TD, w1, w2 = x_TD.to(dtype), w1.to(dtype), w2.to(dtype)
-        elif w1.dtype != x_TD.dtype:
-            x_TD = x_TD.to(w1.dtype)
-        args = (x_TD, w1, w2, compact_TK, routing.weights)
-        if impl == "torch":
-            return moe_experts_torch(*args)
-        if impl == "triton":
-            from moestack.kernels import moe_experts
-
-            return moe_experts(*args)
-        from moestack.kernels.megablocks_adapter import moe_experts_megablocks
-
-        return moe_experts_megablocks(*args)
+        return run_experts(x_TD, w1, w2, compact_TK, routing.weights, self.impl)
 
 
 def release_experts(model: nn.Module) -> None:
@@ -211,14 +190,10 @@ def _cache_aware_hook(cache: ExpertCache, layer: int, bias: float) -> Any:
     """Router forward hook: re-select the top k with ``bias`` added to resident experts."""
 
     def hook(router: Router, args: tuple, routing: Routing) -> Routing:
-        resident = cache.resident(layer)
-        if not resident:
+        bias_E = _resident_bias(routing.scores, cache.resident(layer), bias)
+        if bias_E is None:
             return routing
-        select_TE = _resident_bias(_selection_scores(router, routing.scores), resident, bias)
-        experts_TK = torch.topk(select_TE, router.top_k, dim=-1).indices
-        weights_TK = routing.scores.gather(-1, experts_TK)
-        if router.cfg.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        weights_TK, experts_TK = router.select(routing.scores, bias_E)
         return Routing(routing.logits, weights_TK, experts_TK, routing.scores)
 
     return hook
@@ -228,12 +203,8 @@ def _as_cache(
     model: nn.Module,
     store_or_cache: ExpertStore | ExpertCache,
     device: torch.device,
-    policy: str,
-    capacity: int | None,
-    capacity_bytes: int | None,
-    prefetch: bool,
+    cache_cfg: CacheConfig | None,
     pinned: Sequence[Sequence[int]] | None,
-    warmup: int,
 ) -> tuple[ExpertCache, bool]:
     """The cache to use and whether this call owns (and must close) it."""
     if isinstance(store_or_cache, ExpertCache):
@@ -243,18 +214,18 @@ def _as_cache(
             f"store_or_cache is a {type(store_or_cache).__name__}; pass an ExpertStore or an "
             "ExpertCache"
         )
+    cfg = cache_cfg if cache_cfg is not None else CacheConfig()
     top_k = _moe_layers(model)[0].cfg.top_k
-    if capacity is None and not capacity_bytes:
-        capacity = 2 * top_k
+    capacity = None if cfg.capacity_bytes else (cfg.capacity or default_capacity(top_k))
     cache = ExpertCache(
         store_or_cache,
         capacity,
-        policy,
+        cfg.policy,
         device=device,
-        prefetch=prefetch,
-        capacity_bytes=capacity_bytes,
+        prefetch=cfg.prefetch,
+        capacity_bytes=cfg.capacity_bytes or None,
         pinned=pinned,
-        warmup=warmup,
+        warmup=cfg.warmup,
         top_k=top_k,
     )
     return cache, True
@@ -275,41 +246,35 @@ def evaluate_offloaded(
     store_or_cache: ExpertStore | ExpertCache,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     device: str | torch.device,
+    cache: CacheConfig | None = None,
     *,
-    policy: str = "lru",
-    capacity: int | None = None,
-    capacity_bytes: int | None = None,
-    prefetch: bool = False,
     cache_aware_bias: float = 0.0,
     pinned: Sequence[Sequence[int]] | None = None,
-    warmup: int = 0,
     prefetch_limit: int | None = None,
 ) -> dict[str, float]:
-    """Validation loss/perplexity (``moestack.train.evaluate``) with experts served from the
-    store through a cache, plus the cache's statistics and tokens/s.
+    """Validation loss/perplexity (``moestack.evaluation.evaluate``) with experts served from
+    the store through a cache, plus the cache's statistics and tokens/s.
 
-    Given an ExpertStore, a cache is built from ``policy``/``capacity`` (default 2 x top_k)
-    /``prefetch`` on ``device``; given an ExpertCache, those are ignored. The model must be
-    on ``device`` already; its expert weights are released (see ``release_experts``).
+    Given an ExpertStore, a cache is built on ``device`` from ``cache`` (policy, capacity or
+    capacity_bytes, warmup, prefetch; capacity 0 = 2 x top_k; default ``CacheConfig()``) and
+    ``pinned`` (per layer, for the static policies); given an ExpertCache, those are ignored.
+    The model must be on ``device`` already; its expert weights are released (see
+    ``release_experts``).
     """
-    from moestack.train import evaluate
-
     device = torch.device(device)
-    cache, owned = _as_cache(
-        model, store_or_cache, device, policy, capacity, capacity_bytes, prefetch, pinned, warmup
-    )
+    expert_cache, owned = _as_cache(model, store_or_cache, device, cache, pinned)
     tokens = sum(int(inputs.numel()) for inputs, _ in batches)
     try:
         with offloaded(
-            model, cache, cache_aware_bias=cache_aware_bias, prefetch_limit=prefetch_limit
+            model, expert_cache, cache_aware_bias=cache_aware_bias, prefetch_limit=prefetch_limit
         ):
             start = time.perf_counter()
             result = evaluate(model, list(batches), device)
             seconds = time.perf_counter() - start
-        return {**result, **_cache_metrics(cache, seconds, tokens)}
+        return {**result, **_cache_metrics(expert_cache, seconds, tokens)}
     finally:
         if owned:
-            cache.close()
+            expert_cache.close()
 
 
 @torch.no_grad()
@@ -319,33 +284,28 @@ def generate_offloaded(
     prompt: torch.Tensor | Sequence[int],
     max_new_tokens: int,
     device: str | torch.device,
+    cache: CacheConfig | None = None,
     *,
-    policy: str = "lru",
-    capacity: int | None = None,
-    capacity_bytes: int | None = None,
-    prefetch: bool = False,
     cache_aware_bias: float = 0.0,
     pinned: Sequence[Sequence[int]] | None = None,
-    warmup: int = 0,
 ) -> dict[str, Any]:
     """Greedy generation of ``max_new_tokens`` after ``prompt`` (token ids) with offloaded
-    experts. The model has no KV cache, so each step re-runs the (last max_seq_len) tokens.
-    Returns ``{"tokens": new ids, **cache metrics}``."""
+    experts, the cache built as in ``evaluate_offloaded``. The model has no KV cache, so each
+    step re-runs the (last max_seq_len) tokens. Returns ``{"tokens": new ids, **cache
+    metrics}``."""
     device = torch.device(device)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     tokens = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1).to(device)
     if tokens.numel() == 0:
         raise ValueError("prompt is empty; give at least one token id")
-    cache, owned = _as_cache(
-        model, store_or_cache, device, policy, capacity, capacity_bytes, prefetch, pinned, warmup
-    )
+    expert_cache, owned = _as_cache(model, store_or_cache, device, cache, pinned)
     max_len = getattr(getattr(model, "cfg", None), "max_seq_len", math.inf)
     was_training = model.training
     model.eval()
     new: list[int] = []
     try:
-        with offloaded(model, cache, cache_aware_bias=cache_aware_bias):
+        with offloaded(model, expert_cache, cache_aware_bias=cache_aware_bias):
             start = time.perf_counter()
             for _ in range(max_new_tokens):
                 window = tokens[:, -max_len:] if math.isfinite(max_len) else tokens
@@ -354,8 +314,8 @@ def generate_offloaded(
                 tokens = torch.cat([tokens, nxt], dim=1)
                 new.append(int(nxt))
             seconds = time.perf_counter() - start
-        return {"tokens": new, **_cache_metrics(cache, seconds, len(new))}
+        return {"tokens": new, **_cache_metrics(expert_cache, seconds, len(new))}
     finally:
         model.train(was_training)
         if owned:
-            cache.close()
+            expert_cache.close()

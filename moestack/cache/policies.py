@@ -1,463 +1,57 @@
-"""Expert-cache replacement policies: one implementation for telemetry replay and the real cache.
-
-A policy tracks which keys (expert ids of one MoE layer, ints >= 0) are resident in a cache
-of ``capacity`` slots. The simulator (``moestack.telemetry.simulate``) and the real
-``ExpertCache`` drive the same objects:
-
-- ``access(key) -> (hit, evicted)``: one request. On a miss the key is loaded for this use;
-  afterwards ``contains(key)`` says whether the policy kept it (a policy may *bypass*: serve a
-  miss without caching it) and ``evicted`` is the key that left the cache to make room, or
-  None. A real cache loads on a miss, stores the key when ``contains(key)`` is true, and drops
-  ``evicted``.
-- ``access_many(keys) -> hits``: the same requests in order, as a bool array; it leaves the
-  policy in exactly the state the ``access`` loop would. LRU, static and lru+static do it
-  vectorised (numpy); the others loop.
-- ``contains(key)``, ``resident()`` (sorted keys), ``len(policy)``.
-
-Policies:
-
-- ``lru``: evict the least recently used key. O(1) per access (OrderedDict).
-- ``lfu``: evict the resident key with the fewest requests so far; counts are kept for every
-  key ever seen, also after eviction ("perfect" LFU), ties go to the least recently used.
-  O(log capacity) amortised (a heap with lazy deletion).
-- ``static``: pin ``capacity`` keys, given (``pinned=``) or the most requested ones in the
-  first ``warmup`` requests (ties: smaller key first). During the warm-up nothing is cached;
-  afterwards a pinned key is loaded on its first request (a miss) and stays; any other key
-  is served without caching. ``pin(keys)`` re-pins.
-- ``lru+static``: ``num_pinned`` slots pinned as in ``static`` (default ``capacity // 2``),
-  the other ``capacity - num_pinned`` slots an LRU cache for the unpinned keys. Requests for
-  pinned keys never touch the LRU part. During the warm-up only the LRU part caches.
-- ``belady``: the offline optimum (fewest misses) for a known request sequence, given whole
-  as ``future=``: on a miss it evicts the resident key whose next request is furthest away,
-  or bypasses the new key when that key's own next request is further than all of theirs.
-  Requests must follow ``future`` exactly. O(log capacity) amortised.
+"""The cache policy registry: the one place that names the replacement policies, builds
+one by name (pins for the static policies chosen from counts or a warm-up), and sets the
+default cache sizes. The expert cache, telemetry's replay and the config checks all use it;
+the algorithms themselves are in ``moestack.cache.replacement``.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from moestack.cache.replacement import (  # noqa: F401  (the algorithms, importable from here)
+    BeladyPolicy,
+    CachePolicy,
+    LFUPolicy,
+    LRUPolicy,
+    LRUStaticPolicy,
+    StaticPolicy,
+    next_uses,
+    stack_distances,
+    top_keys,
+)
+
+# The policy registry: every name the cache, telemetry's replay and the configs accept.
 POLICIES = ("lru", "lfu", "static", "lru+static", "belady")
-
-# Below this many requests the vectorised paths loop instead (numpy set-up costs more).
-_VECTOR_MIN = 32
-
-
-def _check_capacity(capacity: int) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity={capacity!r} must be an int >= 1 (expert slots per layer)")
-    return int(capacity)
-
-
-def _as_keys(keys: Iterable[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(keys if isinstance(keys, np.ndarray) else list(keys))
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
-    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0):
-        raise ValueError(f"keys must be non-negative integer expert ids; got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
-def stack_distances(keys: np.ndarray, last: np.ndarray, tick: int) -> tuple[np.ndarray, np.ndarray]:
-    """LRU stack (reuse) distances of ``keys``, vectorised.
-
-    ``last[u]`` is the tick of key u's latest request (-1: never); the requests get ticks
-    ``tick, tick+1, ...``. Returns ``dist`` (int64 [n]: distinct other keys requested since
-    the same key's previous request, -1 for a first request) and the updated ``last`` (a new
-    array, as long as needed). An LRU cache of capacity c hits exactly when 0 <= dist < c.
-    Work: O(n) numpy per distinct key in ``keys`` plus O(n log U); memory O(n).
-    """
-    keys = np.asarray(keys, dtype=np.int64)
-    n = keys.size
-    size = max(int(last.size), int(keys.max()) + 1 if n else 0)
-    state = np.full(size, -1, dtype=np.int64)
-    state[: last.size] = last
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), state
-    # tick of the previous request of the same key (in this chunk, else from ``state``)
-    prev = state[keys]
-    order = np.argsort(keys, kind="stable")
-    same = keys[order[1:]] == keys[order[:-1]]
-    prev[order[1:][same]] = tick + order[:-1][same]
-    times = np.arange(tick, tick + n, dtype=np.int64)
-    present = np.flatnonzero(np.bincount(keys, minlength=size))
-    dist = np.zeros(n, dtype=np.int64)
-    for u in present.tolist():  # count keys whose latest request is newer than prev
-        col = np.where(keys == u, times, state[u])
-        np.maximum.accumulate(col, out=col)  # col[i]: latest tick of u up to request i
-        dist[0] += state[u] > prev[0]
-        dist[1:] += col[:-1] > prev[1:]
-        state[u] = col[-1]
-    # keys not requested in this chunk keep their old tick: count those newer than prev
-    absent = np.ones(size, dtype=bool)
-    absent[present] = False
-    old = np.sort(state[absent & (state >= 0)])
-    dist += old.size - np.searchsorted(old, prev, side="right")
-    dist[prev < 0] = -1
-    return dist, state
-
-
-class CachePolicy:
-    """Base class: the request API shared by the simulator and the real expert cache."""
-
-    name = "base"
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = _check_capacity(capacity)
-
-    def access(self, key: int) -> tuple[bool, int | None]:
-        """Request ``key``: (hit, key evicted to make room or None)."""
-        raise NotImplementedError
-
-    def access_many(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
-        """Request every key in order; bool hit per request."""
-        arr = _as_keys(keys)
-        access = self.access
-        return np.fromiter((access(k)[0] for k in arr.tolist()), dtype=bool, count=arr.size)
-
-    def contains(self, key: int) -> bool:
-        """Whether ``key`` is resident now."""
-        raise NotImplementedError
-
-    def resident(self) -> list[int]:
-        """The resident keys, sorted."""
-        raise NotImplementedError
-
-    def __contains__(self, key: object) -> bool:
-        return self.contains(key)  # type: ignore[arg-type]
-
-    def __len__(self) -> int:
-        return len(self.resident())
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(capacity={self.capacity}, resident={self.resident()})"
-
-
-class LRUPolicy(CachePolicy):
-    """Least recently used: O(1) per request."""
-
-    name = "lru"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._order: OrderedDict[int, None] = OrderedDict()  # oldest first
-
-    def access(self, key: int) -> tuple[bool, int | None]:
-        order = self._order
-        if key in order:
-            order.move_to_end(key)
-            return True, None
-        evicted = None
-        if len(order) >= self.capacity:
-            evicted, _ = order.popitem(last=False)
-        order[key] = None
-        return False, evicted
-
-    def access_many(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
-        arr = _as_keys(keys)
-        if arr.size < _VECTOR_MIN:
-            return super().access_many(arr)
-        resident = list(self._order)
-        size = max(int(arr.max()) + 1, max(resident, default=-1) + 1)
-        last = np.full(size, -1, dtype=np.int64)
-        last[resident] = np.arange(len(resident))  # recency order as pseudo ticks
-        dist, last = stack_distances(arr, last, len(resident))
-        hits = (dist >= 0) & (dist < self.capacity)
-        present = np.flatnonzero(last >= 0)
-        newest = present[np.argsort(last[present], kind="stable")][-self.capacity :]
-        self._order = OrderedDict((int(k), None) for k in newest)
-        return hits
-
-    def discard(self, key: int) -> bool:
-        """Drop ``key`` if resident; whether it was."""
-        return self._order.pop(key, 0) is None
-
-    def contains(self, key: int) -> bool:
-        return key in self._order
-
-    def resident(self) -> list[int]:
-        return sorted(self._order)
-
-    def recency(self) -> list[int]:
-        """Resident keys from least to most recently used."""
-        return list(self._order)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-
-class LFUPolicy(CachePolicy):
-    """Perfect LFU (counts survive eviction), ties to the least recently used."""
-
-    name = "lfu"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self._count: dict[int, int] = {}
-        self._tick: dict[int, int] = {}  # last request time of resident keys
-        self._heap: list[tuple[int, int, int]] = []  # (count, tick, key), lazily invalidated
-        self._now = 0
-
-    def access(self, key: int) -> tuple[bool, int | None]:
-        self._now += 1
-        count = self._count.get(key, 0) + 1
-        self._count[key] = count
-        tick = self._tick
-        if key in tick:
-            tick[key] = self._now
-            self._push(count, key)
-            return True, None
-        evicted = None
-        if len(tick) >= self.capacity:
-            evicted = self._pop_victim()
-        tick[key] = self._now
-        self._push(count, key)
-        return False, evicted
-
-    def _push(self, count: int, key: int) -> None:
-        heap = self._heap
-        heapq.heappush(heap, (count, self._now, key))
-        if len(heap) > 8 * self.capacity + 64:  # drop stale entries
-            self._heap = [(self._count[k], t, k) for k, t in self._tick.items()]
-            heapq.heapify(self._heap)
-
-    def _pop_victim(self) -> int:
-        heap, tick, counts = self._heap, self._tick, self._count
-        while True:
-            count, t, key = heapq.heappop(heap)
-            if tick.get(key) == t and counts[key] == count:
-                del tick[key]
-                return key
-
-    def count(self, key: int) -> int:
-        """Requests of ``key`` so far."""
-        return self._count.get(key, 0)
-
-    def contains(self, key: int) -> bool:
-        return key in self._tick
-
-    def resident(self) -> list[int]:
-        return sorted(self._tick)
-
-    def __len__(self) -> int:
-        return len(self._tick)
-
-
-def _top_keys(counts: np.ndarray, n: int) -> list[int]:
-    """The n keys with the highest counts (ties: smaller key), only keys with count > 0."""
-    keys = np.flatnonzero(counts > 0)
-    order = np.lexsort((keys, -counts[keys]))
-    return [int(k) for k in keys[order][:n]]
-
-
-class LRUStaticPolicy(CachePolicy):
-    """``num_pinned`` pinned slots plus an LRU part for the other keys."""
-
-    name = "lru+static"
-
-    def __init__(
-        self,
-        capacity: int,
-        pinned: Sequence[int] | None = None,
-        *,
-        num_pinned: int | None = None,
-        warmup: int = 0,
-    ) -> None:
-        super().__init__(capacity)
-        if num_pinned is None:
-            num_pinned = len(pinned) if pinned is not None else self.capacity // 2
-        if not 0 <= num_pinned <= self.capacity:
-            raise ValueError(f"num_pinned={num_pinned} must be in [0, capacity={self.capacity}]")
-        if warmup < 0:
-            raise ValueError(f"warmup={warmup} must be >= 0 requests")
-        if pinned is None and warmup == 0 and num_pinned > 0:
-            raise ValueError(
-                f"{self.name}: give pinned=[expert ids] or warmup=N > 0 requests to choose the "
-                "most used experts from"
-            )
-        self.num_pinned = int(num_pinned)
-        self.warmup = int(warmup)
-        lru_slots = self.capacity - self.num_pinned
-        self._lru = LRUPolicy(lru_slots) if lru_slots > 0 else None
-        self._pinned: set[int] | None = None
-        self._loaded: set[int] = set()
-        self._counts = np.zeros(0, dtype=np.int64)
-        self._seen = 0
-        if pinned is not None:
-            self.pin(pinned)
-        elif self.num_pinned == 0:
-            self.pin(())
-
-    @property
-    def pinned(self) -> list[int] | None:
-        """The pinned keys (None while the warm-up still chooses them)."""
-        return None if self._pinned is None else sorted(self._pinned)
-
-    def pin(self, keys: Iterable[int]) -> list[int]:
-        """Pin ``keys`` (at most ``num_pinned``); returns the keys that stop being resident."""
-        new = {int(k) for k in keys}
-        if len(new) > self.num_pinned:
-            raise ValueError(
-                f"{len(new)} keys to pin but only num_pinned={self.num_pinned} pinned slots"
-            )
-        dropped = sorted(self._loaded - new)
-        self._loaded &= new
-        if self._lru is not None:
-            for key in new:
-                if self._lru.discard(key):
-                    self._loaded.add(key)  # already in memory: moves to the pinned part
-        self._pinned = new
-        return dropped
-
-    def _count_warmup(self, keys: np.ndarray) -> None:
-        if keys.size:
-            counts = np.bincount(keys, minlength=max(self._counts.size, int(keys.max()) + 1))
-            counts[: self._counts.size] += self._counts
-            self._counts = counts
-        self._seen += int(keys.size)
-        if self._seen >= self.warmup:
-            self.pin(_top_keys(self._counts, self.num_pinned))
-
-    def access(self, key: int) -> tuple[bool, int | None]:
-        if self._pinned is None:
-            result = self._lru.access(key) if self._lru is not None else (False, None)
-            self._count_warmup(np.array([key], dtype=np.int64))
-            return result
-        if key in self._pinned:
-            if key in self._loaded:
-                return True, None
-            self._loaded.add(key)
-            return False, None
-        if self._lru is None:
-            return False, None
-        return self._lru.access(key)
-
-    def access_many(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
-        arr = _as_keys(keys)
-        hits = np.zeros(arr.size, dtype=bool)
-        start = 0
-        if self._pinned is None:  # warm-up part: only the LRU part caches
-            start = min(arr.size, self.warmup - self._seen)
-            head = arr[:start]
-            if self._lru is not None:
-                hits[:start] = self._lru.access_many(head)
-            self._count_warmup(head)
-        rest = arr[start:]
-        if rest.size == 0:
-            return hits
-        pinned = np.fromiter(self._pinned, dtype=np.int64, count=len(self._pinned))
-        is_pinned = np.isin(rest, pinned)
-        part = is_pinned.copy()
-        for key in self._pinned - self._loaded:  # first request of an unloaded pin misses
-            where = np.flatnonzero(rest == key)
-            if where.size:
-                part[where[0]] = False
-                self._loaded.add(key)
-        if self._lru is not None:
-            part[~is_pinned] = self._lru.access_many(rest[~is_pinned])
-        hits[start:] = part
-        return hits
-
-    def contains(self, key: int) -> bool:
-        return key in self._loaded or (self._lru is not None and self._lru.contains(key))
-
-    def resident(self) -> list[int]:
-        lru = self._lru.resident() if self._lru is not None else []
-        return sorted(self._loaded.union(lru))
-
-
-class StaticPolicy(LRUStaticPolicy):
-    """Every slot pinned: the most used experts (given, or chosen on the warm-up requests)."""
-
-    name = "static"
-
-    def __init__(
-        self, capacity: int, pinned: Sequence[int] | None = None, *, warmup: int = 0
-    ) -> None:
-        super().__init__(capacity, pinned, num_pinned=_check_capacity(capacity), warmup=warmup)
-
-
-def next_uses(keys: np.ndarray) -> np.ndarray:
-    """For each request, the index of the next request of the same key (len(keys) if none)."""
-    keys = np.asarray(keys, dtype=np.int64)
-    n = keys.size
-    nxt = np.full(n, n, dtype=np.int64)
-    if n > 1:
-        order = np.argsort(keys, kind="stable")
-        same = keys[order[1:]] == keys[order[:-1]]
-        nxt[order[:-1][same]] = order[1:][same]
-    return nxt
-
-
-class BeladyPolicy(CachePolicy):
-    """Offline optimum (Belady's MIN with bypass) for the request sequence ``future``."""
-
-    name = "belady"
-
-    def __init__(self, capacity: int, future: Sequence[int] | np.ndarray) -> None:
-        super().__init__(capacity)
-        self._future = _as_keys(future)
-        self._next = next_uses(self._future).tolist()
-        self._keys = self._future.tolist()
-        self._t = 0
-        self._resident: dict[int, int] = {}  # key -> index of its next request
-        self._heap: list[tuple[int, int]] = []  # (-next request, key), lazily invalidated
-
-    def access(self, key: int) -> tuple[bool, int | None]:
-        t = self._t
-        if t >= len(self._keys):
-            raise ValueError(
-                f"belady: request {t} is past the end of the future it was given "
-                f"({len(self._keys)} requests); build it with the whole sequence"
-            )
-        if self._keys[t] != key:
-            raise ValueError(
-                f"belady: request {t} is key {key} but the future given says {self._keys[t]}; "
-                "requests must follow future= exactly"
-            )
-        self._t = t + 1
-        nxt = self._next[t]
-        resident = self._resident
-        if key in resident:
-            resident[key] = nxt
-            self._push(nxt, key)
-            return True, None
-        if len(resident) < self.capacity:
-            resident[key] = nxt
-            self._push(nxt, key)
-            return False, None
-        heap = self._heap
-        while True:  # resident key requested furthest in the future
-            neg, victim = heap[0]
-            if resident.get(victim) == -neg:
-                break
-            heapq.heappop(heap)
-        if -neg <= nxt:  # the new key is needed last of all: serve it without caching
-            return False, None
-        heapq.heappop(heap)
-        del resident[victim]
-        resident[key] = nxt
-        self._push(nxt, key)
-        return False, victim
-
-    def _push(self, nxt: int, key: int) -> None:
-        heapq.heappush(self._heap, (-nxt, key))
-        if len(self._heap) > 8 * self.capacity + 64:
-            self._heap = [(-n, k) for k, n in self._resident.items()]
-            heapq.heapify(self._heap)
-
-    def contains(self, key: int) -> bool:
-        return key in self._resident
-
-    def resident(self) -> list[int]:
-        return sorted(self._resident)
-
-    def __len__(self) -> int:
-        return len(self._resident)
+# Policies that need the whole request sequence in advance: replay (simulate) only.
+OFFLINE_POLICIES = ("belady",)
+# Policies a live ExpertCache (and telemetry during training) can run.
+ONLINE_POLICIES = tuple(p for p in POLICIES if p not in OFFLINE_POLICIES)
+
+
+def default_capacity(top_k: int) -> int:
+    """The cache size used wherever none is given: 2 x top_k expert slots per layer."""
+    return 2 * top_k
+
+
+def default_capacities(top_k: int) -> tuple[int, int]:
+    """The cache sizes telemetry replays when none are given: top_k and 2 x top_k."""
+    return (top_k, default_capacity(top_k))
+
+
+def check_policy(name: str, field: str = "policy", *, online: bool = False) -> str:
+    """``name`` if it is a known policy (a live one when ``online``); else a ValueError that
+    names ``field``, the value and the choices."""
+    choices = ONLINE_POLICIES if online else POLICIES
+    if name in choices:
+        return name
+    extra = (
+        f" ({name} is offline-only: use moestack.telemetry.simulate)"
+        if name in OFFLINE_POLICIES
+        else ""
+    )
+    raise ValueError(f"{field}={name!r} is unknown; use one of {choices}{extra}")
 
 
 def make_policy(
@@ -483,3 +77,14 @@ def make_policy(
             raise ValueError("policy 'belady' needs future=<the whole request sequence>")
         return BeladyPolicy(capacity, future)
     raise ValueError(f"cache policy {name!r} is unknown; use one of {POLICIES}")
+
+
+def policy_from_counts(name: str, capacity: int, counts: np.ndarray) -> CachePolicy:
+    """An online policy whose pins (static, lru+static) are the most requested keys in
+    ``counts`` (requests per key); lru+static pins half its slots, as ``make_policy``."""
+    if name == "static":
+        return StaticPolicy(capacity, top_keys(counts, capacity))
+    if name == "lru+static":
+        num_pinned = capacity // 2
+        return LRUStaticPolicy(capacity, top_keys(counts, num_pinned), num_pinned=num_pinned)
+    return make_policy(check_policy(name, online=True), capacity)

@@ -1,17 +1,10 @@
 """ExpertStore: every expert's weights as safetensors on disk, readable one expert at a time.
 
-Layout of a store directory (format ``moestack-expert-store``, version 1):
-
-    index.json                       written last; shapes, dtypes, files, byte offsets, sizes
-    layer_000.safetensors            layout="per_layer": tensors ``e0000.w1``, ``e0000.w2``, ...
-    layer_000/expert_0000.safetensors  layout="per_expert": tensors ``w1``, ``w2``
-
-Each expert is ``w1 [D, 2F]`` (SwiGLU gate | up) and ``w2 [F, D]``, stored adjacently so that
-one positional read (``os.preadv``) fetches one expert without touching the others. Layer
-and expert ids are 0-based MoE-layer and expert indices. The files are plain safetensors
-(``safetensors.safe_open`` reads them); the index repeats every tensor's absolute byte
-offset so the reader needs no header parsing on the hot path. ``ExpertStore(path)`` checks
-every file's size and safetensors header against the index before serving anything.
+The directory layout, the index and the single-file helpers are in
+``moestack.cache.store_format``. ``ExpertStore(path)`` checks every file's size and
+safetensors header against the index before serving anything; ``load(layer, expert)`` reads
+one expert's byte range only, with positional reads on file descriptors opened once.
+``open_or_write_store`` reuses a valid store written from the same weights, else rewrites it.
 
 Writing is atomic: files go into a temporary sibling directory, each is fsynced, the index
 is written last, and the directory is renamed into place; on any error (a full disk
@@ -21,14 +14,11 @@ included) the temporary directory is removed, so nothing half-written looks like
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
 import os
-import re
 import shutil
-import struct
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -40,121 +30,32 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from moestack.cache.store_format import (
+    DTYPES,
+    FORMAT,
+    INDEX_FILE,
+    LAYOUTS,
+    VERSION,
+    ExpertEntry,
+    TensorEntry,  # noqa: F401  (re-exported: importable from moestack.cache.store as before)
+    entry_from_json,
+    expert_json,
+    expert_tensors,
+    fsync_dir,
+    index_json,
+    layer_files,
+    parse_header,
+)
+
+# Every byte the store writes goes through this module's ``_write_file`` (tests patch it here
+# to simulate a full disk).
+from moestack.cache.store_format import write_file as _write_file
 from moestack.config import ModelConfig
 from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
 
-FORMAT = "moestack-expert-store"
-VERSION = 1
-INDEX_FILE = "index.json"
-LAYOUTS = ("per_layer", "per_expert")
-
-_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _CHUNK = 1 << 20  # larger experts are read as parallel chunks of this size
-_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.moe\.(w1|w2)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives: absolute byte offset in its file, size, shape, dtype."""
-
-    offset: int
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertEntry:
-    """One expert: its file and its two tensors (w1 directly followed by w2 on disk)."""
-
-    file: str
-    w1: TensorEntry
-    w2: TensorEntry
-
-    @property
-    def nbytes(self) -> int:
-        return self.w1.nbytes + self.w2.nbytes
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the one place the store writes bytes)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _expert_tensors(
-    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
-) -> tuple[list[torch.Tensor], list[torch.Tensor], ModelConfig | None]:
-    """Stacked ``w1 [E, D, 2F]`` and ``w2 [E, F, D]`` per MoE layer, in layer order."""
-    cfg = getattr(model_or_state_dict, "cfg", None)
-    if isinstance(model_or_state_dict, nn.Module):
-        layers = getattr(model_or_state_dict, "moe_layers", None)
-        if layers is None:
-            raise ValueError(
-                f"{type(model_or_state_dict).__name__} has no .moe_layers; pass a MoETransformer "
-                "or its state_dict()"
-            )
-        w1s = [m.w1.detach() for m in layers]
-        w2s = [m.w2.detach() for m in layers]
-    else:
-        found: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in model_or_state_dict.items():
-            match = _KEY.match(key)
-            if match:
-                found.setdefault(int(match.group(1)), {})[match.group(2)] = value
-        if not found:
-            raise MoestackError(
-                "the state dict holds no expert weights (keys like layers.0.moe.w1); "
-                "pass a MoETransformer state_dict"
-            )
-        ids = sorted(found)
-        if ids != list(range(len(ids))) or any(len(found[i]) != 2 for i in ids):
-            raise MoestackError(
-                f"the state dict's MoE layers {ids} are not 0..n-1 each with w1 and w2"
-            )
-        w1s = [found[i]["w1"].detach() for i in ids]
-        w2s = [found[i]["w2"].detach() for i in ids]
-        cfg = None
-    for i, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
-        if w1.device.type == "meta" or w2.device.type == "meta":
-            raise ValueError(f"layer {i}: expert weights are on the meta device (offloaded?)")
-        if (
-            w1.ndim != 3
-            or w2.ndim != 3
-            or w1.shape[0] != w2.shape[0]
-            or w1.shape[1] != w2.shape[2]
-            or w1.shape[2] != 2 * w2.shape[1]
-        ):
-            raise MoestackError(
-                f"layer {i}: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} are not "
-                "[E, D, 2F] / [E, F, D]"
-            )
-        if w1.dtype not in _DTYPE_NAMES or w2.dtype != w1.dtype:
-            raise MoestackError(f"layer {i}: unsupported expert dtypes {w1.dtype} / {w2.dtype}")
-    return w1s, w2s, cfg
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
@@ -170,30 +71,15 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def _parse_header(path: Path, blob: bytes | None = None) -> tuple[int, dict[str, Any]]:
-    """(data start, header dict) of a safetensors file; MoestackError if it is not one."""
-    try:
-        if blob is None:
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) < 8:
-                    raise ValueError("shorter than the 8-byte header length")
-                (n,) = struct.unpack("<Q", head)
-                if n > 100_000_000 or n > os.fstat(f.fileno()).st_size - 8:
-                    raise ValueError(f"header length {n} exceeds the file")
-                raw = f.read(n)
-        else:
-            (n,) = struct.unpack("<Q", blob[:8])
-            raw = blob[8 : 8 + n]
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError, struct.error) as err:
-        raise MoestackError(
-            f"{path}: not a valid safetensors file ({err}); the store is corrupt: rewrite it "
-            "with ExpertStore.write"
-        ) from None
-    return 8 + n, header
+def _save_tensors(
+    root: Path, name: str, tensors: dict[str, torch.Tensor]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write one safetensors file at ``root / name``: its ``files`` record and its header."""
+    blob = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    start, header = parse_header(root / name, blob)
+    (root / name).parent.mkdir(exist_ok=True)
+    _write_file(root / name, blob)
+    return {"file": name, "size": len(blob), "data_start": start}, header
 
 
 class ExpertStore:
@@ -241,11 +127,11 @@ class ExpertStore:
         self.d_model: int = int(model["d_model"])
         self.d_ff: int = int(model["d_ff"])
         self.top_k: int | None = model.get("top_k")
-        self.dtype: torch.dtype = _DTYPES[model["dtype"]]
+        self.dtype: torch.dtype = DTYPES[model["dtype"]]
         self.meta: dict[str, Any] = dict(index.get("meta", {}))
         self.expert_bytes: int = int(index["expert_bytes"])
         self._entries: list[list[ExpertEntry]] = [
-            [self._entry_from_json(e) for e in layer] for layer in index["experts"]
+            [entry_from_json(e) for e in layer] for layer in index["experts"]
         ]
         self._fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
@@ -272,7 +158,7 @@ class ExpertStore:
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
-        w1s, w2s, cfg = _expert_tensors(model_or_state_dict)
+        w1s, w2s, cfg = expert_tensors(model_or_state_dict)
         cfg = model_cfg or cfg
         path = Path(path)
         if path.exists() and not overwrite:
@@ -284,7 +170,7 @@ class ExpertStore:
         try:
             index = cls._write_files(tmp, w1s, w2s, layout, cfg, dict(meta or {}))
             _write_file(tmp / INDEX_FILE, json.dumps(index, indent=1).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if path.exists():
                 old = path.with_name(f".{path.name}.old-{os.getpid()}")
                 os.rename(path, old)
@@ -292,7 +178,7 @@ class ExpertStore:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, path)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if err.errno == errno.ENOSPC:
@@ -318,80 +204,24 @@ class ExpertStore:
         cfg: ModelConfig | None,
         meta: dict[str, Any],
     ) -> dict[str, Any]:
-        num_experts, d_model, two_f = w1s[0].shape
+        """Write every layer's safetensors files under ``root``; return the index to write."""
         files: list[dict[str, Any]] = []
         experts: list[list[dict[str, Any]]] = []
         for layer, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
-            if tuple(w1.shape) != (num_experts, d_model, two_f) or w1.dtype != w1s[0].dtype:
+            if w1.shape != w1s[0].shape or w1.dtype != w1s[0].dtype:
                 raise MoestackError(
                     f"layer {layer}: w1 {tuple(w1.shape)} {w1.dtype} differs from layer 0's; "
                     "every MoE layer must have the same expert shape"
                 )
-            w1 = w1.to("cpu")
-            w2 = w2.to("cpu")
-            groups: list[tuple[str, dict[str, torch.Tensor], dict[int, str]]] = []
-            if layout == "per_layer":
-                tensors = {}
-                for e in range(num_experts):
-                    tensors[f"e{e:04d}.w1"] = w1[e].contiguous()
-                    tensors[f"e{e:04d}.w2"] = w2[e].contiguous()
-                names = {e: f"e{e:04d}." for e in range(num_experts)}
-                groups.append((f"layer_{layer:03d}.safetensors", tensors, names))
-            else:
-                (root / f"layer_{layer:03d}").mkdir()
-                for e in range(num_experts):
-                    tensors = {"w1": w1[e].contiguous(), "w2": w2[e].contiguous()}
-                    groups.append(
-                        (f"layer_{layer:03d}/expert_{e:04d}.safetensors", tensors, {e: ""})
-                    )
             row: list[dict[str, Any]] = []
-            for name, tensors, prefixes in groups:
-                blob = safetensors.torch.save(tensors, metadata={"format": "pt"})
-                start, header = _parse_header(root / name, blob)
-                _write_file(root / name, blob)
-                files.append({"file": name, "size": len(blob), "data_start": start})
-                for prefix in prefixes.values():
-                    entry = {"file": name}
-                    for t in ("w1", "w2"):
-                        h = header[prefix + t]
-                        lo, hi = h["data_offsets"]
-                        entry[t] = {
-                            "offset": start + lo,
-                            "nbytes": hi - lo,
-                            "shape": h["shape"],
-                            "dtype": h["dtype"],
-                        }
-                    row.append(entry)
+            for name, tensors, prefixes in layer_files(layer, w1.to("cpu"), w2.to("cpu"), layout):
+                record, header = _save_tensors(root, name, tensors)
+                files.append(record)
+                row.extend(expert_json(name, header, record["data_start"], p) for p in prefixes)
             experts.append(row)
-        first = experts[0][0]
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "layout": layout,
-            "model": {
-                "num_layers": len(w1s),
-                "num_experts": int(num_experts),
-                "d_model": int(d_model),
-                "d_ff": int(two_f) // 2,
-                "top_k": cfg.moe.top_k if cfg is not None else None,
-                "dtype": _DTYPE_NAMES[w1s[0].dtype],
-            },
-            "expert_bytes": first["w1"]["nbytes"] + first["w2"]["nbytes"],
-            "meta": meta,
-            "files": files,
-            "experts": experts,
-        }
+        return index_json(layout, w1s, cfg, meta, files, experts)
 
     # ------------------------------------------------------------------ checking
-    @staticmethod
-    def _entry_from_json(e: dict[str, Any]) -> ExpertEntry:
-        def tensor(t: dict[str, Any]) -> TensorEntry:
-            return TensorEntry(
-                int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), _DTYPES[t["dtype"]]
-            )
-
-        return ExpertEntry(e["file"], tensor(e["w1"]), tensor(e["w2"]))
-
     def _verify_files(self) -> None:
         """Each file exists, has the indexed size, and its header matches the index."""
         want_w1 = (self.d_model, 2 * self.d_ff)
@@ -422,7 +252,7 @@ class ExpertStore:
                     f"expert file {file} is {size} bytes, the index says {f['size']}: it is "
                     "truncated or was replaced; rewrite the store with ExpertStore.write"
                 )
-            start, header = _parse_header(file)
+            start, header = parse_header(file)
             if start != f["data_start"]:
                 raise MoestackError(f"{file}: header size differs from the index; corrupt store")
             for layer, e, entry in by_file.pop(f["file"], []):
@@ -431,7 +261,7 @@ class ExpertStore:
                     h = header.get(prefix + t)
                     ok = (
                         isinstance(h, dict)
-                        and _DTYPES.get(h.get("dtype")) == te.dtype
+                        and DTYPES.get(h.get("dtype")) == te.dtype
                         and tuple(h.get("shape", ())) == te.shape
                         and [start + o for o in h.get("data_offsets", ())]
                         == [te.offset, te.offset + te.nbytes]

@@ -11,7 +11,7 @@ Three steps, each a function the ``moestack prereg`` verbs call:
 - ``lock(path)`` writes ``<file>.lock.json`` (sha256 of the file, git commit, UTC time)
   before any run; it refuses to overwrite a lock unless ``force``.
 - ``run(path, out_dir)`` checks the lock, then trains every arm x seed with
-  ``moestack.train.train``, each config composed by hydra from configs/ (``compose`` with the
+  ``moestack.trainer.train``, each config composed by hydra from configs/ (``compose`` with the
   same overrides ``moestack-train`` takes, one process, one run after another). A run whose
   directory holds ``summary.json`` is skipped; one with a checkpoint resumes from it.
 - ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock, evaluates each

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.spec import Analysis, Prereg
@@ -27,16 +26,6 @@ def analysis_key(spec: Prereg) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _load_run_config(run_dir: Path) -> TrainConfig:
-    from omegaconf import OmegaConf
-
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise MoestackError(f"{path} not found: {run_dir} is not a finished training run")
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)
-
-
 def evaluate_run(
     run_dir: Path, analysis: Analysis, corpora: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -48,25 +37,19 @@ def evaluate_run(
     """
     import torch
 
-    from moestack import checkpoint
     from moestack.data import eval_batches, load_corpus
-    from moestack.model import MoETransformer
+    from moestack.evaluation import evaluate, resolve_device
+    from moestack.runs import load_run
     from moestack.telemetry import attach, simulate
-    from moestack.train import evaluate, resolve_device
 
-    cfg = _load_run_config(run_dir)
-    ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
-    if ckpt is None:
-        raise MoestackError(f"{run_dir / 'checkpoints'} holds no checkpoint")
-    step = int(checkpoint.read_meta(ckpt)["step"])
+    run = load_run(run_dir)
+    cfg, ckpt, step = run.cfg, run.checkpoint, run.step
     if step != cfg.steps:
         raise MoestackError(
             f"{ckpt} is step {step}, not the final step {cfg.steps}; finish the run first"
         )
     device = resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
-    model = MoETransformer(cfg.model)
-    checkpoint.load_model_weights(ckpt, model, cfg.model)
-    model.to(device)
+    model = run.model.to(device)
     corpora = {} if corpora is None else corpora
     key = repr(cfg.data)
     if key not in corpora:
@@ -198,78 +181,87 @@ def evaluate_hypotheses(spec: Prereg, records: Sequence[dict[str, Any]]) -> list
     values: dict[tuple[str, int], dict[str, float]] = {
         (r["arm"], r["seed"]): r["metrics"] for r in records if r.get("status") == "done"
     }
-    conf = spec.analysis.confidence
     results: dict[str, dict[str, Any]] = {}
     for hyp in spec.hypotheses:
-        rows = []
-        for arm in hyp.arms:
-            if hyp.comparison == "joint":
-                parts = [
-                    next(row for row in results[ref]["rows"] if row["arm"] == arm) for ref in hyp.of
-                ]
-                if any(p["pass"] is None for p in parts):
-                    ok = None if all(p["pass"] is not False for p in parts) else False
-                else:
-                    ok = all(p["pass"] for p in parts)
-                margins = [p["margin"] for p in parts if p["margin"] is not None]
-                rows.append(
-                    {"arm": arm, "pass": ok, "margin": min(margins) if margins else None,
-                     "parts": {ref: p["pass"] for ref, p in zip(hyp.of, parts, strict=True)}}
-                )  # fmt: skip
-                continue
-            per_seed, base_vals, arm_vals = [], [], []
-            for seed in spec.seeds:
-                a = values.get((arm, seed))
-                b = values.get((spec.baseline, seed))
-                if a is None or (b is None and hyp.comparison != "value"):
-                    continue
-                arm_vals.append(a[hyp.metric])
-                if b is not None:
-                    base_vals.append(b[hyp.metric])
-                base = b[hyp.metric] if b is not None else math.nan
-                per_seed.append(_compare(hyp.comparison, a[hyp.metric], base))
-            row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
-            if not per_seed or any(math.isnan(v) for v in per_seed):
-                row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
-                rows.append(row)
-                continue
-            est, lo, hi = mean_ci(per_seed, conf)
-            margin = hyp.threshold - est if hyp.op == "<=" else est - hyp.threshold
-            if spec.analysis.decision == "ci":
-                bound = hi if hyp.op == "<=" else lo
-                ok = None if math.isnan(bound) else _passes(bound, hyp.op, hyp.threshold)
-            else:
-                ok = _passes(est, hyp.op, hyp.threshold)
-            ci_verdict = "n/a"
-            if not math.isnan(lo):
-                if _passes(hi if hyp.op == "<=" else lo, hyp.op, hyp.threshold):
-                    ci_verdict = "supported"
-                elif not _passes(lo if hyp.op == "<=" else hi, hyp.op, hyp.threshold):
-                    ci_verdict = "refuted"
-                else:
-                    ci_verdict = "inconclusive"
-            row.update(
-                baseline_mean=sum(base_vals) / len(base_vals) if base_vals else None,
-                arm_mean=sum(arm_vals) / len(arm_vals),
-                estimate=est,
-                ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-                margin=margin,
-                ci_verdict=ci_verdict,
-            )
-            row["pass"] = ok
-            rows.append(row)
-        passes = [r["pass"] for r in rows]
-        if hyp.require == "any":
-            verdict = (
-                "pass"
-                if any(p is True for p in passes)
-                else ("incomplete" if any(p is None for p in passes) else "fail")
-            )
+        if hyp.comparison == "joint":
+            rows = [_joint_row(hyp, arm, results) for arm in hyp.arms]
         else:
-            verdict = (
-                "fail"
-                if any(p is False for p in passes)
-                else ("incomplete" if any(p is None for p in passes) else "pass")
-            )
+            rows = [_arm_row(spec, hyp, arm, values) for arm in hyp.arms]
+        verdict = _verdict([r["pass"] for r in rows], hyp.require)
         results[hyp.id] = {**dataclasses.asdict(hyp), "rows": rows, "verdict": verdict}
     return list(results.values())
+
+
+def _joint_row(hyp: Any, arm: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An arm of a joint hypothesis passes when it passes every hypothesis in ``hyp.of``."""
+    parts = [next(row for row in results[ref]["rows"] if row["arm"] == arm) for ref in hyp.of]
+    if any(p["pass"] is None for p in parts):
+        ok = None if all(p["pass"] is not False for p in parts) else False
+    else:
+        ok = all(p["pass"] for p in parts)
+    margins = [p["margin"] for p in parts if p["margin"] is not None]
+    return {
+        "arm": arm,
+        "pass": ok,
+        "margin": min(margins) if margins else None,
+        "parts": {ref: p["pass"] for ref, p in zip(hyp.of, parts, strict=True)},
+    }
+
+
+def _arm_row(
+    spec: Prereg, hyp: Any, arm: str, values: dict[tuple[str, int], dict[str, float]]
+) -> dict[str, Any]:
+    """Seed-paired comparison of one arm with the baseline: estimate, interval, pass."""
+    per_seed, base_vals, arm_vals = [], [], []
+    for seed in spec.seeds:
+        a = values.get((arm, seed))
+        b = values.get((spec.baseline, seed))
+        if a is None or (b is None and hyp.comparison != "value"):
+            continue
+        arm_vals.append(a[hyp.metric])
+        if b is not None:
+            base_vals.append(b[hyp.metric])
+        base = b[hyp.metric] if b is not None else math.nan
+        per_seed.append(_compare(hyp.comparison, a[hyp.metric], base))
+    row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
+    if not per_seed or any(math.isnan(v) for v in per_seed):
+        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
+        return row
+    est, lo, hi = mean_ci(per_seed, spec.analysis.confidence)
+    if spec.analysis.decision == "ci":
+        bound = hi if hyp.op == "<=" else lo
+        ok = None if math.isnan(bound) else _passes(bound, hyp.op, hyp.threshold)
+    else:
+        ok = _passes(est, hyp.op, hyp.threshold)
+    row.update(
+        baseline_mean=sum(base_vals) / len(base_vals) if base_vals else None,
+        arm_mean=sum(arm_vals) / len(arm_vals),
+        estimate=est,
+        ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+        margin=hyp.threshold - est if hyp.op == "<=" else est - hyp.threshold,
+        ci_verdict=_ci_verdict(lo, hi, hyp.op, hyp.threshold),
+    )
+    row["pass"] = ok
+    return row
+
+
+def _ci_verdict(lo: float, hi: float, op: str, threshold: float) -> str:
+    """What the interval alone says: supported, refuted, inconclusive (or n/a: one seed)."""
+    if math.isnan(lo):
+        return "n/a"
+    if _passes(hi if op == "<=" else lo, op, threshold):
+        return "supported"
+    if not _passes(lo if op == "<=" else hi, op, threshold):
+        return "refuted"
+    return "inconclusive"
+
+
+def _verdict(passes: list[bool | None], require: str) -> str:
+    """pass / fail / incomplete from the arms' results, for ``require`` any or all."""
+    if require == "any":
+        if any(p is True for p in passes):
+            return "pass"
+        return "incomplete" if any(p is None for p in passes) else "fail"
+    if any(p is False for p in passes):
+        return "fail"
+    return "incomplete" if any(p is None for p in passes) else "pass"

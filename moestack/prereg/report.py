@@ -55,6 +55,24 @@ def render_markdown(
     figures: Sequence[str],
 ) -> str:
     """The report: provenance, the verdicts, one table per hypothesis, the runs, the figures."""
+    lines = _provenance(spec, lock_record, records)
+    lines += ["## Verdicts", "", "| id | hypothesis | verdict |", "|---|---|---|"]
+    lines += [f"| {h['id']} | {h['statement']} | **{h['verdict']}** |" for h in hypotheses]
+    lines.append("")
+    for h in hypotheses:
+        lines += [f"## {h['id']}: {h['verdict']}", "", h["statement"], ""]
+        lines += [f"Test: {_claim(h)}.", ""]
+        lines += _joint_table(h) if h["comparison"] == "joint" else _arm_table(h)
+    lines += _runs_table(spec, records)
+    if figures:
+        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
+    return "\n".join(lines)
+
+
+def _provenance(
+    spec: Prereg, lock_record: dict[str, Any], records: Sequence[dict[str, Any]]
+) -> list[str]:
+    """The report's head: the lock, the runs and the evaluation, then the runs' overrides."""
     a = spec.analysis
     done = [r for r in records if r.get("status") == "done"]
     lines = [
@@ -83,54 +101,48 @@ def render_markdown(
     lines += ["| arm | overrides |", "|---|---|"]
     lines += [f"| {arm} | `{' '.join(ov)}` |" for arm, ov in spec.arms.items()]
     lines += ["", f"Seeds: {', '.join(map(str, spec.seeds))}; baseline: {spec.baseline}.", ""]
-    lines += ["## Verdicts", "", "| id | hypothesis | verdict |", "|---|---|---|"]
-    lines += [f"| {h['id']} | {h['statement']} | **{h['verdict']}** |" for h in hypotheses]
-    lines.append("")
-    for h in hypotheses:
-        lines += [
-            f"## {h['id']}: {h['verdict']}",
-            "",
-            h["statement"],
-            "",
-            f"Test: {_claim(h)}.",
-            "",
-        ]
-        if h["comparison"] == "joint":
-            lines += ["| arm | " + " | ".join(h["of"]) + " | min margin | pass |"]
-            lines += ["|---|" + "---|" * len(h["of"]) + "---|---|"]
-            for row in h["rows"]:
-                parts = " | ".join(_verdict(row["parts"][ref]) for ref in h["of"])
-                lines.append(
-                    f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {_verdict(row['pass'])} |"
-                )
-            lines.append("")
-            continue
-        pct = h["comparison"] == "relative_change"
-        lines += [
-            "| arm | seeds | baseline mean | arm mean | estimate | CI | threshold | margin "
-            "| CI says | pass |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for row in h["rows"]:
-            ci = row.get("ci", [None, None])
-            lines.append(
-                f"| {row['arm']} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
-                f"{_fmt(row.get('arm_mean'))} | {_fmt(row['estimate'], pct=pct)} | "
-                f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
-                f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
-                f"{row.get('ci_verdict', 'n/a')} | **{_verdict(row['pass'])}** |"
-            )
-        lines.append("")
+    return lines
+
+
+def _joint_table(h: dict[str, Any]) -> list[str]:
+    lines = ["| arm | " + " | ".join(h["of"]) + " | min margin | pass |"]
+    lines += ["|---|" + "---|" * len(h["of"]) + "---|---|"]
+    for row in h["rows"]:
+        parts = " | ".join(_verdict(row["parts"][ref]) for ref in h["of"])
+        lines.append(
+            f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {_verdict(row['pass'])} |"
+        )
+    return lines + [""]
+
+
+def _arm_table(h: dict[str, Any]) -> list[str]:
+    pct = h["comparison"] == "relative_change"
+    lines = [
+        "| arm | seeds | baseline mean | arm mean | estimate | CI | threshold | margin "
+        "| CI says | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in h["rows"]:
+        ci = row.get("ci", [None, None])
+        lines.append(
+            f"| {row['arm']} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
+            f"{_fmt(row.get('arm_mean'))} | {_fmt(row['estimate'], pct=pct)} | "
+            f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
+            f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
+            f"{row.get('ci_verdict', 'n/a')} | **{_verdict(row['pass'])}** |"
+        )
+    return lines + [""]
+
+
+def _runs_table(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
+    a = spec.analysis
     metrics = ["perplexity"] + [f"{p}/cap{c}/hit_rate" for p in a.policies for c in a.capacities]
-    lines += ["## Per-run results", "", "| run | status | " + " | ".join(metrics) + " |"]
+    lines = ["## Per-run results", "", "| run | status | " + " | ".join(metrics) + " |"]
     lines.append("|---|---|" + "---|" * len(metrics))
     for r in records:
         vals = [_fmt(r.get("metrics", {}).get(m)) for m in metrics]
         lines.append(f"| {r['run']} | {r['status']} | " + " | ".join(vals) + " |")
-    lines.append("")
-    if figures:
-        lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
-    return "\n".join(lines)
+    return lines + [""]
 
 
 def _arm_colors(arms: Sequence[str]) -> dict[str, Any]:

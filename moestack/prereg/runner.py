@@ -39,8 +39,8 @@ def is_finished(run_dir: Path) -> bool:
 
 
 def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
-    """moestack.train.train, imported late: torch loads only when a run trains."""
-    from moestack.train import train
+    """moestack.trainer.train, imported late: torch loads only when a run trains."""
+    from moestack.trainer import train
 
     return train(cfg, out_dir)
 
@@ -55,7 +55,7 @@ def run(
     """Train every run of the locked study that has not finished; returns all run dirs.
 
     A run with ``summary.json`` is skipped; one with a checkpoint resumes from it
-    (``resume=true``, same out_dir). ``train_fn`` replaces ``moestack.train.train``.
+    (``resume=true``, same out_dir). ``train_fn`` replaces ``moestack.trainer.train``.
     """
     from moestack import checkpoint
 

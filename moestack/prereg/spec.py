@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from moestack.config import CACHE_POLICIES
+from moestack.cache.policies import POLICIES
 from moestack.errors import MoestackError
 
 COMPARISONS = ("relative_change", "difference", "value", "joint")
@@ -154,9 +154,9 @@ def _analysis(raw: dict[str, Any]) -> Analysis:
         if not isinstance(policies, list) or not policies:
             raise _fail("analysis.policies", f"{policies!r} is not a list", "e.g. [lru, static]")
         for i, p in enumerate(policies):
-            if p not in CACHE_POLICIES:
+            if p not in POLICIES:
                 raise _fail(
-                    f"analysis.policies[{i}]", f"{p!r} is unknown", f"use one of {CACHE_POLICIES}"
+                    f"analysis.policies[{i}]", f"{p!r} is unknown", f"use one of {POLICIES}"
                 )
         kw["policies"] = tuple(policies)
     if "capacities" in raw:

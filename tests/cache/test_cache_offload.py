@@ -17,9 +17,10 @@ from moestack.cache import (
     offloaded,
     restore_experts,
 )
+from moestack.config import CacheConfig
 from moestack.errors import MoestackError
+from moestack.evaluation import evaluate
 from moestack.telemetry import attach, simulate
-from moestack.train import evaluate
 
 CPU = torch.device("cpu")
 
@@ -49,9 +50,8 @@ def test_perplexity_exact_and_hit_rate_equals_simulate(setup, policy, capacity, 
     store, data, reference, _ = setup
     model = tiny_model()  # fresh weights, same values; released by evaluate_offloaded
     with attach(model, policies=("lru",), capacities=(2,), entropy=False) as tel:
-        result = evaluate_offloaded(
-            model, store, data, CPU, policy=policy, capacity=capacity, prefetch=prefetch, **kwargs
-        )
+        cache_cfg = CacheConfig(policy=policy, capacity=capacity, prefetch=prefetch)
+        result = evaluate_offloaded(model, store, data, CPU, cache_cfg, **kwargs)
         trace = tel.trace
     assert result["loss/val"] == reference["loss/val"]  # exact, not approximate
     assert result["eval/perplexity"] == reference["eval/perplexity"]
@@ -123,17 +123,18 @@ def test_generate_matches_in_memory(setup):
         for _ in range(6):
             nxt = ref(tokens).logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, nxt], 1)
-    out = generate_offloaded(tiny_model(), store, prompt, 6, CPU, capacity=2, prefetch=True)
+    out = generate_offloaded(
+        tiny_model(), store, prompt, 6, CPU, CacheConfig(capacity=2, prefetch=True)
+    )
     assert out["tokens"] == tokens[0, len(prompt) :].tolist()
     assert out["cache/requests"] > 0
 
 
 def test_cache_aware_bias_raises_hit_rate(setup):
     store, data, reference, _ = setup
-    base = evaluate_offloaded(tiny_model(), store, data, CPU, policy="lru", capacity=2)
-    biased = evaluate_offloaded(
-        tiny_model(), store, data, CPU, policy="lru", capacity=2, cache_aware_bias=0.3
-    )
+    lru2 = CacheConfig(policy="lru", capacity=2)
+    base = evaluate_offloaded(tiny_model(), store, data, CPU, lru2)
+    biased = evaluate_offloaded(tiny_model(), store, data, CPU, lru2, cache_aware_bias=0.3)
     assert biased["cache/hit_rate"] > base["cache/hit_rate"] + 0.05
     assert biased["loss/val"] != reference["loss/val"]  # routing really changed
     with pytest.raises(ValueError, match="cache_aware_bias=-1"):

@@ -169,7 +169,7 @@ def test_load_rejects_torch_state() -> None:
 
 def test_idle_check_is_exact_beyond_its_probe() -> None:
     """The zero test probes 64 strided elements first; values between probes still count."""
-    from moestack.optim.offload import _all_zero
+    from moestack.optim.update import _all_zero
 
     g = torch.zeros(1000)
     assert _all_zero(g) and _all_zero(g[:0])

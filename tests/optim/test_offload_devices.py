@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from moestack.optim import OffloadAdamW, offload
+from moestack.optim import OffloadAdamW, transfer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SHAPES = {  # stacked experts are split per expert by the optimizer (name pattern .w1/.w2)
@@ -123,8 +123,8 @@ def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype, defer: b
 
 def test_device_cast_path_on_the_cpu(monkeypatch) -> None:
     """The chunked dtype changes through the fp32 scratch, forced on for CPU tensors."""
-    monkeypatch.setattr(offload, "_cast_on_device", lambda dev, host: dev.dtype != host.dtype)
-    monkeypatch.setattr(offload, "_XFER_CHUNK", 7)  # many chunks, the last one partial
+    monkeypatch.setattr(transfer, "_cast_on_device", lambda dev, host: dev.dtype != host.dtype)
+    monkeypatch.setattr(transfer, "_XFER_CHUNK", 7)  # many chunks, the last one partial
     buffers = []
     original = OffloadAdamW._xfer_buffer
 

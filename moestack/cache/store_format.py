@@ -1,0 +1,261 @@
+"""The expert store's on-disk format: names, dtypes, index entries, safetensors files.
+
+Layout of a store directory (format ``moestack-expert-store``, version 1):
+
+    index.json                       written last; shapes, dtypes, files, byte offsets, sizes
+    layer_000.safetensors            layout="per_layer": tensors ``e0000.w1``, ``e0000.w2``, ...
+    layer_000/expert_0000.safetensors  layout="per_expert": tensors ``w1``, ``w2``
+
+Each expert is ``w1 [D, 2F]`` (SwiGLU gate | up) and ``w2 [F, D]``, stored adjacently so that
+one positional read (``os.preadv``) fetches one expert without touching the others. Layer
+and expert ids are 0-based MoE-layer and expert indices. The files are plain safetensors
+(``safetensors.safe_open`` reads them); the index repeats every tensor's absolute byte
+offset so the reader needs no header parsing on the hot path.
+
+This module holds what the format is, top to bottom: its constants and dtype names, the
+index entries (``TensorEntry``, ``ExpertEntry``) and their JSON, how a layer's experts are
+grouped into files, the safetensors header parser, the fsynced single-file writers, and the
+extraction of the stacked expert tensors from a model or state dict. ``ExpertStore``
+(``moestack.cache.store``) writes and reads whole stores with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moestack.config import ModelConfig
+from moestack.errors import MoestackError
+
+FORMAT = "moestack-expert-store"
+VERSION = 1
+INDEX_FILE = "index.json"
+LAYOUTS = ("per_layer", "per_expert")
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.moe\.(w1|w2)$")
+
+
+# ---------------------------------------------------------------------- index entries
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: absolute byte offset in its file, size, shape, dtype."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertEntry:
+    """One expert: its file and its two tensors (w1 directly followed by w2 on disk)."""
+
+    file: str
+    w1: TensorEntry
+    w2: TensorEntry
+
+    @property
+    def nbytes(self) -> int:
+        return self.w1.nbytes + self.w2.nbytes
+
+
+def entry_from_json(e: dict[str, Any]) -> ExpertEntry:
+    """The ``ExpertEntry`` of one item of the index's ``experts`` table."""
+
+    def tensor(t: dict[str, Any]) -> TensorEntry:
+        return TensorEntry(
+            int(t["offset"]), int(t["nbytes"]), tuple(t["shape"]), DTYPES[t["dtype"]]
+        )
+
+    return ExpertEntry(e["file"], tensor(e["w1"]), tensor(e["w2"]))
+
+
+def expert_json(file: str, header: dict[str, Any], data_start: int, prefix: str) -> dict[str, Any]:
+    """Index item of the expert whose tensors are ``prefix + "w1"`` / ``"w2"`` in ``file``,
+    from that file's safetensors header (offsets made absolute with ``data_start``)."""
+    entry: dict[str, Any] = {"file": file}
+    for t in ("w1", "w2"):
+        h = header[prefix + t]
+        lo, hi = h["data_offsets"]
+        entry[t] = {
+            "offset": data_start + lo,
+            "nbytes": hi - lo,
+            "shape": h["shape"],
+            "dtype": h["dtype"],
+        }
+    return entry
+
+
+def index_json(
+    layout: str,
+    w1s: list[torch.Tensor],
+    cfg: ModelConfig | None,
+    meta: dict[str, Any],
+    files: list[dict[str, Any]],
+    experts: list[list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """The whole ``index.json`` of a store: model shape from ``w1s``, file and expert tables."""
+    num_experts, d_model, two_f = w1s[0].shape
+    first = experts[0][0]
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout": layout,
+        "model": {
+            "num_layers": len(w1s),
+            "num_experts": int(num_experts),
+            "d_model": int(d_model),
+            "d_ff": int(two_f) // 2,
+            "top_k": cfg.moe.top_k if cfg is not None else None,
+            "dtype": DTYPE_NAMES[w1s[0].dtype],
+        },
+        "expert_bytes": first["w1"]["nbytes"] + first["w2"]["nbytes"],
+        "meta": meta,
+        "files": files,
+        "experts": experts,
+    }
+
+
+# ---------------------------------------------------------------------- files
+def layer_files(
+    layer: int, w1: torch.Tensor, w2: torch.Tensor, layout: str
+) -> list[tuple[str, dict[str, torch.Tensor], list[str]]]:
+    """The files of one layer as ``(relative path, tensors, expert prefixes in expert order)``:
+    one file of every expert (per_layer) or one file per expert (per_expert)."""
+    num_experts = w1.shape[0]
+    if layout == "per_layer":
+        tensors = {}
+        for e in range(num_experts):
+            tensors[f"e{e:04d}.w1"] = w1[e].contiguous()
+            tensors[f"e{e:04d}.w2"] = w2[e].contiguous()
+        prefixes = [f"e{e:04d}." for e in range(num_experts)]
+        return [(f"layer_{layer:03d}.safetensors", tensors, prefixes)]
+    return [
+        (
+            f"layer_{layer:03d}/expert_{e:04d}.safetensors",
+            {"w1": w1[e].contiguous(), "w2": w2[e].contiguous()},
+            [""],
+        )
+        for e in range(num_experts)
+    ]
+
+
+def parse_header(path: Path, blob: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """(data start, header dict) of a safetensors file; MoestackError if it is not one."""
+    try:
+        if blob is None:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise ValueError("shorter than the 8-byte header length")
+                (n,) = struct.unpack("<Q", head)
+                if n > 100_000_000 or n > os.fstat(f.fileno()).st_size - 8:
+                    raise ValueError(f"header length {n} exceeds the file")
+                raw = f.read(n)
+        else:
+            (n,) = struct.unpack("<Q", blob[:8])
+            raw = blob[8 : 8 + n]
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (ValueError, UnicodeDecodeError, struct.error) as err:
+        raise MoestackError(
+            f"{path}: not a valid safetensors file ({err}); the store is corrupt: rewrite it "
+            "with ExpertStore.write"
+        ) from None
+    return 8 + n, header
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries), where the filesystem allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the one place the store writes bytes)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------- source tensors
+def expert_tensors(
+    model_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], ModelConfig | None]:
+    """Stacked ``w1 [E, D, 2F]`` and ``w2 [E, F, D]`` per MoE layer, in layer order."""
+    cfg = getattr(model_or_state_dict, "cfg", None)
+    if isinstance(model_or_state_dict, nn.Module):
+        layers = getattr(model_or_state_dict, "moe_layers", None)
+        if layers is None:
+            raise ValueError(
+                f"{type(model_or_state_dict).__name__} has no .moe_layers; pass a MoETransformer "
+                "or its state_dict()"
+            )
+        w1s = [m.w1.detach() for m in layers]
+        w2s = [m.w2.detach() for m in layers]
+    else:
+        w1s, w2s = _state_dict_tensors(model_or_state_dict)
+        cfg = None
+    for i, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
+        if w1.device.type == "meta" or w2.device.type == "meta":
+            raise ValueError(f"layer {i}: expert weights are on the meta device (offloaded?)")
+        if (
+            w1.ndim != 3
+            or w2.ndim != 3
+            or w1.shape[0] != w2.shape[0]
+            or w1.shape[1] != w2.shape[2]
+            or w1.shape[2] != 2 * w2.shape[1]
+        ):
+            raise MoestackError(
+                f"layer {i}: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} are not "
+                "[E, D, 2F] / [E, F, D]"
+            )
+        if w1.dtype not in DTYPE_NAMES or w2.dtype != w1.dtype:
+            raise MoestackError(f"layer {i}: unsupported expert dtypes {w1.dtype} / {w2.dtype}")
+    return w1s, w2s, cfg
+
+
+def _state_dict_tensors(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``layers.<i>.moe.w1`` / ``w2`` of a state dict, for layers 0..n-1 in order."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in state_dict.items():
+        match = _KEY.match(key)
+        if match:
+            found.setdefault(int(match.group(1)), {})[match.group(2)] = value
+    if not found:
+        raise MoestackError(
+            "the state dict holds no expert weights (keys like layers.0.moe.w1); "
+            "pass a MoETransformer state_dict"
+        )
+    ids = sorted(found)
+    if ids != list(range(len(ids))) or any(len(found[i]) != 2 for i in ids):
+        raise MoestackError(f"the state dict's MoE layers {ids} are not 0..n-1 each with w1 and w2")
+    return [found[i]["w1"].detach() for i in ids], [found[i]["w2"].detach() for i in ids]

@@ -1,0 +1,497 @@
+"""The training loop: ``train(cfg, out_dir)`` = ``build_run`` -> ``train_step`` x steps ->
+``finish_run``.
+
+One run = one output directory holding the resolved config (config.yaml), metrics.jsonl,
+checkpoints/ and a wandb offline run. ``resume=true`` continues a killed run from its newest
+checkpoint; on the CPU the resumed losses equal the uninterrupted run's. Under torchrun every
+rank runs the same loop on its slice of each global batch, and rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from moestack import checkpoint, distributed
+from moestack.config import TrainConfig
+from moestack.data import BatchLoader, eval_batches, load_corpus
+from moestack.errors import MoestackError
+from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
+from moestack.metrics import MetricsWriter
+from moestack.model import MoETransformer
+from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters, saved in every checkpoint beside the optimizer's state."""
+
+    step: int = 0  # optimizer steps taken, skipped ones included (the next step's index)
+    bad_steps: int = 0  # steps skipped for a non-finite loss over the whole run
+    consecutive_bad: int = 0  # ... in a row up to now; the run stops at max_bad_steps
+    interval_loss: float = 0.0  # sum of step losses since the last log record
+    interval_aux: float = 0.0  # sum of step router losses since the last log record
+    interval_steps: int = 0  # good steps since the last log record
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:
+                setattr(self, f.name, type(f.default)(state[f.name]))
+
+    def reset_interval(self) -> None:
+        self.interval_loss, self.interval_aux, self.interval_steps = 0.0, 0.0, 0
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports back to the loop."""
+
+    loss: float  # mean cross-entropy over the step's micro-batches (and ranks)
+    aux: float  # mean weighted router losses, likewise
+    finite: bool  # False: a rank saw NaN/inf, the update was skipped
+    grad_norm: float  # global gradient norm before clipping (0 when clipping is off)
+    router_metrics: dict[str, torch.Tensor]  # the last micro-batch's per-layer router metrics
+
+
+@dataclass
+class Run:
+    """Everything one training run holds, built once from its config by ``build_run``."""
+
+    cfg: TrainConfig
+    out_dir: Path
+    dist: distributed.DistInfo
+    device: torch.device
+    model: MoETransformer
+    forward_model: nn.Module  # the model, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: BatchLoader
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    writer: MetricsWriter
+    telemetry: Any  # moestack.telemetry.Telemetry on rank 0 when enabled, else None
+    state: TrainState
+    start_step: int  # the step this process started (or resumed) at
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    interval_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.data.seq_len
+
+    @property
+    def rows(self) -> slice:
+        """This rank's rows of every global batch."""
+        world, rank, batch = self.dist.world_size, self.dist.rank, self.cfg.batch_size
+        return slice(rank * batch // world, (rank + 1) * batch // world)
+
+
+# --------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.data`` into ``out_dir``; returns the run summary."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
+    try:
+        run = build_run(cfg, Path(out_dir), dist_info)
+        progress = _progress_bar(cfg, run.start_step) if dist_info.is_main else None
+        run_start = time.perf_counter()
+        try:
+            for step in range(run.start_step, cfg.steps):
+                result = train_step(run)
+                run.state.step = done = step + 1
+                if not result.finite:
+                    _check_bad_steps(run, step)
+                    continue
+                if progress is not None:
+                    progress.update(1)
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    log_interval(run, result, done, progress)
+                if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != cfg.steps:
+                    save(run, done)
+        finally:
+            if progress is not None:
+                progress.close()
+        return finish_run(run, time.perf_counter() - run_start)
+    finally:
+        distributed.shutdown(dist_info)
+
+
+def train_step(run: Run) -> StepResult:
+    """One optimizer step: forward/backward over the micro-batches, the ranks' vote on a
+    non-finite loss, then either skip (gradients and router counts dropped) or clip, step
+    and update the router biases."""
+    cfg, state = run.cfg, run.state
+    loss, aux, finite = 0.0, 0.0, True
+    for micro in range(cfg.grad_accum):
+        out = forward_backward(run, last=micro == cfg.grad_accum - 1)
+        finite = finite and bool(torch.isfinite(out.loss))
+        loss += out.ce_loss.item() / cfg.grad_accum
+        aux += out.aux_loss.item() / cfg.grad_accum
+    if run.dist.active:  # every rank must agree to skip, and logs the global mean
+        finite = distributed.all_reduce_mean(float(finite), run.dist, run.device) == 1.0
+        loss = distributed.all_reduce_mean(loss, run.dist, run.device)
+        aux = distributed.all_reduce_mean(aux, run.dist, run.device)
+    if not finite:
+        run.optimizer.zero_grad(set_to_none=True)
+        run.model.discard_router_counts()
+        run.scheduler.step()
+        state.bad_steps += 1
+        state.consecutive_bad += 1
+        return StepResult(loss, aux, False, 0.0, out.metrics)
+    state.consecutive_bad = 0
+    grad_norm = 0.0
+    if cfg.optim.grad_clip > 0:
+        grad_norm = clip_grad_norm(run.model, run.optimizer, cfg.optim.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.model.update_router_biases()
+    state.interval_loss += loss
+    state.interval_aux += aux
+    state.interval_steps += 1
+    return StepResult(loss, aux, True, grad_norm, out.metrics)
+
+
+def forward_backward(run: Run, last: bool) -> Any:
+    """Forward and backward of the next micro-batch; returns the model output.
+
+    A bad loss still runs backward, so DDP ranks stay in step; ``train_step`` then skips
+    the update and drops the gradients.
+    """
+    inputs, targets = run.loader.next()
+    inputs, targets = inputs[run.rows].to(run.device), targets[run.rows].to(run.device)
+    with autocast_context(run.device), _accumulating(run.forward_model, run.optimizer, last):
+        out = run.forward_model(inputs, targets)
+        (out.loss / run.cfg.grad_accum).backward()
+    return out
+
+
+def _check_bad_steps(run: Run, step: int) -> None:
+    """Warn about a skipped step; stop the run after ``max_bad_steps`` in a row."""
+    bad = run.state.consecutive_bad
+    log.warning("step %d: non-finite loss, step skipped (%d in a row)", step, bad)
+    if bad >= run.cfg.max_bad_steps:
+        last = checkpoint.latest_checkpoint(run.ckpt_root)
+        raise MoestackError(
+            f"the loss was NaN/inf for {bad} steps in a row (step {step}); "
+            f"the last good checkpoint is {last or 'none'}; lower optim.lr or check the data"
+        )
+
+
+def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None:
+    """Write one metrics record for the steps since the last one (plus an evaluation every
+    ``eval_every`` steps and telemetry's interval metrics), then start a new interval."""
+    cfg, state = run.cfg, run.state
+    elapsed = time.perf_counter() - run.interval_start
+    metrics = {
+        "loss/train": state.interval_loss / state.interval_steps,
+        "loss/aux": state.interval_aux / state.interval_steps,
+        "optim/lr": run.scheduler.get_last_lr()[0],
+        "optim/grad_norm": result.grad_norm,
+        "perf/tokens_per_s": run.tokens_per_step * state.interval_steps / max(elapsed, 1e-9),
+        "perf/bad_steps": state.bad_steps,
+    }
+    metrics.update({k: float(v) for k, v in result.router_metrics.items()})
+    metrics["eval/train_perplexity"] = perplexity(metrics["loss/train"])
+    if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
+        with _paused(run.telemetry):
+            metrics.update(evaluate(run.model, run.val_batches, run.device))
+    charts = None
+    if run.telemetry is not None:
+        metrics.update(run.telemetry.interval_metrics(step=done))
+        if run.writer.wandb_run is not None and done % (10 * cfg.log_every) == 0:
+            charts = run.telemetry.wandb_charts()
+    run.writer.log(done, metrics, extra_wandb=charts)
+    run.last_metrics.update(metrics)
+    if progress is not None:
+        progress.set_postfix(
+            loss=f"{metrics['loss/train']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
+        )
+    state.reset_interval()
+    run.interval_start = time.perf_counter()
+
+
+def finish_run(run: Run, seconds: float) -> dict[str, Any]:
+    """Final evaluation and checkpoint, close the sinks; returns (and on rank 0 writes and
+    prints) the run summary."""
+    cfg = run.cfg
+    with _paused(run.telemetry):
+        final_eval = evaluate(run.model, run.val_batches, run.device)
+    save(run, cfg.steps)
+    run.writer.log(cfg.steps, final_eval)
+    if run.telemetry is not None:
+        run.telemetry.close()
+        _write_json(run.out_dir / "telemetry_summary.json", run.telemetry.summary())
+    run.writer.close()
+    run.last_metrics.update(final_eval)
+    summary = run_summary(run, final_eval, seconds)
+    if run.dist.is_main:
+        _write_json(run.out_dir / "summary.json", summary)
+        log.info("\n%s", format_summary(summary))
+    return summary
+
+
+def run_summary(run: Run, final_eval: dict[str, float], seconds: float) -> dict[str, Any]:
+    """The run's headline numbers (summary.json)."""
+    params = run.model.num_params()
+    summary = {
+        "loss/train": run.last_metrics.get("loss/train", float("nan")),
+        "loss/val": final_eval["loss/val"],
+        "eval/perplexity": final_eval["eval/perplexity"],
+        "perf/tokens_per_s": run.tokens_per_step
+        * (run.cfg.steps - run.start_step)
+        / max(seconds, 1e-9),
+        "params/total": params["total"],
+        "params/active": params["active"],
+        "perf/bad_steps": run.state.bad_steps,
+        "out_dir": str(run.out_dir),
+    }
+    for i in range(run.cfg.model.n_layers):
+        key = f"router/layer{i}/imbalance"
+        if key in run.last_metrics:
+            summary[key] = run.last_metrics[key]
+    return summary
+
+
+# --------------------------------------------------------------------------- building a run
+def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> Run:
+    """Device, model, optimizer, scheduler, data, metrics sink and telemetry of a run, from
+    its config; with ``resume=true`` restored from the newest checkpoint."""
+    device = resolve_device(cfg.device, dist_info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.batch_size % dist_info.world_size:
+        raise MoestackError(
+            f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"
+        )
+    resume_from = _prepare_out_dir(cfg, out_dir, dist_info)
+    corpus = load_corpus(cfg.data)
+    if cfg.model.vocab_size < 256:
+        raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
+    torch.manual_seed(cfg.seed)
+    model = MoETransformer(cfg.model).to(device)
+    start_step = 0
+    if resume_from is not None:
+        start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
+    param_dtype = apply_param_dtype(model, cfg.optim, device)
+    if param_dtype != torch.float32:
+        log.info("model weights and gradients on %s in %s", device, param_dtype)
+    # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it.
+    ddp = dist_info.active and cfg.optim.name == "adamw"
+    forward_model = nn.parallel.DistributedDataParallel(model) if ddp else model
+    optimizer = build_optimizer(model, cfg.optim)
+    run = Run(
+        cfg=cfg,
+        out_dir=out_dir,
+        dist=dist_info,
+        device=device,
+        model=model,
+        forward_model=forward_model,
+        optimizer=optimizer,
+        scheduler=_lr_scheduler(optimizer, cfg),
+        loader=BatchLoader(corpus.train, cfg.batch_size, cfg.data.seq_len, cfg.seed),
+        val_batches=eval_batches(corpus.val, cfg.batch_size, cfg.data.seq_len, cfg.eval_batches),
+        writer=MetricsWriter(
+            out_dir,
+            enabled=dist_info.is_main,
+            wandb_project=cfg.wandb_project,
+            wandb_mode=cfg.wandb_mode,
+            wandb_config=dataclasses.asdict(cfg),
+            resume_step=start_step if resume_from is not None else None,
+        ),
+        telemetry=None,
+        state=TrainState(),
+        start_step=start_step,
+    )
+    if resume_from is not None:
+        restore(run, resume_from)
+    params = model.num_params()
+    log.info(
+        "model: %.2fM parameters, %.2fM active per token",
+        params["total"] / 1e6,
+        params["active"] / 1e6,
+    )
+    model.train()
+    if dist_info.is_main:
+        run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
+    return run
+
+
+def _prepare_out_dir(
+    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo
+) -> Path | None:
+    """Check ``out_dir`` against ``resume`` and write the resolved config; returns the
+    checkpoint to resume from (None for a new run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    latest = checkpoint.latest_checkpoint(out_dir / "checkpoints")
+    if cfg.resume and latest is None:
+        raise MoestackError(
+            f"resume=true but {out_dir / 'checkpoints'} holds no checkpoint; start a new run"
+        )
+    if not cfg.resume and latest is not None:
+        raise MoestackError(
+            f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick "
+            "another out_dir"
+        )
+    distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
+    if dist_info.is_main:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return latest if cfg.resume else None
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, cfg.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio),
+    )
+
+
+# --------------------------------------------------------------------------- checkpoints
+def save(run: Run, step: int) -> None:
+    """Checkpoint the run at ``step`` (every rank takes part: the optimizer may be sharded)."""
+    state = {
+        "optimizer": run.optimizer.state_dict(),  # collective for a sharded optimizer
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.loader.state_dict(),
+        "rng": _rng_state(),
+        "train": run.state.state_dict(),
+        "bad_steps": run.state.bad_steps,  # read by checkpoints written before "train"
+    }
+    if run.dist.is_main:
+        checkpoint.save_checkpoint(
+            run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
+        )
+    distributed.barrier(run.dist)
+
+
+def restore(run: Run, path: Path) -> None:
+    """Load optimizer, scheduler, data, RNG and loop state from checkpoint ``path`` (the
+    model weights, and with them ``run.start_step``, were loaded before the optimizer was
+    built)."""
+    state = checkpoint.load_train_state(path)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.loader.load_state_dict(state["data"])
+    _set_rng_state(state["rng"])
+    run.state.load_state_dict(state.get("train", {"bad_steps": state.get("bad_steps", 0)}))
+    run.state.step = run.start_step
+    log.info("resumed from %s at step %d", path, run.start_step)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- small helpers
+def _attach_telemetry(cfg: TrainConfig, model: MoETransformer, out_dir: Path, start_step: int):
+    """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>."""
+    if not cfg.telemetry.enabled:
+        return None
+    from moestack.telemetry import attach
+
+    trace_root = Path(cfg.telemetry.trace_dir) if cfg.telemetry.trace_dir else out_dir / "trace"
+    part = trace_root / f"from-{start_step:07d}"
+    if part.exists():  # left by an attempt that crashed after this checkpoint: recorded anew
+        shutil.rmtree(part)
+    return attach(
+        model,
+        policies=cfg.telemetry.policies,
+        capacities=cfg.telemetry.capacities,
+        trace_dir=str(part),
+        max_memory_tokens=0,
+    )
+
+
+def _paused(telemetry: Any) -> contextlib.AbstractContextManager:
+    """Evaluation batches are not training traffic: keep them out of the trace."""
+    return telemetry.paused() if telemetry is not None else contextlib.nullcontext()
+
+
+def _accumulating(
+    model: nn.Module, optimizer: torch.optim.Optimizer, last: bool
+) -> contextlib.AbstractContextManager:
+    """On all but the last micro-batch of a step, gradients only accumulate on the device:
+    DDP skips its all-reduce and OffloadAdamW its copies to the host (their ``no_sync``)."""
+    stack = contextlib.ExitStack()
+    if not last:
+        for owner in (model, optimizer):
+            if hasattr(owner, "no_sync"):
+                stack.enter_context(owner.no_sync())
+    return stack
+
+
+def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:
+    if not cfg.progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A two-column table of the run's headline numbers."""
+    rows = [
+        ("train loss", f"{summary['loss/train']:.4f}"),
+        ("val loss", f"{summary['loss/val']:.4f}"),
+        ("val perplexity", f"{summary['eval/perplexity']:.3f}"),
+        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
+        ("params (total)", f"{summary['params/total'] / 1e6:.2f}M"),
+        ("params (active/token)", f"{summary['params/active'] / 1e6:.2f}M"),
+        ("skipped steps", str(summary["perf/bad_steps"])),
+    ]
+    rows += [
+        (f"layer {key.split('/')[1][5:]} imbalance", f"{value:.2f}")
+        for key, value in summary.items()
+        if key.endswith("/imbalance")
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
