@@ -5,16 +5,21 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000200/``:
     model.safetensors   model weights (shared tensors such as tied embeddings stored once)
     train_state.pt      optimizer, scheduler, RNG and data-loader state (plain tensors and
                         numbers only, loaded with ``torch.load(weights_only=True)``)
-    meta.json           step, model config, file sizes (written last)
+    meta.json           step, model config, size and sha256 of each file (written last)
 
-A checkpoint is written into a temporary folder, every file fsynced, then renamed into place,
-so a crash never leaves a half-written checkpoint that looks complete; only the newest
-``keep_last`` are kept.
+A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
+renamed into place, so a crash never leaves a half-written checkpoint that looks complete;
+only the newest ``keep_last`` are kept, and an old one is renamed to ``.trash-...`` before it
+is deleted, so a kill mid-prune leaves nothing that looks like a checkpoint. ``clean_partial``
+removes such leftovers at the next start. Loading checks sizes and sha256 of each file it
+reads (older checkpoints without digests load with a warning), so flipped bytes are refused
+naming the file; ``newest_verified`` finds the newest checkpoint whose files all verify.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +42,8 @@ MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
 PREFIX = "step_"
+TRASH_PREFIX = ".trash-"
+_FILES = (MODEL_FILE, STATE_FILE)
 
 
 def _fsync(path: Path) -> None:
@@ -47,6 +54,15 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def save_checkpoint(
     ckpt_root: Path | str,
     step: int,
@@ -55,7 +71,12 @@ def save_checkpoint(
     train_state: dict[str, Any],
     keep_last: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` under ``ckpt_root`` atomically; prune all but ``keep_last``."""
+    """Write checkpoint ``step`` under ``ckpt_root`` atomically; prune all but ``keep_last``.
+
+    The digests are taken from the files as written (read back from the page cache right
+    after writing, a small cost beside the write), so ``meta.json`` vouches for the bytes on
+    disk, not for the tensors in memory.
+    """
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"{PREFIX}{step:06d}"
@@ -66,21 +87,52 @@ def save_checkpoint(
         meta = {
             "step": step,
             "model": dataclasses.asdict(model_cfg),
-            "sizes": {name: (tmp / name).stat().st_size for name in (MODEL_FILE, STATE_FILE)},
+            "sizes": {name: (tmp / name).stat().st_size for name in _FILES},
+            "sha256": {name: sha256_file(tmp / name) for name in _FILES},
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        for name in (MODEL_FILE, STATE_FILE, META_FILE):
+        for name in (*_FILES, META_FILE):
             _fsync(tmp / name)
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.rename(tmp, final)
         _fsync(ckpt_root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder: first renamed out of sight (atomic), then removed."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_partial(ckpt_root: Path | str) -> list[Path]:
+    """Remove what a killed save or prune left under ``ckpt_root``: temporary ``.step_*``
+    folders, ``.trash-*`` folders and ``step_*`` folders without meta.json. Returns them."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    leftovers = [
+        p
+        for p in ckpt_root.iterdir()
+        if p.is_dir()
+        and (
+            p.name.startswith((f".{PREFIX}", TRASH_PREFIX))
+            or (p.name.startswith(PREFIX) and not (p / META_FILE).is_file())
+        )
+    ]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    if leftovers:
+        log.info("removed %d partial checkpoint folder(s) under %s", len(leftovers), ckpt_root)
+    return leftovers
 
 
 def list_checkpoints(ckpt_root: Path | str) -> list[Path]:
@@ -100,7 +152,8 @@ def latest_checkpoint(ckpt_root: Path | str) -> Path | None:
 
 
 def read_meta(path: Path | str) -> dict[str, Any]:
-    """The checkpoint's meta.json, checked against the sizes of the files it lists."""
+    """The checkpoint's meta.json, its structure checked and the sizes of the files it
+    lists compared with the files on disk."""
     path = Path(path)
     if not path.is_dir():
         raise MoestackError(f"checkpoint {path} does not exist")
@@ -109,9 +162,10 @@ def read_meta(path: Path | str) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except FileNotFoundError:
         raise MoestackError(f"checkpoint {path} has no {META_FILE}: it is incomplete") from None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise MoestackError(f"{meta_path} is not valid JSON: the checkpoint is corrupt") from None
-    for name, size in meta.get("sizes", {}).items():
+    _check_meta(meta, meta_path)
+    for name, size in meta["sizes"].items():
         file = path / name
         actual = file.stat().st_size if file.exists() else None
         if actual != size:
@@ -120,6 +174,68 @@ def read_meta(path: Path | str) -> dict[str, Any]:
                 "bytes: the checkpoint is truncated; use an older one"
             )
     return meta
+
+
+def _check_meta(meta: Any, meta_path: Path) -> None:
+    """Refuse a meta.json that parses but does not have the structure save_checkpoint writes."""
+
+    def bad(field: str, why: str) -> MoestackError:
+        return MoestackError(f"{meta_path}: {field} {why}; the checkpoint is corrupt")
+
+    if not isinstance(meta, dict):
+        raise bad("the file", f"holds a {type(meta).__name__}, not an object")
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise bad("step", f"is {step!r}, not an integer >= 0")
+    if not isinstance(meta.get("model"), dict) or not isinstance(meta["model"].get("moe"), dict):
+        raise bad("model", "is missing or not an object with a moe section")
+    for key, kind in (("sizes", int), ("sha256", str)):
+        table = meta.get(key, {})
+        if not isinstance(table, dict):
+            raise bad(key, "is not an object")
+        for name, value in table.items():
+            if name not in _FILES or not isinstance(value, kind) or isinstance(value, bool):
+                raise bad(f"{key}[{name!r}]", f"= {value!r} is not a {kind.__name__} for one of "
+                          f"{_FILES}")  # fmt: skip
+    meta.setdefault("sizes", {})
+
+
+def verify_file(path: Path | str, name: str, meta: dict[str, Any]) -> None:
+    """Compare file ``name`` of checkpoint ``path`` with the sha256 its meta.json recorded."""
+    file = Path(path) / name
+    expected = meta.get("sha256", {}).get(name)
+    if expected is None:
+        log.warning("%s: no checksum recorded (an older checkpoint); loaded unverified", file)
+        return
+    if not file.is_file():
+        raise MoestackError(f"{file} is missing: the checkpoint is incomplete; use an older one")
+    if sha256_file(file) != expected:
+        raise MoestackError(
+            f"{file} cannot be read: its sha256 differs from the one in {META_FILE} (the file "
+            "changed after it was written); use an older checkpoint"
+        )
+
+
+def verify_checkpoint(path: Path | str) -> dict[str, Any]:
+    """meta.json of ``path`` after checking the size and sha256 of every file; raises
+    MoestackError naming the first file that fails."""
+    meta = read_meta(path)
+    for name in _FILES:
+        verify_file(path, name, meta)
+    return meta
+
+
+def newest_verified(ckpt_root: Path | str) -> Path | None:
+    """The newest checkpoint under ``ckpt_root`` whose files all verify; every newer one
+    that fails is named in a warning (training then falls back to the one returned)."""
+    for path in reversed(list_checkpoints(ckpt_root)):
+        try:
+            verify_checkpoint(path)
+        except MoestackError as err:
+            log.warning("skipping checkpoint %s: %s", path.name, err)
+            continue
+        return path
+    return None
 
 
 def check_model_config(meta: dict[str, Any], model_cfg: ModelConfig, path: Path | str) -> None:
@@ -148,6 +264,7 @@ def load_model_weights(
     path = Path(path)
     meta = read_meta(path)
     check_model_config(meta, model_cfg, path)
+    verify_file(path, MODEL_FILE, meta)
     try:
         missing, unexpected = safetensors.torch.load_model(
             model, str(path / MODEL_FILE), strict=False
@@ -166,9 +283,40 @@ def load_model_weights(
 def load_train_state(path: Path | str) -> dict[str, Any]:
     """The optimizer/scheduler/RNG/data state saved beside the weights (no pickled code)."""
     file = Path(path) / STATE_FILE
+    verify_file(path, STATE_FILE, read_meta(path))
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise MoestackError(f"{file} is missing: the checkpoint is incomplete") from None
     except Exception as err:  # truncated zip, foreign pickle
         raise MoestackError(f"{file} cannot be read ({err}); use an older checkpoint") from None
+
+
+def first_non_finite(tree: Any, where: str) -> str | None:
+    """Name of the first floating-point tensor in ``tree`` (nested dicts/lists) with NaN/inf."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() and not bool(torch.isfinite(tree).all()):
+            return where
+        return None
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(
+        tree, (list, tuple)) else ()  # fmt: skip
+    for key, value in items:
+        found = first_non_finite(value, f"{where} {key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
+def rng_state() -> dict[str, Any]:
+    """The global torch (and CUDA) RNG state, saved in checkpoints for exact resume."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` saved."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -112,6 +112,16 @@ class ModelConfig:
             "embeddings",
         )
         _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len} must be >= 1")
+        _check(
+            self.rope_theta > 1, f"model.rope_theta={self.rope_theta} must be > 1 (10000 is usual)"
+        )
+        _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
+        _check(self.init_std > 0, f"model.init_std={self.init_std} must be > 0 (0.02 is usual)")
+        _check(
+            -1 <= self.doc_separator < self.vocab_size,
+            f"model.doc_separator={self.doc_separator} is outside the vocabulary "
+            f"[0, {self.vocab_size}); use a token id, or -1 for none",
+        )
         self.moe = _coerce(self.moe, MoEConfig)
         self.router = _coerce(self.router, RouterConfig)
 

@@ -101,7 +101,7 @@ class MetricsWriter:
     ) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: jsonable(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
@@ -122,7 +122,8 @@ class MetricsWriter:
                 log.warning("wandb finish failed: %s", err)
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """A number JSON can hold: tensors as Python numbers, NaN/inf as strings ("nan")."""
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

@@ -9,7 +9,9 @@ sorted groups), ``triton`` (moestack.kernels, fused gather/scatter) and ``megabl
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,27 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return impl
+
+
+def check_impl(impl: str, device: torch.device) -> None:
+    """Refuse an expert implementation that cannot run on ``device``, saying why and which
+    one to use (instead of a long traceback from inside the first forward pass)."""
+    impl = resolve_impl(impl, device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"moe.impl=triton needs a CUDA device (or TRITON_INTERPRET=1, the slow CPU "
+            f"interpreter); this run is on {device}: use moe.impl=auto or torch"
+        )
+    if impl == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("moe.impl=triton needs the triton package; use moe.impl=torch")
+    if impl == "megablocks" and (
+        device.type != "cuda" or importlib.util.find_spec("megablocks") is None
+    ):
+        raise ValueError(
+            f"moe.impl=megablocks needs a CUDA device and the optional megablocks package "
+            f"(this run: {device}); use moe.impl=auto"
+        )
 
 
 def run_experts(

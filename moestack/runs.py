@@ -1,22 +1,40 @@
-"""Loading a finished or running training run: its config, its model, a checkpoint.
+"""A run's folder: preparing it for training, and loading a run back from it.
 
-One function, ``load_run``, serves ``moestack eval``, the pre-registered analysis and
+``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run keeps its config;
+leftovers of a killed run are removed; a corrupt newest checkpoint falls back to the newest
+one that verifies). ``load_run`` serves ``moestack eval``, the pre-registered analysis and
 offloaded evaluation, so that they all rebuild a run the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from moestack import checkpoint
+from moestack import checkpoint, distributed
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
+from moestack.metrics import jsonable
 from moestack.model import MoETransformer
+
+log = logging.getLogger(__name__)
+
+# Settings a resumed run may change: how it logs, evaluates, checkpoints and where it runs.
+# Everything else (model, router, optim, data, seed, batch, steps) is the run's identity.
+RESUME_MAY_CHANGE = (
+    "resume", "out_dir", "progress", "log_every", "eval_every", "eval_batches", "ckpt_every",
+    "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
+    "telemetry.", "cache.",
+)  # fmt: skip
 
 
 @dataclass
@@ -69,3 +87,94 @@ def load_run(
     if device is not None:
         model.to(resolve_device(cfg.device if device == "auto" else str(device)))
     return LoadedRun(run_dir, cfg, model, ckpt, int(meta["step"]))
+
+
+def prepare_out_dir(
+    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo
+) -> Path | None:
+    """Check ``out_dir`` against ``resume``, remove a killed run's leftovers and write the
+    resolved config; returns the checkpoint to resume from (None for a new run)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_root = out_dir / "checkpoints"
+    if dist_info.is_main:
+        checkpoint.clean_partial(ckpt_root)
+    distributed.barrier(dist_info)
+    latest = checkpoint.latest_checkpoint(ckpt_root)
+    if cfg.resume and latest is None:
+        raise MoestackError(f"resume=true but {ckpt_root} holds no checkpoint; start a new run")
+    if not cfg.resume and latest is not None:
+        raise MoestackError(
+            f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick "
+            "another out_dir"
+        )
+    resume_from = None
+    if cfg.resume:
+        check_resume_config(cfg, out_dir)
+        resume_from = checkpoint.newest_verified(ckpt_root)
+        if resume_from is None:
+            raise MoestackError(
+                f"resume=true but no checkpoint under {ckpt_root} verifies (see the warnings "
+                "above); start a new run"
+            )
+        if resume_from != latest:
+            log.warning("resuming from %s: the newer %s does not verify", resume_from, latest)
+    elif (out_dir / "metrics.jsonl").exists():
+        log.warning("%s holds metrics of a run that never checkpointed: starting clean", out_dir)
+        if dist_info.is_main:  # its metrics are truncated when opened; a new wandb run too
+            (out_dir / "wandb_id.txt").unlink(missing_ok=True)
+    distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
+    if dist_info.is_main:
+        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return resume_from
+
+
+def check_resume_config(cfg: TrainConfig, out_dir: Path) -> None:
+    """Refuse to resume with a config that differs from the run's own (config.yaml) in
+    anything but ``RESUME_MAY_CHANGE``: the optimizer, scheduler and data state in the
+    checkpoint would silently win over, or clash with, the new values."""
+    if not (out_dir / "config.yaml").is_file():
+        return
+    try:
+        saved = _flat(dataclasses.asdict(load_run_config(out_dir)))
+    except Exception as err:  # a config.yaml from another moestack version, or edited by hand
+        raise MoestackError(
+            f"{out_dir / 'config.yaml'} cannot be read ({err}); start a new out_dir"
+        ) from None
+    now = _flat(dataclasses.asdict(cfg))
+    changed = [
+        f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
+        for key in sorted(set(saved) | set(now))
+        if saved.get(key) != now.get(key) and not key.startswith(RESUME_MAY_CHANGE)
+    ]
+    if changed:
+        raise MoestackError(
+            f"resume=true with a changed config ({'; '.join(changed)}): a resumed run keeps the "
+            f"config in {out_dir / 'config.yaml'}; resume without these overrides, or start a new "
+            "out_dir"
+        )
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` atomically (temp file, then rename); NaN/inf become strings, so the
+    file stays valid JSON."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_plain(data), indent=2))
+    os.replace(tmp, path)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return jsonable(value)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -22,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from moestack import checkpoint, distributed
@@ -32,7 +29,9 @@ from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
 from moestack.metrics import MetricsWriter
 from moestack.model import MoETransformer
+from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
+from moestack.runs import prepare_out_dir, write_json
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +242,12 @@ def finish_run(run: Run, seconds: float) -> dict[str, Any]:
     run.writer.log(cfg.steps, final_eval)
     if run.telemetry is not None:
         run.telemetry.close()
-        _write_json(run.out_dir / "telemetry_summary.json", run.telemetry.summary())
+        write_json(run.out_dir / "telemetry_summary.json", run.telemetry.summary())
     run.writer.close()
     run.last_metrics.update(final_eval)
     summary = run_summary(run, final_eval, seconds)
     if run.dist.is_main:
-        _write_json(run.out_dir / "summary.json", summary)
+        write_json(run.out_dir / "summary.json", summary)
         log.info("\n%s", format_summary(summary))
     return summary
 
@@ -286,10 +285,11 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
         raise MoestackError(
             f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"
         )
-    resume_from = _prepare_out_dir(cfg, out_dir, dist_info)
+    resume_from = prepare_out_dir(cfg, out_dir, dist_info)
     corpus = load_corpus(cfg.data)
     if cfg.model.vocab_size < 256:
         raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
+    check_impl(cfg.model.moe.impl, device)
     torch.manual_seed(cfg.seed)
     model = MoETransformer(cfg.model).to(device)
     start_step = 0
@@ -319,7 +319,7 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
             wandb_project=cfg.wandb_project,
             wandb_mode=cfg.wandb_mode,
             wandb_config=dataclasses.asdict(cfg),
-            resume_step=start_step if resume_from is not None else None,
+            resume_step=start_step,  # drops records a killed attempt logged past it
         ),
         telemetry=None,
         state=TrainState(),
@@ -337,28 +337,6 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     if dist_info.is_main:
         run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
     return run
-
-
-def _prepare_out_dir(
-    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo
-) -> Path | None:
-    """Check ``out_dir`` against ``resume`` and write the resolved config; returns the
-    checkpoint to resume from (None for a new run)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    latest = checkpoint.latest_checkpoint(out_dir / "checkpoints")
-    if cfg.resume and latest is None:
-        raise MoestackError(
-            f"resume=true but {out_dir / 'checkpoints'} holds no checkpoint; start a new run"
-        )
-    if not cfg.resume and latest is not None:
-        raise MoestackError(
-            f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick "
-            "another out_dir"
-        )
-    distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
-    if dist_info.is_main:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    return latest if cfg.resume else None
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -380,20 +358,40 @@ def _lr_scheduler(
 
 # --------------------------------------------------------------------------- checkpoints
 def save(run: Run, step: int) -> None:
-    """Checkpoint the run at ``step`` (every rank takes part: the optimizer may be sharded)."""
+    """Checkpoint the run at ``step`` (every rank takes part: the optimizer may be sharded).
+
+    Weights or optimizer state with NaN/inf are never saved (a finite loss does not rule
+    them out): the run stops naming the tensor and the last checkpoint, which stays."""
     state = {
         "optimizer": run.optimizer.state_dict(),  # collective for a sharded optimizer
         "scheduler": run.scheduler.state_dict(),
         "data": run.loader.state_dict(),
-        "rng": _rng_state(),
+        "rng": checkpoint.rng_state(),
         "train": run.state.state_dict(),
         "bad_steps": run.state.bad_steps,  # read by checkpoints written before "train"
     }
+    _refuse_non_finite(run, step, state["optimizer"])
     if run.dist.is_main:
         checkpoint.save_checkpoint(
             run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
         )
     distributed.barrier(run.dist)
+
+
+def _refuse_non_finite(run: Run, step: int, optimizer_state: dict[str, Any]) -> None:
+    bad = checkpoint.first_non_finite(
+        run.model.state_dict(), "weight"
+    ) or checkpoint.first_non_finite(optimizer_state, "optimizer state")
+    clean = bad is None
+    if run.dist.active:  # every rank stops together
+        clean = distributed.all_reduce_mean(float(clean), run.dist, run.device) == 1.0
+    if not clean:
+        last = checkpoint.latest_checkpoint(run.ckpt_root)
+        raise MoestackError(
+            f"step {step}: {bad or 'another rank'} holds NaN/inf although the loss was finite; "
+            f"not checkpointed. The last checkpoint, {last or 'none'}, is kept: resume from it "
+            "with a lower optim.lr (or optim.grad_clip)"
+        )
 
 
 def restore(run: Run, path: Path) -> None:
@@ -404,23 +402,10 @@ def restore(run: Run, path: Path) -> None:
     run.scheduler.load_state_dict(state["scheduler"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.loader.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
+    checkpoint.set_rng_state(state["rng"])
     run.state.load_state_dict(state.get("train", {"bad_steps": state.get("bad_steps", 0)}))
     run.state.step = run.start_step
     log.info("resumed from %s at step %d", path, run.start_step)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -467,12 +452,6 @@ def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def format_summary(summary: dict[str, Any]) -> str:
