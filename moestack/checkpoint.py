@@ -43,6 +43,8 @@ STATE_FILE = "train_state.pt"
 META_FILE = "meta.json"
 PREFIX = "step_"
 TRASH_PREFIX = ".trash-"
+SELF_DIGEST = "meta_sha256"  # meta.json's digest of its own other fields
+_META_KEYS = ("step", "model", "sizes", "sha256", SELF_DIGEST)
 _FILES = (MODEL_FILE, STATE_FILE)
 
 
@@ -90,6 +92,7 @@ def save_checkpoint(
             "sizes": {name: (tmp / name).stat().st_size for name in _FILES},
             "sha256": {name: sha256_file(tmp / name) for name in _FILES},
         }
+        meta[SELF_DIGEST] = _meta_digest(meta)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         for name in (*_FILES, META_FILE):
             _fsync(tmp / name)
@@ -176,6 +179,11 @@ def read_meta(path: Path | str) -> dict[str, Any]:
     return meta
 
 
+def _meta_digest(meta: dict[str, Any]) -> str:
+    fields = {k: v for k, v in meta.items() if k != SELF_DIGEST}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def _check_meta(meta: Any, meta_path: Path) -> None:
     """Refuse a meta.json that parses but does not have the structure save_checkpoint writes."""
 
@@ -184,6 +192,11 @@ def _check_meta(meta: Any, meta_path: Path) -> None:
 
     if not isinstance(meta, dict):
         raise bad("the file", f"holds a {type(meta).__name__}, not an object")
+    unknown = sorted(set(meta) - set(_META_KEYS))
+    if unknown:
+        raise bad(f"key {unknown[0]!r}", f"is not one of {_META_KEYS}")
+    if SELF_DIGEST in meta and meta[SELF_DIGEST] != _meta_digest(meta):
+        raise bad(SELF_DIGEST, "does not match the other fields (changed after writing)")
     step = meta.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise bad("step", f"is {step!r}, not an integer >= 0")

@@ -7,6 +7,21 @@ relative to the corpus root, or ``path:row`` for jsonl/parquet rows) falls below
 both sides. The default corpus is the Python standard library of the running interpreter:
 real code and docstrings, on every machine, with no network.
 
+Only when that whole-document split leaves a side empty (a corpus of one big file, or of a
+few files that all hash to one side) are the documents cut into chunks and the chunks split
+instead: a document of ``L`` bytes becomes ``ceil(L / CHUNK_BYTES)`` pieces of about equal
+size (at most ``CHUNK_BYTES`` = 64 KiB), each cut after the last newline in the second half
+of its window when there is one, named ``<doc name>#<chunk index>``. The
+``round(val_fraction * chunks)`` chunks whose names hash lowest (at least one, at most all
+but one) go to validation, so any corpus of two chunks or more has both splits, every byte
+lands in exactly one of them, and the split is still the same on every machine. A corpus
+that splits by document (the standard library does) is never chunked.
+
+Records whose text is null or not a string are skipped, with one warning per file giving
+the count; a file without one usable record is refused. Files without a text suffix whose
+content is binary (a 0 byte in the first 8 KiB, or most of it not UTF-8) are skipped with a
+warning when found in a folder and refused when named in ``data.paths``.
+
 Batches are windows of ``seq_len + 1`` tokens at random offsets drawn from a generator
 seeded by ``(seed, batch index)``: batch i is the same whatever happened before it, so the
 loader's whole state is the index of the next batch, and a resumed run sees the same data.
@@ -17,9 +32,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +49,9 @@ log = logging.getLogger(__name__)
 
 SEPARATOR = 0  # byte that separates documents in the packed token stream
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".csv", ".html", ".tex")
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+CHUNK_BYTES = 64 * 1024  # largest chunk when documents must be cut to fill both splits
+BINARY_PROBE = 8192  # bytes of a suffix-less file inspected for binary content
 
 
 @dataclass
@@ -41,15 +60,20 @@ class Corpus:
 
     train: np.ndarray  # uint8 [N_train]
     val: np.ndarray  # uint8 [N_val]
-    train_docs: int
+    train_docs: int  # documents (chunks, when chunked) in train: its separator count
     val_docs: int
     name: str
+    chunked: bool = False  # split by chunk of document rather than by whole document
+
+
+def _hash_fraction(name: str) -> float:
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
 
 
 def is_validation(name: str, val_fraction: float) -> bool:
     """Deterministic split: a document is held out when its name hashes below the fraction."""
-    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
-    return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
+    return _hash_fraction(name) < val_fraction
 
 
 def stdlib_root() -> Path:
@@ -66,9 +90,9 @@ def _stdlib_documents() -> Iterator[tuple[str, bytes]]:
                 yield str(path.relative_to(root)), path.read_bytes()
 
 
-def _expand(paths: list[str]) -> list[tuple[Path, Path]]:
-    """(root, file) pairs for every file named or found under a named folder."""
-    found = []
+def _expand(paths: list[str]) -> list[tuple[Path, Path, bool]]:
+    """(root, file, named in data.paths) for every file named or readable under a folder."""
+    found, other = [], []
     for entry in paths:
         path = Path(entry).expanduser()
         if not path.exists():
@@ -77,39 +101,92 @@ def _expand(paths: list[str]) -> list[tuple[Path, Path]]:
             )
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-            found.extend((path, f) for f in files)
+            readable = TEXT_SUFFIXES + RECORD_SUFFIXES + ("",)
+            found.extend((path, f, False) for f in files if f.suffix.lower() in readable)
+            other.extend(f for f in files if f.suffix.lower() not in readable)
         else:
-            found.append((path.parent, path))
+            found.append((path.parent, path, True))
+    if other:
+        examples = ", ".join(str(p) for p in other[:3])
+        log.warning(
+            "data: skipped %d files under data.paths whose suffix is not text, jsonl or "
+            "parquet (e.g. %s)", len(other), examples,
+        )  # fmt: skip
     return found
 
 
+def _looks_binary(data: bytes) -> bool:
+    """A 0 byte in the first BINARY_PROBE bytes, or most of them not decoding as UTF-8."""
+    head = data[:BINARY_PROBE]
+    if b"\0" in head:
+        return True
+    text = head.decode("utf-8", "replace")
+    return len(text) > 0 and text.count("\ufffd") > 0.3 * len(text)
+
+
 def _file_documents(paths: list[str], text_field: str) -> Iterator[tuple[str, bytes]]:
-    for root, path in _expand(paths):
+    for root, path, named in _expand(paths):
         name = str(path.relative_to(root))
         suffix = path.suffix.lower()
         if suffix == ".jsonl":
-            with path.open("rb") as f:
-                for row, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise MoestackError(
-                            f"{path}:{row + 1}: not valid JSON ({err.msg})"
-                        ) from None
-                    if not isinstance(record, dict) or text_field not in record:
-                        raise MoestackError(
-                            f"{path}:{row + 1}: no field {text_field!r}; set data.text_field"
-                        )
-                    yield f"{name}:{row}", str(record[text_field]).encode("utf-8")
+            yield from _text_records(path, _jsonl_rows(path, name, text_field), text_field)
         elif suffix == ".parquet":
-            yield from _parquet_documents(path, name, text_field)
-        elif suffix in TEXT_SUFFIXES or suffix == "":
-            yield name, path.read_bytes()
+            yield from _text_records(path, _parquet_rows(path, name, text_field), text_field)
+        else:
+            data = path.read_bytes()
+            if suffix not in TEXT_SUFFIXES and _looks_binary(data):
+                if named:
+                    raise MoestackError(
+                        f"data.paths: {path} is binary, not text; remove it from data.paths "
+                        "(text, jsonl or parquet files or folders)"
+                    )
+                log.warning("data: skipped %s: binary content, not text", path)
+                continue
+            yield name, data
 
 
-def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[tuple[str, bytes]]:
+def _text_records(
+    source: object, rows: Iterable[tuple[str, object]], text_field: str
+) -> Iterator[tuple[str, bytes]]:
+    """The string values of rows; null or non-string ones are counted and skipped."""
+    usable = skipped = 0
+    try:
+        for doc_name, value in rows:
+            if isinstance(value, str):
+                usable += 1
+                yield doc_name, value.encode("utf-8", "replace")
+            else:
+                skipped += 1
+        if skipped and not usable:
+            raise MoestackError(
+                f"{source}: none of its {skipped} records has a string {text_field!r} (all "
+                "null or not text); fix the data or set data.text_field to the text column"
+            )
+    finally:  # also when reading stops early (data.max_bytes)
+        if skipped and usable:
+            log.warning(
+                "%s: skipped %d of %d records whose %r is null or not a string",
+                source, skipped, skipped + usable, text_field,
+            )  # fmt: skip
+
+
+def _jsonl_rows(path: Path, name: str, text_field: str) -> Iterator[tuple[str, object]]:
+    with path.open("rb") as f:
+        for row, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise MoestackError(f"{path}:{row + 1}: not valid JSON ({err.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                raise MoestackError(
+                    f"{path}:{row + 1}: no field {text_field!r}; set data.text_field"
+                )
+            yield f"{name}:{row}", record[text_field]
+
+
+def _parquet_rows(path: Path, name: str, text_field: str) -> Iterator[tuple[str, object]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -121,8 +198,7 @@ def _parquet_documents(path: Path, name: str, text_field: str) -> Iterator[tuple
     except Exception as err:  # pyarrow raises several types for bad files and columns
         raise MoestackError(f"{path}: cannot read column {text_field!r} ({err})") from None
     for row, text in enumerate(table.column(text_field).to_pylist()):
-        if text:
-            yield f"{name}:{row}", str(text).encode("utf-8")
+        yield f"{name}:{row}", text
 
 
 def _hf_documents(cfg: DataConfig) -> Iterator[tuple[str, bytes]]:
@@ -138,8 +214,94 @@ def _hf_documents(cfg: DataConfig) -> Iterator[tuple[str, bytes]]:
         raise MoestackError(f"data.hf_name={cfg.hf_name!r}: cannot load ({err})") from None
     if cfg.text_field not in dataset.column_names:
         raise MoestackError(f"data.text_field={cfg.text_field!r} is not a column of {cfg.hf_name}")
-    for row, record in enumerate(dataset):
-        yield f"{row}", str(record[cfg.text_field]).encode("utf-8")
+    rows = ((f"{row}", record[cfg.text_field]) for row, record in enumerate(dataset))
+    yield from _text_records(f"data.hf_name={cfg.hf_name}", rows, cfg.text_field)
+
+
+class _Packer:
+    """The two splits being filled; with data.max_bytes each stops at its share of it."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.parts: dict[str, list[bytes]] = {"train": [], "val": []}
+        self.used = {"train": 0, "val": 0}
+        self.budget = {
+            "train": cfg.max_bytes * (1 - cfg.val_fraction),
+            "val": cfg.max_bytes * cfg.val_fraction,
+        }
+        self.capped = cfg.max_bytes > 0
+
+    def full(self, split: str) -> bool:
+        return self.capped and self.used[split] >= self.budget[split]
+
+    def add(self, split: str, text: bytes) -> None:
+        # A full split skips later documents, so a small budget still yields a validation split.
+        if not self.full(split):
+            self.parts[split].append(text)
+            self.used[split] += len(text) + 1
+
+    def both_filled(self) -> bool:
+        return bool(self.parts["train"]) and bool(self.parts["val"])
+
+
+def _chunks(text: bytes, limit: int = CHUNK_BYTES) -> list[bytes]:
+    """ceil(len / limit) pieces of about equal size, each cut after a newline where possible."""
+    size = math.ceil(len(text) / math.ceil(len(text) / limit))
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = text.rfind(b"\n", start + size // 2, start + size) + 1 or start + size
+        pieces.append(text[start:end])
+        start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+def _split_documents(
+    documents: Iterator[tuple[str, bytes]], cfg: DataConfig
+) -> tuple[_Packer, list[tuple[str, bytes]]]:
+    """Whole documents split by name; also every document read while one side was empty."""
+    packer = _Packer(cfg)
+    pending: list[tuple[str, bytes]] = []  # kept for chunking until both splits have text
+    try:
+        for doc_name, text in documents:
+            if packer.full("train") and packer.full("val"):
+                break
+            text = text.replace(b"\0", b"")
+            if not text.strip():
+                continue
+            packer.add("val" if is_validation(doc_name, cfg.val_fraction) else "train", text)
+            if not packer.both_filled():
+                pending.append((doc_name, text))
+            elif pending:
+                pending = []
+    finally:  # a generator stopped early still reports what it skipped
+        getattr(documents, "close", lambda: None)()
+    return packer, pending
+
+
+def _split_chunks(
+    documents: list[tuple[str, bytes]], cfg: DataConfig, name: str, empty: str
+) -> _Packer:
+    """Chunks of the documents, the lowest-hashing share of them to validation."""
+    chunks = [(f"{doc}#{i}", c) for doc, text in documents for i, c in enumerate(_chunks(text))]
+    if len(chunks) < 2:
+        size = sum(len(text) for _, text in documents)
+        raise MoestackError(
+            f"data: {name} holds {size} bytes of text in one document, too little for both a "
+            f"training and a validation split (documents are cut into chunks of up to "
+            f"{CHUNK_BYTES // 1024} KiB when needed); add text or documents to data.paths"
+        )
+    by_hash = sorted(range(len(chunks)), key=lambda i: (_hash_fraction(chunks[i][0]), i))
+    count = min(max(round(cfg.val_fraction * len(chunks)), 1), len(chunks) - 1)
+    held_out = set(by_hash[:count])
+    log.warning(
+        "data: split by document, %s leaves the %s split empty; cut its %d document(s) into %d "
+        "chunks of up to %d KiB and split those (%d to validation)",
+        name, empty, len(documents), len(chunks), CHUNK_BYTES // 1024, count,
+    )  # fmt: skip
+    packer = _Packer(cfg)
+    for i, (_, chunk) in enumerate(chunks):
+        packer.add("val" if i in held_out else "train", chunk)
+    return packer
 
 
 def load_corpus(cfg: DataConfig) -> Corpus:
@@ -150,34 +312,14 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         documents, name = _file_documents(list(cfg.paths), cfg.text_field), ",".join(cfg.paths)
     else:
         documents, name = _hf_documents(cfg), f"hf:{cfg.hf_name}"
-    parts: dict[str, list[bytes]] = {"train": [], "val": []}
-    # With max_bytes, each split fills its share of the budget; later documents of a full
-    # split are skipped, so a small budget still yields a validation split.
-    budget = {
-        "train": cfg.max_bytes * (1 - cfg.val_fraction),
-        "val": cfg.max_bytes * cfg.val_fraction,
-    }
-    used = {"train": 0, "val": 0}
-    for doc_name, text in documents:
-        split = "val" if is_validation(doc_name, cfg.val_fraction) else "train"
-        if cfg.max_bytes and used[split] >= budget[split]:
-            if all(used[k] >= budget[k] for k in used):
-                break
-            continue
-        text = text.replace(b"\0", b"")
-        if not text.strip():
-            continue
-        parts[split].append(text)
-        used[split] += len(text) + 1
-    if not parts["train"] and not parts["val"]:
-        raise MoestackError(f"data: no text found in {name}; point data.paths at text files")
-    if not parts["val"]:
-        raise MoestackError(
-            f"data: the validation split of {name} is empty ({len(parts['train'])} documents); "
-            "add documents or raise data.val_fraction"
-        )
-    if not parts["train"]:
-        raise MoestackError(f"data: the training split of {name} is empty; lower data.val_fraction")
+    packer, pending = _split_documents(documents, cfg)
+    chunked = not packer.both_filled()
+    if chunked:
+        if not pending:
+            raise MoestackError(f"data: no text found in {name}; point data.paths at text files")
+        empty = "training" if packer.parts["val"] else "validation"
+        packer = _split_chunks(pending, cfg, name, empty)
+    parts = packer.parts
     sep = bytes([SEPARATOR])
     train = np.frombuffer(bytearray(sep.join(parts["train"]) + sep), dtype=np.uint8)
     val = np.frombuffer(bytearray(sep.join(parts["val"]) + sep), dtype=np.uint8)
@@ -188,10 +330,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
                 f"data.seq_len+1={cfg.seq_len + 1}; add text or shorten data.seq_len"
             )
     log.info(
-        "corpus %s: train %d docs / %.1f MB, val %d docs / %.1f MB",
-        name, len(parts["train"]), len(train) / 1e6, len(parts["val"]), len(val) / 1e6,
+        "corpus %s: train %d %s / %.1f MB, val %d %s / %.1f MB",
+        name, len(parts["train"]), "chunks" if chunked else "docs", len(train) / 1e6,
+        len(parts["val"]), "chunks" if chunked else "docs", len(val) / 1e6,
     )  # fmt: skip
-    return Corpus(train, val, len(parts["train"]), len(parts["val"]), name)
+    return Corpus(train, val, len(parts["train"]), len(parts["val"]), name, chunked)
 
 
 class BatchLoader:

@@ -6,8 +6,40 @@ collection time, before any test module imports moestack.kernels.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+class FaultReport:
+    """Counts of the fault-injection suite (pytest -m faults): per kind of fault, how many
+    were injected and how each ended. Written as JSON to $MOESTACK_FAULT_REPORT when set;
+    docs/reliability.md records a run of it."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, int]] = {}
+
+    def add(self, kind: str, **counts: int) -> None:
+        row = self.rows.setdefault(kind, {})
+        for key, value in counts.items():
+            row[key] = row.get(key, 0) + int(value)
+
+
+_REPORT = FaultReport()
+
+
+@pytest.fixture(scope="session")
+def fault_report():
+    return _REPORT
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("MOESTACK_FAULT_REPORT")
+    if path and _REPORT.rows:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(_REPORT.rows, f, indent=2, sort_keys=True)

@@ -189,6 +189,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
         checkpoint.load_model_weights(path, restored, cfg.model)
     meta = json.loads((path / checkpoint.META_FILE).read_text())
     meta["sizes"] = {}
+    del meta[checkpoint.SELF_DIGEST]  # as a checkpoint written before meta.json had one
     (path / checkpoint.META_FILE).write_text(json.dumps(meta))
     with pytest.raises(MoestackError, match="cannot be read"):
         checkpoint.load_model_weights(path, restored, cfg.model)

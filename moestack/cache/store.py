@@ -1,14 +1,20 @@
 """ExpertStore: every expert's weights as safetensors on disk, readable one expert at a time.
 
 The directory layout, the index and the single-file helpers are in
-``moestack.cache.store_format``. ``ExpertStore(path)`` checks every file's size and
-safetensors header against the index before serving anything; ``load(layer, expert)`` reads
-one expert's byte range only, with positional reads on file descriptors opened once.
-``open_or_write_store`` reuses a valid store written from the same weights, else rewrites it.
+``moestack.cache.store_format``; the index's structure is checked by
+``moestack.cache.store_schema``. ``ExpertStore(path)`` checks the index's structure, that
+every file it names stays inside the store folder, and every file's size and safetensors
+header against the index before serving anything; the first time each file is opened its
+checksum is verified (once per file per store, so a flipped byte is never served silently).
+``load(layer, expert)`` reads one expert's byte range only, with positional reads on file
+descriptors opened once. ``open_or_write_store`` reuses a valid store written from the same
+weights, else rewrites it.
 
-Writing is atomic: files go into a temporary sibling directory, each is fsynced, the index
-is written last, and the directory is renamed into place; on any error (a full disk
-included) the temporary directory is removed, so nothing half-written looks like a store.
+Writing is atomic: files go into a temporary sibling directory, each is fsynced and its
+checksum recorded, the index is written last, and the directory is renamed into place; on
+any error (a full disk included) the temporary directory is removed, so nothing
+half-written looks like a store. Only a missing or empty folder or an existing store is
+ever replaced: anything else given as the store folder (a run folder) is refused untouched.
 """
 
 from __future__ import annotations
@@ -31,25 +37,28 @@ import torch
 from torch import nn
 
 from moestack.cache.store_format import (
+    CHECKSUM,
     DTYPES,
-    FORMAT,
     INDEX_FILE,
     LAYOUTS,
-    VERSION,
     ExpertEntry,
     TensorEntry,  # noqa: F401  (re-exported: importable from moestack.cache.store as before)
+    check_replaceable,
     entry_from_json,
     expert_json,
     expert_tensors,
+    fd_digest,
     fsync_dir,
     index_json,
     layer_files,
     parse_header,
 )
+from moestack.cache.store_format import digest as _digest
 
 # Every byte the store writes goes through this module's ``_write_file`` (tests patch it here
 # to simulate a full disk).
 from moestack.cache.store_format import write_file as _write_file
+from moestack.cache.store_schema import check_index, header_matches, member_path
 from moestack.config import ModelConfig
 from moestack.errors import MoestackError
 
@@ -74,12 +83,14 @@ def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
 def _save_tensors(
     root: Path, name: str, tensors: dict[str, torch.Tensor]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write one safetensors file at ``root / name``: its ``files`` record and its header."""
+    """Write one safetensors file at ``root / name``: its ``files`` record (with the
+    checksum of the bytes written) and its header."""
     blob = safetensors.torch.save(tensors, metadata={"format": "pt"})
     start, header = parse_header(root / name, blob)
     (root / name).parent.mkdir(exist_ok=True)
     _write_file(root / name, blob)
-    return {"file": name, "size": len(blob), "data_start": start}, header
+    record = {"file": name, "size": len(blob), "data_start": start, CHECKSUM: _digest(blob)}
+    return record, header
 
 
 class ExpertStore:
@@ -100,6 +111,44 @@ class ExpertStore:
         self._read_workers = max(1, int(read_workers))
         self._pool: ThreadPoolExecutor | None = None
         self._nowait = hasattr(os, "RWF_NOWAIT")
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._open_locks: dict[str, threading.Lock] = {}  # one per file: first open verifies
+        index = self._read_index()
+        self.index = index
+        model = index["model"]
+        self.version: int = index["version"]
+        self.layout: str = index["layout"]
+        self.num_layers: int = model["num_layers"]
+        self.num_experts: int = model["num_experts"]
+        self.d_model: int = model["d_model"]
+        self.d_ff: int = model["d_ff"]
+        self.top_k: int | None = model.get("top_k")
+        self.dtype: torch.dtype = DTYPES[model["dtype"]]
+        self.meta: dict[str, Any] = dict(index.get("meta", {}))
+        self.expert_bytes: int = index["expert_bytes"]
+        self._entries: list[list[ExpertEntry]] = [
+            [entry_from_json(e) for e in layer] for layer in index["experts"]
+        ]
+        # file name -> expected checksum; a name leaves the dict once its file is verified
+        self._unverified: dict[str, str] = {
+            f["file"]: f[CHECKSUM] for f in index["files"] if CHECKSUM in f
+        }
+        if self.version < 2:
+            log.warning(
+                "expert store %s is format version %d, which has no checksums: its files are "
+                "read unverified; rebuild it (delete it and rerun `moestack eval RUN "
+                "--offload`) to get checksums",
+                self.path,
+                self.version,
+            )
+            self._unverified.clear()
+        self._verify_files()
+        if model_cfg is not None:
+            self.check_model(model_cfg)
+
+    def _read_index(self) -> dict[str, Any]:
+        """The parsed index, its structure checked (``store_schema.check_index``)."""
         index_path = self.path / INDEX_FILE
         if not self.path.is_dir():
             raise MoestackError(
@@ -112,32 +161,12 @@ class ExpertStore:
                 f"{index_path} is missing: {self.path} is not a complete expert store; "
                 "rewrite it with ExpertStore.write"
             ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise MoestackError(f"{index_path} is not valid JSON: the store is corrupt") from None
-        if index.get("format") != FORMAT or index.get("version") != VERSION:
+        except (ValueError, OSError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
             raise MoestackError(
-                f"{index_path}: format {index.get('format')!r} version {index.get('version')!r} "
-                f"is not {FORMAT!r} version {VERSION}"
-            )
-        self.index = index
-        model = index["model"]
-        self.layout: str = index["layout"]
-        self.num_layers: int = int(model["num_layers"])
-        self.num_experts: int = int(model["num_experts"])
-        self.d_model: int = int(model["d_model"])
-        self.d_ff: int = int(model["d_ff"])
-        self.top_k: int | None = model.get("top_k")
-        self.dtype: torch.dtype = DTYPES[model["dtype"]]
-        self.meta: dict[str, Any] = dict(index.get("meta", {}))
-        self.expert_bytes: int = int(index["expert_bytes"])
-        self._entries: list[list[ExpertEntry]] = [
-            [entry_from_json(e) for e in layer] for layer in index["experts"]
-        ]
-        self._fds: dict[str, int] = {}
-        self._fd_lock = threading.Lock()
-        self._verify_files()
-        if model_cfg is not None:
-            self.check_model(model_cfg)
+                f"{index_path} is not valid JSON ({type(err).__name__}): the store is corrupt; "
+                f"delete {self.path} and rebuild it (rerun `moestack eval RUN --offload`)"
+            ) from None
+        return check_index(index, index_path)
 
     # ------------------------------------------------------------------ writing
     @classmethod
@@ -154,17 +183,16 @@ class ExpertStore:
         """Write every expert of a MoETransformer (or its state_dict) to ``path`` atomically.
 
         ``model_cfg`` records top_k (taken from the model when it is a MoETransformer);
-        ``meta`` is free-form JSON kept in the index (e.g. the source checkpoint).
+        ``meta`` is free-form JSON kept in the index (e.g. the source checkpoint). ``path``
+        may be missing or an empty folder; an existing store is replaced only with
+        ``overwrite=True``, and a folder that is not a store is never replaced.
         """
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
         w1s, w2s, cfg = expert_tensors(model_or_state_dict)
         cfg = model_cfg or cfg
         path = Path(path)
-        if path.exists() and not overwrite:
-            raise MoestackError(
-                f"{path} already exists; pass overwrite=True or choose another store_dir"
-            )
+        check_replaceable(path, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
@@ -235,12 +263,8 @@ class ExpertStore:
                         f"{self.path / INDEX_FILE}: layer {layer} expert {e} has shapes "
                         f"{entry.w1.shape} / {entry.w2.shape}, expected {want_w1} / {want_w2}"
                     )
-        if len(self._entries) != self.num_layers or any(
-            len(row) != self.num_experts for row in self._entries
-        ):
-            raise MoestackError(f"{self.path / INDEX_FILE}: expert table is not layers x experts")
         for f in self.index["files"]:
-            file = self.path / f["file"]
+            file = member_path(self.path, f["file"], self.path / INDEX_FILE)
             try:
                 size = file.stat().st_size
             except FileNotFoundError:
@@ -259,14 +283,7 @@ class ExpertStore:
                 prefix = f"e{e:04d}." if self.layout == "per_layer" else ""
                 for t, te in (("w1", entry.w1), ("w2", entry.w2)):
                     h = header.get(prefix + t)
-                    ok = (
-                        isinstance(h, dict)
-                        and DTYPES.get(h.get("dtype")) == te.dtype
-                        and tuple(h.get("shape", ())) == te.shape
-                        and [start + o for o in h.get("data_offsets", ())]
-                        == [te.offset, te.offset + te.nbytes]
-                    )
-                    if not ok:
+                    if not header_matches(h, te, start):
                         raise MoestackError(
                             f"{file}: tensor {prefix + t} (layer {layer}, expert {e}) does not "
                             f"match the index (header {h}); the store is corrupt: rewrite it"
@@ -311,18 +328,45 @@ class ExpertStore:
         return [self.path / f["file"] for f in self.index["files"]]
 
     def _fd(self, name: str) -> int:
+        """The descriptor of store file ``name``, opened once; the first open of each file
+        verifies its checksum (once per file per store: later loads only read)."""
         fd = self._fds.get(name)
-        if fd is None:
-            with self._fd_lock:
-                fd = self._fds.get(name)
-                if fd is None:
-                    try:
-                        fd = os.open(self.path / name, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise MoestackError(
-                            f"expert file {self.path / name} is missing; rewrite the store"
-                        ) from None
+        if fd is not None:
+            return fd
+        with self._fd_lock:
+            lock = self._open_locks.setdefault(name, threading.Lock())
+        with lock:  # per file, so verifying one file does not hold up opening the others
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._open_verified(name)
+                with self._fd_lock:
                     self._fds[name] = fd
+        return fd
+
+    def _open_verified(self, name: str) -> int:
+        """Open ``name`` read-only and, if not yet done, check its bytes against the index's
+        checksum; MoestackError naming the file and the rebuild otherwise."""
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise MoestackError(f"expert file {path} is missing; rewrite the store") from None
+        want = self._unverified.get(name)
+        if want is None:
+            return fd
+        try:
+            got = fd_digest(fd, os.fstat(fd).st_size, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if got != want:
+            os.close(fd)
+            raise MoestackError(
+                f"expert file {path} fails its checksum ({CHECKSUM} {got[:16]}..., the index "
+                f"says {want[:16]}...): its bytes changed on disk; rebuild the store: delete "
+                f"{self.path} and rerun `moestack eval RUN --offload` (or ExpertStore.write)"
+            )
+        self._unverified.pop(name, None)
         return fd
 
     def load(self, layer: int, expert: int, *, pin_memory: bool = False) -> dict[str, torch.Tensor]:
@@ -422,6 +466,8 @@ def open_or_write_store(
 
     ``source`` identifies the weights (e.g. the checkpoint path): a store from another
     checkpoint or model shape is rewritten, so offloaded evaluation never mixes weights.
+    Only a store is rewritten: a ``path`` that is neither missing, empty nor an expert store
+    (a run folder, say) is refused and left untouched (``ExpertStore.write``).
     """
     path = Path(path)
     if (path / INDEX_FILE).is_file():

@@ -1,8 +1,9 @@
 """The expert store's on-disk format: names, dtypes, index entries, safetensors files.
 
-Layout of a store directory (format ``moestack-expert-store``, version 1):
+Layout of a store directory (format ``moestack-expert-store``, version 2):
 
-    index.json                       written last; shapes, dtypes, files, byte offsets, sizes
+    index.json                       written last; shapes, dtypes, files, byte offsets, sizes,
+                                     and each file's BLAKE2b-256 checksum (``files[i].blake2b``)
     layer_000.safetensors            layout="per_layer": tensors ``e0000.w1``, ``e0000.w2``, ...
     layer_000/expert_0000.safetensors  layout="per_expert": tensors ``w1``, ``w2``
 
@@ -11,6 +12,11 @@ one positional read (``os.preadv``) fetches one expert without touching the othe
 and expert ids are 0-based MoE-layer and expert indices. The files are plain safetensors
 (``safetensors.safe_open`` reads them); the index repeats every tensor's absolute byte
 offset so the reader needs no header parsing on the hot path.
+
+Version 2 added the per-file checksum (BLAKE2b with a 32-byte digest, hex, of the whole file)
+so that bytes changed on disk are detected the first time a reader opens the file; version-1
+stores (no checksums) are still read, unverified. The index's structure is checked by
+``moestack.cache.store_schema`` before any field is used.
 
 This module holds what the format is, top to bottom: its constants and dtype names, the
 index entries (``TensorEntry``, ``ExpertEntry``) and their JSON, how a layer's experts are
@@ -22,6 +28,7 @@ extraction of the stacked expert tensors from a model or state dict. ``ExpertSto
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -37,8 +44,10 @@ from moestack.config import ModelConfig
 from moestack.errors import MoestackError
 
 FORMAT = "moestack-expert-store"
-VERSION = 1
+VERSION = 2  # 2: files[i].blake2b checksums
+READ_VERSIONS = (1, 2)  # versions this code reads (1: no checksums, read unverified)
 INDEX_FILE = "index.json"
+CHECKSUM = "blake2b"  # the key of a file's checksum in the index's ``files`` records
 LAYOUTS = ("per_layer", "per_expert")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -49,6 +58,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.moe\.(w1|w2)$")
+_LAYER_FILE = re.compile(r"^layer_\d{3,}\.safetensors$")
+_LAYER_DIR = re.compile(r"^layer_\d{3,}$")
+_EXPERT_FILE = re.compile(r"^expert_\d{4,}\.safetensors$")
+_DIGEST_CHUNK = 1 << 22
 
 
 # ---------------------------------------------------------------------- index entries
@@ -202,6 +215,86 @@ def write_file(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------- checksums
+def digest(data: bytes) -> str:
+    """The checksum recorded for a file whose bytes are ``data`` (BLAKE2b-256, hex)."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+def fd_digest(fd: int, size: int, path: Path) -> str:
+    """The checksum of the first ``size`` bytes of the open file ``fd`` (positional reads,
+    so a descriptor shared with readers is safe); MoestackError if the file ends first."""
+    h = hashlib.blake2b(digest_size=32)
+    done = 0
+    while done < size:
+        chunk = os.pread(fd, min(_DIGEST_CHUNK, size - done), done)
+        if not chunk:
+            raise MoestackError(
+                f"expert file {path} ended early (offset {done}): it is truncated; rebuild the "
+                "store (delete it and rerun `moestack eval RUN --offload`)"
+            )
+        h.update(chunk)
+        done += len(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------- store folders
+def foreign_entry(path: Path) -> str | None:
+    """Why the existing folder ``path`` is not an expert store (None when it is one).
+
+    A store folder holds an ``index.json`` that names the store format and only the store's
+    own files (``layer_LLL.safetensors``, ``layer_LLL/expert_EEEE.safetensors``); only such a
+    folder may be replaced when a store is rebuilt, so a run folder or any other data given
+    as store_dir is never deleted.
+    """
+    try:
+        index = json.loads((path / INDEX_FILE).read_text())
+    except FileNotFoundError:
+        return f"it has no {INDEX_FILE}"
+    except (OSError, ValueError):
+        return f"its {INDEX_FILE} is not readable JSON"
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return f"its {INDEX_FILE} does not say format {FORMAT!r}"
+    for entry in sorted(path.iterdir()):
+        if entry.name == INDEX_FILE and entry.is_file() and not entry.is_symlink():
+            continue
+        if _LAYER_FILE.match(entry.name) and entry.is_file() and not entry.is_symlink():
+            continue
+        if _LAYER_DIR.match(entry.name) and entry.is_dir() and not entry.is_symlink():
+            for sub in sorted(entry.iterdir()):
+                if not (_EXPERT_FILE.match(sub.name) and sub.is_file() and not sub.is_symlink()):
+                    return f"it holds {entry.name}/{sub.name}, which is not a store file"
+            continue
+        return f"it holds {entry.name}, which is not a store file"
+    return None
+
+
+def check_replaceable(path: Path, overwrite: bool) -> None:
+    """Refuse to write a store at ``path`` unless it is missing, an empty folder, or (with
+    ``overwrite``) an expert store: writing replaces the whole folder, so anything else there
+    (a run folder, a checkpoint, the user's data) would be lost."""
+    if not path.exists() and not path.is_symlink():
+        return
+    if not path.is_dir():
+        raise MoestackError(
+            f"store_dir {path} exists and is not a folder; pick an empty folder or an expert "
+            "store folder as store_dir (--store-dir / cache.store_dir)"
+        )
+    if not any(path.iterdir()):
+        return
+    why = foreign_entry(path)
+    if why is not None:
+        raise MoestackError(
+            f"store_dir {path} is not a moestack expert store ({why}); refusing to replace it: "
+            "pick an empty folder or an expert store folder as store_dir (--store-dir / "
+            "cache.store_dir)"
+        )
+    if not overwrite:
+        raise MoestackError(
+            f"{path} already exists; pass overwrite=True or choose another store_dir"
+        )
 
 
 # ---------------------------------------------------------------------- source tensors

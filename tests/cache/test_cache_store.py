@@ -42,7 +42,7 @@ def test_round_trip_matches_model_and_safetensors(tmp_path, layout):
             assert torch.equal(got["w1"], moe.w1[e].detach())
             assert torch.equal(got["w2"], moe.w2[e].detach())
     index = json.loads((tmp_path / "s" / "index.json").read_text())
-    assert index["version"] == 1 and index["layout"] == layout
+    assert index["version"] == 2 and index["layout"] == layout  # 2: files carry checksums
     assert index["model"] == {
         "num_layers": 2,
         "num_experts": 8,
