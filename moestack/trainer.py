@@ -361,7 +361,9 @@ def save(run: Run, step: int) -> None:
     """Checkpoint the run at ``step`` (every rank takes part: the optimizer may be sharded).
 
     Weights or optimizer state with NaN/inf are never saved (a finite loss does not rule
-    them out): the run stops naming the tensor and the last checkpoint, which stays."""
+    them out): the run stops naming the tensor and the last checkpoint, which stays. The
+    routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
+    holds."""
     state = {
         "optimizer": run.optimizer.state_dict(),  # collective for a sharded optimizer
         "scheduler": run.scheduler.state_dict(),
@@ -375,6 +377,8 @@ def save(run: Run, step: int) -> None:
         checkpoint.save_checkpoint(
             run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
         )
+    if run.telemetry is not None:  # the trace on disk covers what the checkpoint covers
+        run.telemetry.flush()
     distributed.barrier(run.dist)
 
 

@@ -122,13 +122,17 @@ def simulate(
         check_policy(policy, "policy")
     layer_ids = list(range(trace.num_layers)) if layers is None else list(layers)
     sizes = _expert_sizes(trace, expert_bytes)
+    if trace.num_tokens == 0:
+        raise _nothing_to_replay(trace, layer_ids)
     stats: list[LayerStats] = []
     hists: list[list[int]] = []
     seconds = 0.0
     tokens = 0
     replayed = 0
+    requested = 0
     for layer in layer_ids:
         requests = trace.accesses(layer)
+        requested += requests.size
         if max_accesses is not None:
             requests = requests[:max_accesses]
         cap = _layer_capacity(capacity, capacity_bytes, sizes[layer], layer)
@@ -160,6 +164,8 @@ def simulate(
         tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
         if reuse:
             hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
+    if requested == 0:
+        raise _nothing_to_replay(trace, layer_ids)
     return _total_stats(
         name,
         stats[0].capacity if stats else int(capacity or 0),
@@ -168,6 +174,19 @@ def simulate(
         tokens,
         seconds,
         replayed,
+    )
+
+
+def _nothing_to_replay(trace: RoutingTrace, layer_ids: list[int]) -> ValueError:
+    """The refusal of a replay that would count nothing (and report a hit rate of 0)."""
+    if trace.num_tokens == 0:
+        return ValueError(
+            f"{trace!r} holds no tokens: nothing to replay; record a trace first (and flush() "
+            "or close() its Telemetry)"
+        )
+    return ValueError(
+        f"{trace!r} has no expert requests in layers {layer_ids} (every token is padding or "
+        "those layers did not run): nothing to replay; pass layers= that ran"
     )
 
 

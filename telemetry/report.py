@@ -175,8 +175,23 @@ def _find_trace(run: Path, trace_dir: str | os.PathLike[str] | None) -> Path | N
     trace_path = Path(trace_dir) if trace_dir is not None else run / "trace"
     if not (trace_path / HEADER_FILE).is_file():
         parts = sorted(p.parent for p in trace_path.glob(f"*/{HEADER_FILE}"))
+        while len(parts) > 1 and _holds_no_tokens(parts[-1]):
+            log.warning("%s holds no tokens (stopped before its first flush); skipped", parts[-1])
+            parts.pop()
         trace_path = parts[-1] if parts else trace_path
     return trace_path if (trace_path / HEADER_FILE).is_file() else None
+
+
+def _holds_no_tokens(trace_path: Path) -> bool:
+    """Whether a trace part's header says it holds no tokens (a bad header: False, so that
+    loading it reports what is wrong)."""
+    from moestack.telemetry.trace import HEADER_FILE
+
+    try:
+        header = json.loads((trace_path / HEADER_FILE).read_text())
+        return isinstance(header, dict) and header.get("num_tokens") == 0
+    except (OSError, ValueError):
+        return False
 
 
 def _trace_plots(

@@ -25,54 +25,67 @@ On disk a trace is a directory (format ``moestack-routing-trace``, version 1)::
                                  "chunks": [{"file": "chunk-000000.safetensors",
                                              "tokens": n}, ...],
                                  "meta": {...}}
-    chunk-000000.safetensors    tensors "seq", "pos", "experts.<l>", "probs.<l>" as above
+    chunk-000000.safetensors    tensors "seq", "pos", "experts.<l>", "probs.<l>" as above;
+                                metadata "format", "version", "expert_ranges" (per layer
+                                [min, max] id, a cheap check at load)
 
-Chunks are written as they fill (``chunk_tokens`` rows) when the trace has a ``path``, and the
-header is rewritten atomically after each chunk, so memory stays bounded on long runs and a
-crash leaves a readable trace of every chunk written. Without a path, ``max_memory_tokens``
-bounds memory by dropping the oldest chunks (``dropped_tokens`` counts them).
+Chunks are written as they fill (``chunk_tokens`` rows) when the trace has a ``path``, and at
+``flush()`` (``Telemetry.flush()`` at every training checkpoint): each chunk is fsynced and
+renamed into place, then the header listing it is rewritten atomically, so memory stays
+bounded on long runs. Without a path, ``max_memory_tokens`` bounds memory by dropping the
+oldest chunks (``dropped_tokens`` counts them).
+
+A folder left by a killed writer (no final ``close()``) loads with exactly the chunks its
+header lists: every row appended before the last ``flush()`` or automatic chunk, nothing
+after it. Leftover ``*.tmp`` files and a chunk file renamed in just before the kill but not yet
+listed are ignored, with a warning naming them. A folder whose writer never wrote a chunk holds
+no tokens, and ``load`` refuses it (so does ``simulate`` an empty trace).
+
+``load`` trusts nothing on disk (``moestack.telemetry.trace_format``): the header must match the
+schema, every chunk file must lie inside the folder, and expert ids must be -1 or below the
+layer's ``num_experts``; each refusal is one ``TraceFormatError`` line naming the file.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moestack.telemetry.trace_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HEADER_FILE,
+    TraceChunk,
+    TraceFormatError,
+    TraceHeader,
+    check_chunk_file,
+    chunk_path,
+    expert_dtype,
+    id_range_problem,
+    read_chunk_file,
+    read_header,
+    stray_files,
+    write_chunk_file,
+    write_header,
+)
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "HEADER_FILE",
+    "RoutingTrace",
+    "TraceChunk",
+    "TraceFormatError",
+    "chunk_accesses",
+    "expert_dtype",
+]
+
 log = logging.getLogger(__name__)
-
-FORMAT_NAME = "moestack-routing-trace"
-FORMAT_VERSION = 1
-HEADER_FILE = "header.json"
-
-
-class TraceFormatError(ValueError):
-    """A trace file is missing, truncated, foreign or inconsistent with its header."""
-
-
-@dataclass
-class TraceChunk:
-    """n token rows of a trace (see the module docstring for the fields)."""
-
-    seq: np.ndarray
-    pos: np.ndarray
-    experts: list[np.ndarray]
-    probs: list[np.ndarray] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.seq.shape[0])
-
-
-def expert_dtype(num_experts: int) -> np.dtype:
-    """int16 ids where they fit, else int32."""
-    return np.dtype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
 
 
 def _concat(parts: list[np.ndarray], empty: np.ndarray) -> np.ndarray:
@@ -103,12 +116,18 @@ class RoutingTrace:
                 f"layer_names ({n}), top_k ({len(top_k)}) and num_experts ({len(num_experts)}) "
                 "must have one entry per MoE layer"
             )
+        if expert_bytes is not None and len(expert_bytes) != n:
+            raise ValueError(
+                f"expert_bytes has {len(expert_bytes)} entries, give one per layer ({n})"
+            )
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
         self.layer_names = [str(x) for x in layer_names]
         self.top_k = [int(x) for x in top_k]
         self.num_experts = [int(x) for x in num_experts]
-        self.expert_bytes = list(expert_bytes) if expert_bytes is not None else [None] * n
+        self.expert_bytes = [
+            int(b) if isinstance(b, np.integer) else b for b in (expert_bytes or [None] * n)
+        ]
         self.record_probs = bool(record_probs)
         self.chunk_tokens = int(chunk_tokens)
         self.max_memory_tokens = max_memory_tokens
@@ -120,6 +139,7 @@ class RoutingTrace:
         self._pending: list[TraceChunk] = []  # rows not yet gathered into a chunk
         self._pending_tokens = 0
         if self.path is not None:
+            self._check_layout()
             self.path.mkdir(parents=True, exist_ok=True)
             if (self.path / HEADER_FILE).exists():
                 raise FileExistsError(
@@ -127,6 +147,18 @@ class RoutingTrace:
                     "choose an empty trace directory"
                 )
             self._write_header()
+
+    def _check_layout(self) -> None:
+        """Refuse what the header schema would refuse, so every trace written loads."""
+        for i, (k, e, b) in enumerate(
+            zip(self.top_k, self.num_experts, self.expert_bytes, strict=True)
+        ):
+            if not 1 <= k <= e:
+                raise ValueError(f"layer {i}: top_k={k} must be in [1, num_experts={e}]")
+            if b is not None and not (isinstance(b, int) and b >= 0):
+                raise ValueError(f"layer {i}: expert_bytes={b!r} must be an int >= 0 or None")
+        if not self.layer_names:
+            raise ValueError("a trace on disk needs at least one MoE layer")
 
     # ------------------------------------------------------------------ recording
     @property
@@ -146,24 +178,30 @@ class RoutingTrace:
         experts: Sequence[np.ndarray],
         probs: Sequence[np.ndarray] | None = None,
     ) -> None:
-        """Add n token rows (arrays are kept, not copied: do not modify them afterwards)."""
+        """Add n token rows (arrays are kept, not copied: do not modify them afterwards).
+
+        Expert ids must be -1 (the layer did not run) or in [0, num_experts): anything else
+        raises ``ValueError`` before a row is kept.
+        """
         n = int(np.shape(seq)[0])
         if len(experts) != self.num_layers:
             raise ValueError(f"got experts for {len(experts)} layers, trace has {self.num_layers}")
-        rows = []
-        for layer, ids in enumerate(experts):
-            ids = np.asarray(ids)
-            if ids.shape != (n, self.top_k[layer]):
-                raise ValueError(
-                    f"layer {layer} experts have shape {ids.shape}, expected "
-                    f"({n}, top_k={self.top_k[layer]})"
-                )
-            rows.append(ids.astype(expert_dtype(self.num_experts[layer]), copy=False))
+        if np.shape(pos) != (n,):
+            raise ValueError(f"pos has shape {np.shape(pos)}, expected ({n},) like seq")
+        rows = [self._checked_ids(layer, np.asarray(ids), n) for layer, ids in enumerate(experts)]
         prob_rows = None
         if self.record_probs:
             if probs is None:
                 raise ValueError("this trace records router probabilities: pass probs=")
             prob_rows = [np.asarray(p, dtype=np.float16) for p in probs]
+            for layer, p in enumerate(prob_rows):
+                if p.shape != (n, self.num_experts[layer]):
+                    raise ValueError(
+                        f"layer {layer} probs have shape {p.shape}, expected "
+                        f"({n}, num_experts={self.num_experts[layer]})"
+                    )
+        if n == 0:
+            return
         chunk = TraceChunk(
             np.asarray(seq, dtype=np.int64), np.asarray(pos, dtype=np.int32), rows, prob_rows
         )
@@ -171,6 +209,23 @@ class RoutingTrace:
         self._pending_tokens += n
         if self._pending_tokens >= self.chunk_tokens:
             self._seal()
+
+    def _checked_ids(self, layer: int, ids: np.ndarray, n: int) -> np.ndarray:
+        """``ids`` [n, k] of ``layer`` in the trace's dtype, refused if not expert ids."""
+        if ids.shape != (n, self.top_k[layer]):
+            raise ValueError(
+                f"layer {layer} experts have shape {ids.shape}, expected "
+                f"({n}, top_k={self.top_k[layer]})"
+            )
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"layer {layer} experts have dtype {ids.dtype}; give integer ids")
+        problem = id_range_problem(ids, self.num_experts[layer])
+        if problem is not None:
+            raise ValueError(
+                f"layer {layer} ({self.layer_names[layer]}) has {problem}; "
+                "give the layer's true num_experts or fix the ids"
+            )
+        return ids.astype(expert_dtype(self.num_experts[layer]), copy=False)
 
     def _gather_pending(self) -> TraceChunk | None:
         if not self._pending:
@@ -209,25 +264,21 @@ class RoutingTrace:
                     )
                 self.dropped_tokens += old.num_tokens
 
-    def flush(self) -> None:
-        """Write (or gather) every pending row now."""
+    def flush(self) -> int:
+        """Write every pending row now; returns the rows on disk (0 without a ``path``).
+
+        With a ``path``: the pending rows become one chunk file (none if nothing is pending),
+        fsynced, then ``header.json`` lists it (atomic rename, fsynced), so the folder loads
+        with every row appended so far even if the process dies right after. Without a
+        ``path``: the pending rows become an in-memory chunk.
+        """
         self._seal()
+        return sum(c["tokens"] for c in self._disk)
 
     def _write_chunk(self, chunk: TraceChunk) -> None:
-        from safetensors.numpy import save_file
-
         assert self.path is not None
         name = f"chunk-{len(self._disk):06d}.safetensors"
-        tensors = {"seq": chunk.seq, "pos": chunk.pos}
-        for layer, ids in enumerate(chunk.experts):
-            tensors[f"experts.{layer}"] = np.ascontiguousarray(ids)
-            if chunk.probs is not None:
-                tensors[f"probs.{layer}"] = np.ascontiguousarray(chunk.probs[layer])
-        tmp = self.path / (name + ".tmp")
-        save_file(
-            tensors, str(tmp), metadata={"format": FORMAT_NAME, "version": str(FORMAT_VERSION)}
-        )
-        os.replace(tmp, self.path / name)
+        write_chunk_file(self.path / name, chunk)
         self._disk.append({"file": name, "tokens": chunk.num_tokens})
         self._write_header()
 
@@ -250,49 +301,13 @@ class RoutingTrace:
 
     def _write_header(self) -> None:
         assert self.path is not None
-        tmp = self.path / (HEADER_FILE + ".tmp")
-        tmp.write_text(json.dumps(self._header(), indent=1))
-        os.replace(tmp, self.path / HEADER_FILE)
+        write_header(self.path, self._header())
 
     # ------------------------------------------------------------------ reading
     def _read_chunk(self, entry: dict[str, Any]) -> TraceChunk:
-        from safetensors import safe_open
-
         assert self.path is not None
-        file = self.path / entry["file"]
-        try:
-            with safe_open(str(file), framework="np") as f:
-                keys = set(f.keys())
-                need = {"seq", "pos"} | {f"experts.{i}" for i in range(self.num_layers)}
-                if self.record_probs:
-                    need |= {f"probs.{i}" for i in range(self.num_layers)}
-                if not need <= keys:
-                    raise TraceFormatError(
-                        f"{file}: missing tensors {sorted(need - keys)}; not a chunk of this trace"
-                    )
-                seq, pos = f.get_tensor("seq"), f.get_tensor("pos")
-                experts = [f.get_tensor(f"experts.{i}") for i in range(self.num_layers)]
-                probs = None
-                if self.record_probs:
-                    probs = [f.get_tensor(f"probs.{i}") for i in range(self.num_layers)]
-        except TraceFormatError:
-            raise
-        except FileNotFoundError as err:
-            raise TraceFormatError(
-                f"{file}: chunk file listed in {HEADER_FILE} is missing"
-            ) from err
-        except Exception as err:  # safetensors raises its own error type for bad files
-            raise TraceFormatError(
-                f"{file}: cannot read routing-trace chunk (truncated or not safetensors): {err}"
-            ) from err
-        n = int(entry["tokens"])
-        shapes_ok = seq.shape == (n,) and pos.shape == (n,)
-        shapes_ok &= all(e.shape == (n, k) for e, k in zip(experts, self.top_k, strict=True))
-        if not shapes_ok:
-            raise TraceFormatError(
-                f"{file}: shapes do not match {HEADER_FILE} ({n} tokens, top_k={self.top_k})"
-            )
-        return TraceChunk(seq, pos, experts, probs)
+        file = chunk_path(self.path, entry["file"], "chunks[].file")
+        return read_chunk_file(file, self, entry["tokens"])
 
     def iter_chunks(self) -> Iterator[TraceChunk]:
         """Every chunk in recording order (disk first, then memory and pending rows)."""
@@ -360,75 +375,61 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> RoutingTrace:
-        """Open a trace directory (or its header.json); chunks are read when used."""
+        """Open a trace directory (or its header.json); chunks are read when used.
+
+        Every chunk the header lists is checked (inside the folder, present, its format, row
+        count and expert-id range); rows are checked again when read. A folder left by a
+        killed writer loads with the chunks its header lists (see ``trace_format``).
+        """
         path = Path(path)
         if path.name == HEADER_FILE and path.is_file():
             path = path.parent
-        header_file = path / HEADER_FILE
-        if not path.is_dir():
+        header = read_header(path)
+        if header.num_tokens == 0:
             raise TraceFormatError(
-                f"{path}: not a routing-trace directory (expected a folder with {HEADER_FILE})"
+                f"{path / HEADER_FILE}: the trace holds no tokens (no chunk was written: the "
+                "recorder stopped before flush() or close()); record a trace with tokens"
             )
-        if not header_file.is_file():
-            raise TraceFormatError(f"{header_file}: missing; {path} is not a routing trace")
-        try:
-            header = json.loads(header_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise TraceFormatError(f"{header_file}: unreadable or truncated JSON: {err}") from err
-        if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
-            raise TraceFormatError(
-                f"{header_file}: not a {FORMAT_NAME} header (format="
-                f"{header.get('format') if isinstance(header, dict) else None!r})"
-            )
-        if header.get("version") != FORMAT_VERSION:
-            raise TraceFormatError(
-                f"{header_file}: format version {header.get('version')!r} is not supported "
-                f"(this moestack reads version {FORMAT_VERSION})"
-            )
-        try:
-            layers = header["layers"]
-            trace = cls.__new__(cls)
-            trace.layer_names = [str(x["name"]) for x in layers]
-            trace.top_k = [int(x["top_k"]) for x in layers]
-            trace.num_experts = [int(x["num_experts"]) for x in layers]
-            trace.expert_bytes = [x.get("expert_bytes") for x in layers]
-            trace.record_probs = bool(header["record_probs"])
-            trace._disk = [
-                {"file": str(c["file"]), "tokens": int(c["tokens"])} for c in header["chunks"]
-            ]
-            trace.meta = dict(header.get("meta", {}))
-            trace.dropped_tokens = int(header.get("dropped_tokens", 0))
-        except (KeyError, TypeError, ValueError) as err:
-            raise TraceFormatError(f"{header_file}: malformed header ({err!r})") from err
+        trace = cls.__new__(cls)
+        trace.layer_names = header.layer_names
+        trace.top_k = header.top_k
+        trace.num_experts = header.num_experts
+        trace.expert_bytes = header.expert_bytes
+        trace.record_probs = header.record_probs
+        trace._disk = header.chunks
+        trace.meta = header.meta
+        trace.dropped_tokens = header.dropped_tokens
         trace.path = path
         trace.chunk_tokens = 1 << 18
         trace.max_memory_tokens = None
         trace._memory, trace._pending, trace._pending_tokens = [], [], 0
-        trace._readonly_check()
+        trace._readonly_check(header)
         return trace
 
-    def _readonly_check(self) -> None:
-        """Open every chunk's header: a truncated or foreign chunk fails at load time."""
-        from safetensors import safe_open
-
+    def _readonly_check(self, header: TraceHeader) -> None:
+        """Check every chunk's file header: a bad entry or chunk fails at load time."""
         assert self.path is not None
-        for entry in self._disk:
-            file = self.path / entry["file"]
+        seen: dict[Path, int] = {}
+        for i, entry in enumerate(self._disk):
+            file = chunk_path(self.path, entry["file"], f"chunks[{i}].file")
+            first = seen.setdefault(file.resolve(), i)
+            if first != i:
+                raise TraceFormatError(
+                    f"{self.path / HEADER_FILE}: chunks[{i}].file={entry['file']!r} is also "
+                    f"chunks[{first}].file: a chunk is listed twice; re-record the trace"
+                )
             if not file.is_file():
                 raise TraceFormatError(f"{file}: chunk file listed in {HEADER_FILE} is missing")
-            try:
-                with safe_open(str(file), framework="np") as f:
-                    meta = f.metadata() or {}
-                    shape = f.get_slice("seq").get_shape()
-            except Exception as err:
-                raise TraceFormatError(
-                    f"{file}: cannot read routing-trace chunk (truncated or not safetensors): {err}"
-                ) from err
-            if meta.get("format") != FORMAT_NAME or list(shape) != [entry["tokens"]]:
-                raise TraceFormatError(
-                    f"{file}: not a chunk of this trace (format={meta.get('format')!r}, "
-                    f"seq shape {list(shape)}, header says {entry['tokens']} tokens)"
-                )
+            check_chunk_file(file, header, entry["tokens"])
+        stray = stray_files(self.path, {e["file"] for e in self._disk})
+        if stray:
+            log.warning(
+                "%s: ignoring %d file(s) the header does not list (left by a writer that "
+                "stopped mid-write): %s",
+                self.path,
+                len(stray),
+                ", ".join(stray[:5]) + (" ..." if len(stray) > 5 else ""),
+            )
 
     @classmethod
     def from_arrays(

@@ -176,3 +176,24 @@ def test_eval_offload_takes_a_byte_budget(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["cache/capacity"] == 3  # 3 experts fit the budget
     assert math.isfinite(result["loss/val"])
+
+
+def test_a_killed_run_keeps_the_trace_of_every_checkpointed_step(tmp_path, monkeypatch):
+    from moestack.config import TelemetryConfig
+    from moestack.data import BatchLoader
+    from moestack.telemetry import RoutingTrace
+
+    original_next = BatchLoader.next
+
+    def crash_at_step_8(self):
+        if self.position == 8:
+            raise KeyboardInterrupt("simulated kill")
+        return original_next(self)
+
+    cfg = dict(steps=10, ckpt_every=5, telemetry=TelemetryConfig(enabled=True))
+    monkeypatch.setattr(BatchLoader, "next", crash_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        train(small_config(**cfg), tmp_path)
+    trace = RoutingTrace.load(tmp_path / "trace" / "from-0000000")
+    tokens_per_step = 4 * 32  # batch_size x seq_len of small_config
+    assert trace.num_tokens == 5 * tokens_per_step  # exactly the 5 checkpointed steps
