@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from moestack.telemetry.trace_format import (
+    CHECKSUM,
     FORMAT_NAME,
     FORMAT_VERSION,
     HEADER_FILE,
@@ -278,8 +279,8 @@ class RoutingTrace:
     def _write_chunk(self, chunk: TraceChunk) -> None:
         assert self.path is not None
         name = f"chunk-{len(self._disk):06d}.safetensors"
-        write_chunk_file(self.path / name, chunk)
-        self._disk.append({"file": name, "tokens": chunk.num_tokens})
+        digest = write_chunk_file(self.path / name, chunk)
+        self._disk.append({"file": name, "tokens": chunk.num_tokens, CHECKSUM: digest})
         self._write_header()
 
     def _header(self) -> dict[str, Any]:
@@ -410,7 +411,8 @@ class RoutingTrace:
         """Check every chunk's file header: a bad entry or chunk fails at load time."""
         assert self.path is not None
         seen: dict[Path, int] = {}
-        for i, entry in enumerate(self._disk):
+        files = []
+        for i, entry in enumerate(self._disk):  # the paths first, then the files they name
             file = chunk_path(self.path, entry["file"], f"chunks[{i}].file")
             first = seen.setdefault(file.resolve(), i)
             if first != i:
@@ -418,9 +420,11 @@ class RoutingTrace:
                     f"{self.path / HEADER_FILE}: chunks[{i}].file={entry['file']!r} is also "
                     f"chunks[{first}].file: a chunk is listed twice; re-record the trace"
                 )
+            files.append(file)
+        for file, entry in zip(files, self._disk, strict=True):
             if not file.is_file():
                 raise TraceFormatError(f"{file}: chunk file listed in {HEADER_FILE} is missing")
-            check_chunk_file(file, header, entry["tokens"])
+            check_chunk_file(file, header, entry["tokens"], entry.get(CHECKSUM))
         stray = stray_files(self.path, {e["file"] for e in self._disk})
         if stray:
             log.warning(

@@ -16,6 +16,7 @@ files the header does not list are ignored by readers (with a warning naming the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ FORMAT_NAME = "moestack-routing-trace"
 FORMAT_VERSION = 1
 HEADER_FILE = "header.json"
 RANGES_KEY = "expert_ranges"  # chunk metadata: JSON [[min, max] or null, ...] per layer
+CHECKSUM = "blake2b"  # chunks[i].blake2b: BLAKE2b-256 (hex) of the chunk file as written
 _REDO = "the trace is damaged or was not written by moestack; re-record it"
 
 
@@ -146,10 +148,27 @@ def _parse_chunks(raw: list, file: Path) -> list[dict[str, Any]]:
         name = _take(
             entry, "file", file, f"chunks[{i}].file", "a file name", lambda v: isinstance(v, str)
         )
-        chunks.append(
-            {"file": name, "tokens": _count(entry, "tokens", file, f"chunks[{i}].tokens")}
-        )
+        parsed = {"file": name, "tokens": _count(entry, "tokens", file, f"chunks[{i}].tokens")}
+        if CHECKSUM in entry:  # written since checksums were added; older chunks have none
+            parsed[CHECKSUM] = _take(entry, CHECKSUM, file, f"chunks[{i}].{CHECKSUM}",
+                                     "64 hex digits", _is_hex_digest)  # fmt: skip
+        chunks.append(parsed)
     return chunks
+
+
+def _is_hex_digest(value: Any) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b-256 (hex) of a file, read in 16 MiB blocks."""
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def parse_header(raw: Any, file: Path) -> TraceHeader:
@@ -271,8 +290,9 @@ def write_header(root: Path, header: dict[str, Any]) -> None:
     _fsync(root, directory=True)
 
 
-def write_chunk_file(file: Path, chunk: TraceChunk) -> None:
-    """Write one chunk (with each layer's id range in its metadata), atomically, fsynced."""
+def write_chunk_file(file: Path, chunk: TraceChunk) -> str:
+    """Write one chunk (with each layer's id range in its metadata), atomically, fsynced;
+    returns its checksum for the header."""
     from safetensors.numpy import save_file
 
     tensors = {"seq": chunk.seq, "pos": chunk.pos}
@@ -286,8 +306,10 @@ def write_chunk_file(file: Path, chunk: TraceChunk) -> None:
     tmp = file.with_name(file.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     _fsync(tmp)
+    digest = file_digest(tmp)
     os.replace(tmp, file)
     _fsync(file.parent, directory=True)  # the chunk is in place before a header lists it
+    return digest
 
 
 def _unreadable(file: Path, err: Exception) -> TraceFormatError:
@@ -312,12 +334,22 @@ def _declared_ranges(file: Path, meta: dict[str, str], layers: int) -> list | No
     return ranges
 
 
-def check_chunk_file(file: Path, header: ChunkLayout, tokens: int) -> None:
-    """Load-time check from the chunk's safetensors header: format, row count, id ranges.
+def check_chunk_file(
+    file: Path, header: ChunkLayout, tokens: int, digest: str | None = None
+) -> None:
+    """Load-time check: the checksum the header lists, then from the chunk's safetensors
+    header its format, row count and id ranges.
 
-    Chunks without recorded id ranges (older writers) have their expert ids read instead.
+    Chunks without recorded id ranges (older writers) have their expert ids read instead;
+    chunks without a checksum (older writers) are not verified.
     """
     from safetensors import safe_open
+
+    if digest is not None and file_digest(file) != digest:
+        raise TraceFormatError(
+            f"{file}: its {CHECKSUM} differs from the one in {HEADER_FILE} (the file changed "
+            "after it was written); re-record the trace"
+        )
 
     try:
         with safe_open(str(file), framework="np") as f:

@@ -117,3 +117,37 @@ def test_flipped_expert_store_bytes_never_load_silently(saved, tmp_path, layout,
         tmp_path, source, name, load, fault_report, f"expert store {layout} {target}"
     )
     assert counts["silent"] == counts["crashed"] == 0, counts
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    from test_train import small_config
+
+    from moestack.telemetry import attach
+
+    torch.manual_seed(0)
+    model = MoETransformer(small_config().model)
+    path = tmp_path_factory.mktemp("trace") / "trace"
+    with attach(model, trace_dir=str(path), max_memory_tokens=0) as tel, torch.no_grad():
+        for _ in range(3):
+            model(torch.randint(0, 256, (2, 32)))
+            tel.flush()  # three chunks
+    return path
+
+
+def load_trace(path: Path) -> object:
+    from moestack.telemetry import RoutingTrace
+
+    trace = RoutingTrace.load(path)
+    return [torch.from_numpy(trace.accesses(layer)) for layer in range(trace.num_layers)]
+
+
+@pytest.mark.parametrize("target", ["header.json", "chunk"])
+def test_flipped_trace_bytes_never_load_silently(trace_dir, tmp_path, target, fault_report):
+    chunks = sorted(p.name for p in trace_dir.glob("chunk-*.safetensors"))
+    name = "header.json" if target == "header.json" else chunks[1]
+    counts = run_flips(tmp_path, trace_dir, name, load_trace, fault_report, f"trace {target}")
+    assert counts["crashed"] == 0, counts
+    # A chunk carries no checksum (traces are measurements, rewritten cheaply): a flip in
+    # the expert ids that stays in range is the one thing that can load; count it.
+    assert counts["silent"] <= FLIPS // 2, counts

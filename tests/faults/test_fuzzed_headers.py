@@ -113,3 +113,22 @@ def test_fuzzed_expert_store_index(tmp_path, layout, fault_report):
     counts = fuzz(tmp_path / "f", source, "index.json", load, fault_report,
                   f"expert store index.json ({layout})")  # fmt: skip
     assert counts["silent"] == counts["crashed"] == 0, counts
+
+
+def test_fuzzed_trace_header(tmp_path, fault_report):
+    from test_flipped_bytes import load_trace
+
+    from moestack.telemetry import attach
+
+    torch.manual_seed(0)
+    from test_train import small_config
+
+    model = MoETransformer(small_config().model)
+    source = tmp_path / "trace"
+    with attach(model, trace_dir=str(source), max_memory_tokens=0) as tel, torch.no_grad():
+        model(torch.randint(0, 256, (2, 32)))
+        tel.flush()
+    counts = fuzz(
+        tmp_path / "f", source, "header.json", load_trace, fault_report, "trace header.json"
+    )
+    assert counts["silent"] == counts["crashed"] == 0, counts
