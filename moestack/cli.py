@@ -142,8 +142,13 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
 def cmd_prereg(args: argparse.Namespace) -> None:
     from moestack import prereg
 
+    if args.action != "lock" and (args.force or args.amend is not None):
+        raise MoestackError(f"--force and --amend belong to `prereg lock`, not `{args.action}`")
     if args.action == "lock":
-        print(f"locked: {prereg.lock(args.file, force=args.force)}")
+        target = prereg.lock(
+            args.file, force=args.force, amend=args.amend, out_dir=args.out or None
+        )
+        print(f"{'amended' if args.amend is not None else 'locked'}: {target}")
     elif args.action == "run":
         runs = prereg.run(args.file, out_dir=args.out or None)
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
@@ -217,7 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a pre-registration YAML, e.g. configs/experiment/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
     p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
-    p.add_argument("--force", action="store_true", help="lock: replace an existing lock")
+    p.add_argument("--force", action="store_true", help="lock: re-lock before any run exists")
+    p.add_argument(
+        "--amend",
+        metavar="REASON",
+        default=None,
+        help="lock: re-lock after runs exist; the reason is kept in the lock and the report",
+    )
     p.set_defaults(func=cmd_prereg)
     return parser
 

@@ -88,7 +88,57 @@ class Block(nn.Module):
         return x_BSD + self.moe(self.moe_norm(x_BSD), segment_ids_BS)
 
 
-class MoETransformer(nn.Module):
+class RoutedLM(nn.Module):
+    """What the training loop needs of any MoE language model (moestack's own, or a
+    transformers model with moestack MoE layers): ``moe_layers``, the router bias update,
+    and one way to turn logits and router state into a ``ModelOutput``."""
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        raise NotImplementedError
+
+    def lm_output(self, logits_BSV: torch.Tensor, targets: torch.Tensor | None) -> ModelOutput:
+        """Logits plus the MoE layers' router losses and metrics from this forward pass;
+        with targets, the cross-entropy and the total loss."""
+        aux_loss = torch.zeros((), device=logits_BSV.device)
+        metrics: dict[str, torch.Tensor] = {}
+        for i, moe in enumerate(self.moe_layers):
+            aux_loss = aux_loss + moe.aux_loss.to(aux_loss.device)
+            metrics.update({f"router/layer{i}/{k}": v for k, v in moe.metrics.items()})
+        out = ModelOutput(logits=logits_BSV, aux_loss=aux_loss, metrics=metrics)
+        if targets is not None:
+            out.ce_loss = F.cross_entropy(
+                logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)
+            )
+            out.loss = out.ce_loss + aux_loss
+        return out
+
+    @torch.no_grad()
+    def update_router_biases(self) -> None:
+        """Apply the aux-loss-free balancing update of every router (after an optimizer step).
+
+        Under torch.distributed the token counts are summed over ranks first, so every
+        replica moves its biases identically (as a single process over the global batch would).
+        """
+        routers = [moe.router for moe in self.moe_layers if moe.router.cfg.bias_update_rate > 0]
+        if not routers:
+            return
+        if dist.is_available() and dist.is_initialized():
+            counts_LE = torch.stack([r.pending_counts for r in routers])
+            dist.all_reduce(counts_LE)
+            for router, counts_E in zip(routers, counts_LE, strict=True):
+                router.pending_counts.copy_(counts_E)
+        for router in routers:
+            router.update_bias()
+
+    @torch.no_grad()
+    def discard_router_counts(self) -> None:
+        """Forget the token counts of a step that was skipped (a NaN/inf loss)."""
+        for moe in self.moe_layers:
+            moe.router.pending_counts.zero_()
+
+
+class MoETransformer(RoutedLM):
     """The language model: ``forward(tokens, targets=None) -> ModelOutput``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -134,20 +184,7 @@ class MoETransformer(nn.Module):
         x_BSD = self.embed(tokens)
         for block in self.layers:
             x_BSD = block(x_BSD, cos_SH, sin_SH, segment_ids_BS)
-        logits_BSV = self.lm_head(self.norm(x_BSD))
-
-        aux_loss = torch.zeros((), device=tokens.device)
-        metrics: dict[str, torch.Tensor] = {}
-        for i, moe in enumerate(self.moe_layers):
-            aux_loss = aux_loss + moe.aux_loss.to(aux_loss.device)
-            metrics.update({f"router/layer{i}/{k}": v for k, v in moe.metrics.items()})
-        out = ModelOutput(logits=logits_BSV, aux_loss=aux_loss, metrics=metrics)
-        if targets is not None:
-            out.ce_loss = F.cross_entropy(
-                logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)
-            )
-            out.loss = out.ce_loss + aux_loss
-        return out
+        return self.lm_output(self.lm_head(self.norm(x_BSD)), targets)
 
     def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Document index of each token: a separator token ends its document."""
@@ -162,27 +199,3 @@ class MoETransformer(nn.Module):
         expert = sum(m.w1.numel() + m.w2.numel() for m in self.moe_layers)
         active_expert = expert * self.cfg.moe.top_k // self.cfg.moe.num_experts
         return {"total": total, "active": total - expert + active_expert}
-
-    @torch.no_grad()
-    def update_router_biases(self) -> None:
-        """Apply the aux-loss-free balancing update of every router (after an optimizer step).
-
-        Under torch.distributed the token counts are summed over ranks first, so every
-        replica moves its biases identically (as a single process over the global batch would).
-        """
-        routers = [moe.router for moe in self.moe_layers if moe.router.cfg.bias_update_rate > 0]
-        if not routers:
-            return
-        if dist.is_available() and dist.is_initialized():
-            counts_LE = torch.stack([r.pending_counts for r in routers])
-            dist.all_reduce(counts_LE)
-            for router, counts_E in zip(routers, counts_LE, strict=True):
-                router.pending_counts.copy_(counts_E)
-        for router in routers:
-            router.update_bias()
-
-    @torch.no_grad()
-    def discard_router_counts(self) -> None:
-        """Forget the token counts of a step that was skipped (a NaN/inf loss)."""
-        for moe in self.moe_layers:
-            moe.router.pending_counts.zero_()

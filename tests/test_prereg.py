@@ -209,6 +209,8 @@ def test_runner_skips_finished_runs_and_resumes_interrupted(tmp_path: Path) -> N
     ckpt = runs / "a-s1" / "checkpoints" / "step_000002"  # interrupted at step 2
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps({"step": 2}))
+    for name in ("baseline-s0", "a-s1"):  # both trained under this lock
+        prereg.write_run_record(runs / name, prereg.verify(path), "started")
 
     calls: list[tuple[str, bool]] = []
     dirs = prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
@@ -248,6 +250,7 @@ def _full(metrics: dict[str, float]) -> dict[str, float]:
 def fake_runs(spec: prereg.Prereg, root: Path, skip: tuple[str, ...] = ()) -> None:
     """Run dirs as a finished study leaves them, with the cached per-run evaluation."""
     key = prereg.analysis_key(spec)
+    lock = prereg.verify(spec.path)
     for item in prereg.plan(spec, root):
         if item.name in skip:
             continue
@@ -256,6 +259,7 @@ def fake_runs(spec: prereg.Prereg, root: Path, skip: tuple[str, ...] = ()) -> No
         (item.run_dir / "summary.json").write_text("{}")
         record = {"analysis_key": key, "step": 3, "metrics": _full(metrics)}
         (item.run_dir / prereg.EVAL_FILE).write_text(json.dumps(record))
+        prereg.write_run_record(item.run_dir, lock, "finished")  # trained under this lock
 
 
 def test_analysis_gives_known_verdicts_and_margins(tmp_path: Path) -> None:

@@ -8,23 +8,28 @@ hypotheses (metric, comparison against the baseline arm, threshold).
 
 Three steps, each a function the ``moestack prereg`` verbs call:
 
-- ``lock(path)`` writes ``<file>.lock.json`` (sha256 of the file, git commit, UTC time)
-  before any run; it refuses to overwrite a lock unless ``force``.
+- ``lock(path)`` writes ``<file>.lock.json`` before any run: the study hash (the file and the
+  config files its runs load), git commit and UTC time, appended to the lock's hash chain. A
+  re-lock needs ``force`` before any run exists and ``amend=REASON`` after (reported).
 - ``run(path, out_dir)`` checks the lock, then trains every arm x seed with
   ``moestack.trainer.train``, each config composed by hydra from configs/ (``compose`` with the
   same overrides ``moestack-train`` takes, one process, one run after another). A run whose
-  directory holds ``summary.json`` is skipped; one with a checkpoint resumes from it.
-- ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock, evaluates each
-  run's final checkpoint (perplexity over the pre-registered validation batches; the routing
-  of the same batches, recorded with telemetry in eval mode, replayed through LRU and
-  static-pin caches) and writes report.md, results.json and two PNGs.
+  directory holds ``summary.json`` is skipped; one with a checkpoint resumes from it. Each
+  run records the study hash it was trained under (``prereg_run.json``).
+- ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock and runs trained
+  under a study hash the lock does not cover, evaluates each run's final checkpoint
+  (perplexity over the pre-registered validation batches; the routing of the same batches,
+  recorded with telemetry in eval mode, replayed through LRU and static-pin caches) and
+  writes report.md, results.json and two PNGs.
 
 Seeds combine by pairing: arm and baseline with the same seed share the initialisation and
 the data order, so each hypothesis's comparison is computed per seed and the seeds give its
 mean and a two-sided t confidence interval.
 
 Layout: ``spec`` (the file format: dataclasses, parsing, validation), ``compose`` (hydra
-composition of a run's config), ``locking`` (lock and verify), ``runner`` (the grid and the
+composition of a run's config), ``hashing`` (the study hash: the file and its config
+files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify),
+``provenance`` (the study hash each run was trained under), ``runner`` (the grid and the
 resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics) and
 ``report`` (markdown, figures, ``analyze``). Everything public is re-exported here.
 """
@@ -42,10 +47,19 @@ from moestack.prereg.analysis import (
     mean_ci,
     t_quantile,
 )
-from moestack.prereg.compose import check_overrides, compose_config
+from moestack.prereg.compose import check_overrides, compose_config, config_choices
+from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
+from moestack.prereg.provenance import RUN_FILE, check_run, read_run_record, write_run_record
 from moestack.prereg.report import analyze, plot_capacity, plot_scatter, render_markdown
-from moestack.prereg.runner import SUMMARY_FILE, default_out_dir, is_finished, plan, run
+from moestack.prereg.runner import (
+    SUMMARY_FILE,
+    check_runs,
+    default_out_dir,
+    is_finished,
+    plan,
+    run,
+)
 from moestack.prereg.spec import (
     CACHE_STATS,
     COMPARISONS,
@@ -73,20 +87,27 @@ __all__ = [
     "OPS",
     "REQUIRES",
     "RESERVED_KEYS",
+    "RUN_FILE",
     "SCALAR_METRICS",
     "SUMMARY_FILE",
     "Analysis",
+    "Fingerprint",
     "Hypothesis",
     "Prereg",
     "RunSpec",
     "analysis_key",
     "analyze",
     "check_overrides",
+    "check_run",
+    "check_runs",
     "collect",
     "compose_config",
+    "config_choices",
+    "config_files",
     "default_out_dir",
     "evaluate_hypotheses",
     "evaluate_run",
+    "fingerprint",
     "is_finished",
     "load",
     "lock",
@@ -96,9 +117,11 @@ __all__ = [
     "plan",
     "plot_capacity",
     "plot_scatter",
+    "read_run_record",
     "render_markdown",
     "run",
     "sha256_file",
     "t_quantile",
     "verify",
+    "write_run_record",
 ]

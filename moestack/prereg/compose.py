@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.prereg.spec import Prereg
 
 
-def compose_config(overrides: Sequence[str]) -> TrainConfig:
-    """The TrainConfig ``moestack-train <overrides>`` would run (hydra compose over configs/)."""
+def _compose(overrides: Sequence[str], *, choices: bool) -> Any:
+    """Compose ``train`` with ``overrides``: the TrainConfig, or (``choices``) the config
+    group options hydra selected (``hydra.runtime.choices``: group -> option or None)."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -21,10 +23,26 @@ def compose_config(overrides: Sequence[str]) -> TrainConfig:
     register_configs()
     try:
         with initialize_config_module(config_module="moestack.configs", version_base="1.3"):
-            cfg = compose(config_name="train", overrides=list(overrides))
+            cfg = compose(
+                config_name="train", overrides=list(overrides), return_hydra_config=choices
+            )
+        if choices:
+            selected = cfg.hydra.runtime.choices
+            return {str(k): None if v is None else str(v) for k, v in selected.items()}
         return OmegaConf.to_object(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as err:
         raise MoestackError(f"overrides {list(overrides)} do not compose: {err}") from None
+
+
+def compose_config(overrides: Sequence[str]) -> TrainConfig:
+    """The TrainConfig ``moestack-train <overrides>`` would run (hydra compose over configs/)."""
+    return _compose(overrides, choices=False)
+
+
+def config_choices(overrides: Sequence[str]) -> dict[str, str | None]:
+    """The config group options (``model: tiny``, ``router: pin``, ...) hydra loads for
+    ``moestack-train <overrides>``: the defaults of train.yaml as the overrides change them."""
+    return _compose(overrides, choices=True)
 
 
 def check_overrides(spec: Prereg) -> None:

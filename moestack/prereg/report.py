@@ -13,7 +13,7 @@ from typing import Any
 
 from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
 from moestack.prereg.locking import verify
-from moestack.prereg.runner import default_out_dir
+from moestack.prereg.runner import check_runs, default_out_dir, plan
 from moestack.prereg.spec import Prereg, load
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ def _provenance(
         f"- Study `{spec.study}`, file `{spec.path.name}`, sha256 `{lock_record['sha256']}`",
         f"- Locked at {lock_record.get('locked_at')} (git commit "
         f"`{lock_record.get('git_commit')}`); the file matches its lock.",
+        *_lock_lines(lock_record, records),
         f"- Runs: {len(done)} of {len(records)} finished and evaluated "
         f"({len(spec.arms)} arms x {len(spec.seeds)} seeds).",
         f"- Evaluation: final checkpoint, {a.eval_batches} validation batches; cache replay "
@@ -97,11 +98,70 @@ def _provenance(
     ]
     if spec.question:
         lines += [f"Question: {spec.question}", ""]
+    lines += _history_lines(lock_record.get("history") or [])
     lines += ["## Runs as registered", "", f"Shared: `{' '.join(spec.base_overrides)}`", ""]
     lines += ["| arm | overrides |", "|---|---|"]
     lines += [f"| {arm} | `{' '.join(ov)}` |" for arm, ov in spec.arms.items()]
     lines += ["", f"Seeds: {', '.join(map(str, spec.seeds))}; baseline: {spec.baseline}.", ""]
     return lines
+
+
+def _lock_lines(lock_record: dict[str, Any], records: Sequence[dict[str, Any]]) -> list[str]:
+    """What the lock covers, and which lock record the finished runs were trained under."""
+    lines = []
+    if lock_record.get("legacy") or "study_sha256" not in lock_record:
+        lines.append(
+            "- Legacy lock: it predates the lock hash chain and the config-group hashing (it "
+            "hashes the study file only; runs trained before the chain recorded no study hash)."
+        )
+    else:
+        configs = lock_record.get("configs") or {}
+        lines.append(
+            f"- Study sha256 `{lock_record['study_sha256']}`: the file and the {len(configs)} "
+            f"config files its runs load ({', '.join(configs)}); the lock's hash chain verifies."
+        )
+    head = (lock_record.get("history") or [{"n": 0}])[-1]["n"]
+    counts: dict[tuple[int, bool], int] = {}
+    for r in records:
+        if r.get("trained_under") is not None:
+            key = (r["trained_under"]["n"], r["trained_under"]["recorded"])
+            counts[key] = counts.get(key, 0) + 1
+    parts = []
+    for (n, recorded), count in sorted(counts.items()):
+        where = "the current lock" if n == head else f"lock record #{n} (amended since)"
+        note = "" if recorded else ", no recorded study hash (legacy)"
+        parts.append(f"{count} under {where}{note}")
+    if parts:
+        lines.append(f"- Trained under: {'; '.join(parts)}.")
+    return lines
+
+
+def _history_lines(history: Sequence[dict[str, Any]]) -> list[str]:
+    """The lock history, oldest first: every lock, re-lock and amendment (time, reason, hashes)."""
+    if not history:
+        return []
+    lines = ["## Lock history", ""]
+    lines += ["| # | locked at | action | reason | study sha256 before | study sha256 after |"]
+    lines += ["|---|---|---|---|---|---|"]
+    before = None
+    for r in history:
+        action = {"lock": "lock", "relock": "re-lock (--force)", "amend": "**amendment**"}
+        what = action[r["action"]] + (" (legacy)" if r["legacy"] else "")
+        reason = r.get("reason") or ("none recorded" if r["n"] else "")
+        lines.append(
+            f"| {r['n']} | {r.get('locked_at') or 'unknown'} | {what} | {reason} | "
+            f"{f'`{before}`' if before else ''} | `{r['study_sha256']}` |"
+        )
+        before = r["study_sha256"]
+    amended = [r for r in history if r["action"] == "amend"]
+    lines += ["", f"Amendments (re-locks with a reason on record): {len(amended)}."]
+    if any(r["legacy"] for r in history):
+        lines.append(
+            "Legacy records predate the hash chain and the config-group hashing: their hash is "
+            "the study file's sha256 alone, verified the old way (against the file), and a "
+            "replaced legacy lock is known only by the hash its successor recorded."
+        )
+    return lines + [""]
 
 
 def _joint_table(h: dict[str, Any]) -> list[str]:
@@ -255,7 +315,8 @@ def analyze(
     *,
     evaluate: bool = True,
 ) -> Path:
-    """Check the lock, evaluate every finished run, write the report; returns report.md.
+    """Check the lock and the study hash every finished run was trained under, evaluate the
+    runs, write the report; returns report.md.
 
     ``out_dir`` is the study directory given to ``run``; the report goes to ``report_dir``
     (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
@@ -264,9 +325,12 @@ def analyze(
     record = verify(path)
     spec = load(path)
     root = Path(out_dir) if out_dir else default_out_dir(spec)
+    trained = check_runs(plan(spec, root), record)  # refuses runs the lock does not cover
     report = Path(report_dir) if report_dir else root / "report"
     report.mkdir(parents=True, exist_ok=True)
     records = collect(spec, root, evaluate=evaluate)
+    for r in records:
+        r["trained_under"] = trained.get(r["run"])
     hypotheses = evaluate_hypotheses(spec, records)
     figures = [
         p.name
@@ -275,7 +339,7 @@ def analyze(
     ]
     results = {
         "study": spec.study,
-        "lock": record,
+        "lock": {k: v for k, v in record.items() if k != "path"},
         "analysis": dataclasses.asdict(spec.analysis),
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hypotheses": hypotheses,

@@ -12,15 +12,18 @@ from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.prereg.compose import compose_config
 from moestack.prereg.locking import verify
+from moestack.prereg.provenance import (
+    SUMMARY_FILE,
+    check_run,
+    default_out_dir,
+    is_finished,
+    write_run_record,
+)
 from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
 
-SUMMARY_FILE = "summary.json"
-
-
-def default_out_dir(spec: Prereg) -> Path:
-    return Path("runs") / "prereg" / spec.study
+__all__ = ["SUMMARY_FILE", "check_runs", "default_out_dir", "is_finished", "plan", "run"]
 
 
 def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
@@ -34,8 +37,10 @@ def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
     ]
 
 
-def is_finished(run_dir: Path) -> bool:
-    return (run_dir / SUMMARY_FILE).is_file()
+def check_runs(runs: list[RunSpec], lock_info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The lock record each finished run was trained under (``provenance.check_run``); raises
+    at the first run the lock does not cover."""
+    return {r.name: check_run(r.run_dir, lock_info) for r in runs if is_finished(r.run_dir)}
 
 
 def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
@@ -55,15 +60,25 @@ def run(
     """Train every run of the locked study that has not finished; returns all run dirs.
 
     A run with ``summary.json`` is skipped; one with a checkpoint resumes from it
-    (``resume=true``, same out_dir). ``train_fn`` replaces ``moestack.trainer.train``.
+    (``resume=true``, same out_dir). Each run records the study hash it is trained under
+    (``prereg_run.json``); a finished run the lock does not cover, or an interrupted one
+    started under another study hash, is refused before anything trains.
+    ``train_fn`` replaces ``moestack.trainer.train``.
     """
     from moestack import checkpoint
 
-    verify(path)
+    info = verify(path)
     spec = load(path)
     runs = plan(spec, out_dir)
     train_fn = train_fn or _train
+    check_runs(runs, info)
     todo = [r for r in runs if not is_finished(r.run_dir)]
+    resume = {
+        r.name: checkpoint.latest_checkpoint(r.run_dir / "checkpoints") is not None for r in todo
+    }
+    for item in todo:
+        if resume[item.name]:
+            check_run(item.run_dir, info, resume=True)
     log.info(
         "study %s: %d runs, %d finished, %d to train", spec.study, len(runs), len(runs) - len(todo),
         len(todo),
@@ -75,24 +90,32 @@ def run(
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=spec.study, unit="run")
     try:
         for item in todo:
-            resume = checkpoint.latest_checkpoint(item.run_dir / "checkpoints") is not None
-            overrides = [
-                *item.overrides,
-                f"out_dir={item.run_dir}",
-                f"resume={str(resume).lower()}",
-            ]
-            cfg = compose_config(overrides)
-            item.run_dir.mkdir(parents=True, exist_ok=True)
-            (item.run_dir / "prereg_overrides.json").write_text(json.dumps(overrides, indent=2))
-            log.info("%s: %s %s", item.name, "resuming" if resume else "training", item.run_dir)
-            if bar is not None:
-                bar.set_postfix_str(item.name)
-            train_fn(cfg, item.run_dir)
-            if not is_finished(item.run_dir):
-                raise MoestackError(f"{item.name}: training ended without {SUMMARY_FILE}")
-            if bar is not None:
-                bar.update(1)
+            _train_one(item, resume[item.name], info, train_fn, bar)
     finally:
         if bar is not None:
             bar.close()
     return [r.run_dir for r in runs]
+
+
+def _train_one(
+    item: RunSpec,
+    resume: bool,
+    info: dict[str, Any],
+    train_fn: Callable[[TrainConfig, Path], dict[str, Any]],
+    bar: Any,
+) -> None:
+    """Train (or resume) one run, recording the study hash before and after."""
+    overrides = [*item.overrides, f"out_dir={item.run_dir}", f"resume={str(resume).lower()}"]
+    cfg = compose_config(overrides)
+    item.run_dir.mkdir(parents=True, exist_ok=True)
+    (item.run_dir / "prereg_overrides.json").write_text(json.dumps(overrides, indent=2))
+    write_run_record(item.run_dir, info, "started")
+    log.info("%s: %s %s", item.name, "resuming" if resume else "training", item.run_dir)
+    if bar is not None:
+        bar.set_postfix_str(item.name)
+    train_fn(cfg, item.run_dir)
+    if not is_finished(item.run_dir):
+        raise MoestackError(f"{item.name}: training ended without {SUMMARY_FILE}")
+    write_run_record(item.run_dir, info, "finished")
+    if bar is not None:
+        bar.update(1)

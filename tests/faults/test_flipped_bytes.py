@@ -151,3 +151,30 @@ def test_flipped_trace_bytes_never_load_silently(trace_dir, tmp_path, target, fa
     # A chunk carries no checksum (traces are measurements, rewritten cheaply): a flip in
     # the expert ids that stays in range is the one thing that can load; count it.
     assert counts["silent"] <= FLIPS // 2, counts
+
+
+@pytest.fixture(scope="module")
+def locked_study(tmp_path_factory):
+    from test_prereg import study, write
+
+    from moestack import prereg
+
+    root = tmp_path_factory.mktemp("study")
+    path = write(root, study())
+    prereg.lock(path)
+    prereg.lock(path, amend="a changed threshold, for the chain to have two records")
+    return path
+
+
+def verify_lock(folder: Path) -> object:
+    from moestack import prereg
+
+    record = prereg.verify(next(folder.glob("*.yaml")))
+    return {k: record[k] for k in ("sha256", "study_sha256", "head", "history")}
+
+
+def test_flipped_prereg_lock_bytes_never_verify_silently(locked_study, tmp_path, fault_report):
+    folder = locked_study.parent
+    lock = next(folder.glob("*.lock.json")).name
+    counts = run_flips(tmp_path, folder, lock, verify_lock, fault_report, "prereg lock")
+    assert counts["silent"] == counts["crashed"] == 0, counts

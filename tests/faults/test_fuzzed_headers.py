@@ -132,3 +132,19 @@ def test_fuzzed_trace_header(tmp_path, fault_report):
         tmp_path / "f", source, "header.json", load_trace, fault_report, "trace header.json"
     )
     assert counts["silent"] == counts["crashed"] == 0, counts
+
+
+def test_fuzzed_prereg_lock(tmp_path, fault_report):
+    from test_flipped_bytes import verify_lock
+    from test_prereg import study, write
+
+    from moestack import prereg
+
+    folder = tmp_path / "study"
+    folder.mkdir()
+    path = write(folder, study())
+    prereg.lock(path)
+    prereg.lock(path, amend="a second record in the chain")
+    lock = next(folder.glob("*.lock.json")).name
+    counts = fuzz(tmp_path / "f", folder, lock, verify_lock, fault_report, "prereg lock")
+    assert counts["silent"] == counts["crashed"] == 0, counts

@@ -1,0 +1,76 @@
+"""What a study's hash covers: the study file and every packaged config file its runs load.
+
+A run of the study is ``moestack-train <overrides>``, and hydra builds its config from
+``configs/train.yaml`` and one file per config group (``model/tiny.yaml``,
+``router/pin.yaml``, ``telemetry/off.yaml``, ...): the defaults of train.yaml as the study's
+overrides change them. Editing one of those files changes what every run trains, so the study
+hash (``study_sha256``) is the sha256 of the study file's hash together with the hash of each
+of those files, for every arm. The Python defaults in ``moestack/config.py`` are code and are
+pinned by the git commit in the lock, not by this hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import moestack.configs
+from moestack.errors import MoestackError
+from moestack.prereg.compose import config_choices
+from moestack.prereg.spec import Prereg
+
+CONFIG_ROOT = Path(moestack.configs.__file__).resolve().parent  # the packaged configs/
+TRAIN_FILE = "train.yaml"
+
+
+def sha256_file(path: Path | str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def digest(value: Any) -> str:
+    """sha256 of ``value`` as canonical JSON (sorted keys, no spaces): the same on every machine."""
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def config_files(spec: Prereg, root: Path | str | None = None) -> dict[str, Path]:
+    """The config files (relative to ``root``, default the packaged configs/) that hydra loads
+    for any run of the study: train.yaml and the selected option of every config group."""
+    root = Path(root) if root is not None else CONFIG_ROOT
+    files = {TRAIN_FILE: root / TRAIN_FILE}
+    for arm in spec.arms:
+        for group, option in config_choices(spec.overrides(arm, spec.seeds[0])).items():
+            if option is None or not (root / group).is_dir():  # hydra's own groups, removed ones
+                continue
+            files[f"{group}/{option}.yaml"] = root / group / f"{option}.yaml"
+    missing = sorted(rel for rel, file in files.items() if not file.is_file())
+    if missing:
+        raise MoestackError(
+            f"{root}: config files {missing} that the study {spec.study} loads are missing; "
+            "restore them (git checkout -- configs/)"
+        )
+    return dict(sorted(files.items()))
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The hashes a lock records and a run is checked against."""
+
+    sha256: str  # the study file alone (what a legacy lock records)
+    configs: dict[str, str]  # config file, relative to configs/ -> its sha256
+    study_sha256: str  # digest of both: the study hash
+
+    def changed_configs(self, locked: dict[str, str]) -> list[str]:
+        """The config files whose hash differs from ``locked`` (added or removed included)."""
+        names = sorted(set(locked) | set(self.configs))
+        return [name for name in names if locked.get(name) != self.configs.get(name)]
+
+
+def fingerprint(spec: Prereg, root: Path | str | None = None) -> Fingerprint:
+    """The study hash of ``spec`` (its file and its config files under ``root``)."""
+    configs = {rel: sha256_file(file) for rel, file in config_files(spec, root).items()}
+    spec_sha = sha256_file(spec.path)
+    return Fingerprint(spec_sha, configs, digest({"spec": spec_sha, "configs": configs}))
