@@ -5,7 +5,8 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000200/``:
     model.safetensors   model weights (shared tensors such as tied embeddings stored once)
     train_state.pt      optimizer, scheduler, RNG and data-loader state (plain tensors and
                         numbers only, loaded with ``torch.load(weights_only=True)``)
-    meta.json           step, model config, size and sha256 of each file (written last)
+    meta.json           format, version, step, model config, size and sha256 of each file,
+                        and a digest of its own fields (written last)
 
 A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
 renamed into place, so a crash never leaves a half-written checkpoint that looks complete;
@@ -44,7 +45,10 @@ META_FILE = "meta.json"
 PREFIX = "step_"
 TRASH_PREFIX = ".trash-"
 SELF_DIGEST = "meta_sha256"  # meta.json's digest of its own other fields
-_META_KEYS = ("step", "model", "sizes", "sha256", SELF_DIGEST)
+FORMAT = "moestack-checkpoint"
+# meta.json versions: 1 (no format/version keys, no digests), 2 (file and self digests).
+VERSION = 2
+_META_KEYS = ("format", "version", "step", "model", "sizes", "sha256", SELF_DIGEST)
 _FILES = (MODEL_FILE, STATE_FILE)
 
 
@@ -87,6 +91,8 @@ def save_checkpoint(
         safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
         meta = {
+            "format": FORMAT,
+            "version": VERSION,
             "step": step,
             "model": dataclasses.asdict(model_cfg),
             "sizes": {name: (tmp / name).stat().st_size for name in _FILES},
@@ -195,6 +201,9 @@ def _check_meta(meta: Any, meta_path: Path) -> None:
     unknown = sorted(set(meta) - set(_META_KEYS))
     if unknown:
         raise bad(f"key {unknown[0]!r}", f"is not one of {_META_KEYS}")
+    if meta.get("format", FORMAT) != FORMAT or meta.get("version", 1) not in (1, VERSION):
+        raise bad("format/version", f"is {meta.get('format')!r}/{meta.get('version')!r}, not "
+                  f"{FORMAT!r} 1..{VERSION} (a newer moestack wrote it, or another tool)")  # fmt: skip
     if SELF_DIGEST in meta and meta[SELF_DIGEST] != _meta_digest(meta):
         raise bad(SELF_DIGEST, "does not match the other fields (changed after writing)")
     step = meta.get("step")
