@@ -45,13 +45,18 @@ class RouterConfig:
     pin: float = 0.0  # weight of the pin-affinity locality loss (0 = off)
     pin_experts: int = 2  # how many experts per layer form the pinned set (experts 0..n-1)
     pin_share: float = 0.5  # target share of routing mass on the pinned set
+    # weight of the anchor loss: KL from the routing of the router as it was when the model
+    # was loaded (a pretrained model's) to the current one, per token (0 = off)
+    anchor: float = 0.0
 
     def __post_init__(self) -> None:
         _check(
             self.score in ROUTER_SCORES,
             f"router.score={self.score!r} is unknown; use one of {ROUTER_SCORES}",
         )
-        for name in ("load_balance", "z_loss", "bias_update_rate", "temporal", "window", "pin"):
+        for name in (
+            "load_balance", "z_loss", "bias_update_rate", "temporal", "window", "pin", "anchor"
+        ):  # fmt: skip
             value = getattr(self, name)
             _check(value >= 0, f"router.{name}={value} must be >= 0 (0 turns it off)")
         _check(self.window_size >= 2, f"router.window_size={self.window_size} must be >= 2")
@@ -272,6 +277,9 @@ class TrainConfig:
     wandb_project: str = "moestack"  # wandb project; offline unless WANDB_MODE says otherwise
     wandb_mode: str = ""  # "" = WANDB_MODE or offline; "disabled" turns wandb off
     progress: bool = True  # show a progress bar
+    # which weights train: "all", "routers" (the MoE routers only) or "routers+experts" (and
+    # the routed experts); frozen weights get no gradients and no optimizer state
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         self.model = _coerce(self.model, ModelConfig)
@@ -288,6 +296,10 @@ class TrainConfig:
             value = getattr(self, name)
             _check(value >= 0, f"{name}={value} must be >= 0")
         _check(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
+        _check(
+            self.trainable in ("all", "routers", "routers+experts"),
+            f"trainable={self.trainable!r} is unknown; use all, routers or routers+experts",
+        )
         _check(
             self.device in ("auto", "cpu", "cuda"),
             f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'",

@@ -88,6 +88,9 @@ class Block(nn.Module):
         return x_BSD + self.moe(self.moe_norm(x_BSD), segment_ids_BS)
 
 
+TRAINABLE = ("all", "routers", "routers+experts")  # what set_trainable may keep training
+
+
 class RoutedLM(nn.Module):
     """What the training loop needs of any MoE language model (moestack's own, or a
     transformers model with moestack MoE layers): ``moe_layers``, the router bias update,
@@ -130,6 +133,23 @@ class RoutedLM(nn.Module):
                 router.pending_counts.copy_(counts_E)
         for router in routers:
             router.update_bias()
+
+    def set_trainable(self, which: str) -> int:
+        """Freeze all weights but ``which`` ("all", "routers": the MoE routers, or
+        "routers+experts": also the routed experts' w1/w2); returns how many parameters
+        train. Frozen weights get no gradient, hence no gradient buffer and no optimizer
+        state."""
+        if which not in TRAINABLE:
+            raise ValueError(f"trainable={which!r} is unknown; use one of {TRAINABLE}")
+        keep = {id(p) for p in self.parameters()} if which == "all" else set()
+        for moe in self.moe_layers:
+            if which != "all":
+                keep.add(id(moe.router.weight))
+            if which == "routers+experts":
+                keep.update((id(moe.w1), id(moe.w2)))
+        for p in self.parameters():
+            p.requires_grad_(id(p) in keep)
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     @torch.no_grad()
     def discard_router_counts(self) -> None:

@@ -191,8 +191,9 @@ class MoE(nn.Module):
         y_TD = self.experts(x_TD, routing)
         losses = {}
         if self.training:
+            reference = self.router.anchor_scores(x_TD) if self.router_cfg.anchor > 0 else None
             losses = router_losses.aux_loss(
-                routing, lead_shape, self.router_cfg, segment_ids=segment_ids
+                routing, lead_shape, self.router_cfg, segment_ids, reference
             )
         self.aux_loss = sum(losses.values(), x.new_zeros((), dtype=torch.float32))
         metrics = Router.metrics(routing, self.cfg.num_experts)

@@ -42,6 +42,8 @@ class Router(nn.Module):
         # Tokens per expert seen since the last bias update (training only).
         self.register_buffer("pending_counts", torch.zeros(num_experts), persistent=False)
         nn.init.normal_(self.weight, std=0.02)
+        if cfg.anchor > 0:  # the reference router of the anchor loss: frozen, checkpointed
+            self.register_buffer("anchor_weight", self.weight.detach().clone(), persistent=True)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         logits_TE, scores_TE = self.score(x_TD)
@@ -54,9 +56,12 @@ class Router(nn.Module):
     def score(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits [T, E], scores [T, E])`` in float32: softmax or sigmoid of the logits."""
         logits_TE = F.linear(x_TD.float(), self.weight.float())
+        return logits_TE, self._activate(logits_TE)
+
+    def _activate(self, logits_TE: torch.Tensor) -> torch.Tensor:
         if self.cfg.score == "softmax":
-            return logits_TE, torch.softmax(logits_TE, dim=-1)
-        return logits_TE, torch.sigmoid(logits_TE)
+            return torch.softmax(logits_TE, dim=-1)
+        return torch.sigmoid(logits_TE)
 
     def select(
         self, scores_TE: torch.Tensor, extra_bias_TE: torch.Tensor | None = None
@@ -78,6 +83,17 @@ class Router(nn.Module):
         if self.cfg.renormalize:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
         return weights_TK, experts_TK
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        """Take the current weights as the anchor loss's reference (after loading a model)."""
+        if hasattr(self, "anchor_weight"):
+            self.anchor_weight.copy_(self.weight)
+
+    @torch.no_grad()
+    def anchor_scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """Scores ``[T, E]`` of the reference router (``anchor_weight``) for the anchor loss."""
+        return self._activate(F.linear(x_TD.float(), self.anchor_weight.float()))
 
     @torch.no_grad()
     def update_bias(self) -> None:

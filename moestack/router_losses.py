@@ -12,7 +12,9 @@ Two families:
 - locality, which shapes routing for an expert cache (LRU or static-pin):
   ``temporal_consistency`` (token t prefers the experts token t-1 used),
   ``window_concentration`` (a window of W tokens uses few experts: a small working set) and
-  ``pin_affinity`` (a pinned set of experts receives a target share of the routing mass).
+  ``pin_affinity`` (a pinned set of experts receives a target share of the routing mass);
+- ``anchor_kl``: the KL divergence from a reference routing (the frozen router of a
+  pretrained model) to the current one, so locality is bought near what the model did.
 
 Locality losses never give credit across sequences (rows of ``shape``) or documents
 (``segment_ids``, shaped like ``shape``: the document index of each token in a packed
@@ -208,18 +210,48 @@ def pin_affinity(
     return (share - pin_share).square()
 
 
+def anchor_kl(
+    routing: Routing, shape: Sequence[int], reference_scores: torch.Tensor
+) -> torch.Tensor:
+    """Mean over tokens of KL(q_t || p_t): q the reference router's distribution over experts
+    (``reference_scores [T, E]``, normalised like ``p``; no gradient), p the current one.
+
+    0 when the router routes as the reference does; in nats. The whole distribution is
+    compared, not only the top k, so the router cannot drift below the selection boundary.
+    """
+    _rows(routing, shape, None)
+    probs_TE = _probs(routing)
+    if reference_scores.shape != probs_TE.shape:
+        raise ValueError(
+            f"reference_scores has shape {tuple(reference_scores.shape)}, the routing "
+            f"{tuple(probs_TE.shape)}; pass the reference router's scores for the same tokens"
+        )
+    if probs_TE.shape[0] == 0:
+        return probs_TE.sum() * 0.0
+    ref_TE = reference_scores.detach().to(probs_TE.dtype)
+    ref_TE = ref_TE / ref_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+    kl_T = (ref_TE * (ref_TE.clamp_min(1e-30).log() - probs_TE.clamp_min(1e-30).log())).sum(-1)
+    return kl_T.mean()
+
+
 def aux_loss(
     routing: Routing,
     shape: Sequence[int],
     cfg: RouterConfig,
     segment_ids: torch.Tensor | None = None,
+    reference_scores: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every enabled loss by name (weight > 0), already multiplied by its weight from ``cfg``.
 
     ``segment_ids`` (shaped like ``shape``) gives each token's document in a packed batch;
-    locality losses give no credit across a document boundary.
+    locality losses give no credit across a document boundary. ``reference_scores`` are the
+    reference router's scores for the anchor loss (needed when ``cfg.anchor > 0``).
     """
     losses: dict[str, torch.Tensor] = {}
+    if cfg.anchor > 0:
+        if reference_scores is None:
+            raise ValueError("router.anchor > 0 needs the reference router's scores")
+        losses["anchor"] = cfg.anchor * anchor_kl(routing, shape, reference_scores)
     if cfg.load_balance > 0:
         losses["load_balance"] = cfg.load_balance * load_balance(routing, shape)
     if cfg.z_loss > 0:

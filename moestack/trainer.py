@@ -295,6 +295,10 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
+    if cfg.trainable != "all":
+        trained = model.set_trainable(cfg.trainable)
+        log.info("trainable=%s: %.2fM parameters train, the rest is frozen", cfg.trainable,
+                 trained / 1e6)  # fmt: skip
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
