@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,8 +58,8 @@ BINARY_PROBE = 8192  # bytes of a suffix-less file inspected for binary content
 class Corpus:
     """Packed byte tokens of the two splits and how many documents each holds."""
 
-    train: np.ndarray  # uint8 [N_train]
-    val: np.ndarray  # uint8 [N_val]
+    train: np.ndarray  # uint8 [N_train] bytes, or int32 token ids with a tokenizer
+    val: np.ndarray  # uint8 [N_val], or int32
     train_docs: int  # documents (chunks, when chunked) in train: its separator count
     val_docs: int
     name: str
@@ -304,8 +304,31 @@ def _split_chunks(
     return packer
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read the configured documents and pack each split into one byte array."""
+@dataclass(frozen=True)
+class Tokenizer:
+    """A model's own tokenizer, as the corpus needs it (byte tokens when there is none)."""
+
+    encode: Callable[[list[str]], list[list[int]]]  # texts -> token ids, no special tokens
+    separator: int  # the token that ends a document (the model's EOS)
+
+
+def _pack(documents: list[bytes], tokenizer: Tokenizer | None) -> np.ndarray:
+    """One split as one token array, each document followed by the separator: bytes
+    (uint8, separator 0) by default, the tokenizer's ids (int32) when one is given."""
+    if tokenizer is None:
+        sep = bytes([SEPARATOR])
+        return np.frombuffer(bytearray(sep.join(documents) + sep), dtype=np.uint8)
+    pieces = []
+    for start in range(0, len(documents), 256):  # batches keep the id lists small
+        texts = [d.decode("utf-8", "replace") for d in documents[start : start + 256]]
+        for ids in tokenizer.encode(texts):
+            pieces.append(np.asarray([*ids, tokenizer.separator], dtype=np.int32))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
+    """Read the configured documents and pack each split into one token array: bytes by
+    default, or ``tokenizer``'s ids with its separator between documents."""
     if cfg.source == "stdlib":
         documents, name = _stdlib_documents(), f"stdlib:{stdlib_root()}"
     elif cfg.source == "files":
@@ -320,13 +343,12 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         empty = "training" if packer.parts["val"] else "validation"
         packer = _split_chunks(pending, cfg, name, empty)
     parts = packer.parts
-    sep = bytes([SEPARATOR])
-    train = np.frombuffer(bytearray(sep.join(parts["train"]) + sep), dtype=np.uint8)
-    val = np.frombuffer(bytearray(sep.join(parts["val"]) + sep), dtype=np.uint8)
+    train, val = _pack(parts["train"], tokenizer), _pack(parts["val"], tokenizer)
+    unit = "bytes" if tokenizer is None else "tokens"
     for split, tokens in (("training", train), ("validation", val)):
         if len(tokens) < cfg.seq_len + 1:
             raise MoestackError(
-                f"data: the {split} split of {name} has {len(tokens)} bytes, fewer than "
+                f"data: the {split} split of {name} has {len(tokens)} {unit}, fewer than "
                 f"data.seq_len+1={cfg.seq_len + 1}; add text or shorten data.seq_len"
             )
     log.info(

@@ -273,3 +273,22 @@ def test_folder_corpus_matches_the_original_implementation(tmp_path):
     corpus = load_corpus(cfg)
     assert np.array_equal(corpus.train, original.train)
     assert np.array_equal(corpus.val, original.val)
+
+
+def test_a_tokenizer_packs_ids_with_its_separator(tmp_path):
+    from moestack.data import Tokenizer
+
+    (tmp_path / "a.txt").write_text("hello world " * 40)
+    (tmp_path / "b.txt").write_text("héllo again " * 40)
+    vocab: dict[str, int] = {}
+
+    def encode(texts):  # a word-level tokenizer, ids in order of first sight
+        return [[vocab.setdefault(w, len(vocab) + 1) for w in t.split()] for t in texts]
+
+    cfg = DataConfig(source="files", paths=[str(tmp_path)], seq_len=8, val_fraction=0.5)
+    corpus = load_corpus(cfg, Tokenizer(encode, separator=0))
+    assert corpus.train.dtype == np.int32 and corpus.val.dtype == np.int32
+    both = np.concatenate([corpus.train, corpus.val])
+    assert sorted(np.flatnonzero(both == 0) + 1)[-1] == len(both)  # each doc ends with 0
+    assert (both == 0).sum() == 2 and len(both) == 2 * 80 + 2
+    assert set(both.tolist()) == {0, vocab["hello"], vocab["world"], vocab["héllo"], vocab["again"]}
