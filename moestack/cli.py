@@ -32,14 +32,14 @@ log = logging.getLogger("moestack")
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
-    from moestack.data import eval_batches, load_corpus
+    from moestack.data import eval_batches
     from moestack.evaluation import evaluate, resolve_device
-    from moestack.runs import load_run
+    from moestack.runs import load_run, run_corpus
 
     run = load_run(args.run_dir, args.checkpoint)
     cfg = run.cfg
     device = resolve_device(args.device or cfg.device)
-    corpus = load_corpus(cfg.data)
+    corpus = run_corpus(cfg)
     batches = eval_batches(
         corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
     )

@@ -101,8 +101,17 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of every weight matrix
     tie_embeddings: bool = True  # share the token embedding with the output projection
     doc_separator: int = 0  # token that ends a document in packed sequences (-1 = none)
+    # a local transformers MoE model folder (config.json, safetensors, tokenizer); "" =
+    # moestack's own model. When set, its config.json fills the fields above (moe.impl and
+    # the router stay yours), and the model loads with transformers, MoE blocks patched.
+    path: str = ""
 
     def __post_init__(self) -> None:
+        self.moe = _coerce(self.moe, MoEConfig)
+        self.router = _coerce(self.router, RouterConfig)
+        if self.path:
+            self._fill_from_transformers()
+            return
         _check(self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2")
         _check(self.d_model >= 1, f"model.d_model={self.d_model} must be >= 1")
         _check(self.n_layers >= 1, f"model.n_layers={self.n_layers} must be >= 1")
@@ -127,8 +136,31 @@ class ModelConfig:
             f"model.doc_separator={self.doc_separator} is outside the vocabulary "
             f"[0, {self.vocab_size}); use a token id, or -1 for none",
         )
-        self.moe = _coerce(self.moe, MoEConfig)
-        self.router = _coerce(self.router, RouterConfig)
+
+    def _fill_from_transformers(self) -> None:
+        """The architecture fields from ``path/config.json`` (read as JSON: no weights)."""
+        from moestack.interop.hf_config import model_config_kwargs, read_hf_config
+
+        for key, value in model_config_kwargs(read_hf_config(self.path)).items():
+            if key == "moe":
+                value = MoEConfig(**value, impl=self.moe.impl)
+            setattr(self, key, value)
+
+    def build(self) -> Any:
+        """The model this config describes (a ``moestack.model.RoutedLM``): moestack's
+        ``MoETransformer``, or the transformers model at ``path`` with moestack MoE layers.
+        Routers with an anchor loss take the built weights as their reference."""
+        if self.path:
+            from moestack.interop.hf_model import load_hf_moe
+
+            model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router)
+        else:
+            from moestack.model import MoETransformer
+
+            model = MoETransformer(self)
+        for moe in model.moe_layers:
+            moe.router.reset_anchor()
+        return model
 
 
 @dataclass

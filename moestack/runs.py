@@ -21,10 +21,11 @@ from omegaconf import OmegaConf
 
 from moestack import checkpoint, distributed
 from moestack.config import TrainConfig
+from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
 from moestack.metrics import jsonable
-from moestack.model import MoETransformer
+from moestack.model import RoutedLM
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,22 @@ class LoadedRun:
 
     run_dir: Path
     cfg: TrainConfig  # the resolved config the run wrote (config.yaml)
-    model: MoETransformer  # on the CPU unless load_run was given a device
+    model: RoutedLM  # on the CPU unless load_run was given a device
     checkpoint: Path  # the checkpoint folder whose weights the model holds
     step: int  # the optimizer step that checkpoint was written at
+
+
+def run_corpus(cfg: TrainConfig) -> Corpus:
+    """The run's corpus as its model reads text: bytes for moestack's models, the
+    transformers model's own tokenizer (EOS between documents) for ``model.path``."""
+    tokenizer = None
+    if cfg.model.path:
+        from moestack.interop.hf_tokenizer import hf_tokenizer
+
+        tokenizer = hf_tokenizer(cfg.model.path, cfg.model.doc_separator)
+    elif cfg.model.vocab_size < 256:
+        raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
+    return load_corpus(cfg.data, tokenizer)
 
 
 def load_run_config(run_dir: Path | str) -> TrainConfig:
@@ -82,7 +96,7 @@ def load_run(
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
-    model = MoETransformer(cfg.model)
+    model = cfg.model.build()
     meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     if device is not None:
         model.to(resolve_device(cfg.device if device == "auto" else str(device)))

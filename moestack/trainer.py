@@ -24,14 +24,14 @@ from torch import nn
 
 from moestack import checkpoint, distributed
 from moestack.config import TrainConfig
-from moestack.data import BatchLoader, eval_batches, load_corpus
+from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
 from moestack.metrics import MetricsWriter
-from moestack.model import MoETransformer
+from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
-from moestack.runs import prepare_out_dir, write_json
+from moestack.runs import prepare_out_dir, run_corpus, write_json
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Run:
     out_dir: Path
     dist: distributed.DistInfo
     device: torch.device
-    model: MoETransformer
+    model: RoutedLM
     forward_model: nn.Module  # the model, or its DDP wrapper
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -286,12 +286,10 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
             f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"
         )
     resume_from = prepare_out_dir(cfg, out_dir, dist_info)
-    corpus = load_corpus(cfg.data)
-    if cfg.model.vocab_size < 256:
-        raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
+    corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)
     torch.manual_seed(cfg.seed)
-    model = MoETransformer(cfg.model).to(device)
+    model = cfg.model.build().to(device)
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
@@ -417,7 +415,7 @@ def restore(run: Run, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- small helpers
-def _attach_telemetry(cfg: TrainConfig, model: MoETransformer, out_dir: Path, start_step: int):
+def _attach_telemetry(cfg: TrainConfig, model: RoutedLM, out_dir: Path, start_step: int):
     """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>."""
     if not cfg.telemetry.enabled:
         return None
