@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from moestack.cache.store_format import (
     LAYOUTS,
     ExpertEntry,
     TensorEntry,  # noqa: F401  (re-exported: importable from moestack.cache.store as before)
+    check_layer,
     check_replaceable,
     entry_from_json,
     expert_json,
@@ -187,16 +188,34 @@ class ExpertStore:
         may be missing or an empty folder; an existing store is replaced only with
         ``overwrite=True``, and a folder that is not a store is never replaced.
         """
+        w1s, w2s, cfg = expert_tensors(model_or_state_dict)
+        return cls.write_layers(
+            zip(w1s, w2s, strict=True), path, layout, model_cfg=model_cfg or cfg, meta=meta,
+            overwrite=overwrite,
+        )  # fmt: skip
+
+    @classmethod
+    def write_layers(
+        cls,
+        layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        path: str | os.PathLike[str],
+        layout: str = "per_expert",
+        *,
+        model_cfg: ModelConfig | None = None,
+        meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> ExpertStore:
+        """Write a store from ``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, taken one layer
+        at a time (a generator keeps only one layer in memory: a model larger than memory
+        can be stored from its checkpoint files), atomically, like ``write``."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
-        w1s, w2s, cfg = expert_tensors(model_or_state_dict)
-        cfg = model_cfg or cfg
         path = Path(path)
         check_replaceable(path, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            index = cls._write_files(tmp, w1s, w2s, layout, cfg, dict(meta or {}))
+            index = cls._write_files(tmp, layers, layout, model_cfg, dict(meta or {}))
             _write_file(tmp / INDEX_FILE, json.dumps(index, indent=1).encode())
             fsync_dir(tmp)
             if path.exists():
@@ -210,24 +229,26 @@ class ExpertStore:
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if err.errno == errno.ENOSPC:
-                need = sum(w.numel() * w.element_size() for w in (*w1s, *w2s))
                 raise MoestackError(
-                    f"disk full while writing the expert store {path} (needs about "
-                    f"{need / 2**20:.1f} MiB); nothing was kept: free space or choose another "
-                    "store_dir"
+                    f"disk full while writing the expert store {path}; nothing was kept: free "
+                    "space or choose another store_dir"
                 ) from err
             raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        log.info("wrote expert store %s (%d layers, layout %s)", path, len(w1s), layout)
+        log.info(
+            "wrote expert store %s (%d layers, layout %s)",
+            path,
+            index["model"]["num_layers"],
+            layout,
+        )
         return cls(path)
 
     @staticmethod
     def _write_files(
         root: Path,
-        w1s: list[torch.Tensor],
-        w2s: list[torch.Tensor],
+        layers: Iterable[tuple[torch.Tensor, torch.Tensor]],
         layout: str,
         cfg: ModelConfig | None,
         meta: dict[str, Any],
@@ -235,19 +256,24 @@ class ExpertStore:
         """Write every layer's safetensors files under ``root``; return the index to write."""
         files: list[dict[str, Any]] = []
         experts: list[list[dict[str, Any]]] = []
-        for layer, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
-            if w1.shape != w1s[0].shape or w1.dtype != w1s[0].dtype:
+        first: torch.Tensor | None = None
+        for layer, (w1, w2) in enumerate(layers):
+            first = w1 if first is None else first
+            if w1.shape != first.shape or w1.dtype != first.dtype:
                 raise MoestackError(
                     f"layer {layer}: w1 {tuple(w1.shape)} {w1.dtype} differs from layer 0's; "
                     "every MoE layer must have the same expert shape"
                 )
+            check_layer(layer, w1, w2)
             row: list[dict[str, Any]] = []
             for name, tensors, prefixes in layer_files(layer, w1.to("cpu"), w2.to("cpu"), layout):
                 record, header = _save_tensors(root, name, tensors)
                 files.append(record)
                 row.extend(expert_json(name, header, record["data_start"], p) for p in prefixes)
             experts.append(row)
-        return index_json(layout, w1s, cfg, meta, files, experts)
+        if first is None:
+            raise MoestackError("no MoE layer to store: the model has no expert weights")
+        return index_json(layout, [first] * len(experts), cfg, meta, files, experts)
 
     # ------------------------------------------------------------------ checking
     def _verify_files(self) -> None:

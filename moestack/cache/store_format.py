@@ -123,7 +123,8 @@ def index_json(
     files: list[dict[str, Any]],
     experts: list[list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """The whole ``index.json`` of a store: model shape from ``w1s``, file and expert tables."""
+    """The whole ``index.json`` of a store: the model shape from the first layer's ``w1``
+    (``w1s`` needs only its first entry and one entry per layer), file and expert tables."""
     num_experts, d_model, two_f = w1s[0].shape
     first = experts[0][0]
     return {
@@ -316,22 +317,28 @@ def expert_tensors(
         w1s, w2s = _state_dict_tensors(model_or_state_dict)
         cfg = None
     for i, (w1, w2) in enumerate(zip(w1s, w2s, strict=True)):
-        if w1.device.type == "meta" or w2.device.type == "meta":
-            raise ValueError(f"layer {i}: expert weights are on the meta device (offloaded?)")
-        if (
-            w1.ndim != 3
-            or w2.ndim != 3
-            or w1.shape[0] != w2.shape[0]
-            or w1.shape[1] != w2.shape[2]
-            or w1.shape[2] != 2 * w2.shape[1]
-        ):
-            raise MoestackError(
-                f"layer {i}: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} are not "
-                "[E, D, 2F] / [E, F, D]"
-            )
-        if w1.dtype not in DTYPE_NAMES or w2.dtype != w1.dtype:
-            raise MoestackError(f"layer {i}: unsupported expert dtypes {w1.dtype} / {w2.dtype}")
+        check_layer(i, w1, w2)
     return w1s, w2s, cfg
+
+
+def check_layer(layer: int, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    """Refuse one MoE layer's expert weights unless ``w1 [E, D, 2F]``, ``w2 [E, F, D]`` in
+    a supported dtype, off the meta device."""
+    if w1.device.type == "meta" or w2.device.type == "meta":
+        raise ValueError(f"layer {layer}: expert weights are on the meta device (offloaded?)")
+    if (
+        w1.ndim != 3
+        or w2.ndim != 3
+        or w1.shape[0] != w2.shape[0]
+        or w1.shape[1] != w2.shape[2]
+        or w1.shape[2] != 2 * w2.shape[1]
+    ):
+        raise MoestackError(
+            f"layer {layer}: w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)} are not "
+            "[E, D, 2F] / [E, F, D]"
+        )
+    if w1.dtype not in DTYPE_NAMES or w2.dtype != w1.dtype:
+        raise MoestackError(f"layer {layer}: unsupported expert dtypes {w1.dtype} / {w2.dtype}")
 
 
 def _state_dict_tensors(

@@ -5,16 +5,23 @@ Supported: the v5 layout (``block.gate`` a ``*TopKRouter`` with ``weight [E, D]`
 Qwen2-MoE (routed experts only), Mixtral and OLMoE, and the v4 layout (``block.gate`` an
 ``nn.Linear``, ``block.experts`` a ModuleList of per-expert MLPs with gate/up/down or
 Mixtral's w1/w3/w2). The converted layer computes the same function, so parity with
-transformers can be tested; its router losses are off (weights 0).
+transformers can be tested; its router losses are off (weights 0) unless a ``router``
+config gives their weights (its score and renormalisation are always the block's own).
+
+``moe_from_hf`` builds the layer on the meta device and then takes the block's weights, so
+a large model is not first filled with a random init it would throw away.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
 
 from moestack.config import MoEConfig, RouterConfig
 from moestack.moe import MoE
+from moestack.router import Router
 
 
 def _routing_settings(block: nn.Module) -> tuple[int, int, bool]:
@@ -61,8 +68,35 @@ def _check_activation(experts: nn.Module) -> None:
         )
 
 
-def moe_from_hf(block: nn.Module, impl: str = "torch", allow_shared_expert: bool = False) -> MoE:
-    """An equivalent ``MoE`` with ``block``'s weights copied (same dtype and device)."""
+def family_router_config(renormalize: bool, router: RouterConfig | None = None) -> RouterConfig:
+    """``router``'s loss weights with a transformers family's own routing (softmax scores,
+    ``renormalize`` as the block does); losses off when ``router`` is None."""
+    base = router if router is not None else RouterConfig(load_balance=0.0, z_loss=0.0)
+    return dataclasses.replace(base, score="softmax", renormalize=renormalize)
+
+
+def _empty_moe(d_model: int, moe_cfg: MoEConfig, router_cfg: RouterConfig) -> MoE:
+    """An MoE whose expert weights are still to be assigned: built on the meta device (no
+    random init of the experts), with a real router (small, and its buffers initialised)."""
+    with torch.device("meta"):
+        moe = MoE(d_model, moe_cfg, router_cfg)
+    moe.router = Router(d_model, moe_cfg.num_experts, moe_cfg.top_k, router_cfg)
+    moe.aux_loss = torch.zeros(())
+    return moe
+
+
+def moe_from_hf(
+    block: nn.Module,
+    impl: str = "torch",
+    allow_shared_expert: bool = False,
+    router: RouterConfig | None = None,
+) -> MoE:
+    """An equivalent ``MoE`` with ``block``'s routed weights copied (same dtype and device).
+
+    ``router`` sets the router losses' weights (and aux-loss-free balancing); the score and
+    renormalisation are forced to the block's, so the layer computes the block's function.
+    A shared expert is refused unless ``allow_shared_expert`` (the caller keeps it beside).
+    """
     if not hasattr(block, "gate") or not hasattr(block, "experts"):
         raise ValueError(f"{type(block).__name__} has no gate/experts: not a sparse-MoE block")
     if hasattr(block, "shared_expert") and not allow_shared_expert:
@@ -74,14 +108,18 @@ def moe_from_hf(block: nn.Module, impl: str = "torch", allow_shared_expert: bool
     num_experts, top_k, renormalize = _routing_settings(block)
     w1, w2 = _stacked_expert_weights(block.experts)
     d_model, d_ff = w1.shape[1], w2.shape[1]
-    moe = MoE(
+    moe = _empty_moe(
         d_model,
         MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=d_ff, impl=impl),
-        RouterConfig(score="softmax", renormalize=renormalize, load_balance=0.0, z_loss=0.0),
+        family_router_config(renormalize, router),
     )
-    moe.to(device=w1.device, dtype=w1.dtype)
+    moe.w1 = nn.Parameter(w1.detach().clone(memory_format=torch.contiguous_format))
+    moe.w2 = nn.Parameter(w2.detach().clone(memory_format=torch.contiguous_format))
+    moe.router.to(device=w1.device, dtype=w1.dtype)
     with torch.no_grad():
         moe.router.weight.copy_(block.gate.weight)
-        moe.w1.copy_(w1)
-        moe.w2.copy_(w2)
+    moe.router.reset_anchor()  # the anchor loss's reference: the pretrained router
+    leftover = [n for n, t in (*moe.named_parameters(), *moe.named_buffers()) if t.is_meta]
+    if leftover:  # a tensor MoE gained that this function does not fill yet
+        raise RuntimeError(f"moe_from_hf left {leftover} uninitialised; fill them here")
     return moe

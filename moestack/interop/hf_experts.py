@@ -1,0 +1,156 @@
+"""Read a transformers MoE model folder's routed experts one at a time, in moestack layout.
+
+``iter_hf_experts(DIR)`` yields ``(layer, expert, {"w1": [D, 2F], "w2": [F, D]})`` for every
+routed expert: ``layer`` is the MoE layer's position among the sparse layers (0..n-1, the
+order of ``HFMoEModel.moe_layers`` and of an expert store), ``w1`` the gate projection in
+its first F columns and the up projection in the last F, ``w2`` the down projection. Each
+tensor is read from the safetensors files on its own (``safe_open`` slices of memory-mapped
+files), so an expert store can be written from a model far larger than memory.
+
+Checkpoint layouts read (one model may be sharded, with model.safetensors.index.json):
+per-expert ``...layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` (what transformers
+4.x and 5.x write for Qwen2/3-MoE and OLMoE), Mixtral's ``...block_sparse_moe.experts.E.
+{w1,w3,w2}.weight``, and the fused 5.x in-memory layout ``...experts.gate_up_proj [E, 2F,
+D]`` / ``experts.down_proj [E, D, F]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moestack.errors import MoestackError
+from moestack.interop.hf_config import SAFETENSORS_INDEX, read_hf_config, weight_files
+
+_EXPERT_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.[A-Za-z_]+\.experts\.(.+)$")
+_FUSED = ("gate_up_proj", "down_proj")
+_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_ROLE = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",  # Mixtral
+    "w3": "up",
+    "w2": "down",
+}
+
+
+def _key_files(folder: Path) -> dict[str, Path]:
+    """Every tensor name of the checkpoint and the file holding it."""
+    files = weight_files(folder)
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: folder / name for key, name in weight_map.items()}
+    with safe_open(files[0], framework="pt", device="cpu") as f:
+        return dict.fromkeys(f.keys(), files[0])  # safe_open is no dict
+
+
+def _expert_keys(keys: dict[str, Path]) -> dict[int, dict[str, str]]:
+    """{decoder layer: {key suffix after 'experts.': full key}} of the routed experts."""
+    layers: dict[int, dict[str, str]] = {}
+    for key in keys:
+        match = _EXPERT_KEY.match(key)
+        if match:
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = key
+    return layers
+
+
+def _layer_plan(
+    suffixes: dict[str, str], num_experts: int, layer: int, folder: Path
+) -> dict[str, Any]:
+    """How one layer is stored: {"fused": {gate_up, down}} or {"per_expert": [{gate, up,
+    down}, ...]}; MoestackError naming the layer and the missing tensor otherwise."""
+    fused = {name: suffixes.get(name) or suffixes.get(f"{name}.weight") for name in _FUSED}
+    if all(fused.values()):
+        return {"fused": fused}
+    experts: list[dict[str, str]] = [{} for _ in range(num_experts)]
+    for suffix, key in suffixes.items():
+        match = _PER_EXPERT.match(suffix)
+        if match and int(match.group(1)) < num_experts:
+            experts[int(match.group(1))][_ROLE[match.group(2)]] = key
+    for e, roles in enumerate(experts):
+        missing = {"gate", "up", "down"} - set(roles)
+        if missing:
+            raise MoestackError(
+                f"{folder}: layer {layer} expert {e} has no {'/'.join(sorted(missing))} "
+                "projection in the checkpoint (expected experts.N.gate_proj/up_proj/down_proj, "
+                "w1/w3/w2, or fused experts.gate_up_proj/down_proj)"
+            )
+    return {"per_expert": experts}
+
+
+class _Reader:
+    """Open safetensors files once each and read one tensor (or one slice) at a time."""
+
+    def __init__(self, keys: dict[str, Path], stack: contextlib.ExitStack) -> None:
+        self.keys = keys
+        self.stack = stack
+        self.handles: dict[Path, Any] = {}
+
+    def _handle(self, key: str) -> Any:
+        file = self.keys[key]
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(
+                safe_open(file, framework="pt", device="cpu")
+            )
+        return self.handles[file]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def row(self, key: str, index: int) -> torch.Tensor:
+        """``tensor[index]`` without reading the rest of the tensor."""
+        return self._handle(key).get_slice(key)[index]
+
+
+def _check_shapes(w1: torch.Tensor, w2: torch.Tensor, d_model: int, d_ff: int, where: str) -> None:
+    if tuple(w1.shape) != (d_model, 2 * d_ff) or tuple(w2.shape) != (d_ff, d_model):
+        raise MoestackError(
+            f"{where}: expert weights are w1 {tuple(w1.shape)} / w2 {tuple(w2.shape)}, "
+            f"config.json says [{d_model}, {2 * d_ff}] / [{d_ff}, {d_model}]"
+        )
+
+
+def _read_expert(reader: _Reader, plan: dict[str, Any], e: int) -> dict[str, torch.Tensor]:
+    """Expert ``e`` of one layer as {"w1": [D, 2F], "w2": [F, D]}."""
+    if "fused" in plan:
+        gate_up_2FD = reader.row(plan["fused"]["gate_up_proj"], e)
+        down_DF = reader.row(plan["fused"]["down_proj"], e)
+        return {"w1": gate_up_2FD.t().contiguous(), "w2": down_DF.t().contiguous()}
+    keys = plan["per_expert"][e]
+    gate_FD, up_FD = reader.tensor(keys["gate"]), reader.tensor(keys["up"])
+    w1 = torch.cat([gate_FD.t(), up_FD.t()], dim=1).contiguous()
+    return {"w1": w1, "w2": reader.tensor(keys["down"]).t().contiguous()}
+
+
+def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """Yield ``(layer, expert, {"w1", "w2"})`` for every routed expert of the model folder
+    ``path``, layer by layer, expert by expert (see the module docstring)."""
+    info = read_hf_config(path)
+    folder = Path(info["path"])
+    keys = _key_files(folder)
+    layers = _expert_keys(keys)
+    want = info["moe_layer_ids"]
+    if sorted(layers) != want:
+        raise MoestackError(
+            f"{folder}: the checkpoint has routed experts in decoder layers {sorted(layers)}, "
+            f"config.json implies {want}; the weights do not match the config"
+        )
+    num_experts, d_ff = info["moe"]["num_experts"], info["moe"]["d_ff"]
+    with contextlib.ExitStack() as stack:
+        reader = _Reader(keys, stack)
+        for layer, decoder_layer in enumerate(want):
+            plan = _layer_plan(layers[decoder_layer], num_experts, decoder_layer, folder)
+            for e in range(num_experts):
+                tensors = _read_expert(reader, plan, e)
+                where = f"{folder}: layer {decoder_layer} expert {e}"
+                _check_shapes(tensors["w1"], tensors["w2"], info["d_model"], d_ff, where)
+                yield layer, e, tensors

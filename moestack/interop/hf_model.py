@@ -1,0 +1,261 @@
+"""A transformers MoE causal LM whose sparse-MoE blocks are moestack ``MoE`` layers.
+
+``load_hf_moe(DIR)`` loads a local model folder with transformers (``local_files_only``: no
+network), then replaces every sparse-MoE block with an ``HFMoEBlock``: the routed experts
+and router as a moestack ``MoE`` holding the same weights (``moe_from_hf``), and, for
+Qwen2-MoE, the shared expert and its sigmoid gate kept beside it. The block returns what
+the transformers block returns (one tensor), so the decoder layers are untouched, and the
+patched model computes the same logits as transformers' own (tested per family in fp32).
+
+``HFMoEModel`` is a ``RoutedLM``: the training loop, router losses, telemetry, the expert
+cache and OffloadAdamW see its ``moe_layers`` as they see a ``MoETransformer``'s. Tokens
+are split into documents at the EOS token, and each MoE layer gets the document ids, so
+the locality losses never pair tokens of different documents. The original blocks are
+kept outside the module tree (their routed weights released) for ``export_hf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestack.config import ModelConfig, MoEConfig, RouterConfig
+from moestack.errors import MoestackError
+from moestack.interop.hf import family_router_config, moe_from_hf
+from moestack.interop.hf_config import read_hf_config, weight_files
+from moestack.model import ModelOutput, RoutedLM
+from moestack.moe import MoE
+
+log = logging.getLogger(__name__)
+
+
+def document_ids(tokens_BS: torch.Tensor, separator: int) -> torch.Tensor | None:
+    """Document index of each token: a separator (EOS) token ends its document; None when
+    the model has no separator (``separator < 0``). Same rule as MoETransformer's."""
+    if separator < 0:
+        return None
+    is_sep_BS = (tokens_BS == separator).long()
+    return torch.cumsum(is_sep_BS, dim=1) - is_sep_BS
+
+
+class HFMoEBlock(nn.Module):
+    """Stands in for one transformers sparse-MoE block: ``forward(hidden [B, S, D]) ->
+    [B, S, D]``, the routed part computed by ``moe`` (a moestack MoE), plus the shared
+    expert scaled by ``sigmoid(shared_expert_gate(x))`` where the family has one.
+
+    ``segment_ids`` is set by ``HFMoEModel.forward`` before each pass (the decoder layer
+    calls the block with the hidden states only); ids of another shape are ignored, so a
+    direct call of the transformers model (generation) still works.
+    """
+
+    def __init__(
+        self,
+        moe: MoE,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.moe = moe
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.segment_ids: torch.Tensor | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        segment_ids = self.segment_ids
+        if segment_ids is not None and segment_ids.shape != hidden_states.shape[:-1]:
+            segment_ids = None
+        out = self.moe(hidden_states, segment_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared = F.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+            out = out + shared
+        return out
+
+
+@dataclasses.dataclass
+class _Patched:
+    """Where one original block lived (for export): parent module, attribute, the block."""
+
+    parent: nn.Module
+    name: str
+    original: nn.Module
+    wrapper: HFMoEBlock
+
+
+class HFMoEModel(RoutedLM):
+    """A transformers MoE causal LM with moestack MoE layers: ``forward(tokens [B, S],
+    targets=None) -> ModelOutput``.
+
+    ``hf`` is the patched transformers model (save or generate with it as usual), ``cfg``
+    a ModelConfig describing it, ``info`` the ``read_hf_config`` dict, ``source_dir`` the
+    folder it was loaded from.
+    """
+
+    def __init__(
+        self, hf: nn.Module, cfg: ModelConfig, info: dict[str, Any], patched: list[_Patched]
+    ) -> None:
+        super().__init__()
+        self.hf = hf
+        self.cfg = cfg
+        self.info = info
+        self.source_dir = Path(info["path"])
+        self._patched = patched  # a plain list: the originals stay outside the module tree
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers in decoder-layer order (sparse layers only)."""
+        return [p.wrapper.moe for p in self._patched]
+
+    @property
+    def blocks(self) -> list[HFMoEBlock]:
+        """The blocks standing in for the transformers sparse-MoE blocks, in layer order."""
+        return [p.wrapper for p in self._patched]
+
+    def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+        """Document index of each token (documents end at the EOS token)."""
+        return document_ids(tokens_BS, self.cfg.doc_separator)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        segment_ids_BS = self.segment_ids(tokens)
+        for block in self.blocks:
+            block.segment_ids = segment_ids_BS
+        out = self.hf(input_ids=tokens, use_cache=False, output_router_logits=False)
+        return self.lm_output(out.logits, targets)
+
+    def num_params(self) -> dict[str, int]:
+        """Total parameters and those active per token (top_k of num_experts routed experts;
+        attention, embeddings and any shared expert are always active)."""
+        total = sum(p.numel() for p in self.parameters())
+        routed = active = 0
+        for moe in self.moe_layers:
+            n = moe.w1.numel() + moe.w2.numel()
+            routed += n
+            active += n * moe.cfg.top_k // moe.cfg.num_experts
+        return {"total": total, "active": total - routed + active}
+
+
+def _is_sparse_block(module: nn.Module) -> bool:
+    """A transformers sparse-MoE block: a ``gate`` (router) and ``experts`` submodule."""
+    return isinstance(getattr(module, "gate", None), nn.Module) and isinstance(
+        getattr(module, "experts", None), nn.Module
+    )
+
+
+def _sparse_blocks(hf: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, block) of every sparse-MoE block, in module (= layer) order."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in hf.named_modules():
+        if _is_sparse_block(module) and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    return found
+
+
+def release_routed_weights(block: nn.Module) -> None:
+    """Free the router and routed-expert tensors of an original block (the MoE holds copies),
+    keeping each Parameter object and its dtype so ``export_hf`` can refill it."""
+    for sub in (block.gate, block.experts):
+        for param in sub.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def _wrap(block: nn.Module, impl: str, router: RouterConfig | None) -> HFMoEBlock:
+    """An HFMoEBlock computing ``block``'s function, its shared expert (if any) shared."""
+    moe = moe_from_hf(block, impl=impl, allow_shared_expert=True, router=router)
+    shared = getattr(block, "shared_expert", None)
+    return HFMoEBlock(moe, shared, getattr(block, "shared_expert_gate", None))
+
+
+def patch_sparse_blocks(
+    hf: nn.Module, impl: str = "auto", router: RouterConfig | None = None
+) -> list[_Patched]:
+    """Replace every sparse-MoE block of ``hf`` in place by an HFMoEBlock; the originals
+    (with their routed weights released) are returned for export."""
+    patched = []
+    for name, block in _sparse_blocks(hf):
+        parent_name, _, attr = name.rpartition(".")
+        parent = hf.get_submodule(parent_name)
+        wrapper = _wrap(block, impl, router)
+        setattr(parent, attr, wrapper)
+        release_routed_weights(block)
+        patched.append(_Patched(parent, attr, block, wrapper))
+    return patched
+
+
+def hf_model_config(info: dict[str, Any], impl: str, router: RouterConfig) -> ModelConfig:
+    """The ModelConfig of the loaded model: ``model.path`` set (its architecture read from
+    config.json, moestack's architecture checks skipped), ``moe.impl`` and ``router`` as
+    the MoE layers run them (score and renormalisation the family's)."""
+    return ModelConfig(path=info["path"], moe=MoEConfig(**info["moe"], impl=impl), router=router)
+
+
+def _import_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise MoestackError(
+            "loading a transformers model needs the transformers package: "
+            "pip install 'transformers>=5'"
+        ) from None
+    return transformers
+
+
+def _from_pretrained(folder: Path, dtype: torch.dtype) -> nn.Module:
+    """transformers' own model from ``folder``, offline; its failure as one line."""
+    transformers = _import_transformers()
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=dtype
+        )
+    except (OSError, ValueError, RuntimeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise MoestackError(f"transformers could not load {folder}: {first}") from err
+
+
+def load_hf_moe(
+    path: str | Path,
+    *,
+    impl: str = "auto",
+    router: RouterConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> HFMoEModel:
+    """Load the transformers MoE model in ``path`` with moestack MoE layers (see the module
+    docstring). ``router`` gives the router losses' weights (None: all off); the score and
+    renormalisation are always the family's. In eval mode, as transformers loads it."""
+    info = read_hf_config(path)
+    folder = Path(info["path"])
+    weight_files(folder)
+    if info["router_jitter_noise"] > 0:
+        log.warning(
+            "%s: router_jitter_noise=%s is not applied by moestack's MoE; training differs "
+            "from transformers' Mixtral there (inference is the same)",
+            folder,
+            info["router_jitter_noise"],
+        )
+    hf = _from_pretrained(folder, dtype)
+    patched = patch_sparse_blocks(hf, impl=impl, router=router)
+    if len(patched) != len(info["moe_layer_ids"]):
+        raise MoestackError(
+            f"{folder}: found {len(patched)} sparse-MoE blocks in the loaded model, config.json "
+            f"says {len(info['moe_layer_ids'])}; this transformers version's layout is unknown"
+        )
+    router_cfg = family_router_config(info["router"]["renormalize"], router)
+    model = HFMoEModel(hf, hf_model_config(info, impl, router_cfg), info, patched)
+    model.eval()
+    log.info(
+        "loaded %s (%s): %d MoE layers of %d experts, top-%d",
+        folder,
+        info["family"],
+        len(patched),
+        info["moe"]["num_experts"],
+        info["moe"]["top_k"],
+    )
+    return model
