@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from moestack import checkpoint, distributed
-from moestack.config import TrainConfig
+from moestack.config import DataConfig, ModelConfig, TrainConfig
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
@@ -82,18 +82,40 @@ def resolve_checkpoint(run_dir: Path | str, checkpoint_path: Path | str | None =
     return latest
 
 
+def is_transformers_dir(path: Path | str) -> bool:
+    """A transformers model folder (config.json) rather than a moestack run (config.yaml)."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
+
+
+def _load_transformers_dir(path: Path, device: str | torch.device | None) -> LoadedRun:
+    """A transformers MoE model folder as a run at step 0: the default run config with
+    ``model.path`` set (its data, batch and evaluation settings; sequences no longer than
+    the model takes), the model patched."""
+    model_cfg = ModelConfig(path=str(path))
+    seq_len = min(DataConfig().seq_len, model_cfg.max_seq_len)
+    cfg = TrainConfig(model=model_cfg, data=DataConfig(seq_len=seq_len))
+    model = cfg.model.build()
+    if device is not None:
+        model.to(resolve_device(cfg.device if device == "auto" else str(device)))
+    return LoadedRun(path, cfg, model, path, 0)
+
+
 def load_run(
     run_dir: Path | str,
     checkpoint_path: Path | str | None = None,
     *,
     device: str | torch.device | None = None,
 ) -> LoadedRun:
-    """Config, model and weights of the newest (or the named) checkpoint of ``run_dir``.
+    """Config, model and weights of the newest (or the named) checkpoint of ``run_dir``;
+    a transformers model folder loads as a run at step 0 (its checkpoint is the folder).
 
     ``device`` moves the model there ("auto" = the run's own device setting resolved here);
     None leaves it on the CPU (offloaded evaluation writes the expert store from there).
     """
     run_dir = Path(run_dir)
+    if is_transformers_dir(run_dir):
+        return _load_transformers_dir(run_dir, device)
     cfg = load_run_config(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     model = cfg.model.build()
