@@ -487,8 +487,11 @@ def open_or_write_store(
     *,
     source: str = "",
     layout: str = "per_expert",
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> ExpertStore:
-    """The store at ``path`` if it is valid and was written from ``source``; else (re)write it.
+    """The store at ``path`` if it is valid and was written from ``source``; else (re)write it,
+    from ``model``'s experts or, given ``layers``, from those (``write_layers``: e.g. read
+    one expert at a time from a transformers checkpoint).
 
     ``source`` identifies the weights (e.g. the checkpoint path): a store from another
     checkpoint or model shape is rewritten, so offloaded evaluation never mixes weights.
@@ -510,6 +513,10 @@ def open_or_write_store(
             store.close()
         except MoestackError as err:
             log.warning("rewriting expert store %s: %s", path, err)
+    if layers is not None:
+        return ExpertStore.write_layers(
+            layers, path, layout, model_cfg=model_cfg, meta={"source": source}, overwrite=True
+        )
     return ExpertStore.write(
         model, path, layout, model_cfg=model_cfg, meta={"source": source}, overwrite=True
     )

@@ -154,3 +154,23 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
                 where = f"{folder}: layer {decoder_layer} expert {e}"
                 _check_shapes(tensors["w1"], tensors["w2"], info["d_model"], d_ff, where)
                 yield layer, e, tensors
+
+
+def iter_hf_expert_layers(path: str | Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, in layer order, built from
+    ``iter_hf_experts``: one layer in memory at a time (``ExpertStore.write_layers``)."""
+    row: list[dict[str, torch.Tensor]] = []
+    current = 0
+    for layer, expert, weights in iter_hf_experts(path):
+        if layer != current:
+            yield _stack(row)
+            row, current = [], layer
+        if expert != len(row):
+            raise MoestackError(f"{path}: layer {layer} lists expert {expert} out of order")
+        row.append(weights)
+    if row:
+        yield _stack(row)
+
+
+def _stack(row: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.stack([w["w1"] for w in row]), torch.stack([w["w2"] for w in row])

@@ -21,7 +21,7 @@ from moestack.config import (
 )
 from moestack.data import eval_batches
 from moestack.evaluation import evaluate
-from moestack.interop.hf_experts import iter_hf_experts
+from moestack.interop.hf_experts import iter_hf_expert_layers
 from moestack.interop.hf_export import export_hf
 from moestack.metrics import read_metrics
 from moestack.runs import load_run, run_corpus
@@ -110,17 +110,8 @@ def test_router_fine_tuning_of_a_transformers_model_end_to_end(hf_dir, tmp_path,
 
     # The exported folder's experts, read one at a time, served from a store: the same
     # perplexity as in memory, exactly.
-    layers = {}
-    for layer, expert, w in iter_hf_experts(out):
-        layers.setdefault(layer, []).append((expert, w))
-    stacked = [
-        (torch.stack([w["w1"] for _, w in sorted(row, key=lambda r: r[0])]),
-         torch.stack([w["w2"] for _, w in sorted(row, key=lambda r: r[0])]))
-        for _, row in sorted(layers.items())
-    ]  # fmt: skip
-    store = ExpertStore.write_layers(
-        iter(stacked), tmp_path / "store", model_cfg=exported.cfg.model
-    )
+    layers = iter_hf_expert_layers(out)  # one layer in memory at a time
+    store = ExpertStore.write_layers(layers, tmp_path / "store", model_cfg=exported.cfg.model)
     offloaded = evaluate_offloaded(load_run(out).model, store, batches, "cpu")
     assert offloaded["loss/val"] == again["loss/val"]
     assert math.isfinite(offloaded["eval/perplexity"]) and offloaded["cache/misses"] > 0
