@@ -7,10 +7,14 @@
     moestack telemetry MODEL TEXT OUT                         route a text through an MoE model,
                                                               write its trace and a report
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
-    moestack report RUN_DIR [--out DIR]                       plots and an HTML page of a run
+                                                              (after a warm-up it announces)
+    moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
     moestack prereg lock|run|analyze FILE                     pre-registered experiments
+    moestack --version
 
-Each verb prints its result; bad input ends with one line on stderr and exit status 2.
+Each verb prints its result, with progress bars on the slow ones (log lines do not break
+them); bad input, a missing file or a missing extra end with one line on stderr and exit
+status 2. ``moestack VERB --help`` lists every option with its default.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from moestack.config import CacheConfig
 from moestack.errors import MoestackError
 
 log = logging.getLogger("moestack")
+POLICIES = "lru,lfu,static,lru+static,belady"  # the default of --policies
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
@@ -38,6 +43,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
 
     run = load_run(args.run_dir, args.checkpoint)
     cfg = run.cfg
+    if args.max_bytes >= 0:
+        cfg.data.max_bytes = args.max_bytes
     device = resolve_device(args.device or cfg.device)
     corpus = run_corpus(cfg)
     batches = eval_batches(
@@ -47,7 +54,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         metrics = _eval_offloaded(args, run, batches, device)
     else:
         run.model.to(device)
-        metrics = evaluate(run.model, batches, device)
+        metrics = evaluate(run.model, batches, device, progress=True)
     result = {"checkpoint": str(run.checkpoint), **metrics}
     print(json.dumps(result, indent=2))
     return result
@@ -57,9 +64,27 @@ def _csv(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
+def _print_hit_rates(rates: dict[tuple[str, int], float], heading: str) -> None:
+    """A policy x capacity table of hit rates."""
+    if not rates:
+        return
+    capacities = sorted({cap for _, cap in rates})
+    print(heading)
+    print(f"{'policy':<12}" + "".join(f"{f'{cap} experts':>12}" for cap in capacities))
+    for policy in dict.fromkeys(policy for policy, _ in rates):
+        cells = [rates.get((policy, cap)) for cap in capacities]
+        print(
+            f"{policy:<12}"
+            + "".join(f"{c:>12.3f}" if c is not None else f"{'-':>12}" for c in cells)
+        )
+
+
 def cmd_telemetry(args: argparse.Namespace) -> None:
     from moestack.telemetry import run_telemetry
+    from moestack.telemetry.standalone import hit_rates
 
+    if not Path(args.text).is_file():
+        raise MoestackError(f"text file {args.text!r} not found; give a text file to route")
     out = run_telemetry(
         args.model,
         args.text,
@@ -71,19 +96,54 @@ def cmd_telemetry(args: argparse.Namespace) -> None:
         capacities=[int(c) for c in _csv(args.capacities)] or None,
         device=args.device,
         record_probs=args.record_probs,
+        progress=True,
     )
-    print(f"trace and report written to {out}")
+    summary = json.loads((out / "summary.json").read_text())
+    print(
+        f"loss {summary['loss']:.4f}, perplexity {summary['perplexity']:.2f} over {summary['tokens']} tokens"
+    )
+    _print_hit_rates(hit_rates(summary), "hit rate per policy and cache size (after warm-up):")
+    print(f"trace, metrics and summary in {out}; report: {out / 'report' / 'index.html'}")
+
+
+def _warmup(text: str) -> int | float:
+    """--warmup: a fraction of each layer's requests (0.1) or a count of requests (500)."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a fraction (0.1) or a count (500)"
+        ) from None
+
+
+def _warmup_note(warmup: int | float) -> str:
+    if warmup == 0:
+        return "warm-up: none, every request is counted"
+    if isinstance(warmup, float):
+        what = f"the first {warmup:.0%} of each layer's requests"
+    else:
+        what = f"the first {warmup} requests of each layer"
+    return f"warm-up: {what} fill the caches and are not counted (--warmup 0 counts every request)"
 
 
 def cmd_simulate(args: argparse.Namespace) -> None:
+    from tqdm.auto import tqdm
+
+    from moestack.cache.policies import default_capacities
     from moestack.telemetry import RoutingTrace, sweep
 
+    if not Path(args.trace).is_dir():
+        raise MoestackError(
+            f"trace folder {args.trace!r} not found; give a run's trace/<part> folder"
+        )
     trace = RoutingTrace.load(args.trace)
-    from moestack.cache.policies import default_capacities
-
     top_k = max(trace.top_k) if isinstance(trace.top_k, list | tuple) else int(trace.top_k)
     capacities = [int(c) for c in _csv(args.capacities)] or list(default_capacities(top_k))
-    results = sweep(trace, policies=_csv(args.policies), capacities=capacities)
+    jobs = [(p, c) for p in _csv(args.policies) for c in capacities]
+    results = []
+    for policy, capacity in tqdm(jobs, desc="simulate", unit="cache"):
+        results += sweep(trace, policies=[policy], capacities=[capacity], warmup=args.warmup)
+    print(_warmup_note(args.warmup))
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13}")
     for stats in results:
         print(
@@ -97,7 +157,11 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 def cmd_report(args: argparse.Namespace) -> None:
     from moestack.telemetry import render_report
 
-    index = render_report(args.run_dir, out_dir=args.out or None, trace_dir=args.trace or None)
+    if not Path(args.run_dir).is_dir():
+        raise MoestackError(f"run folder {args.run_dir!r} not found; give a moestack-train out_dir")
+    index = render_report(
+        args.run_dir, out_dir=args.out or None, trace_dir=args.trace or None, progress=True
+    )
     print(f"report: {index}")
 
 
@@ -122,21 +186,85 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     cache_cfg = _cache_config(args, run.cfg.cache)
     if cache_cfg.policy == "belady":
         raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
-    store_dir = args.store_dir or cache_cfg.store_dir or run.run_dir / "experts"
+    _check_capacity(cache_cfg, run.cfg.model.moe.top_k)  # before the store is written
+    bare = run.checkpoint == run.run_dir  # a transformers model folder itself, not a run
+    default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
+        run.run_dir / "experts")  # fmt: skip
+    store_dir = args.store_dir or cache_cfg.store_dir or default_dir
+    layers = None
+    if bare:  # the store is read from the folder's safetensors, one layer at a time
+        from moestack.interop.hf_experts import iter_hf_expert_layers
+
+        layers = iter_hf_expert_layers(run.run_dir)
     store = open_or_write_store(
-        run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve())
-    )
+        run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve()),
+        layers=layers,
+    )  # fmt: skip
     run.model.to(device)  # before offloading: released experts are meta tensors
     bias = args.cache_aware_bias
     result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
     if args.generate:
-        prompt = torch.tensor(list(args.prompt.encode("utf-8")), dtype=torch.long)
+        encode, decode = _text_codec(run.cfg.model)
         out = generate_offloaded(
-            run.model, store, prompt, args.generate, device, cache_cfg, cache_aware_bias=bias
+            run.model, store, encode(args.prompt), args.generate, device, cache_cfg,
+            cache_aware_bias=bias,
+        )  # fmt: skip
+        result["generation"] = args.prompt + decode(out["tokens"])
+    return _counts_as_int(result)
+
+
+def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
+    """(encode, decode) between text and the model's tokens: bytes for moestack's own
+    models, the folder's tokenizer for transformers models."""
+    if not model_cfg.path:
+        return (
+            lambda text: torch.tensor(list(text.encode("utf-8")), dtype=torch.long),
+            lambda ids: bytes(t for t in ids if 0 < t < 256).decode("utf-8", "replace"),
         )
-        text = bytes(t for t in out["tokens"] if 0 < t < 256)
-        result["generation"] = args.prompt + text.decode("utf-8", "replace")
-    return result
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+    return (
+        lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> dict:
+    from moestack.interop.hf_export import export_hf
+    from moestack.runs import load_run
+
+    run = load_run(args.run_dir, args.checkpoint)
+    if not run.cfg.model.path:
+        raise MoestackError(
+            f"{args.run_dir} trained moestack's own model; export writes runs of transformers "
+            "models (model=hf model.path=DIR) back to the transformers format"
+        )
+    report = export_hf(run.model, args.out_dir, source_dir=run.cfg.model.path,
+                       overwrite=args.overwrite)  # fmt: skip
+    print(json.dumps(report, indent=2, default=str))
+    return report
+
+
+_COUNTS = ("hits", "misses", "loads", "host_hits", "bytes_read", "requests", "capacity")
+_COUNTS += ("prefetch_issued", "prefetch_hits", "prefetch_wasted")
+
+
+def _check_capacity(cache_cfg: CacheConfig, top_k: int) -> None:
+    """Refuse a cache smaller than one token's experts before any work is done."""
+    if cache_cfg.capacity and cache_cfg.capacity < top_k:
+        raise MoestackError(
+            f"--capacity {cache_cfg.capacity} is below moe.top_k={top_k}: one token's experts "
+            f"would not fit; use --capacity {top_k} or more"
+        )
+
+
+def _counts_as_int(result: dict[str, Any]) -> dict[str, Any]:
+    """The cache's counters as integers (they arrive as floats)."""
+    return {
+        k: int(v) if k.removeprefix("cache/") in _COUNTS and isinstance(v, float) else v
+        for k, v in result.items()
+    }
 
 
 def cmd_prereg(args: argparse.Namespace) -> None:
@@ -158,89 +286,178 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         print(f"report: {report}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moestack", description=__doc__.split("\n")[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
-
+def _eval_parser(verbs: Any) -> None:
     p = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
-    p.add_argument("run_dir", help="a moestack-train output directory")
+    p.add_argument(
+        "run_dir", help="a moestack-train run folder (its out_dir), or a transformers model folder"
+    )
     p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's newest)")
     p.add_argument("--batches", type=int, default=0, help="validation batches (default: the run's)")
-    p.add_argument("--device", default="", help="cpu or cuda (default: the run's)")
-    p.add_argument("--offload", action="store_true", help="serve experts from the store + cache")
     p.add_argument(
-        "--policy", default="", help="lru, lfu, static, lru+static (default: cache.policy)"
+        "--max-bytes",
+        type=int,
+        default=-1,
+        help="read at most this much text for the split (default: the run's data.max_bytes)",
     )
-    p.add_argument("--capacity", type=int, default=0, help="experts per layer (default: 2 x top_k)")
-    p.add_argument("--capacity-bytes", type=int, default=0, help="or a byte budget per layer")
+    p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
     p.add_argument(
-        "--prefetch", action="store_true", help="load predicted next-layer experts early"
+        "--offload", action="store_true", help="serve experts from the store + cache (default: off)"
     )
     p.add_argument(
-        "--warmup", type=int, default=-1, help="static policies: requests counted before pinning"
+        "--policy",
+        default="",
+        help="lru, lfu, static, lru+static (default: the run's cache.policy)",
+    )
+    p.add_argument(
+        "--capacity", type=int, default=0, help="experts per layer, >= top_k (default: 2 x top_k)"
+    )
+    p.add_argument(
+        "--capacity-bytes", type=int, default=0, help="or a byte budget per layer (default: unset)"
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="load predicted next-layer experts early (default: off)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=-1,
+        help="static policies: requests counted before pinning (default: the run's cache.warmup)",
     )
     p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
     p.add_argument(
-        "--cache-aware-bias", type=float, default=0.0, help="router bias to resident experts"
+        "--cache-aware-bias",
+        type=float,
+        default=0.0,
+        help="router bias toward resident experts (default: %(default)s, none)",
     )
     p.add_argument(
-        "--generate", type=int, default=0, help="also greedily generate N bytes (--offload)"
+        "--generate", type=int, default=0, help="also greedily generate N bytes (default: 0, none)"
     )
-    p.add_argument("--prompt", default="def ", help="prompt for --generate")
+    p.add_argument("--prompt", default="def ", help="prompt for --generate (default: %(default)r)")
     p.set_defaults(func=cmd_eval)
 
+
+def _telemetry_parser(verbs: Any) -> None:
     p = verbs.add_parser("telemetry", help="run a transformers MoE model over a text file")
     p.add_argument(
-        "model", help="local model dir, config .json, or a tiny model type (mixtral, ...)"
+        "model",
+        help="a local model folder, a config .json, or a tiny random model: mixtral, qwen2_moe, "
+        "qwen3_moe, olmoe, deepseek_v3, gpt_oss",
     )
     p.add_argument("text", help="a text file")
-    p.add_argument("out", help="output directory for the trace, metrics and report")
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=65536)
-    p.add_argument("--policies", default="lru,lfu,static,lru+static,belady")
+    p.add_argument("out", help="output folder for the trace, metrics and report")
+    p.add_argument(
+        "--seq-len", type=int, default=256, help="tokens per sequence (default: %(default)s)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per batch (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=65536,
+        help="tokens read from the text (default: %(default)s)",
+    )
+    p.add_argument("--policies", default=POLICIES, help="cache policies (default: %(default)s)")
     p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--record-probs", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    p.add_argument(
+        "--record-probs",
+        action="store_true",
+        help="also record the routers' probabilities in the trace (default: off)",
+    )
     p.set_defaults(func=cmd_telemetry)
 
+
+def _simulate_parser(verbs: Any) -> None:
     p = verbs.add_parser("simulate", help="replay a routing trace through cache policies")
-    p.add_argument("trace", help="a trace directory (RoutingTrace.save / a run's trace/...)")
-    p.add_argument("--policies", default="lru,lfu,static,lru+static,belady")
+    p.add_argument("trace", help="a trace folder (a run's trace/<part>, or RoutingTrace.save's)")
+    p.add_argument("--policies", default=POLICIES, help="cache policies (default: %(default)s)")
     p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
-    p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument(
+        "--warmup",
+        type=_warmup,
+        default=0.1,
+        help="requests per layer that fill the caches uncounted: a fraction or a count "
+        "(default: %(default)s, the first 10%%)",
+    )
+    p.add_argument("--json", default="", help="also write the results to this file (default: none)")
     p.set_defaults(func=cmd_simulate)
 
-    p = verbs.add_parser("report", help="render plots and an HTML page for a run directory")
-    p.add_argument("run_dir")
+
+def _report_parser(verbs: Any) -> None:
+    p = verbs.add_parser("report", help="charts and an HTML page of a run folder")
+    p.add_argument("run_dir", help="a moestack-train run folder, or a moestack telemetry output")
     p.add_argument("--out", default="", help="where to write (default: RUN_DIR/report)")
-    p.add_argument("--trace", default="", help="trace directory (default: found in RUN_DIR)")
+    p.add_argument("--trace", default="", help="trace folder (default: found in RUN_DIR)")
     p.set_defaults(func=cmd_report)
 
+
+def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
-    p.add_argument("action", choices=("lock", "run", "analyze"))
-    p.add_argument("file", help="a pre-registration YAML, e.g. configs/experiment/prereg_cpu.yaml")
+    p.add_argument("action", choices=("lock", "run", "analyze"), help="lock, run or analyze")
+    p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
     p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
-    p.add_argument("--force", action="store_true", help="lock: re-lock before any run exists")
+    p.add_argument(
+        "--force", action="store_true", help="lock: re-lock before any run exists (default: off)"
+    )
     p.add_argument(
         "--amend",
         metavar="REASON",
         default=None,
-        help="lock: re-lock after runs exist; the reason is kept in the lock and the report",
+        help="lock: re-lock after runs exist; the reason is kept in the lock and the report "
+        "(default: none)",
     )
     p.set_defaults(func=cmd_prereg)
+
+
+def _export_parser(verbs: Any) -> None:
+    p = verbs.add_parser("export", help="a run of a transformers model back to a model folder")
+    p.add_argument("run_dir", help="a moestack-train run of model=hf model.path=DIR")
+    p.add_argument("out_dir", help="the transformers model folder to write (must not exist)")
+    p.add_argument(
+        "--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace OUT_DIR if it is an earlier export"
+    )
+    p.set_defaults(func=cmd_export)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moestack import __version__
+
+    parser = argparse.ArgumentParser(prog="moestack", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"moestack {__version__}")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for add in (
+        _eval_parser, _export_parser, _telemetry_parser, _simulate_parser, _report_parser,
+        _prereg_parser,
+    ):  # fmt: skip
+        add(verbs)
     return parser
 
 
+def _error(verb: str, err: BaseException) -> None:
+    print(f"moestack {verb}: error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Console entry point of ``moestack``: log lines go through tqdm, so they never break a
+    progress bar; bad input, a missing file or a missing extra end with one line."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
-    except (MoestackError, ValueError) as err:
-        print(f"moestack {args.verb}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        with logging_redirect_tqdm():
+            args.func(args)
+    except (MoestackError, ValueError, OSError, ImportError) as err:
+        _error(args.verb, err)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ OPTIMIZERS = ("adamw", "offload_adamw")
 DATA_SOURCES = ("stdlib", "files", "hf")
 
 
+# configs/model/hf.yaml's model.path until the user sets it (OmegaConf's ??? would not
+# override the dataclass default in a merge, so it could not mark the field as required).
+HF_PATH_REQUIRED = "<model.path=DIR is required>"
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -141,6 +146,11 @@ class ModelConfig:
         """The architecture fields from ``path/config.json`` (read as JSON: no weights)."""
         from moestack.interop.hf_config import model_config_kwargs, read_hf_config
 
+        _check(
+            self.path != HF_PATH_REQUIRED,
+            "model=hf needs model.path=DIR: a local transformers MoE model folder (config.json, "
+            "safetensors weights, tokenizer files)",
+        )
         for key, value in model_config_kwargs(read_hf_config(self.path)).items():
             if key == "moe":
                 value = MoEConfig(**value, impl=self.moe.impl)

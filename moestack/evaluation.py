@@ -35,12 +35,21 @@ def perplexity(loss: float) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    *,
+    progress: bool = False,
 ) -> dict[str, float]:
-    """Mean validation cross-entropy over fixed batches, and its perplexity."""
+    """Mean validation cross-entropy over fixed batches, and its perplexity (with a
+    progress bar over the batches when ``progress``)."""
     was_training = model.training
     model.eval()
     total = 0.0
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="eval", unit="batch", leave=False)
     for inputs, targets in batches:
         with autocast_context(device):
             out = model(inputs.to(device), targets.to(device))

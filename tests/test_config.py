@@ -52,20 +52,32 @@ def _groups():
         p for p in CONFIG_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")
     ):
         for option in sorted(group.glob("*.yaml")):
-            if group.name != "experiment":
-                yield group.name, option.stem
+            yield group.name, option.stem
 
 
 @pytest.mark.parametrize("group, option", list(_groups()))
-def test_every_group_option_composes_into_a_valid_config(group, option):
+def test_every_group_option_composes_into_a_valid_config(group, option, tmp_path):
     register_configs()
     overrides = [f"{group}={option}"]
     if group == "data" and option == "files":
         overrides.append("data.paths=[somewhere]")
+    if group == "model" and option == "hf":  # a transformers model folder, built offline
+        pytest.importorskip("transformers")
+        from interop._hf_fixtures import tiny_hf_model_dir
+
+        overrides += [f"model.path={tiny_hf_model_dir(tmp_path, 'olmoe')}", "data.seq_len=64"]
     with initialize_config_module(config_module="moestack.configs", version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
     train_cfg = OmegaConf.to_object(cfg)
     assert isinstance(train_cfg, TrainConfig)
+
+
+def test_model_hf_without_a_path_names_the_field():
+    register_configs()
+    with initialize_config_module(config_module="moestack.configs", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model=hf"])
+    with pytest.raises(ValueError, match=r"model=hf needs model\.path=DIR"):
+        OmegaConf.to_object(cfg)
 
 
 def test_unknown_group_option_is_an_error():

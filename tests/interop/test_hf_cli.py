@@ -1,0 +1,49 @@
+"""The transformers workflow from the command line: export a run, evaluate the exported
+folder in memory and with its experts served from disk (store read from its safetensors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_hf_training import hf_config
+
+from moestack import cli
+from moestack.errors import MoestackError
+from moestack.trainer import train
+
+pytest.importorskip("transformers")
+
+
+def run_cli(capsys, *argv: str) -> dict:
+    cli.main(list(argv))
+    out = capsys.readouterr().out
+    return json.loads(out[out.index("{") :])
+
+
+def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, capsys):
+    train(hf_config(hf_dir("olmoe"), tmp_path, steps=4, ckpt_every=0), tmp_path / "run")
+    out = tmp_path / "exported"
+    report = run_cli(capsys, "export", str(tmp_path / "run"), str(out))
+    assert report["family"] == "olmoe" and (out / "config.json").is_file()
+    small = ["--batches", "2", "--max-bytes", "200000"]
+    in_memory = run_cli(capsys, "eval", str(out), *small)
+    offloaded = run_cli(capsys, "eval", str(out), *small, "--offload", "--capacity", "3",
+                        "--generate", "4")  # fmt: skip
+    assert offloaded["loss/val"] == in_memory["loss/val"]  # exact: same function, same data
+    assert offloaded["cache/capacity"] == 3 and offloaded["cache/misses"] > 0
+    assert isinstance(offloaded["generation"], str)
+    store = tmp_path / "exported.experts"  # beside the model folder, not inside it
+    assert (store / "index.json").is_file() and not (out / "experts").exists()
+
+
+def test_export_refuses_a_run_of_moestacks_own_model(tmp_path):
+    from test_train import small_config
+
+    train(small_config(steps=2, ckpt_every=0), tmp_path / "run")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    with pytest.raises(MoestackError, match="moestack's own model"):
+        cli.cmd_export(cli.build_parser().parse_args(
+            ["export", str(tmp_path / "run"), str(tmp_path / "out")]))  # fmt: skip
