@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch (a plain `torch` may pull a multi-GB CUDA build). Override for a GPU:
-# make run TORCH_SPEC="torch" ; the library itself only asks for torch>=2.6.
+# make run TORCH_SPEC="torch" ; the library itself only asks for torch>=2.4.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 

@@ -422,7 +422,9 @@ def _export_parser(verbs: Any) -> None:
         "--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)"
     )
     p.add_argument(
-        "--overwrite", action="store_true", help="replace OUT_DIR if it is an earlier export"
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR if it is an earlier export (default: refuse an existing OUT_DIR)",
     )
     p.set_defaults(func=cmd_export)
 

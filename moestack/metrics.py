@@ -89,7 +89,7 @@ class MetricsWriter:
                 id=run_id,
                 resume="allow",
                 config=config,
-                name=run_dir.name,
+                name=os.environ.get("WANDB_NAME") or run_dir.name,  # sweeps name their jobs
                 settings=wandb.Settings(console="off", silent=True),
             )
         except Exception as err:  # no wandb, bad settings, no network in online mode

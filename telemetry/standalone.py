@@ -93,9 +93,25 @@ def tiny_config_kwargs(model_type: str, **overrides: Any) -> dict[str, Any]:
     return kw
 
 
+def _transformers() -> Any:
+    """The transformers package, or an ImportError naming the extra that installs it."""
+    try:
+        import transformers
+    except ModuleNotFoundError as err:
+        if err.name != "transformers":
+            raise
+        raise ModuleNotFoundError(
+            "transformers is not installed; install moestack's hf extra: "
+            "pip install 'moestack[hf]'",
+            name="transformers",
+        ) from None
+    return transformers
+
+
 def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> nn.Module:
     """A random tiny transformers MoE causal LM (offline, CPU-sized)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    transformers = _transformers()
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **tiny_config_kwargs(model_type, **overrides))
     torch.manual_seed(seed)
@@ -108,9 +124,16 @@ def load_model(
     """(model, tokenizer or None) from a model dir, config JSON, tiny model type or module."""
     if isinstance(model, nn.Module):
         return model, None
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     path = Path(model)
+    if not path.exists() and str(model) not in TINY_FAMILIES:
+        raise ValueError(
+            f"model={str(model)!r} is not a model directory, a config .json file or one of "
+            f"{TINY_FAMILIES}"
+        )
+    transformers = _transformers()
+    AutoConfig, AutoModelForCausalLM = transformers.AutoConfig, transformers.AutoModelForCausalLM
+    AutoTokenizer = transformers.AutoTokenizer
+
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}: no config.json; not a transformers model directory")
@@ -190,6 +213,50 @@ def _next_token_loss(
     return float(loss)
 
 
+def _route(
+    net: nn.Module,
+    tel: Any,
+    blocks: torch.Tensor,
+    metrics_path: Path,
+    batch_size: int,
+    device: str,
+    progress: bool,
+) -> dict[str, float]:
+    """Run every batch of ``blocks`` through ``net``, one metrics.jsonl row per batch (its
+    loss, perplexity, tokens routed so far, the telemetry interval); returns the loss and
+    perplexity over the whole text."""
+    from tqdm.auto import tqdm
+
+    is_moestack = hasattr(net, "moe_layers")
+    seen, loss_sum = 0, 0.0
+    starts = range(0, blocks.shape[0], batch_size)
+    with metrics_path.open("w", encoding="utf-8") as metrics_file:
+        for step, start in enumerate(
+            tqdm(starts, desc="telemetry", unit="batch", disable=not progress)
+        ):
+            batch = blocks[start : start + batch_size].to(device)
+            inputs = batch[:, :-1]
+            seen += int(inputs.numel())
+            row: dict[str, Any] = {"step": step, "tokens": int(inputs.numel()), "tokens_seen": seen}
+            row["loss"] = _next_token_loss(net, inputs, batch[:, 1:], is_moestack)
+            row["perplexity"] = math.exp(min(row["loss"], 50.0))
+            loss_sum += row["loss"] * inputs.numel()
+            row.update(tel.interval_metrics(step=step))
+            metrics_file.write(json.dumps(row) + "\n")
+    loss = loss_sum / max(seen, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+def hit_rates(summary: dict[str, Any]) -> dict[tuple[str, int], float]:
+    """{(policy, capacity): hit rate over the whole run} from a telemetry summary."""
+    found = {}
+    for key, value in (summary.get("metrics") or {}).items():
+        parts = key.split("/")
+        if len(parts) == 4 and parts[3] == "hit_rate" and parts[2].startswith("cap"):
+            found[(parts[1], int(parts[2][3:]))] = float(value)
+    return found
+
+
 def run_telemetry(
     model: str | os.PathLike[str] | nn.Module,
     text_path: str | os.PathLike[str],
@@ -204,23 +271,28 @@ def run_telemetry(
     record_probs: bool = False,
     seed: int = 0,
     report: bool = True,
+    progress: bool = False,
 ) -> Path:
     """Run ``model`` over ``text_path``; writes trace, metrics.jsonl, summary.json, report/.
 
     Returns ``out_dir``. ``max_tokens`` caps the tokens read from the text. ``capacities``
     (expert slots per layer) default to ``default_capacities(top_k)`` of the model's routers
-    (``attach``): (2, 4) for top_k = 2.
+    (``attach``): (2, 4) for top_k = 2. ``progress`` shows progress bars (batches, report).
     """
     if seq_len < 2 or batch_size < 1 or max_tokens < seq_len:
         raise ValueError(
             f"need seq_len >= 2, batch_size >= 1, max_tokens >= seq_len; got {seq_len}, "
             f"{batch_size}, {max_tokens}"
         )
+    if not Path(text_path).is_file():
+        raise FileNotFoundError(
+            f"text file {str(text_path)!r} not found; give a text file to route"
+        )
     out = Path(out_dir)
     if (out / "trace" / "header.json").exists():
         raise FileExistsError(f"{out} already holds a telemetry run; choose a new out_dir")
-    out.mkdir(parents=True, exist_ok=True)
     net, tokenizer = load_model(model, seed)
+    out.mkdir(parents=True, exist_ok=True)
     net.to(device).eval()
     ids = _read_tokens(text_path, tokenizer, _vocab_size(net))[:max_tokens]
     width = seq_len + 1  # next-token targets
@@ -228,7 +300,6 @@ def run_telemetry(
     if n_seq == 0:
         raise ValueError(f"{text_path}: {len(ids)} tokens, fewer than seq_len+1={width}")
     blocks = torch.from_numpy(ids[: n_seq * width].reshape(n_seq, width).copy())
-    is_moestack = hasattr(net, "moe_layers")
     tel = attach(
         net,
         policies=policies,
@@ -236,15 +307,8 @@ def run_telemetry(
         trace_dir=str(out / "trace"),
         record_probs=record_probs,
     )
-    with tel, (out / "metrics.jsonl").open("w", encoding="utf-8") as metrics_file:
-        for step, start in enumerate(range(0, n_seq, batch_size)):
-            batch = blocks[start : start + batch_size].to(device)
-            inputs = batch[:, :-1]
-            row: dict[str, Any] = {"step": step, "tokens": int(inputs.numel())}
-            row["loss"] = _next_token_loss(net, inputs, batch[:, 1:], is_moestack)
-            row["perplexity"] = math.exp(min(row["loss"], 50.0))
-            row.update(tel.interval_metrics(step=step))
-            metrics_file.write(json.dumps(row) + "\n")
+    with tel:
+        overall = _route(net, tel, blocks, out / "metrics.jsonl", batch_size, device, progress)
         summary = tel.summary()
     summary.update(
         {
@@ -253,10 +317,11 @@ def run_telemetry(
             "sequences": int(n_seq),
             "seq_len": seq_len,
             "tokenizer": "bytes" if tokenizer is None else type(tokenizer).__name__,
+            **overall,
         }
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if report:
-        render_report(out, policies=policies)
+        render_report(out, policies=policies, progress=progress)
     log.info("telemetry run written to %s", out)
     return out

@@ -14,7 +14,7 @@ from moestack import prereg
 from moestack.errors import MoestackError
 
 REPO = Path(__file__).resolve().parents[1]
-EXPERIMENTS = REPO / "configs" / "experiment"
+EXPERIMENTS = REPO / "experiments"
 
 
 def study(**changes: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Pre-registered experiments: lock the hypotheses, run the grid, report pass/fail.
 
-A pre-registration file (YAML, ``configs/experiment/<study>.yaml``, format in docs/prereg.md)
+A pre-registration file (YAML, ``experiments/<study>.yaml``, format in docs/prereg.md)
 names the study, the training settings shared by every run (model, data, budget), the arms
 (one list of hydra overrides per router loss and weight), the seeds, the analysis (final
 checkpoint, the evaluation batches, cache policies and capacities, how seeds combine) and the
