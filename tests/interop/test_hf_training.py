@@ -143,3 +143,19 @@ def test_resume_of_a_transformers_run_is_exact(hf_dir, tmp_path, monkeypatch):
 
     assert losses(crashed) == losses(reference)
     shutil.rmtree(crashed)
+
+
+def test_telemetry_and_offload_adamw_on_a_transformers_model(hf_dir, tmp_path):
+    from moestack.telemetry import RoutingTrace
+
+    cfg = hf_config(
+        hf_dir("olmoe"), tmp_path, steps=6, ckpt_every=3, trainable="routers+experts",
+        optim=OptimConfig(name="offload_adamw", lr=1e-2, warmup_steps=1),
+        telemetry=TelemetryConfig(enabled=True),
+    )  # fmt: skip
+    summary = train(cfg, tmp_path / "run")
+    assert math.isfinite(summary["loss/val"])
+    trace = RoutingTrace.load(tmp_path / "run" / "trace" / "from-0000000")
+    assert trace.num_layers == 2 and trace.num_tokens == 6 * 4 * 32  # every training token
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert any("telemetry/hit_rate" in r for r in records)
