@@ -49,10 +49,11 @@ from moestack.cache.store_format import (
     expert_json,
     expert_tensors,
     fd_digest,
-    fsync_dir,
     index_json,
+    install_dir,
     layer_files,
     parse_header,
+    pread_exact,
 )
 from moestack.cache.store_format import digest as _digest
 
@@ -66,19 +67,6 @@ from moestack.errors import MoestackError
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20  # larger experts are read as parallel chunks of this size
-
-
-def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    """Fill ``view`` from ``offset`` of ``fd``; MoestackError if the file ends first."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise MoestackError(
-                f"expert file {path} ended early (offset {offset + done}): it is truncated; "
-                "rewrite the store with ExpertStore.write"
-            )
-        done += n
 
 
 def _save_tensors(
@@ -217,15 +205,7 @@ class ExpertStore:
         try:
             index = cls._write_files(tmp, layers, layout, model_cfg, dict(meta or {}))
             _write_file(tmp / INDEX_FILE, json.dumps(index, indent=1).encode())
-            fsync_dir(tmp)
-            if path.exists():
-                old = path.with_name(f".{path.name}.old-{os.getpid()}")
-                os.rename(path, old)
-                os.rename(tmp, path)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, path)
-            fsync_dir(path.parent)
+            install_dir(tmp, path)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             if err.errno == errno.ENOSPC:
@@ -418,13 +398,13 @@ class ExpertStore:
                 # Several reads in flight: a cold expert reads at the device's sequential speed.
                 pool = self._reader_pool()
                 futures = [
-                    pool.submit(_pread_exact, fd, view[lo:hi], offset + lo, path)
+                    pool.submit(pread_exact, fd, view[lo:hi], offset + lo, path)
                     for lo, hi in chunks
                 ]
                 for fut in futures:
                     fut.result()
             else:
-                _pread_exact(fd, view[done:], offset + done, path)
+                pread_exact(fd, view[done:], offset + done, path)
         split = entry.w1.nbytes
         return {
             "w1": buf[:split].view(entry.w1.dtype).view(entry.w1.shape),

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -359,3 +360,30 @@ def _state_dict_tensors(
     if ids != list(range(len(ids))) or any(len(found[i]) != 2 for i in ids):
         raise MoestackError(f"the state dict's MoE layers {ids} are not 0..n-1 each with w1 and w2")
     return [found[i]["w1"].detach() for i in ids], [found[i]["w2"].detach() for i in ids]
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill ``view`` from ``offset`` of ``fd``; MoestackError if the file ends first."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise MoestackError(
+                f"expert file {path} ended early (offset {offset + done}): it is truncated; "
+                "rewrite the store with ExpertStore.write"
+            )
+        done += n
+
+
+def install_dir(tmp: Path, path: Path) -> None:
+    """Move the finished, fsynced folder ``tmp`` to ``path``, replacing an old store there
+    (renamed aside first, so ``path`` always holds a whole store or none)."""
+    fsync_dir(tmp)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, path)
+    fsync_dir(path.parent)
