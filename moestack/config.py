@@ -190,6 +190,9 @@ class OptimConfig:
     overlap: bool = True  # offload_adamw: overlap host copies with compute
     skip_idle_experts: bool = False  # offload_adamw: skip experts that got no tokens
     moment_dtype: str = "float32"  # offload_adamw: "float32" or "bfloat16" host moments
+    # offload_adamw: the one-pass host step: "auto" (the native C++ kernel, else
+    # torch.compile, else the reference), "native", "compile" or "off" (the reference path)
+    fused_step: str = "auto"
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
     # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
     param_dtype: str = "auto"
@@ -210,6 +213,10 @@ class OptimConfig:
         _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
         _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} not in [0,1]")
         _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 = off)")
+        _check(
+            self.fused_step in ("auto", "native", "compile", "off"),
+            f"optim.fused_step={self.fused_step!r}; use 'auto', 'native', 'compile' or 'off'",
+        )
         _check(
             self.moment_dtype in ("float32", "bfloat16"),
             f"optim.moment_dtype={self.moment_dtype!r}; use 'float32' or 'bfloat16'",

@@ -3,8 +3,12 @@
 Measures, in one process:
   1. device and host bytes per parameter, counted from tensor sizes and devices, for
      OffloadAdamW against mixed-precision torch AdamW (bf16 weights/grads, fp32 master+state);
-  2. host step throughput (params/s) of OffloadAdamW against torch.optim.AdamW(fused=True)
-     on the CPU, same tensors and thread count;
+  2. host step throughput (params/s) of OffloadAdamW's variants (in place; master copy with
+     the reference path or the fused step, native or compiled; bf16 weights; bf16 moments)
+     against torch.optim.AdamW(fused=True) updating fp32 parameters in place, and as a
+     fraction of each variant's bandwidth bound: the bytes it must move per parameter over
+     the copy bandwidth measured in the same run (STREAM-style copy). For 1, 2 and all
+     threads; a table per thread count, and the reference step's time by part;
   3. bf16 host moments: moment bytes and parameter drift against fp32 torch AdamW after N steps;
   4. skip_idle_experts: drift of an expert idle half of the steps against dense AdamW;
   5. on a GPU (when present): optimizer step time with offload against torch AdamW on the
@@ -16,6 +20,7 @@ Measures, in one process:
      137M-parameter m137 config; on the CPU a tiny one (a dry run of the code).
 
     python scripts/bench_optim.py [--params 8e6] [--experts 8] [--reps 10] [--json out.json]
+        [--only throughput] [--thread-counts 1,2,all] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,16 +29,19 @@ import argparse
 import contextlib
 import gc
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.model import MoETransformer
-from moestack.optim import OffloadAdamW, apply_param_dtype, build_optimizer, clip_grad_norm
+from moestack.optim import OffloadAdamW, apply_param_dtype, build_optimizer, clip_grad_norm, fused
 
 
 def make_params(
@@ -108,7 +116,7 @@ def memory(n: float, experts: int) -> dict[str, Any]:
 
 
 def _time_steps(opt: torch.optim.Optimizer, reps: int) -> float:
-    opt.step()  # warm-up (lazy state)
+    opt.step()  # warm-up (lazy state, kernel build)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -117,53 +125,183 @@ def _time_steps(opt: torch.optim.Optimizer, reps: int) -> float:
     return statistics.median(times)
 
 
-def throughput(n: float, experts: int, reps: int) -> dict[str, Any]:
-    """Host step params/s: OffloadAdamW variants against torch.optim.AdamW(fused=True)."""
-    rows: dict[str, Any] = {"threads": torch.get_num_threads()}
-    variants: dict[str, Any] = {
-        "torch_adamw_fused": lambda ps: torch.optim.AdamW([p for _, p in ps], fused=True),
-        "offload_in_place": lambda ps: OffloadAdamW(ps),
-        "offload_master_copy": lambda ps: OffloadAdamW(ps, in_place=False),
-        "offload_bf16_moments": lambda ps: OffloadAdamW(ps, moment_dtype=torch.bfloat16),
-        "offload_skip_idle_dense": lambda ps: OffloadAdamW(ps, skip_idle_experts=True),
+# name: (parameter dtype, bytes per parameter the step must move, optimizer for the params).
+# The bytes are what the job needs, read and written once: an fp32 in-place step reads the
+# gradient, weight and both moments and writes the last three (7 x 4); a master-copy step
+# reads the gradient (2 or 4 bytes) and master + moments (12), writes them back (12) and
+# writes the parameter (2 or 4); bf16 moments halve the 16 moment bytes.
+def _offload(**kw: Any) -> Any:
+    return lambda ps: OffloadAdamW(ps, **kw)
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+VARIANTS: dict[str, tuple[torch.dtype, int, Any]] = {
+    "torch_adamw_fused": (F32, 28, lambda ps: torch.optim.AdamW([p for _, p in ps], fused=True)),
+    "offload_in_place": (F32, 28, _offload()),
+    "master_fp32_reference": (F32, 32, _offload(in_place=False, fused_step="off")),
+    "master_fp32_native": (F32, 32, _offload(in_place=False, fused_step="native")),
+    "master_bf16_reference": (BF16, 28, _offload(fused_step="off")),
+    "master_bf16_native": (BF16, 28, _offload(fused_step="native")),
+    "master_bf16_compile": (BF16, 28, _offload(fused_step="compile")),
+    "bf16_moments_reference": (BF16, 20, _offload(moment_dtype=BF16, fused_step="off")),
+    "bf16_moments_native": (BF16, 20, _offload(moment_dtype=BF16, fused_step="native")),
+    "in_place_bf16_moments": (F32, 20, _offload(moment_dtype=BF16)),
+    "skip_idle_dense": (F32, 28, _offload(skip_idle_experts=True)),
+}
+COPY_ELEMENTS = 1 << 25  # fp32 elements per copy buffer: 128 MiB, well beyond a CPU cache
+
+
+def copy_bandwidth(reps: int) -> dict[str, float]:
+    """Bytes/s of a large fp32 tensor copy (STREAM's copy kernel), and of an in-place scale.
+
+    ``stream``: counted as STREAM counts its copy, 8 bytes per element (read + write).
+    ``moved``: 12 bytes per element, what the memory system moves: a store to a line not yet
+    in cache first reads it (write-allocate). The bound uses ``moved``; ``scale`` (an
+    in-place ``mul_``, 8 bytes per element, nothing to allocate) shows the two agree where
+    the copy is 1.5x slower than the scale of the same length.
+    """
+    src = torch.ones(COPY_ELEMENTS)
+    dst = torch.ones_like(src)
+    times: dict[str, list[float]] = {"copy": [], "scale": []}
+    for _ in range(max(reps, 3)):
+        dst.copy_(src)  # also the warm-up of the first repeat
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        src.mul_(1.0)
+        t2 = time.perf_counter()
+        times["copy"].append(t1 - t0)
+        times["scale"].append(t2 - t1)
+    copy, scale = (statistics.median(times[k]) for k in ("copy", "scale"))
+    return {
+        "stream": 8 * COPY_ELEMENTS / copy,
+        "moved": 12 * COPY_ELEMENTS / copy,
+        "scale": 8 * COPY_ELEMENTS / scale,
     }
-    for _ in range(2):  # two interleaved rounds, best of: other jobs share the cores
-        for name, build in variants.items():
-            params = make_params(n, experts, torch.float32, "cpu")
-            numel = sum(p.numel() for _, p in params)
-            set_grads(params, 2)
-            sec = _time_steps(build(params), reps)
-            key = f"{name}_params_per_s"
-            rows[key] = max(rows.get(key, 0.0), numel / sec)
-    rows["params"] = numel
-    base = rows["torch_adamw_fused_params_per_s"]
-    for name in variants:
-        if name != "torch_adamw_fused":
-            rows[f"{name}_vs_fused"] = rows[f"{name}_params_per_s"] / base
-    # Where the master-copy step's time goes. On a CUDA machine the gradient pack and the
-    # copy back are DMA transfers (started in backward, returned on a side stream); the host
-    # itself runs only the update.
+
+
+def thread_counts(arg: str) -> list[int]:
+    """The thread counts of ``--thread-counts`` ("1,2,all"; "all" = every core), deduplicated."""
+    every = os.cpu_count() or torch.get_num_threads()
+    counts = [every if t.strip() == "all" else int(t) for t in arg.split(",") if t.strip()]
+    return sorted(set(counts))
+
+
+def throughput(n: float, experts: int, reps: int, threads: list[int], rounds: int) -> dict:
+    """Host step params/s of every variant against torch.optim.AdamW(fused=True), and as a
+    fraction of its bandwidth bound (its bytes at the copy bandwidth measured in the same
+    process, :func:`copy_bandwidth`), for each thread count.
+
+    Other jobs may share the cores, so each round measures every thread count and variant
+    once (the median of ``reps`` steps), and each (thread count, variant) keeps its best
+    round; the ratios are of those best rounds.
+    """
+    built: dict[str, tuple[Any, int]] = {}
+    for name, (dtype, _, build) in VARIANTS.items():
+        params = make_params(n, experts, dtype, "cpu")
+        set_grads(params, 2)
+        built[name] = (build(params), sum(p.numel() for _, p in params))
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(rounds):
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for key, bps in copy_bandwidth(reps).items():
+                best[nt, key] = max(best.get((nt, key), 0.0), bps)
+            for name, (opt, numel) in built.items():
+                best[nt, name] = max(best.get((nt, name), 0.0), numel / _time_steps(opt, reps))
+    out: dict[str, Any] = {"params": built["torch_adamw_fused"][1], "rounds": rounds}
+    for nt in threads:
+        rows = {}
+        for name, (_, nbytes, _) in VARIANTS.items():
+            rows[name] = {
+                "backend": getattr(built[name][0], "host_step", "torch"),
+                "bytes_per_param": nbytes,
+                "params_per_s": best[nt, name],
+                "vs_torch_fused": best[nt, name] / best[nt, "torch_adamw_fused"],
+                "of_bandwidth_bound": best[nt, name] * nbytes / best[nt, "moved"],
+            }
+        out[f"threads_{nt}"] = {
+            "copy_moved_GBps": best[nt, "moved"] / 1e9,
+            "copy_stream_GBps": best[nt, "stream"] / 1e9,
+            "scale_in_place_GBps": best[nt, "scale"] / 1e9,
+            "variants": rows,
+        }
+    for opt, _ in built.values():
+        _release(opt)
+    del built
+    out.update(step_parts(n, experts, reps))  # at the last (largest) thread count
+    return out
+
+
+def print_table(rows: dict[str, Any]) -> None:
+    """The throughput section as one table per thread count."""
+    print(f"  {rows['params']:,} parameters, best of {rows['rounds']} interleaved rounds")
+    for key, table in rows.items():
+        if not key.startswith("threads_"):
+            continue
+        nt = key.removeprefix("threads_")
+        print(
+            f"\n  {nt} thread(s): copy moves {table['copy_moved_GBps']:.1f} GB/s (the bound; "
+            f"STREAM count {table['copy_stream_GBps']:.1f}), in-place scale "
+            f"{table['scale_in_place_GBps']:.1f} GB/s"
+        )
+        head = ("variant", "backend", "B/param", "Mparam/s", "vs torch", "of bound")
+        print("  {:<24} {:<9} {:>7} {:>9} {:>8} {:>8}".format(*head))
+        for name, r in table["variants"].items():
+            print(
+                f"  {name:<24} {r['backend']:<9} {r['bytes_per_param']:>7} "
+                f"{r['params_per_s'] / 1e6:>9.0f} {r['vs_torch_fused']:>7.2f}x "
+                f"{r['of_bandwidth_bound']:>8.2f}"
+            )
+    print()
+
+
+def step_parts(n: float, experts: int, reps: int) -> dict[str, Any]:
+    """Where the reference master-copy step's time goes (pack, update, copy back), and the
+    update alone of the fused step as a GPU machine's host runs it (packed fp32 gradients
+    in, bf16 weights out to the staging buffer): on a GPU machine the pack and the copy back
+    are DMA transfers, the host runs only the update. Each repeat times torch's fused AdamW,
+    the reference parts and the staged update back to back; medians over the repeats."""
     params = make_params(n, experts, torch.float32, "cpu")
     set_grads(params, 2)
-    opt = OffloadAdamW(params, in_place=False)
-    opt.step()
-    parts: dict[str, list[float]] = {"pack": [], "update": [], "copy_back": []}
+    torch_opt = torch.optim.AdamW([p for _, p in params], fused=True)
+    ref = OffloadAdamW(params, in_place=False, fused_step="off")
+    bf16 = make_params(n, experts, torch.bfloat16, "cpu")
+    set_grads(bf16, 2)
+    with mock.patch.object(fused, "choose_mode", return_value=fused.STAGED):
+        staged = OffloadAdamW(bf16, fused_step="native")
+    for opt in (torch_opt, ref, staged):
+        opt.step()  # lazy state, kernel build
+    secs: dict[str, list[float]] = {
+        k: [] for k in ("torch", "pack", "update", "copy_back", "staged")
+    }
     for _ in range(reps):
-        opt._grads_ready = False
         t0 = time.perf_counter()
-        opt._sync_grads()
+        torch_opt.step()
+        ref._grads_ready = False
         t1 = time.perf_counter()
-        for gi, group in enumerate(opt.param_groups):
-            opt._step_group(gi, group)
+        ref._sync_grads()
         t2 = time.perf_counter()
-        opt._return_weights()
+        for gi, group in enumerate(ref.param_groups):
+            ref._step_group(gi, group)
         t3 = time.perf_counter()
-        for key, sec in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            parts[key].append(sec)
-    for key, secs in parts.items():
-        rows[f"offload_master_copy_{key}_ms"] = 1e3 * statistics.median(secs)
-    update_rate = numel / statistics.median(parts["update"])
-    rows["offload_master_copy_update_only_vs_fused"] = update_rate / base
+        ref._return_weights()
+        t4 = time.perf_counter()
+        for gi, group in enumerate(staged.param_groups):
+            staged._step_group(gi, group)
+        t5 = time.perf_counter()
+        for key, sec in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+            secs[key].append(sec)
+    ms = {k: 1e3 * statistics.median(v) for k, v in secs.items()}
+    parts = ("pack", "update", "copy_back")
+    rows: dict[str, Any] = {f"offload_master_copy_{k}_ms": ms[k] for k in parts}
+    rows["offload_master_copy_update_only_vs_fused"] = ms["torch"] / ms["update"]
+    rows["staged_update_ms"] = ms["staged"]
+    rows["staged_update_only_vs_fused"] = ms["torch"] / ms["staged"]
+    rows["staged_update_backend"] = staged.host_step
+    rows["torch_adamw_fused_ms"] = ms["torch"]
+    for opt in (ref, staged):
+        _release(opt)
     return rows
 
 
@@ -355,6 +493,17 @@ def _torchao_offload() -> Any:
     return CPUOffloadOptimizer
 
 
+def machine() -> str:
+    """The CPU model and core count, and the date (for the record in BENCHMARKS.md)."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=8e6, help="parameters per measurement")
@@ -362,6 +511,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10, help="timed steps (median)")
     ap.add_argument("--drift-steps", type=int, default=200, help="steps for drift figures")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
+    ap.add_argument(
+        "--thread-counts",
+        default="1,2,all",
+        help="throughput: thread counts to measure ('all' = every core; --threads overrides)",
+    )
+    ap.add_argument("--rounds", type=int, default=5, help="throughput: interleaved rounds")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     ap.add_argument(
         "--only",
@@ -375,7 +530,13 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sections = {
         "memory": lambda: memory(args.params, args.experts),
-        "throughput": lambda: throughput(args.params, args.experts, args.reps),
+        "throughput": lambda: throughput(
+            args.params,
+            args.experts,
+            args.reps,
+            [args.threads] if args.threads else thread_counts(args.thread_counts),
+            args.rounds,
+        ),
         "drift": lambda: drift(args.drift_steps, args.experts),
         "gpu": lambda: gpu_step_time(args.params, args.experts, args.reps),
         "train_step": lambda: train_step_time(device, args.reps, args.train_impl),
@@ -384,12 +545,16 @@ def main() -> None:
     unknown = sorted(set(wanted) - set(sections))
     if unknown:
         ap.error(f"--only: unknown section(s) {unknown}; choose from {list(sections)}")
-    results: dict[str, Any] = {"torch": torch.__version__}
-    print(f"torch: {torch.__version__}")
+    results: dict[str, Any] = {"torch": torch.__version__, "machine": machine()}
+    print(f"torch: {torch.__version__}; {results['machine']}")
     for name in wanted:  # printed and saved section by section: a stopped run keeps them
         rows = results[name] = sections[name]()
         print(f"\n[{name}]")
+        if name == "throughput":
+            print_table(rows)
         for k, v in rows.items():
+            if k.startswith("threads_"):
+                continue
             if isinstance(v, float):
                 v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
             print(f"  {k:<45} {v}", flush=True)

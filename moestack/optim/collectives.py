@@ -54,9 +54,10 @@ def host_group(group: Any) -> Any:
 
 def any_rank(flags: list[bool], ranks: Ranks) -> list[bool]:
     """Element-wise OR of ``flags`` over the ranks."""
+    if not ranks.distributed:
+        return list(flags)
     has = torch.tensor(flags, dtype=torch.int32)
-    if ranks.distributed:
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=ranks.group)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=ranks.group)
     return [bool(h) for h in has.tolist()]
 
 
@@ -72,8 +73,11 @@ def average_grads(comm: Tensor, grad: Tensor, sharded: bool, ranks: Ranks) -> No
     grad.div_(ranks.world_size)
 
 
-def gather_shards(own: Tensor, out: Tensor, stride: int, ranks: Ranks) -> Tensor:
-    """Every rank's part of a per-shard buffer into ``out`` (``[num_shards * stride]``)."""
+def gather_shards(own: Tensor, out: Tensor | None, stride: int, ranks: Ranks) -> Tensor:
+    """Every rank's part of a per-shard buffer into ``out`` (``[num_shards * stride]``; a new
+    tensor when None)."""
+    if out is None:
+        out = own.new_empty(ranks.world_size * stride)
     if own.numel() < stride:
         own = torch.cat([own, own.new_zeros(stride - own.numel())])
     dist.all_gather_into_tensor(out, own.contiguous(), group=ranks.group)

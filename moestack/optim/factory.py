@@ -54,6 +54,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
             overlap=cfg.overlap,
             skip_idle_experts=cfg.skip_idle_experts,
             moment_dtype=cfg.moment_dtype,
+            fused_step=cfg.fused_step,
             **kw,
         )
     raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")

@@ -15,6 +15,12 @@ the master weights and moments of its shard only (layout: :mod:`moestack.optim.p
 3. The updated master weights are all-gathered and copied back into the parameters (on CUDA
    on a side stream; the compute stream waits on an event, the host does not).
 
+With ``fused_step`` (the default, ``"auto"``) a master-copy step runs in one pass over host
+memory instead (:mod:`moestack.optim.fused`): each gradient element is read once as it
+arrived, master weight and moments are updated and the narrowed weight written in the same
+pass; on one process with CPU parameters nothing is packed or copied back at all. Steps 1-3
+stay as the reference path (``fused_step="off"``, and the fallback when no kernel builds).
+
 With gradient accumulation, run every micro-batch but the last inside ``opt.no_sync()`` (as
 with DDP; moestack.trainer does): the gradients then cross to the host once per step.
 
@@ -40,20 +46,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moestack.optim import collectives, state_format, transfer, update
+from moestack.optim import collectives, fused, state_format, transfer, update
 from moestack.optim.plan import (
     DEFAULT_EXPERT_PATTERN,
     Unit,
     build_plan,
-    contiguous_runs,
     expert_flags,
+    group_spans,
     param_ranges,
 )
 
@@ -90,6 +95,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         in_place: step fp32 CPU parameters in place, without a master copy. ``None`` (default)
             does so when it is possible (no distributed run, all parameters fp32, contiguous,
             on the CPU); ``False`` forces the separate master copy.
+        fused_step: how a master-copy step runs: ``"auto"`` (the native kernel, else
+            torch.compile, else the reference path), ``"native"``, ``"compile"``, or ``"off"``
+            (the reference path: pack, torch's fused AdamW, copy back). A kernel that cannot
+            be built falls back to the reference path with one logged line.
     """
 
     def __init__(
@@ -108,9 +117,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         expert_pattern: str | None = DEFAULT_EXPERT_PATTERN,
         process_group: Any = None,
         in_place: bool | None = None,
+        fused_step: str = "auto",
     ) -> None:
         update.check_hparams(lr, betas, eps, weight_decay, where="")
         update.check_offload(offload)
+        fused.check_choice(fused_step)
         self.moment_dtype = update.parse_moment_dtype(moment_dtype)
         self._built = False
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -120,20 +131,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skip_idle_experts = bool(skip_idle_experts)
         self._join_process_group(process_group)
         self._collect_params(expert_params, expert_pattern)
-        self.in_place = self._choose_in_place(in_place)
+        self.in_place = transfer.choose_in_place(in_place, self._params, self._dist)
+        self._fused = fused.FusedHostStep.create(
+            fused_step, self.in_place, self._params, self._dist, self.num_shards, self.moment_dtype
+        )
         self._lay_out_state()
         self._reset_step_state()
         self._setup_transfers()
         self._built = True
         log.info(
             "OffloadAdamW: %d tensors, %d elements, %d shard(s), this rank holds %d "
-            "(in_place=%s, moments %s)",
-            len(self._params),
-            self._plan.total,
-            self.num_shards,
-            self._plan.own_size,
-            self.in_place,
-            self.moment_dtype,
+            "(in_place=%s, moments %s, fused step %s)",
+            *(len(self._params), self._plan.total, self.num_shards, self._plan.own_size),
+            *(self.in_place, self.moment_dtype, fused.describe(self._fused)),
         )
 
     # ----------------------------------------------------------------- construction steps
@@ -145,17 +155,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "OffloadAdamW lays out its host state at construction; build a new optimizer "
                 "with all param groups instead of calling add_param_group later"
             )
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in param_group:
-                merged = {**self.defaults, **param_group}
-                update.check_hparams(
-                    merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], "group "
-                )
-                break
+        update.check_group(param_group, self.defaults)
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            if not p.is_floating_point():
-                raise ValueError(f"parameter of dtype {p.dtype} cannot be optimised by AdamW")
+        update.check_floating(self.param_groups[-1]["params"])
 
     def _join_process_group(self, process_group: Any) -> None:
         """Find this rank's place among the data-parallel ranks, and the number of shards."""
@@ -183,20 +185,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._is_expert = expert_flags(self._params, self._names, expert_params, expert_pattern)
 
-    def _choose_in_place(self, requested: bool | None) -> bool:
-        """Whether to step the parameters themselves, without a master copy."""
-        possible = (
-            not self._dist
-            and {p.device.type for p in self._params} <= {"cpu"}
-            and all(p.dtype == torch.float32 and p.is_contiguous() for p in self._params)
-        )
-        if requested and not possible:
-            raise ValueError(
-                "in_place=True needs fp32, contiguous CPU parameters and no distributed run; "
-                "use in_place=None to let the optimizer decide"
-            )
-        return possible if requested is None else (requested and possible)
-
     def _lay_out_state(self) -> None:
         """Plan which units each shard holds; allocate this rank's host buffers."""
         shapes = [tuple(p.shape) for p in self._params]
@@ -204,15 +192,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             shapes, self._group_of, self._is_expert, self.num_shards, self.my_shard
         )
         self._host = transfer.alloc_host_buffers(
-            self._plan, self.moment_dtype, self.in_place, self._params
+            *(self._plan, self.moment_dtype, self.in_place, self._params),
+            pack=not self._direct,  # the direct fused step reads p.grad itself
+            staging_dtype=None if self._fused is None else self._fused.staging_dtype,
         )
 
     def _reset_step_state(self) -> None:
         """Step counters and the per-step bookkeeping of gradients, all empty."""
         self._steps = [0] * len(self._params)
-        self._step_t = [torch.zeros((), dtype=torch.float32) for _ in self._params]
+        self._span_cache: dict[Any, list[tuple[int, int, int, int]]] = {}
         self._grads_ready = False
         self._moment_scratch: Tensor | None = None  # fp32 slices of bf16 moments
+        self._grad_scale = 1.0  # the clipping factor the fused step applies to the gradients
         self._idle: set[int] = set()  # indices (into the plan's units) of owned units skipped now
         self._active = [False] * len(self._params)
 
@@ -227,10 +218,22 @@ class OffloadAdamW(torch.optim.Optimizer):
             # The hooks hold the optimizer weakly: a hook registry lives in C++, out of reach
             # of Python's garbage collector, so a strong reference would keep a dropped
             # optimizer (and its device scratch) alive as long as the parameters.
-            hook = _weak_grad_hook(self)
+            hook = transfer.weak_grad_hook(self)
             for p in self._params:
                 if p.requires_grad:  # torch refuses hooks on frozen tensors
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def host_step(self) -> str:
+        """How a step runs on the host: ``"in_place"``, ``"native"`` or ``"compile"`` (the
+        fused step), ``"off"`` (the reference path), or ``"pending"`` (fused, its kernel is
+        chosen at the first step)."""
+        return "in_place" if self.in_place else fused.backend_of(self._fused)
+
+    @property
+    def _direct(self) -> bool:
+        """The fused step reads ``p.grad`` and writes ``p.data`` itself (no pack, no copy)."""
+        return self._fused is not None and self._fused.mode == fused.DIRECT
 
     def host_buffers(self) -> dict[str, Tensor]:
         """Every host tensor this optimizer owns, by role (for memory accounting)."""
@@ -266,8 +269,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Make the averaged gradients of this rank's shard ready on the host."""
         if self._grads_ready:
             return
+        self._resolve_fused()
         self._active = collectives.any_rank([p.grad is not None for p in self._params], self._ranks)
-        if not self.in_place:
+        self._grad_scale = 1.0
+        if not self.in_place and not self._direct:
             assert self._host.comm is not None and self._host.grad is not None
             self._pack_remaining_grads()
             collectives.average_grads(
@@ -279,6 +284,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             else set()
         )
         self._grads_ready = True
+
+    def _resolve_fused(self) -> None:
+        """Choose the fused step's kernel (at the first step); without one, run the reference
+        path from now on, with the gradient buffers the direct mode did without."""
+        if self._fused is not None and not self._fused.resolve():
+            self._fused = None
+            transfer.for_reference_path(self._host, self._plan, self._params)
 
     def _pack_remaining_grads(self) -> None:
         """Wait for the copies the hooks started; copy every gradient they did not."""
@@ -292,7 +304,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._hooked = [False] * len(self._params)
 
     def _unit_grad(self, u: Unit) -> Tensor:
-        if self.in_place:
+        if self.in_place or self._direct:
             g = self._params[u.pidx].grad
             assert g is not None
             return g.view(-1)[u.start : u.start + u.numel]
@@ -304,29 +316,30 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Clip the averaged gradients to a global 2-norm of ``max_norm``; return the norm.
 
         Call this instead of ``torch.nn.utils.clip_grad_norm_``: the norm is taken after the
-        cross-rank reduction, over every shard, and the host copy the step consumes is scaled
-        (when state is offloaded, the device ``.grad`` is left as it is). Same formula as
-        torch: ``coef = min(1, max_norm / (norm + 1e-6))``.
+        cross-rank reduction, over every shard, and the gradients the step consumes are scaled
+        (when state is offloaded, the device ``.grad`` is left as it is: the fused step
+        applies the factor as it reads the gradients, the reference path scales its host
+        copy). Same formula as torch: ``coef = min(1, max_norm / (norm + 1e-6))``.
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type} is not supported; OffloadAdamW clips 2-norms")
         self._sync_grads()
-        if self.in_place:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            if not grads:
-                return torch.zeros(())
-            norms = torch._foreach_norm(grads, 2.0)
-            total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self.in_place or self._direct:
+            total = update.norm_of(grads)
         else:
             assert self._host.grad is not None
-            own = self._host.grad[: self._plan.own_size]
-            local = own.square().sum() if own.numel() else torch.zeros(())
+            local = update.sum_of_squares(self._host.grad[: self._plan.own_size])
             if self._dist and self.num_shards > 1:
                 collectives.sum_over_ranks(local, self._ranks)
             total = local.sqrt()
+        if self._fused is not None:  # the norm of the gradients as the step will read them
+            total = total * self._grad_scale
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if self.in_place:
             torch._foreach_mul_(grads, coef)
+        elif self._fused is not None:
+            self._grad_scale *= float(coef)
         else:
             assert self._host.grad is not None
             self._host.grad.mul_(coef)
@@ -348,7 +361,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, a in enumerate(self._active):
             if a:
                 self._steps[i] += 1
-                self._step_t[i].fill_(float(self._steps[i]))
         for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         self._return_weights()
@@ -358,30 +370,31 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _init_master(self, pidxs: list[int]) -> None:
         """Copy the current parameters into the master buffer (first step / load)."""
         assert self._host.master is not None
-        want = set(pidxs)
-        for k in self._plan.my_units:
-            u = self._plan.units[k]
-            if u.pidx in want:
-                src = self._params[u.pidx].detach().reshape(-1)[u.start : u.start + u.numel]
-                self._host.master[u.off : u.off + u.numel].copy_(src)
+        transfer.init_master(self._host.master, self._plan, self._params, pidxs)
 
-    def _runs(self, gi: int) -> list[update.Run]:
-        """The slices to step for group gi: active, not idle, merged when contiguous."""
-        units = [self._plan.units[k] for k in self._plan.my_units if k not in self._idle]
-        todo = [u for u in units if u.group == gi and self._active[u.pidx]]
-        spans = contiguous_runs(todo, self.in_place, self._steps)
-        return update.slices(spans, self._params, self._host, self._step_t, self.in_place)
+    def _spans(self, gi: int) -> list[tuple[int, int, int, int]]:
+        """The slices to step for group gi (:func:`moestack.optim.plan.group_spans`)."""
+        per_param = self.in_place or (self._fused is not None and self._fused.per_param)
+        state = (self._idle, self._active, self._steps)
+        return group_spans(self._plan, gi, *state, per_param, self._span_cache)
 
     def _step_group(self, gi: int, group: dict[str, Any]) -> None:
         """AdamW on this rank's active units of param group ``gi``."""
-        runs = self._runs(gi)
-        if runs:
-            hparams = update.group_hparams(group)
-            self._moment_scratch = update.step_runs(runs, hparams, self._moment_scratch)
+        spans = self._spans(gi)
+        if not spans:
+            return
+        hparams = update.group_hparams(group)
+        if self._fused is not None:
+            host, steps = self._host, self._steps
+            self._fused.run(spans, self._params, host, steps, hparams, self._grad_scale)
+            return
+        runs = update.slices(spans, self._params, self._host, self._steps, self.in_place)
+        self._moment_scratch = update.step_runs(runs, hparams, self._moment_scratch)
 
     def _return_weights(self) -> None:
-        """Copy the updated master weights (all shards) back into the parameters."""
-        if self.in_place:
+        """Copy the updated master weights (all shards) back into the parameters; the staged
+        fused step's bf16 weights come from its staging buffer."""
+        if self.in_place or self._direct:
             return
         assert self._host.master is not None and self._host.comm is not None
         src = self._gathered(self._host.master, self._host.comm)
@@ -389,8 +402,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         idle = None
         if self._idle and self.num_shards == 1:
             idle = param_ranges(self._plan.units[k] for k in self._idle)
+        staged = self._host.staging if self._fused is not None else None
         transfer.return_weights(
-            self._params, self._plan, src, self._active, idle, self._side, self._to_device
+            self._params, self._plan, src, self._active, idle, self._side, self._to_device, staged
         )
 
     # ------------------------------------------------------------------- host <-> device
@@ -442,12 +456,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _gathered(self, buf: Tensor | None, out: Tensor | None = None) -> Tensor | None:
         """The full ``[num_shards * stride]`` buffer of a per-shard buffer, in ``out`` or a new
         tensor (collective when sharded)."""
-        if buf is None:
-            return None
-        if self.num_shards == 1:
+        if buf is None or self.num_shards == 1:
             return buf
-        if out is None:
-            out = buf.new_empty(self.num_shards * self._plan.stride)
         return collectives.gather_shards(buf, out, self._plan.stride, self._ranks)
 
     def state_dict(self) -> dict[str, Any]:
@@ -488,20 +498,4 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._steps[i] = 0
             return False
         self._steps[i], has_master = loaded
-        self._step_t[i].fill_(float(self._steps[i]))
         return not has_master
-
-
-# ------------------------------------------------------------------------------ helpers
-
-
-def _weak_grad_hook(opt: OffloadAdamW) -> Callable[[Tensor], None]:
-    """A post-accumulate-grad hook that calls ``opt._grad_hook`` while ``opt`` is alive."""
-    ref = weakref.ref(opt)
-
-    def hook(p: Tensor) -> None:
-        live = ref()
-        if live is not None:
-            live._grad_hook(p)
-
-    return hook

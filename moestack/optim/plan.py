@@ -16,6 +16,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -232,3 +233,36 @@ def param_ranges(units: Iterable[Unit]) -> dict[int, list[tuple[int, int]]]:
     for u in units:
         out.setdefault(u.pidx, []).append((u.start, u.numel))
     return out
+
+
+Span = tuple[int, int, int, int]  # (pidx, x_start, off, numel), see contiguous_runs
+
+
+def group_spans(
+    plan: ShardPlan,
+    gi: int,
+    idle: set[int],
+    active: Sequence[bool],
+    steps: Sequence[int],
+    per_param: bool,
+    cache: dict[Any, list[Span]],
+) -> list[Span]:
+    """The slices of param group ``gi`` to step: this rank's units that are active and not
+    idle, merged when contiguous (within one parameter when ``per_param``).
+
+    Kept in ``cache`` while the idle and active sets stay and all step counts are equal (they
+    then split nothing), so that a step over many experts does not redo the merge in Python.
+    """
+    key = None
+    if min(steps, default=0) == max(steps, default=0):
+        key = (gi, per_param, tuple(sorted(idle)), tuple(active))
+        if key in cache:
+            return cache[key]
+    if len(cache) > 64:  # idle sets keep changing: start over
+        cache.clear()
+    units = [plan.units[k] for k in plan.my_units if k not in idle]
+    todo = [u for u in units if u.group == gi and active[u.pidx]]
+    spans = contiguous_runs(todo, per_param, steps)
+    if key is not None:
+        cache[key] = spans
+    return spans

@@ -12,6 +12,7 @@ AdamW step, and no copy needs a device temporary as large as the tensor.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class HostBuffers:
     master: Tensor | None  # fp32 master weights; None when the parameters are stepped in place
     grad: Tensor | None  # this rank's averaged gradients (``comm`` itself when not sharded)
     comm: Tensor | None  # every shard's slot: packed gradients, then gathered weights
+    staging: Tensor | None = None  # bf16 weights the fused step narrowed for the device
 
     def state(self) -> dict[str, Tensor]:
         """The buffers a checkpoint holds: the moments, and the master weights when kept."""
@@ -54,31 +56,104 @@ class HostBuffers:
             if self.grad is not self.comm:
                 assert self.grad is not None
                 out["grad_shard"] = self.grad
+        if self.staging is not None:
+            out["weight_staging"] = self.staging
         return out
 
 
 def alloc_host_buffers(
-    plan: ShardPlan, moment_dtype: torch.dtype, in_place: bool, params: Sequence[Tensor]
+    plan: ShardPlan,
+    moment_dtype: torch.dtype,
+    in_place: bool,
+    params: Sequence[Tensor],
+    pack: bool = True,
+    staging_dtype: torch.dtype | None = None,
 ) -> HostBuffers:
-    """Zeroed host buffers: moments, and master weights, gradients and the communication
-    buffer unless stepping in place. Pinned when some parameter is on a CUDA device."""
-    pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
-
-    def host(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        return torch.zeros(n, dtype=dtype, pin_memory=pin)
-
+    """Zeroed host buffers: moments; unless stepping in place, master weights and (with
+    ``pack``) the gradient and communication buffers; a weight staging buffer of
+    ``staging_dtype`` if given. Pinned when some parameter is on a CUDA device."""
+    pin = pinned(params)
     size = plan.host_size
-    exp_avg, exp_avg_sq = host(size, moment_dtype), host(size, moment_dtype)
+    exp_avg = torch.zeros(size, dtype=moment_dtype, pin_memory=pin)
+    exp_avg_sq = torch.zeros(size, dtype=moment_dtype, pin_memory=pin)
     if in_place:
         return HostBuffers(exp_avg, exp_avg_sq, master=None, grad=None, comm=None)
-    master = host(size)
+    master = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
+    comm, grad = alloc_pack_buffers(plan, pin) if pack else (None, None)
+    staging = None
+    if staging_dtype is not None:
+        staging = torch.zeros(size, dtype=staging_dtype, pin_memory=pin)
+    return HostBuffers(exp_avg, exp_avg_sq, master=master, grad=grad, comm=comm, staging=staging)
+
+
+def pinned(params: Sequence[Tensor]) -> bool:
+    """Whether host buffers are pinned: when some parameter is on a CUDA device."""
+    return torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
+
+
+def alloc_pack_buffers(plan: ShardPlan, pin: bool) -> tuple[Tensor, Tensor]:
+    """The fp32 communication buffer (every shard's slot) and this rank's gradient shard
+    (the same tensor when not sharded)."""
     if plan.num_shards > 1:
-        comm = host(plan.num_shards * plan.stride)
-        grad = host(plan.stride)
-    else:
-        comm = host(plan.total)
-        grad = comm
-    return HostBuffers(exp_avg, exp_avg_sq, master=master, grad=grad, comm=comm)
+        return (
+            torch.zeros(plan.num_shards * plan.stride, dtype=torch.float32, pin_memory=pin),
+            torch.zeros(plan.stride, dtype=torch.float32, pin_memory=pin),
+        )
+    comm = torch.zeros(plan.total, dtype=torch.float32, pin_memory=pin)
+    return comm, comm
+
+
+def choose_in_place(requested: bool | None, params: Sequence[Tensor], distributed: bool) -> bool:
+    """Whether to step the parameters themselves, without a master copy (see OffloadAdamW's
+    ``in_place``): possible with fp32, contiguous CPU parameters and no distributed run."""
+    possible = (
+        not distributed
+        and {p.device.type for p in params} <= {"cpu"}
+        and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+    )
+    if requested and not possible:
+        raise ValueError(
+            "in_place=True needs fp32, contiguous CPU parameters and no distributed run; "
+            "use in_place=None to let the optimizer decide"
+        )
+    return possible if requested is None else (requested and possible)
+
+
+def init_master(
+    master: Tensor, plan: ShardPlan, params: Sequence[Tensor], pidxs: list[int]
+) -> None:
+    """Copy parameters ``pidxs`` (this rank's units of them) into the fp32 master buffer."""
+    want = set(pidxs)
+    for k in plan.my_units:
+        u = plan.units[k]
+        if u.pidx in want:
+            src = params[u.pidx].detach().reshape(-1)[u.start : u.start + u.numel]
+            master[u.off : u.off + u.numel].copy_(src)
+
+
+def for_reference_path(host: HostBuffers, plan: ShardPlan, params: Sequence[Tensor]) -> None:
+    """Give ``host`` what the reference path needs and a fused step did without: the
+    gradient buffers (the direct mode reads ``p.grad``), and no staging buffer."""
+    host.staging = None
+    if host.comm is None:
+        host.comm, host.grad = alloc_pack_buffers(plan, pinned(params))
+
+
+def weak_grad_hook(opt: Any) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook that calls ``opt._grad_hook`` while ``opt`` is alive.
+
+    The hooks hold the optimizer weakly: a hook registry lives in C++, out of reach of
+    Python's garbage collector, so a strong reference would keep a dropped optimizer (and
+    its device scratch) alive as long as the parameters.
+    """
+    ref = weakref.ref(opt)
+
+    def hook(p: Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._grad_hook(p)
+
+    return hook
 
 
 def side_stream(params: Sequence[Tensor], overlap: bool) -> torch.cuda.Stream | None:
@@ -193,8 +268,10 @@ def return_weights(
     idle: dict[int, list[tuple[int, int]]] | None,
     side: torch.cuda.Stream | None,
     to_device: CopyFn,
+    staged: Tensor | None = None,
 ) -> None:
-    """Copy the updated fp32 weights ``src`` (laid out as ``comm``) into the active params.
+    """Copy the updated fp32 weights ``src`` (laid out as ``comm``) into the active params;
+    parameters of ``staged``'s dtype take their (already narrowed) weights from it instead.
 
     ``idle`` maps a parameter to the ``(start, numel)`` ranges of experts left as they are.
     With a side stream the copies run there, after the compute stream's queued work (it may
@@ -208,13 +285,14 @@ def return_weights(
             if not active[s.pidx]:
                 continue
             flat = params[s.pidx].data.view(-1)
+            buf = staged if staged is not None and staged.dtype == flat.dtype else src
             base = plan.comm_offset(s.shard, s.off)
             if idle is not None and idle.get(s.pidx):
-                _copy_skipping(plan, flat, src, s, base, idle[s.pidx], side, to_device)
+                _copy_skipping(plan, flat, buf, s, base, idle[s.pidx], side, to_device)
                 continue
             to_device(
                 flat[s.start : s.start + s.numel],
-                src[base : base + s.numel],
+                buf[base : base + s.numel],
                 non_blocking=side is not None,
             )
     if side is not None:

@@ -37,12 +37,13 @@ def slices(
     spans: Sequence[tuple[int, int, int, int]],
     params: Sequence[Tensor],
     host: HostBuffers,
-    step_t: Sequence[Tensor],
+    steps: Sequence[int],
     in_place: bool,
 ) -> list[Run]:
     """The runs of ``spans`` (``(pidx, x_start, off, numel)``, see
     :func:`~moestack.optim.plan.contiguous_runs`): weights and gradients from the parameters
-    when ``in_place``, else from the host buffers; moments always from the host buffers."""
+    when ``in_place``, else from the host buffers; moments always from the host buffers;
+    the step count (after this step) as the tensor torch's kernel takes."""
     out = []
     for pidx, x0, off, n in spans:
         if in_place:
@@ -56,7 +57,7 @@ def slices(
             g = host.grad[off : off + n]
         m = host.exp_avg[off : off + n]
         v = host.exp_avg_sq[off : off + n]
-        out.append((x, g, m, v, step_t[pidx]))
+        out.append((x, g, m, v, torch.tensor(float(steps[pidx]), dtype=torch.float32)))
     return out
 
 
@@ -155,6 +156,33 @@ def _all_zero(t: Tensor) -> bool:
         return False
     lo, hi = torch.aminmax(t)
     return bool(lo == 0) and bool(hi == 0)
+
+
+def norm_of(grads: Sequence[Tensor]) -> Tensor:
+    """The global 2-norm of ``grads`` (any float dtype), accumulated in fp32."""
+    if not grads:
+        return torch.zeros(())
+    norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def sum_of_squares(t: Tensor) -> Tensor:
+    """``(t * t).sum()`` as a 0-d tensor (zero for an empty ``t``)."""
+    return t.square().sum() if t.numel() else torch.zeros(())
+
+
+def check_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Raise ValueError naming a bad hyper-parameter of a param group."""
+    if any(k in group for k in ("lr", "betas", "eps", "weight_decay")):
+        h = {**defaults, **group}
+        check_hparams(h["lr"], h["betas"], h["eps"], h["weight_decay"], "group ")
+
+
+def check_floating(params: Sequence[Tensor]) -> None:
+    """Raise ValueError for a parameter AdamW cannot optimise (not floating point)."""
+    for p in params:
+        if not p.is_floating_point():
+            raise ValueError(f"parameter of dtype {p.dtype} cannot be optimised by AdamW")
 
 
 def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:

@@ -32,11 +32,17 @@ def _build(model: torch.nn.Module, **kw: object) -> OffloadAdamW:
     return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
 
 
-@pytest.mark.parametrize("in_place", [None, False], ids=["in_place", "master_copy"])
-def test_matches_torch_adamw_every_step(reference: list, in_place: bool | None) -> None:
+@pytest.mark.parametrize(
+    ("in_place", "fused_step"),
+    [(None, "auto"), (False, "auto"), (False, "off")],
+    ids=["in_place", "master_copy_fused", "master_copy_reference"],
+)
+def test_matches_torch_adamw_every_step(
+    reference: list, in_place: bool | None, fused_step: str
+) -> None:
     """Scheduler, clipping, accumulation, a zero-grad expert, 2 groups, save/resume at 10."""
     model = TinyMoE()
-    opt = _build(model, in_place=in_place)
+    opt = _build(model, in_place=in_place, fused_step=fused_step)
     assert opt.in_place == (in_place is None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     names = dict(model.named_parameters())
@@ -46,7 +52,7 @@ def test_matches_torch_adamw_every_step(reference: list, in_place: bool | None) 
             torch.save({"optim": opt.state_dict(), "sched": sched.state_dict()}, buf)
             buf.seek(0)
             ckpt = torch.load(buf, weights_only=True)
-            opt = _build(model, in_place=in_place)
+            opt = _build(model, in_place=in_place, fused_step=fused_step)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
             sched.load_state_dict(ckpt["sched"])
             opt.load_state_dict(ckpt["optim"])
@@ -68,11 +74,14 @@ def test_matches_torch_adamw_every_step(reference: list, in_place: bool | None) 
         assert sd["state"]["moe.w1/expert0"]["step"] == step + 1
 
 
-def test_skip_idle_experts_leaves_idle_expert_untouched(reference: list) -> None:
+@pytest.mark.parametrize("in_place", [None, False], ids=["in_place", "master_copy_fused"])
+def test_skip_idle_experts_leaves_idle_expert_untouched(
+    reference: list, in_place: bool | None
+) -> None:
     """With skipping, the idle expert keeps its weights and zero moments; the rest is AdamW."""
     model = TinyMoE()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = _build(model, skip_idle_experts=True)
+    opt = _build(model, skip_idle_experts=True, in_place=in_place)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     for step in range(5):
         micro_step(model, step)
@@ -186,7 +195,7 @@ def test_gradient_hooks_hold_the_optimizer_weakly() -> None:
     import gc
     import weakref
 
-    from moestack.optim.offload import _weak_grad_hook
+    from moestack.optim.transfer import weak_grad_hook as _weak_grad_hook
 
     p = torch.nn.Parameter(torch.randn(3, 2))
     opt = OffloadAdamW([("w", p)])

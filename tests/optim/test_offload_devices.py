@@ -74,10 +74,16 @@ def lr_lambda(step: int) -> float:
 @pytest.mark.parametrize("defer", [False, True], ids=["copy-each", "no_sync"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_matches_torch_adamw_on_device(device: str, dtype: torch.dtype, defer: bool) -> None:
+def test_matches_torch_adamw_on_device(
+    device: str, dtype: torch.dtype, defer: bool, fused_step: str = "auto"
+) -> None:
+    """Every step against torch AdamW; ``fused_step`` as OffloadAdamW takes it (the tests
+    below run this one with the reference path, and with the staged fused step)."""
     params = make_params(device, dtype)
     ref = {n: torch.nn.Parameter(p.detach().float().cpu()) for n, p in params.items()}
-    opt = OffloadAdamW(list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = OffloadAdamW(
+        list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused_step=fused_step
+    )
     ref_opt = torch.optim.AdamW(
         list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
     )
@@ -133,8 +139,27 @@ def test_device_cast_path_on_the_cpu(monkeypatch) -> None:
         return buffers[-1]
 
     monkeypatch.setattr(OffloadAdamW, "_xfer_buffer", spy)
-    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=False)
+    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=False, fused_step="off")
     assert buffers and all(b.numel() == 7 and b.dtype == torch.float32 for b in buffers)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["copy-each", "no_sync"])
+def test_staged_fused_step_on_the_cpu(monkeypatch, defer: bool) -> None:
+    """The CUDA mode of the fused step (packed fp32 gradients in, bf16 weights out through a
+    staging buffer, copied to the parameters), forced on for CPU parameters."""
+    from moestack.optim import fused
+
+    monkeypatch.setattr(fused, "choose_mode", lambda *args: fused.STAGED)
+    staged = []
+    original = transfer.return_weights
+
+    def spy(*args, **kw):
+        staged.append(args[-1])
+        original(*args, **kw)
+
+    monkeypatch.setattr(transfer, "return_weights", spy)
+    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=defer)
+    assert staged and all(s is not None and s.dtype == torch.bfloat16 for s in staged)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

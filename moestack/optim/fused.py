@@ -1,0 +1,405 @@
+"""The fused host step of OffloadAdamW: one pass over memory per step.
+
+Why: the reference step (:mod:`moestack.optim.update`) makes three passes over host memory:
+it packs the gradients into an fp32 buffer, runs torch's fused AdamW on the master copy, and
+copies (narrowing) the master back into the parameters. The fused step reads each gradient
+element once, as it arrived (fp32 or bf16), updates master weight and both moments (fp32 or
+bf16) and writes the narrowed weight in the same pass, with the gradient-clipping factor
+applied on the way in (so clipping costs a read for the norm, not a write).
+
+Arithmetic (every backend does exactly these fp32 operations, in this order, no fused
+multiply-add; so the backends agree bitwise, and the master and moments follow
+``torch.optim.AdamW`` to rounding)::
+
+    g  = grad * scale
+    m  = m + (1 - beta1) * (g - m)                 # exp_avg.lerp_(g, 1 - beta1)
+    v  = v * beta2 + (1 - beta2) * g * g
+    x  = x * (1 - lr * wd) + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+    out = x narrowed to the parameter's dtype      # bitwise x.to(torch.bfloat16)
+
+Backends, chosen once per process at the first step (``fused_step`` of OffloadAdamW):
+``"native"`` (a small C++ kernel built at first use, :mod:`moestack.optim.native`),
+``"compile"`` (torch.compile's CPU code generation over each contiguous slice) and ``"auto"``
+(native, else compile). When none can be built the optimizer falls back to the reference
+path, saying so in one logged line.
+
+Where the gradients come from and the weights go (the *mode*, fixed at construction):
+``direct`` (one process, CPU parameters) reads ``p.grad`` and writes ``p.data`` themselves,
+so nothing is packed or copied back; ``staged`` (one process, CUDA parameters) reads the
+packed host gradients and writes bf16 weights into a pinned staging buffer that crosses to the
+device in half the bytes of the fp32 master; ``master`` (sharded or replicated over ranks)
+reads the reduced host gradients and updates master and moments only, the weights return
+through the gather as in the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moestack.optim import native
+from moestack.optim.native import Seg
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("auto", "native", "compile", "off")
+DIRECT, STAGED, MASTER = "direct", "staged", "master"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_ORDER = {"auto": ("native", "compile"), "native": ("native",), "compile": ("compile",)}
+_MIN_COMPILED = 16  # slices shorter than this run the eager formula (no 0/1 specialisation)
+_COMPILE_HINT = 1 << 18  # elements of the slice each dtype combination is first compiled for
+
+Kernel = Callable[[Sequence[Seg]], None]
+Combo = tuple[torch.dtype, torch.dtype, torch.dtype | None]  # (grad, moments, out or None)
+
+
+# ------------------------------------------------------------------------ the arithmetic
+
+
+def _update(
+    x: Tensor, g: Tensor, m: Tensor, v: Tensor, h: Tensor, sqrt: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The new (x, m, v) in fp32; ``h`` holds :func:`coefficients` as a float32 tensor."""
+    g32 = g.float() * h[7]
+    m0, v0 = m.float(), v.float()
+    m1 = m0 + h[1] * (g32 - m0)
+    v1 = v0 * h[2] + h[3] * g32 * g32
+    x1 = x * h[0] + h[6] * m1 / (sqrt(v1) / h[4] + h[5])
+    return x1, m1, v1
+
+
+def _ieee_sqrt(t: Tensor) -> Tensor:
+    """The correctly rounded fp32 square root (what ``vsqrtps`` and inductor's code give).
+
+    torch's eager CPU ``sqrt`` may go through a vector math library that is off by one ulp
+    for some inputs; the double square root rounded to fp32 is exact.
+    """
+    return t.double().sqrt().float()
+
+
+def _store(x: Tensor, m: Tensor, v: Tensor, out: Tensor | None, new: tuple[Tensor, ...]) -> None:
+    """Write the new values; ``copy_`` narrows to bf16 with round-to-nearest-even, as
+    ``.to(torch.bfloat16)`` does."""
+    x1, m1, v1 = new
+    x.copy_(x1)
+    m.copy_(m1)
+    v.copy_(v1)
+    if out is not None:
+        out.copy_(x1)
+
+
+def step_formula(x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, h: Tensor) -> None:
+    """One fused step of one slice in eager torch ops: the arithmetic every backend matches
+    bitwise (the reference of :func:`self_check`)."""
+    _store(x, m, v, out, _update(x, g, m, v, h, _ieee_sqrt))
+
+
+def _compiled_formula(
+    x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, h: Tensor
+) -> None:
+    """:func:`step_formula` as torch.compile sees it (its ``sqrt`` is the exact vector one)."""
+    _store(x, m, v, out, _update(x, g, m, v, h, torch.sqrt))
+
+
+def coefficients(hp: dict[str, float], step: int, scale: float = 1.0) -> tuple[float, ...]:
+    """The 8 per-slice scalars, computed in double as torch's AdamW does, for a slice at
+    ``step`` (1-based) of a group with hyper-parameters ``hp``
+    (:func:`moestack.optim.update.group_hparams`); ``scale`` is the clipping factor."""
+    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
+    return (
+        1 - lr * hp["weight_decay"],
+        1 - b1,
+        b2,
+        1 - b2,
+        math.sqrt(bc2),
+        hp["eps"],
+        -(lr / bc1),
+        float(scale),
+    )
+
+
+def eager_kernel(segs: Sequence[Seg]) -> None:
+    """The formula slice by slice in eager ops (the reference the backends are checked with)."""
+    for s in segs:
+        if s.x.numel():
+            step_formula(s.x, s.g, s.m, s.v, s.out, torch.tensor(s.coef, dtype=torch.float32))
+
+
+class CompiledKernel:
+    """:func:`step_formula` compiled by torch.compile (inductor's vectorised, multi-threaded
+    C++ for the CPU), called once per slice. Shapes are dynamic, so one compilation serves
+    every length; each dtype combination gets its own copy of the function, so that each
+    has its own compile cache (dynamo caches per code object, with a recompile limit)."""
+
+    name = "compile"
+
+    def __init__(self) -> None:
+        self._fns: dict[Combo, Callable[..., None]] = {}
+
+    def _fn(self, combo: Combo) -> Callable[..., None]:
+        fn = self._fns.get(combo)
+        if fn is None:
+            code = _compiled_formula.__code__
+            twin = types.FunctionType(
+                code.replace(co_name=f"{code.co_name}_{len(self._fns)}"),
+                _compiled_formula.__globals__,
+            )
+            # dynamic_threads: always one parallel loop, its threads chosen by OpenMP at run
+            # time (torch.set_num_threads), not fixed by the thread count or length at compile
+            options = {"cpp.dynamic_threads": True}
+            fn = torch.compile(twin, dynamic=True, fullgraph=True, options=options)
+            self._fns[combo] = fn
+        return fn
+
+    @torch.no_grad()
+    def __call__(self, segs: Sequence[Seg]) -> None:
+        for s in segs:
+            n = s.x.numel()
+            if n:
+                combo = (s.g.dtype, s.m.dtype, None if s.out is None else s.out.dtype)
+                fn = self._fn(combo) if n >= _MIN_COMPILED else step_formula
+                x, g, m, v, out = (None if t is None else _alias(t) for t in s[:5])
+                fn(x, g, m, v, out, torch.tensor(s.coef, dtype=torch.float32))
+
+
+def _alias(t: Tensor) -> Tensor:
+    """The memory of ``t`` as a tensor that is not a view: dynamo guards on a view's base
+    (its shape and strides), which would recompile for every parameter shape."""
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+# ------------------------------------------------------------- one optimizer's fused step
+
+
+def choose_mode(params: Sequence[Tensor], distributed: bool, num_shards: int) -> str:
+    """Where gradients come from and weights go (see the module docstring)."""
+    if distributed or num_shards > 1:
+        return MASTER
+    if all(
+        p.device.type == "cpu" and p.dtype in KERNEL_DTYPES and p.is_contiguous() for p in params
+    ):
+        return DIRECT
+    if all(p.device.type != "cpu" for p in params):
+        return STAGED
+    return MASTER
+
+
+def check_choice(fused_step: str) -> None:
+    """Raise ValueError unless ``fused_step`` is one of :data:`CHOICES`."""
+    if fused_step not in CHOICES:
+        raise ValueError(f"fused_step={fused_step!r} is not one of {CHOICES}")
+
+
+def describe(step: FusedHostStep | None) -> str:
+    """The fused step's choice and mode, for the log ("off" without one)."""
+    return "off" if step is None else f"{step.requested}, {step.mode} mode"
+
+
+def backend_of(step: FusedHostStep | None) -> str:
+    """ "native", "compile", "off" (the reference path) or "pending" (not resolved yet)."""
+    if step is None:
+        return "off"
+    return "pending" if step.kernel is None else kernel_name(step.kernel)
+
+
+class FusedHostStep:
+    """The fused step of one OffloadAdamW: its mode, its kernel (resolved at the first step)
+    and the slices it hands the kernel.
+
+    Args:
+        requested: a :data:`CHOICES` entry other than "off".
+        params, distributed, num_shards: the optimizer's, to choose the mode.
+        moment_dtype: the dtype of the host moments.
+    """
+
+    def __init__(
+        self,
+        requested: str,
+        params: Sequence[Tensor],
+        distributed: bool,
+        num_shards: int,
+        moment_dtype: torch.dtype,
+    ) -> None:
+        self.requested = requested
+        self.mode = choose_mode(params, distributed, num_shards)
+        bf16 = any(p.dtype == torch.bfloat16 for p in params)
+        # staged: bf16 weights are narrowed on the host; others cross as fp32 master weights
+        self.staging_dtype = torch.bfloat16 if self.mode == STAGED and bf16 else None
+        if self.mode == DIRECT:
+            self._combos = {(p.dtype, moment_dtype, p.dtype) for p in params}
+        else:
+            self._combos = {(torch.float32, moment_dtype, self._out_dtype(p)) for p in params}
+        self.kernel: Kernel | None = None
+
+    @classmethod
+    def create(
+        cls,
+        requested: str,
+        in_place: bool,
+        params: Sequence[Tensor],
+        distributed: bool,
+        num_shards: int,
+        moment_dtype: torch.dtype,
+    ) -> FusedHostStep | None:
+        """The fused step of an optimizer, or None (``"off"``, or stepping in place)."""
+        if requested == "off" or in_place:
+            return None
+        return cls(requested, params, distributed, num_shards, moment_dtype)
+
+    @property
+    def per_param(self) -> bool:
+        """Whether slices must not span parameters (they read or write the parameters)."""
+        return self.mode != MASTER
+
+    def resolve(self) -> bool:
+        """Find the kernel (once); False when the reference path must run instead."""
+        if self.kernel is None:
+            self.kernel = resolve(self.requested, sorted(self._combos, key=str))
+        return self.kernel is not None
+
+    def _out_dtype(self, p: Tensor) -> torch.dtype | None:
+        return self.staging_dtype if p.dtype == self.staging_dtype else None
+
+    def run(
+        self,
+        spans: Sequence[tuple[int, int, int, int]],
+        params: Sequence[Tensor],
+        host: Any,
+        steps: Sequence[int],
+        hp: dict[str, float],
+        scale: float,
+    ) -> None:
+        """Step the spans ``(pidx, x_start, off, numel)`` of one param group (from
+        :func:`~moestack.optim.plan.contiguous_runs`) of the host buffers ``host``."""
+        assert self.kernel is not None and host.master is not None
+        coef: dict[int, tuple[float, ...]] = {}
+        segs = []
+        for pidx, x0, off, n in spans:
+            if steps[pidx] not in coef:
+                coef[steps[pidx]] = coefficients(hp, steps[pidx], scale)
+            p = params[pidx]
+            if self.mode == DIRECT:
+                g, out = _flat_grad(p)[x0 : x0 + n], p.data.view(-1)[x0 : x0 + n]
+            else:
+                g = host.grad[off : off + n]
+                out = host.staging[off : off + n] if self._out_dtype(p) is not None else None
+            x, m, v = (buf[off : off + n] for buf in (host.master, host.exp_avg, host.exp_avg_sq))
+            segs.append(Seg(x, g, m, v, out, coef[steps[pidx]]))
+        self.kernel(segs)
+
+
+def _flat_grad(p: Tensor) -> Tensor:
+    """``p.grad`` as a flat tensor the kernel takes (a view unless it must convert)."""
+    g = p.grad
+    assert g is not None
+    if g.dtype not in KERNEL_DTYPES:
+        g = g.float()
+    return g.reshape(-1).contiguous()
+
+
+# ------------------------------------------------------------------ choosing a backend
+
+_STATE: dict[Any, Any] = {}  # "native" / ("compile", combo) -> kernel, or why it failed (str)
+_WARNED: set[str] = set()
+ALL_COMBOS: tuple[Combo, ...] = tuple(
+    (g, s, o) for g in KERNEL_DTYPES for s in KERNEL_DTYPES for o in (None, *KERNEL_DTYPES)
+)
+
+
+def resolve(requested: str, combos: Sequence[Combo]) -> Kernel | None:
+    """The kernel for ``requested`` (a :data:`CHOICES` entry but "off") that handles
+    ``combos``, or None: then the caller runs the reference path. Each outcome that is not
+    the first choice is logged once per process, in one line."""
+    reasons = []
+    for name in _ORDER[requested]:
+        got = _native() if name == "native" else _compiled(combos)
+        if not isinstance(got, str):
+            if reasons:
+                _warn_once(f"fused host step: {'; '.join(reasons)}; using {name}")
+            return got
+        reasons.append(f"{name} unavailable ({got})")
+    _warn_once(f"fused host step: {'; '.join(reasons)}; using the unfused reference path")
+    return None
+
+
+def kernel_name(kernel: Kernel | None) -> str:
+    """ "native", "compile", "eager" or "off" (None: the reference path)."""
+    return "off" if kernel is None else getattr(kernel, "name", "eager")
+
+
+def _native() -> Kernel | str:
+    if "native" not in _STATE:
+        try:
+            kernel = native.load()
+            self_check(kernel, ALL_COMBOS)
+            _STATE["native"] = kernel
+            log.info("fused host step: native kernel %s", kernel.path)
+        except Exception as err:  # any failure to build or load means: not available
+            _STATE["native"] = _one_line(err)
+    return _STATE["native"]
+
+
+def _compiled(combos: Sequence[Combo]) -> Kernel | str:
+    if "compile" not in _STATE:
+        try:
+            _STATE["compile"] = CompiledKernel()
+        except Exception as err:
+            _STATE["compile"] = _one_line(err)
+    kernel = _STATE["compile"]
+    if isinstance(kernel, str):
+        return kernel
+    for combo in combos:  # compiles each dtype combination now, not in the middle of a step
+        key = ("compile", combo)
+        if key not in _STATE:
+            try:  # the first length sets inductor's size hint: large, or it emits no threads
+                self_check(kernel, [combo], n=_COMPILE_HINT)
+                _STATE[key] = kernel
+            except Exception as err:
+                _STATE[key] = _one_line(err)
+        if isinstance(_STATE[key], str):
+            return _STATE[key]
+    return kernel
+
+
+def self_check(kernel: Kernel, combos: Sequence[Combo], n: int = 67) -> None:
+    """Raise RuntimeError unless ``kernel`` matches :func:`step_formula` bitwise on random
+    slices of each dtype combination (a wrong build must not train)."""
+    gen = torch.Generator().manual_seed(0)
+    hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
+    coef = coefficients(hp, step=3, scale=0.5)
+    for combo in combos:
+        base = [torch.randn(n, generator=gen) for _ in range(3)]
+        base.append(torch.rand(n, generator=gen))  # the second moment is >= 0
+        want, got = _seg_of(base, combo, coef), _seg_of(base, combo, coef)
+        eager_kernel([want])
+        kernel([got])
+        for a, b in zip(want, got, strict=True):
+            if isinstance(a, Tensor) and not torch.equal(a, b):
+                raise RuntimeError(f"results differ from the reference formula for {combo}")
+
+
+def _seg_of(base: list[Tensor], combo: Combo, coef: tuple[float, ...]) -> Seg:
+    """A fresh slice of dtypes ``combo`` from fp32 ``base`` = [x, g, m, v]."""
+    g_dt, s_dt, o_dt = combo
+    x, g, m, v = (t.clone() for t in base)
+    out = None if o_dt is None else torch.empty(x.numel(), dtype=o_dt)
+    return Seg(x, g.to(g_dt), m.to(s_dt), v.to(s_dt), out, coef)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines() or [""]
+    text = f"{type(err).__name__}: {lines[0]}"
+    return text if len(text) <= 200 else text[:197] + "..."

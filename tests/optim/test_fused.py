@@ -1,0 +1,295 @@
+"""The fused host step: backends against the formula bitwise, OffloadAdamW against torch AdamW
+with bf16 weights, and the fallback to the reference path when no kernel can be built.
+
+Compiled-path tests use small slices and one or two dtype combinations: each combination is
+one torch.compile compilation (seconds, cached on disk by inductor afterwards).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from _optim_testlib import (
+    ACCUM,
+    IDLE,
+    LR,
+    MAX_NORM,
+    STEPS,
+    TinyMoE,
+    assert_rel_close,
+    batch,
+    groups,
+    lr_lambda,
+    ours_state,
+)
+
+from moestack.optim import OffloadAdamW, fused, native
+from moestack.optim.native import Seg
+
+BF16_COMBO = (torch.bfloat16, torch.float32, torch.bfloat16)  # bf16 weights, fp32 moments
+
+
+@pytest.fixture
+def fresh_backends(monkeypatch):
+    """Forget which backends this process resolved, and which lines it logged."""
+    monkeypatch.setattr(fused, "_STATE", {})
+    monkeypatch.setattr(fused, "_WARNED", set())
+
+
+def _segments(combo, sizes, seed=0):
+    """Random slices of ``combo``'s dtypes, one per size; the coefficients differ per slice."""
+    gen = torch.Generator().manual_seed(seed)
+    hp = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
+    segs = []
+    for k, n in enumerate(sizes):
+        base = [torch.randn(n, generator=gen) for _ in range(3)]
+        base.append(torch.rand(n, generator=gen) * 1e-2)
+        segs.append(fused._seg_of(base, combo, fused.coefficients(hp, k + 1, 0.7)))
+    return segs
+
+
+def _assert_same(want, got):
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x, y)
+
+
+def _native_kernel():
+    kernel = fused.resolve("native", fused.ALL_COMBOS)
+    if kernel is None:
+        pytest.skip("no C++ compiler for the native kernel")
+    return kernel
+
+
+@pytest.mark.parametrize("combo", fused.ALL_COMBOS, ids=str)
+def test_native_kernel_matches_the_formula_bitwise(combo) -> None:
+    """Tails, several slices in one call, and more elements than one thread takes."""
+    kernel = _native_kernel()
+    sizes = [1, 15, 67, 40_000, 0, 33]
+    want, got = _segments(combo, sizes), _segments(combo, sizes)
+    fused.eager_kernel(want)
+    kernel(got)
+    _assert_same(want, got)
+    for s in got:
+        if s.out is not None:  # the narrowed weight is the master's .to(dtype), bit for bit
+            assert torch.equal(s.out, s.x.to(s.out.dtype))
+
+
+def test_native_kernel_splits_over_threads_exactly() -> None:
+    """The same result on 1 thread and on several (the split must not drop or repeat)."""
+    kernel = _native_kernel()
+    sizes = [70_001, 12_345, 50_000]
+    results = []
+    threads = torch.get_num_threads()
+    for nt in (1, max(2, threads)):
+        torch.set_num_threads(nt)
+        try:
+            segs = _segments(BF16_COMBO, sizes, seed=1)
+            kernel(segs)
+        finally:
+            torch.set_num_threads(threads)
+        results.append(segs)
+    _assert_same(*results)
+
+
+def test_native_kernel_refuses_what_it_cannot_take() -> None:
+    kernel = _native_kernel()
+    seg = _segments(BF16_COMBO, [8])[0]
+    with pytest.raises(ValueError, match="segment"):
+        kernel([seg._replace(g=torch.zeros(8, dtype=torch.float16))])
+    with pytest.raises(ValueError, match="segment"):
+        kernel([seg._replace(m=torch.zeros(16)[::2])])
+
+
+def test_compiled_kernel_matches_the_formula_bitwise() -> None:
+    kernel = fused.resolve("compile", [BF16_COMBO])
+    assert kernel is not None and fused.kernel_name(kernel) == "compile"
+    sizes = [5, 67, 1000]  # the first is below the compiled minimum: the eager formula
+    want, got = _segments(BF16_COMBO, sizes), _segments(BF16_COMBO, sizes)
+    fused.eager_kernel(want)
+    kernel(got)
+    _assert_same(want, got)
+
+
+def micro_step(model: torch.nn.Module, step: int) -> None:
+    """Forward/backward of ACCUM micro-batches through a bf16 model (loss in fp32)."""
+    for micro in range(ACCUM):
+        x, y = batch(step, micro)
+        loss = (model(x.bfloat16()).float() - y).square().mean() / ACCUM
+        loss.backward()
+
+
+def _bf16_run(**kw) -> None:
+    """OffloadAdamW on a bf16 TinyMoE and torch AdamW on fp32 copies fed the same gradients:
+    20 steps with a schedule, clipping, accumulation, an idle expert and a resume at 10."""
+    model = TinyMoE().to(torch.bfloat16)
+    names = dict(model.named_parameters())
+    ref = {n: torch.nn.Parameter(p.detach().float()) for n, p in names.items()}
+    ref_groups = [{**g, "params": [ref[n] for n, _ in g["params"]]} for g in groups(model)]
+    ref_opt = torch.optim.AdamW(ref_groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
+
+    def build() -> OffloadAdamW:
+        return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
+
+    opt = build()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for step in range(STEPS):
+        if step == STEPS // 2:  # checkpoint through bytes, fresh optimizer
+            buf = io.BytesIO()
+            torch.save({"optim": opt.state_dict(), "sched": sched.state_dict()}, buf)
+            buf.seek(0)
+            ckpt = torch.load(buf, weights_only=True)
+            opt = build()
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+            sched.load_state_dict(ckpt["sched"])
+            opt.load_state_dict(ckpt["optim"])
+        micro_step(model, step)
+        assert names["moe.w1"].grad[IDLE].abs().max() == 0
+        for n, r in ref.items():
+            r.grad = names[n].grad.float()
+        norm = float(opt.clip_grad_norm_(MAX_NORM))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(list(ref.values()), MAX_NORM))
+        assert norm == pytest.approx(ref_norm, rel=1e-6) and norm > MAX_NORM
+        for o, s in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            s.step()
+            o.zero_grad()
+        sd = opt.state_dict()
+        for n, p in names.items():
+            master = ours_state(sd, n, "master").reshape(p.shape)
+            assert_rel_close(master, ref[n].detach(), f"step {step} master {n}", 1e-6)
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = ours_state(sd, n, key).reshape(p.shape)
+                want = ref_opt.state[ref[n]][key]
+                assert_rel_close(got, want, f"step {step} {key} {n}", 1e-6)
+            assert torch.equal(p.detach(), master.to(torch.bfloat16)), (step, n)
+    assert opt.host_step == kw.get("fused_step", "auto")
+
+
+@pytest.mark.parametrize("backend", ["native", "compile"])
+def test_fused_step_matches_torch_adamw_with_bf16_weights(backend: str) -> None:
+    if backend == "native":
+        _native_kernel()
+    _bf16_run(fused_step=backend)
+
+
+def test_reference_path_matches_torch_adamw_with_bf16_weights() -> None:
+    _bf16_run(fused_step="off")
+
+
+def test_direct_mode_needs_no_gradient_buffer() -> None:
+    """One process, CPU weights: the fused step reads .grad and writes the weights itself."""
+    _native_kernel()
+    model = TinyMoE().to(torch.bfloat16)
+    opt = OffloadAdamW(model.named_parameters(), fused_step="native")
+    micro_step(model, 0)
+    opt.step()
+    assert opt.host_step == "native"
+    roles = set(opt.host_buffers())
+    assert roles == {"master", "exp_avg", "exp_avg_sq"}  # 12 bytes per parameter, no 4 of grads
+
+
+def test_bf16_moments_fused_step_tracks_the_reference_path() -> None:
+    """bf16 moments: the fused step narrows them as the reference path does (nearest even);
+    the two differ only by the rounding of the update itself."""
+    _native_kernel()
+    _, fused_weights = _losses_after(10, moment_dtype=torch.bfloat16, fused_step="native")
+    _, ref_weights = _losses_after(10, moment_dtype=torch.bfloat16, fused_step="off")
+    for n, w in fused_weights.items():
+        assert_rel_close(w.float(), ref_weights[n].float(), n, 1e-2)
+
+
+def test_clipping_twice_compounds_as_on_the_reference_path() -> None:
+    """The fused step folds the clipping factor into its pass: a second clip sees the norm
+    of the already scaled gradients, as it does when the host copy is scaled."""
+    _native_kernel()
+    results = {}
+    for step_kind in ("native", "off"):
+        model = TinyMoE().to(torch.bfloat16)
+        opt = OffloadAdamW(groups(model), lr=LR, fused_step=step_kind)
+        micro_step(model, 0)
+        norms = [float(opt.clip_grad_norm_(MAX_NORM)), float(opt.clip_grad_norm_(MAX_NORM / 2))]
+        opt.step()
+        sd = opt.state_dict()
+        names = [n for n, _ in model.named_parameters()]
+        results[step_kind] = (norms, {n: ours_state(sd, n, "master") for n in names})
+    (fused_norms, fused_w), (ref_norms, ref_w) = results["native"], results["off"]
+    assert fused_norms == pytest.approx(ref_norms, rel=1e-5)
+    assert fused_norms[1] == pytest.approx(MAX_NORM, rel=1e-4)  # the first clip's result
+    for n, w in fused_w.items():  # the fp32 masters: the same update to rounding
+        assert_rel_close(w, ref_w[n], n, 1e-6)
+
+
+def _losses_after(steps: int, **kw) -> tuple[OffloadAdamW, dict]:
+    model = TinyMoE().to(torch.bfloat16)
+    opt = OffloadAdamW(groups(model), lr=LR, **kw)
+    for step in range(steps):
+        micro_step(model, step)
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return opt, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_no_kernel_falls_back_to_the_reference_path_with_one_line(
+    monkeypatch, caplog, fresh_backends
+) -> None:
+    """Neither backend can be built: one logged line, then the reference path, exactly."""
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+
+    def no_compile(*args, **kw):
+        raise RuntimeError("inductor cannot build")
+
+    monkeypatch.setattr(native, "load", no_compiler)
+    monkeypatch.setattr(fused.torch, "compile", no_compile)
+    with caplog.at_level(logging.INFO, logger="moestack.optim"):
+        opt, weights = _losses_after(3, fused_step="auto")
+        _losses_after(2, fused_step="auto")  # a second optimizer: nothing more is logged
+    lines = [r for r in caplog.records if r.name == "moestack.optim.fused"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    msg = lines[0].getMessage()
+    assert "native unavailable" in msg and "compile unavailable" in msg
+    assert "reference path" in msg and "\n" not in msg
+    assert opt.host_step == "off"
+    _, ref_weights = _losses_after(3, fused_step="off")
+    for n, w in weights.items():
+        assert torch.equal(w, ref_weights[n]), n
+
+
+def test_missing_compiler_is_reported(monkeypatch, caplog, tmp_path, fresh_backends) -> None:
+    """A real failed build (CXX names no compiler) is caught and named in the one line."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="moestack.optim.fused"):
+        assert fused.resolve("native", [BF16_COMBO]) is None
+    (record,) = caplog.records
+    assert "no-such-c++" in record.getMessage()
+
+
+def test_native_failure_uses_the_compiled_step(monkeypatch, caplog, fresh_backends) -> None:
+    def read_only_cache():
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(native, "load", read_only_cache)
+    with caplog.at_level(logging.WARNING, logger="moestack.optim.fused"):
+        kernel = fused.resolve("auto", [BF16_COMBO])
+    assert fused.kernel_name(kernel) == "compile"
+    (record,) = caplog.records
+    assert "using compile" in record.getMessage()
+
+
+def test_bad_fused_step_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="fused_step"):
+        OffloadAdamW(TinyMoE().named_parameters(), fused_step="fast")
+
+
+def test_segments_take_only_what_the_kernel_can() -> None:
+    with pytest.raises(ValueError, match="segment"):
+        native.check_seg(Seg(torch.zeros(3), torch.zeros(4), *[torch.zeros(3)] * 3, (0.0,) * 8))
