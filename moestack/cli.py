@@ -10,6 +10,7 @@
                                                               (after a warm-up it announces)
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
     moestack prereg lock|run|analyze FILE                     pre-registered experiments
+    moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
 Each verb prints its result, with progress bars on the slow ones (log lines do not break
@@ -286,6 +287,45 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         print(f"report: {report}")
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from moestack.memory_plan import plan_memory
+    from moestack.prereg.compose import compose_config
+
+    cfg = compose_config(args.overrides)
+    plan = plan_memory(cfg, ranks=args.ranks, device=args.device)
+    print(
+        f"memory plan: model={cfg.model.n_layers}x{cfg.model.d_model} "
+        f"optim={cfg.optim.name} checkpointing={cfg.model.checkpointing} "
+        f"ranks={plan.ranks} device={plan.device}"
+    )
+    print(plan.format())
+
+
+def _plan_parser(verbs: Any) -> None:
+    p = verbs.add_parser(
+        "plan", help="bytes of weights, gradients, optimizer state and activations of a run"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="hydra overrides as for moestack-train, e.g. model=m137 optim=offload_adamw "
+        "(default: none, the default run)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="data-parallel ranks: ZeRO-1 shards of offload_adamw, batch split (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("", "cpu", "cuda"),
+        default="",
+        help="plan for this device (default: the run's device; auto is cuda when present)",
+    )
+    p.set_defaults(func=cmd_plan)
+
+
 def _eval_parser(verbs: Any) -> None:
     p = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
     p.add_argument(
@@ -437,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     for add in (
         _eval_parser, _export_parser, _telemetry_parser, _simulate_parser, _report_parser,
-        _prereg_parser,
+        _prereg_parser, _plan_parser,
     ):  # fmt: skip
         add(verbs)
     return parser

@@ -15,6 +15,7 @@ MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
 ROUTER_SCORES = ("softmax", "sigmoid")
 OPTIMIZERS = ("adamw", "offload_adamw")
 DATA_SOURCES = ("stdlib", "files", "hf")
+CHECKPOINTING = ("none", "moe", "block", "selective")  # model.checkpointing
 
 
 # configs/model/hf.yaml's model.path until the user sets it (OmegaConf's ??? would not
@@ -110,10 +111,23 @@ class ModelConfig:
     # moestack's own model. When set, its config.json fills the fields above (moe.impl and
     # the router stay yours), and the model loads with transformers, MoE blocks patched.
     path: str = ""
+    # activation checkpointing: what backward recomputes instead of keeping: "none", "moe"
+    # (the experts), "block" (the whole block but its router) or "selective" (norms, rotary,
+    # SwiGLU, gathers; matmul and attention outputs kept). Routing is never recomputed.
+    checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         self.moe = _coerce(self.moe, MoEConfig)
         self.router = _coerce(self.router, RouterConfig)
+        _check(
+            self.checkpointing in CHECKPOINTING,
+            f"model.checkpointing={self.checkpointing!r} is unknown; use one of {CHECKPOINTING}",
+        )
+        _check(
+            not self.path or self.checkpointing == "none",
+            f"model.checkpointing={self.checkpointing!r} applies to moestack's own model, not "
+            "to a transformers one (model.path); use none",
+        )
         if self.path:
             self._fill_from_transformers()
             return
@@ -329,6 +343,8 @@ class TrainConfig:
     # which weights train: "all", "routers" (the MoE routers only) or "routers+experts" (and
     # the routed experts); frozen weights get no gradients and no optimizer state
     trainable: str = "all"
+    # compile each transformer block with torch.compile (CPU and CUDA; docs/memory.md)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.model = _coerce(self.model, ModelConfig)
@@ -348,6 +364,11 @@ class TrainConfig:
         _check(
             self.trainable in ("all", "routers", "routers+experts"),
             f"trainable={self.trainable!r} is unknown; use all, routers or routers+experts",
+        )
+        _check(
+            not (self.compile and self.model.path),
+            "compile=true compiles moestack's own model blocks, not a transformers model "
+            "(model.path); use compile=false",
         )
         _check(
             self.device in ("auto", "cpu", "cuda"),

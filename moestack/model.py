@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moestack.config import ModelConfig
-from moestack.moe import MoE
+from moestack.moe import MoE, checkpoint_kwargs
 
 
 @dataclass
@@ -76,6 +77,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.moe_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.moe = MoE(cfg.d_model, cfg.moe, cfg.router)
+        self.checkpointing = cfg.checkpointing
+        self.moe.recompute = cfg.checkpointing
 
     def forward(
         self,
@@ -84,8 +87,24 @@ class Block(nn.Module):
         sin_SH: torch.Tensor,
         segment_ids_BS: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.checkpointing in ("block", "selective") and torch.is_grad_enabled():
+            # The attention half is recomputed in backward; the router stays outside every
+            # recomputed region (it runs once: one routing, telemetry and router counts see
+            # each token once) and the experts recompute inside MoE.experts.
+            h_BSD, u_BSD = checkpoint(
+                self._attention_half, x_BSD, cos_SH, sin_SH,
+                **checkpoint_kwargs(self.checkpointing),
+            )  # fmt: skip
+            return h_BSD + self.moe(u_BSD, segment_ids_BS)
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SH, sin_SH)
         return x_BSD + self.moe(self.moe_norm(x_BSD), segment_ids_BS)
+
+    def _attention_half(
+        self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + Attn(norm x), norm of that)``: the block up to the MoE layer's input."""
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SH, sin_SH)
+        return h_BSD, self.moe_norm(h_BSD)
 
 
 TRAINABLE = ("all", "routers", "routers+experts")  # what set_trainable may keep training
@@ -205,6 +224,21 @@ class MoETransformer(RoutedLM):
         for block in self.layers:
             x_BSD = block(x_BSD, cos_SH, sin_SH, segment_ids_BS)
         return self.lm_output(self.lm_head(self.norm(x_BSD)), targets)
+
+    def compile_blocks(self, **options: object) -> None:
+        """Compile each block with torch.compile (in place; ``compile=true``).
+
+        Per block, so a compile covers one repeated unit and recompiles stay rare. The MoE
+        layer's data-dependent shapes (``bincount`` of expert ids in the sort, the router
+        metrics and the load-balance loss) are traced instead of breaking the graph
+        (dynamo's ``capture_dynamic_output_shape_ops``, set process-wide), and the grouped
+        matmul is the custom op ``moestack::grouped_mm``. The triton impl's kernels stay
+        outside the graph (one documented break per block: docs/memory.md)."""
+        import torch._dynamo
+
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
+        for block in self.layers:
+            block.compile(**options)
 
     def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Document index of each token: a separator token ends its document."""

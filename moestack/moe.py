@@ -9,6 +9,7 @@ sorted groups), ``triton`` (moestack.kernels, fused gather/scatter) and ``megabl
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -16,6 +17,11 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from moestack import router_losses
 from moestack.config import MoEConfig, RouterConfig
@@ -54,7 +60,13 @@ def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_mm_torch(
     x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
 ) -> torch.Tensor:
-    """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable."""
+    """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable.
+
+    Under torch.compile it is the custom op ``moestack::grouped_mm`` (opaque to dynamo, with
+    a fake implementation), so the graph neither breaks at the loop's ``tolist`` nor fails
+    in ``torch._grouped_mm``'s bf16-only fake check; eager runs keep the code below."""
+    if torch.compiler.is_compiling():
+        return torch.ops.moestack.grouped_mm(x_NK, w_EKM, offsets_E)
     if x_NK.shape[0] > 0 and _grouped_mm_applies(x_NK, w_EKM):
         return torch._grouped_mm(x_NK.contiguous(), w_EKM, offs=offsets_E)
     parts, start = [], 0
@@ -63,6 +75,54 @@ def grouped_mm_torch(
             parts.append(x_NK[start:end] @ w_EKM[e])
         start = end
     return torch.cat(parts) if parts else x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
+
+
+@torch.library.custom_op("moestack::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_mm_torch`` as one opaque op for torch.compile (eager inside)."""
+    return grouped_mm_torch(x_NK, w_EKM, offsets_E)
+
+
+@_grouped_mm_op.register_fake
+def _(x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
+
+
+@torch.library.custom_op("moestack::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(
+    x_NK: torch.Tensor, dy_NM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """dw[e] = x rows of group e ^T @ dy rows of group e: the weight gradient of grouped_mm."""
+    dw_EKM = x_NK.new_zeros(offsets_E.shape[0], x_NK.shape[1], dy_NM.shape[1])
+    start = 0
+    for e, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            dw_EKM[e] = x_NK[start:end].t() @ dy_NM[start:end]
+        start = end
+    return dw_EKM
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(x_NK: torch.Tensor, dy_NM: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return x_NK.new_empty(offsets_E.shape[0], x_NK.shape[1], dy_NM.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    x_NK, w_EKM, offsets_E = inputs
+    ctx.save_for_backward(x_NK, w_EKM, offsets_E)
+
+
+def _grouped_mm_backward(ctx, dy_NM):  # noqa: ANN001, ANN202
+    x_NK, w_EKM, offsets_E = ctx.saved_tensors
+    dy_NM = dy_NM.contiguous()
+    dx_NK = torch.ops.moestack.grouped_mm(dy_NM, w_EKM.transpose(1, 2).contiguous(), offsets_E)
+    dw_EKM = torch.ops.moestack.grouped_mm_wgrad(x_NK, dy_NM, offsets_E)
+    return dx_NK, dw_EKM, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def moe_experts_torch(
@@ -146,10 +206,48 @@ def run_experts(
     if impl == "triton":
         from moestack.kernels import moe_experts
 
+        if torch.compiler.is_compiling():  # the kernels run outside the graph (a break)
+            return torch.compiler.disable(moe_experts)(*args)
         return moe_experts(*args)
     from moestack.kernels.megablocks_adapter import moe_experts_megablocks
 
     return moe_experts_megablocks(*args)
+
+
+# model.checkpointing=selective keeps the outputs of these ops (the matmuls and attention:
+# expensive to recompute) and recomputes everything else in its regions (norms, rotary,
+# SwiGLU, gathers and permutations: cheap elementwise or copy work). docs/memory.md.
+_SELECTIVE_SAVE = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )  # fmt: skip
+    if hasattr(torch.ops.aten, name)
+) | {torch.ops.moestack.grouped_mm.default}
+
+
+def _selective_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001
+    if func in _SELECTIVE_SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(mode: str) -> dict:
+    """Keyword arguments of ``torch.utils.checkpoint.checkpoint`` for a checkpointing mode:
+    non-reentrant; ``selective`` adds the policy above (``_SELECTIVE_SAVE``)."""
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, _selective_policy
+        )
+    return kwargs
 
 
 class MoE(nn.Module):
@@ -170,6 +268,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, moe.d_ff, d_model))
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.metrics: dict[str, torch.Tensor] = {}
+        self.recompute = "none"  # model.checkpointing (config.CHECKPOINTING); set by the model
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -177,8 +276,16 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, std=std / math.sqrt(2))
 
     def experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Apply the chosen experts to flat tokens and combine them with the router weights."""
-        return run_experts(x_TD, self.w1, self.w2, routing.experts, routing.weights, self.cfg.impl)
+        """Apply the chosen experts to flat tokens and combine them with the router weights.
+
+        With ``recompute`` set (``model.checkpointing``: moe, block or selective) the expert
+        computation keeps only its inputs and is run again in backward; the routing is one of
+        those inputs, so the recomputation uses this forward's expert choices, never new ones.
+        """
+        args = (x_TD, self.w1, self.w2, routing.experts, routing.weights, self.cfg.impl)
+        if self.recompute == "none" or not torch.is_grad_enabled():
+            return run_experts(*args)
+        return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., D] -> [..., D]``; ``segment_ids [...]`` (document of each token, optional)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import checkpoint, distributed
+from moestack import checkpoint, distributed, memory_plan
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -114,12 +114,19 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
         run = build_run(cfg, Path(out_dir), dist_info)
+        plan = (
+            memory_plan.log_plan(cfg, dist_info.world_size, run.device)
+            if dist_info.is_main
+            else None
+        )
         progress = _progress_bar(cfg, run.start_step) if dist_info.is_main else None
         run_start = time.perf_counter()
         try:
             for step in range(run.start_step, cfg.steps):
                 result = train_step(run)
                 run.state.step = done = step + 1
+                if step == run.start_step:
+                    memory_plan.log_peak(plan, run.device)
                 if not result.finite:
                     _check_bad_steps(run, step)
                     continue
@@ -290,6 +297,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     check_impl(cfg.model.moe.impl, device)
     torch.manual_seed(cfg.seed)
     model = cfg.model.build().to(device)
+    if cfg.compile:
+        model.compile_blocks()
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
