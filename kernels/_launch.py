@@ -65,10 +65,51 @@ def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs follow torch's matmul setting: IEEE unless TF32 is allowed."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """float32 inputs follow torch's matmul setting: IEEE unless TF32 is allowed.
+
+    torch >= 2.9 has ``fp32_precision`` ("ieee", "tf32", or "none": not set, fall back to
+    the legacy flag); reading the legacy ``allow_tf32`` raises once TF32 was set through
+    the new API, so the new setting is read first. Where even the legacy read fails (the
+    two APIs mixed), IEEE: the accurate choice. 16-bit inputs ignore the precision.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    matmul = torch.backends.cuda.matmul
+    try:
+        new = matmul.fp32_precision
+    except AttributeError:  # torch < 2.9: only the legacy flag exists
+        new = "none"
+    if new in ("ieee", "tf32"):
+        return new
+    try:
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    except RuntimeError:
         return "ieee"
-    return "tf32"
+
+
+def assert_expert_ids(experts: torch.Tensor, num_experts: int) -> None:
+    """Fail unless every id in ``experts`` (non-empty) lies in [0, num_experts), without a
+    host sync: on CUDA a device-side assertion (reported at a later synchronising call,
+    and fatal to the CUDA context, as an out-of-range read would be), on the CPU a
+    RuntimeError now. Ids >= E would leave output rows unwritten and negative ids would
+    compute with expert 0, silently."""
+    lo, hi = torch.aminmax(experts.reshape(-1))
+    torch._assert_async(
+        (lo >= 0) & (hi < num_experts),
+        f"expert ids must lie in [0, {num_experts}); fix the router output or num_experts",
+    )
+
+
+def assert_offsets(offsets_E: torch.Tensor, rows: int) -> None:
+    """Fail unless ``offsets_E`` (non-empty) are non-decreasing cumulative ends in [0, rows]
+    ending at ``rows``, without a host sync (see ``assert_expert_ids``): offsets past the
+    rows would read and write outside the tensors."""
+    ok = (offsets_E[0] >= 0) & (offsets_E[-1] == rows)
+    if offsets_E.numel() > 1:
+        ok = ok & (offsets_E[1:] >= offsets_E[:-1]).all()
+    torch._assert_async(
+        ok, f"offsets must be non-decreasing row ends from 0 up to N = {rows}; fix the offsets"
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -108,9 +149,10 @@ def grouped_mm(
     E, K = b_EKM.shape[0], b_EKM.shape[1]
     M = b_EKM.shape[2] // 2 if swiglu else b_EKM.shape[2]
     dummy = offsets_E
+    transposed = b_EKM.stride(2) != 1 and b_EKM.stride(1) == 1  # e.g. W^T in backward
     flags = (
         f"g{int(a_rows is not None)}s{int(c_rows is not None)}"
-        f"c{int(scale is not None)}z{int(z is not None)}"
+        f"c{int(scale is not None)}z{int(z is not None)}t{int(transposed)}"
     )
     kind = "mm_swiglu" if swiglu else "mm"
     z_arg = z if z is not None else out
@@ -156,7 +198,7 @@ def grouped_mm(
             num_stages=cfg.num_stages,
         )
 
-    key = tuning.make_key(kind, E, K, M, a.dtype, flags)
+    key = tuning.make_key(kind, E, K, M, a.dtype, flags, rows)
     with _on_device(a):
         run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, run, interp))
 
@@ -212,7 +254,8 @@ def grouped_wgrad(
             num_stages=cfg.num_stages,
         )
 
-    key = tuning.make_key("wgrad", E, K, M, a.dtype, flags)
+    rows = a_rows.numel() if a_rows is not None else a.shape[0]  # the sorted rows
+    key = tuning.make_key("wgrad", E, K, M, a.dtype, flags, rows)
     with _on_device(a):
         run(tuning.choose_config("wgrad", key, a.device, K, M, a.dtype, run, interp))
 

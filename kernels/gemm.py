@@ -16,10 +16,20 @@ def _check(x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor) -> 
         raise ValueError(f"offsets must be [E={w_EKM.shape[0]}], got {tuple(offsets_E.shape)}")
     if x_NK.dtype != w_EKM.dtype:
         raise TypeError(f"dtype mismatch: x {x_NK.dtype}, w {w_EKM.dtype}")
-    # Cheap on the CPU (no device sync): rows past offsets[-1] would never be written.
+    # Cheap on the CPU (no device sync): rows past offsets[-1] would never be written, and
+    # decreasing offsets would address rows outside x. Device offsets: see grouped_gemm.
     on_cpu = offsets_E.device.type == "cpu" and offsets_E.numel() > 0
     if on_cpu and int(offsets_E[-1]) != x_NK.shape[0]:
         raise ValueError(f"offsets[-1] = {int(offsets_E[-1])} must equal N = {x_NK.shape[0]}")
+    if on_cpu and int(offsets_E[0]) < 0:
+        raise ValueError(f"offsets[0] = {int(offsets_E[0])} must be >= 0 (cumulative row ends)")
+    drops = (offsets_E.diff() < 0).nonzero() if on_cpu else []
+    if len(drops):
+        i = int(drops[0]) + 1
+        raise ValueError(
+            f"offsets must be non-decreasing (cumulative row ends): offsets[{i}] = "
+            f"{int(offsets_E[i])} < offsets[{i - 1}] = {int(offsets_E[i - 1])}"
+        )
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -58,8 +68,13 @@ def grouped_gemm(x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tenso
     x [N, K] with the rows of expert e at ``[offsets[e-1], offsets[e])`` (offsets [E] are
     int32 cumulative ends, ``offsets[-1] == N``; empty groups allowed); w [E, K, M]; returns
     y [N, M] in x's dtype. Differentiable in x and w (both backward GEMMs run in Triton).
+    Offsets on the GPU are checked there (``torch._assert_async``: no host sync; a bad
+    value fails the next synchronising call and ends the CUDA context).
     Runs on CUDA (fp32/fp16/bf16) or, under ``TRITON_INTERPRET=1``, on the CPU (fp32/fp16).
     """
     _check(x_NK, w_EKM, offsets_E)
+    on_device = offsets_E.device.type != "cpu"
     offsets_E = offsets_E.to(device=x_NK.device, dtype=torch.int32).contiguous()
+    if on_device and offsets_E.numel():  # checked on the GPU, without a host sync
+        _launch.assert_offsets(offsets_E, x_NK.shape[0])
     return _GroupedGemm.apply(x_NK, w_EKM, offsets_E)

@@ -61,6 +61,7 @@ class _MoEExperts(torch.autograd.Function):
             ctx.save_for_backward(w1_EDF2, w2_EFD)
             return x_TD.new_zeros((T, D))
 
+        _launch.assert_expert_ids(experts_TK, E)  # on the device: no host sync
         pair_R, token_R, offsets_E = dispatch(experts_TK, E)
         weight_R = weights_TK.reshape(-1)[pair_R.long()]
         h_RF = _launch.new_empty((R, F), dt, dev)
@@ -135,6 +136,8 @@ def moe_experts(
     experts [T, k] integer expert ids (e = experts[t, j]); weights [T, k] router weights in
     x's dtype or float32. Returns y [T, D] in x's dtype. Differentiable in x, w1, w2 and
     weights. Fused dispatch: no padded or permuted copy of x, deterministic combine.
+    Expert ids outside [0, E) fail: at once on the CPU, on CUDA through a device-side
+    assertion (no host sync) that surfaces at the next synchronising call.
     """
     if x_TD.dim() != 2 or w1_EDF2.dim() != 3 or w2_EFD.dim() != 3:
         raise ValueError("expected x [T, D], w1 [E, D, 2F], w2 [E, F, D]")

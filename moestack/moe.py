@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
 
 from moestack import router_losses
 from moestack.config import MoEConfig, RouterConfig
-from moestack.router import Router, Routing
+from moestack.router import Router, Routing, tokens_per_expert
 
 
 def sort_by_expert(
@@ -39,7 +39,7 @@ def sort_by_expert(
     flat_N = experts_TK.reshape(-1)
     order_N = torch.argsort(flat_N, stable=True)
     token_N = order_N // experts_TK.shape[-1]
-    tokens_per_expert_E = torch.bincount(flat_N, minlength=num_experts)
+    tokens_per_expert_E = tokens_per_expert(flat_N, num_experts)
     offsets_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
     return order_N, token_N, offsets_E
 

@@ -3,7 +3,9 @@
 The router owns its metrics (tokens per expert, entropy) so the MoE layer and telemetry read
 them from one place, and an optional per-expert selection bias for aux-loss-free balancing
 (DeepSeek-V3 style): the bias shifts which experts are selected but not the combine weights,
-and it is updated outside the gradient from token counts.
+and it is updated outside the gradient from token counts. Counting tokens per expert
+(``tokens_per_expert``) never waits for the host, so a training step on a GPU does not stall
+in the router.
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestack.config import RouterConfig
+
+
+def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How often each expert id occurs in ``experts`` (any shape): int64 ``[num_experts]``.
+
+    ``torch.bincount`` without its host syncs: bincount sizes its output from the largest
+    id, which on CUDA it reads back to the host (twice per call, a stall of the whole
+    stream on the hot path). Here the output has the fixed size E and the ids are added in
+    with ``scatter_add_``, which stays on the device. Integer addition is exact in any
+    order, so the counts equal ``torch.bincount(experts.reshape(-1), minlength=E)``, dtype
+    included. Ids must lie in [0, E) (the CPU raises on others, CUDA asserts on the device).
+    """
+    flat = experts.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class Routing(NamedTuple):
@@ -49,7 +66,7 @@ class Router(nn.Module):
         logits_TE, scores_TE = self.score(x_TD)
         weights_TK, experts_TK = self.select(scores_TE)
         if self.training and self.cfg.bias_update_rate > 0:
-            counts = torch.bincount(experts_TK.reshape(-1), minlength=self.num_experts)
+            counts = tokens_per_expert(experts_TK, self.num_experts)
             self.pending_counts += counts.to(self.pending_counts.dtype)
         return Routing(logits_TE, weights_TK, experts_TK, scores_TE)
 
@@ -97,8 +114,12 @@ class Router(nn.Module):
 
     @torch.no_grad()
     def update_bias(self) -> None:
-        """Nudge the selection bias toward balance: under-used experts up, over-used down."""
-        if self.cfg.bias_update_rate <= 0 or self.pending_counts.sum() == 0:
+        """Nudge the selection bias toward balance: under-used experts up, over-used down.
+
+        Without a host sync: with no pending counts every expert's load equals the mean, the
+        sign is 0 and the bias stays as it was, so no "anything pending?" read is needed.
+        """
+        if self.cfg.bias_update_rate <= 0:
             return
         load_E = self.pending_counts
         self.expert_bias += self.cfg.bias_update_rate * torch.sign(load_E.mean() - load_E)
@@ -108,8 +129,7 @@ class Router(nn.Module):
     def metrics(routing: Routing, num_experts: int) -> dict[str, torch.Tensor]:
         """Detached per-layer routing statistics: load imbalance and score entropy."""
         with torch.no_grad():
-            experts = routing.experts.reshape(-1)
-            tokens_per_expert_E = torch.bincount(experts, minlength=num_experts).float()
+            tokens_per_expert_E = tokens_per_expert(routing.experts, num_experts).float()
             mean = tokens_per_expert_E.mean().clamp_min(1e-9)
             probs_TE = routing.scores / routing.scores.sum(-1, keepdim=True).clamp_min(1e-20)
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()

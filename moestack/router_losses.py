@@ -32,7 +32,7 @@ import torch
 from einops import rearrange
 
 from moestack.config import RouterConfig
-from moestack.router import Routing
+from moestack.router import Routing, tokens_per_expert
 
 
 def _probs(routing: Routing) -> torch.Tensor:
@@ -76,7 +76,7 @@ def load_balance(routing: Routing, shape: Sequence[int]) -> torch.Tensor:
     num_experts = routing.scores.shape[-1]
     if routing.experts.numel() == 0:
         return routing.scores.sum() * 0.0
-    counts_E = torch.bincount(routing.experts.reshape(-1), minlength=num_experts)
+    counts_E = tokens_per_expert(routing.experts, num_experts)
     fraction_E = counts_E.to(routing.scores.dtype) / routing.experts.numel()
     return num_experts * (fraction_E * _probs(routing).mean(0)).sum()
 

@@ -9,6 +9,12 @@ memory; forward+backward, and the forward alone (no grad). Ratios are against th
 contender. On a GPU it ends with the issue-3 targets, each marked met or missed. Prints a
 table; --json writes it.
 
+Before timing a shape, every contender's output, input gradient and (where it shares
+moestack's weights) weight gradients, and its forward without grad, are compared once with
+moestack's torch path: on a GPU this checks the tile configs that autotuning picked on that
+first call, before --save-tuned stores them. A contender outside the tolerance is marked in
+the table and the JSON, its shape's tuned configs are not saved, and the exit status is 1.
+
     python scripts/bench_moe.py                       # CPU defaults
     python scripts/bench_moe.py --json bench.json     # also write JSON
 """
@@ -21,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +64,15 @@ class Result:
     fwd_ms: float = 0.0  # the forward alone, under torch.no_grad()
     fwd_tflops: float = 0.0
     fwd_dense_fraction: float = 0.0
+    check_err: float = 0.0  # largest normwise error against moestack-torch (y, grads)
+    check_ok: bool = True
+
+
+REFERENCE = "moestack-torch"
+# Normwise (max|a - b| / max|b|) agreement with the torch path: both round to the dtype at
+# different points, so two correct bf16 paths differ by up to a few 1e-2; a wrong tile or an
+# unwritten row is off by O(1) or NaN.
+CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
 def useful_flops(tokens: int, top_k: int, d_model: int, d_ff: int, backward: bool = True) -> float:
@@ -137,6 +153,8 @@ def bench_shape(
             with torch.no_grad():
                 for p in block.parameters():
                     p.normal_(0, 0.02)
+            if contenders:  # every block on the first one's weights (the check compares them)
+                block.load_state_dict(next(iter(contenders.values())).state_dict())
             contenders[f"transformers-{impl}"] = block
         if contenders:  # same weights in ours
             ours = moe_from_hf(next(iter(contenders.values())), impl="torch")
@@ -155,9 +173,12 @@ def bench_shape(
     # [1, T, D]: transformers' blocks want a batch dimension; moestack's MoE takes any.
     x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(1, tokens, d_model, device=device, dtype=dtype)
+    checks = check_outputs(name, contenders, ours, x, grad)
     flops = useful_flops(tokens, top_k, d_model, d_ff)
     results = []
     for contender, module in contenders.items():
+        if contender not in checks:  # it failed to run at all
+            continue
         _fresh_memory(device, module, x)
         try:
             step = fwd_bwd(module, x, grad)
@@ -179,10 +200,74 @@ def bench_shape(
         fwd_flops = useful_flops(tokens, top_k, d_model, d_ff, backward=False)
         row = Result(name, contender, ms, flops / ms / 1e9, peak / 2**20)
         row.fwd_ms, row.fwd_tflops = fwd_ms, fwd_flops / fwd_ms / 1e9
+        row.check_err, row.check_ok = checks[contender]
         results.append(row)
         print(f"{name} {contender}: {ms:.2f} ms fwd+bwd, {fwd_ms:.2f} ms fwd", flush=True)
     for r in results:
         r.ratio = results[0].ms / r.ms
+    return results
+
+
+def run_once(
+    module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, weights: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One forward+backward and one forward without grad: the output, the input gradient,
+    the gradients of ``weights`` that the module shares, and the no-grad output."""
+    shared = {id(p) for p in module.parameters()}
+    _fresh_memory(x.device, module, x)
+    y = module(x)
+    y.backward(grad)
+    out = {"y": y.detach(), "dx": x.grad}
+    out.update({n: w.grad for n, w in weights.items() if id(w) in shared and w.grad is not None})
+    with torch.no_grad():
+        out["y_nograd"] = module(x)
+    _fresh_memory(x.device, module, x)
+    return out
+
+
+def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|actual - expected| / max|expected| in float32, in chunks (weight gradients of
+    Mixtral-sized experts are GBs); inf when ``actual`` holds NaN or inf."""
+    a, b = actual.reshape(-1), expected.reshape(-1)
+    err = scale = 0.0
+    for i in range(0, a.numel(), 1 << 26):
+        ai, bi = a[i : i + (1 << 26)].float(), b[i : i + (1 << 26)].float()
+        if not bool(torch.isfinite(ai).all()):
+            return float("inf")
+        err = max(err, float((ai - bi).abs().max()))
+        scale = max(scale, float(bi.abs().max()))
+    return err / max(scale, 1e-12)
+
+
+def check_outputs(
+    shape: str,
+    contenders: dict[str, torch.nn.Module],
+    ours: MoE,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+) -> dict[str, tuple[float, bool]]:
+    """Each contender's (largest normwise error, within tolerance) against moestack-torch,
+    from one call each; contenders that raise are left out (and say why)."""
+    weights = {"dw1": ours.w1, "dw2": ours.w2}
+    tol = CHECK_TOL.get(x.dtype, 5e-2)
+    ref_name = REFERENCE if REFERENCE in contenders else next(iter(contenders))
+    want = run_once(contenders[ref_name], x, grad, weights)
+    results = {ref_name: (0.0, True)}
+    for contender, module in contenders.items():
+        if contender == ref_name:
+            continue
+        try:
+            got = run_once(module, x, grad, weights)
+        except Exception as err:  # one contender failing must not hide the others
+            print(f"{shape} {contender}: failed: {type(err).__name__}: {err}", flush=True)
+            continue
+        errors = {k: normwise_error(v, want[k]) for k, v in got.items() if k in want}
+        worst = max(errors.values())
+        results[contender] = (worst, worst <= tol)
+        verdict = "ok" if worst <= tol else f"OUTPUT CHECK FAILED (tolerance {tol:g})"
+        detail = ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+        print(f"{shape} {contender} vs {ref_name}: {detail}: {verdict}", flush=True)
+        del got
     return results
 
 
@@ -309,6 +394,7 @@ def main() -> None:
     )
     print(f"device: {machine}, dense {dtype} matmul: {dense:.2f} TFLOP/s", flush=True)
     results: list[Result] = []
+    tuned_before = _tuned_keys() if device.type == "cuda" else set()
     for shape in shapes:
         rows = bench_shape(*shape, device, dtype, args)
         for r in rows:
@@ -319,32 +405,70 @@ def main() -> None:
         if args.json:
             write_json(args.json, machine, dtype, dense, results, device)
         if args.save_tuned and device.type == "cuda":
-            from tune_kernels import save  # scripts/ is on sys.path when run as a script
-
-            save(Path(args.save_tuned))
+            save_checked(Path(args.save_tuned), rows, tuned_before)
+            tuned_before = _tuned_keys()
 
     print(
         f"\ndevice: {machine}, dtype: {dtype}, torch {torch.__version__}, "
         f"threads {torch.get_num_threads()}"
     )
     print(f"dense {dtype} matmul: {dense:.2f} TFLOP/s")
-    header = (
-        f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} "
-        f"{'of dense':>8} {'peak MiB':>9} {'fwd ms':>8} {'fwd dense':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(
-            f"{r.shape:<14} {r.contender:<24} {r.ms:>9.2f} {r.tflops:>8.3f} {r.ratio:>8.2f} "
-            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f} {r.fwd_ms:>8.2f} "
-            f"{r.fwd_dense_fraction:>9.1%}"
-        )
+    print_table(results)
     targets = issue3_targets(results) if device.type == "cuda" else []
     if targets:
         print("\nissue-3 targets (triton against torch._grouped_mm, same run):")
         for t in targets:
             print(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']:.3f}")
+    wrong = check_failures(results, [s[0] for s in shapes], device)
+    if wrong:
+        print(f"\noutput check FAILED against {REFERENCE}: {', '.join(wrong)}")
+        sys.exit(1)
+
+
+def check_failures(results: list[Result], shapes: list[str], device: torch.device) -> list[str]:
+    """The contenders whose output failed the check, and on a GPU the shapes where the
+    triton contender did not run at all."""
+    wrong = [f"{r.shape} {r.contender}" for r in results if not r.check_ok]
+    if device.type == "cuda":
+        ran = {r.shape for r in results if r.contender == "moestack-triton"}
+        wrong += [f"{shape} moestack-triton (did not run)" for shape in shapes if shape not in ran]
+    return wrong
+
+
+def print_table(results: list[Result]) -> None:
+    """One row per shape and contender; "check" is the largest error against the torch path
+    ("FAILED" past the tolerance)."""
+    header = (
+        f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} "
+        f"{'of dense':>8} {'peak MiB':>9} {'fwd ms':>8} {'fwd dense':>9} {'check':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        check = f"{r.check_err:.1e}" if r.check_ok else "FAILED"
+        print(
+            f"{r.shape:<14} {r.contender:<24} {r.ms:>9.2f} {r.tflops:>8.3f} {r.ratio:>8.2f} "
+            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f} {r.fwd_ms:>8.2f} "
+            f"{r.fwd_dense_fraction:>9.1%} {check:>9}"
+        )
+
+
+def _tuned_keys() -> set[str]:
+    from moestack.kernels import tuning
+
+    return set(tuning.export_cache().get(torch.cuda.get_device_name(), {}))
+
+
+def save_checked(path: Path, rows: list[Result], before: set[str]) -> None:
+    """Merge the configs autotuned so far into the table at ``path``, leaving out those first
+    tuned at this shape unless its triton output ran and passed the check."""
+    from tune_kernels import save  # scripts/ is on sys.path when run as a script
+
+    passed = any(r.contender == "moestack-triton" and r.check_ok for r in rows)
+    skip = set() if passed else _tuned_keys() - before
+    if skip:
+        print(f"not saving {len(skip)} tuned configs of a shape whose output check failed")
+    save(path, skip=skip)
 
 
 def write_json(

@@ -1,32 +1,116 @@
 #!/usr/bin/env bash
-# Everything issues 3 (Triton kernels) and 7 (OffloadAdamW) need from a GPU, in one command,
-# most important first, inside a fixed time budget. For a lent machine with no network:
-# nothing is installed; the package is staged the way pip would lay it out.
+# Every GPU check and measurement (issues 3, 7 and 19) in ONE call of a lent machine, most
+# valuable first, inside a fixed time budget. No network: nothing is installed; the package
+# is staged the way pip would lay it out.
 #
+#   bash scripts/gpu_check.sh --dry-run        # the plan: phases, time caps, files; no GPU
 #   bash scripts/gpu_check.sh                  # writes under $OUT (or ./gpu_out)
-#   GPU_CHECK_SECONDS=300 bash scripts/gpu_check.sh
-#   GPU_CHECK_PHASES=bench_moe,train bash scripts/gpu_check.sh   # rerun some (names or prefixes)
+#   GPU_CHECK_PHASES=bench_moe,train bash scripts/gpu_check.sh   # some phases (names/prefixes)
 #
-# Phases (each capped at its own limit and at what is left of GPU_CHECK_SECONDS, default 500):
-#   env         GPU, driver, python/torch/triton versions; the staged package imports
-#   gpu_tests   tests/kernels/test_kernels_gpu.py (bf16, poisoned outputs, >2^31 elements)
-#               and tests/optim/test_offload_devices.py (overlap path against torch AdamW)
-#   bench_optim scripts/bench_optim.py (optimizer and whole-training-step time, offload vs
-#               device AdamW; device memory) -> $OUT/bench_optim.json
-#   bench_moe   scripts/bench_moe.py -> $OUT/bench_moe.json, ending with the issue-3 targets;
-#               the configs it autotunes go into $OUT/tuned_configs.json after every shape
-#   train_*     20 steps of the 137M model with offload_adamw, then adamw (needs hydra wheels)
-#   tune        scripts/tune_kernels.py: every variant again at 16k tokens, and the plain
-#               grouped GEMM, into the same table (saved after every shape)
-#   more_tests  the other kernel tests and the MoE layer tests, on CUDA
-# Output: $OUT/summary.txt (also printed last), $OUT/log.txt (every phase's full output),
-# the JSON files above. After a run, copy tuned_configs.json to kernels/ and commit it, and
+# The plan is sized for one device call with timeout_s=560: the phases' caps plus staging
+# fit GPU_CHECK_SECONDS (default 525), and the worst case adds one phase's SIGKILL grace and
+# the summary (--dry-run prints the sum). Each phase's cap is also clipped to what is left of
+# the budget, so a slow phase costs the phases after it, never the call. Order: correctness
+# of the bf16 kernels and of every candidate tile config, then the issue-3 benchmark (whose
+# outputs are checked against the torch path before timing), then the optimizer step, then
+# the memory rows, then a short training run. Optional phases run only when named.
+#
+# Output under $OUT, written as it goes: summary.txt (a line per phase as it ends, then a
+# one-screen summary), log.txt (every phase's full output) and the files of each phase
+# (--dry-run lists them). After a run, copy tuned_configs.json to kernels/ and commit it, and
 # record the tables in BENCHMARKS.md with the date and the GPU.
 set -u -o pipefail
 
+CALL_S=560   # timeout_s of the one device call this plan is sized for
+SETUP_S=10   # staging the package and carried wheels, before the first phase
+GRACE_S=10   # a phase past its cap gets SIGINT, then SIGKILL this many seconds later
+SUMMARY_S=5  # the closing summary
+BUDGET=${GPU_CHECK_SECONDS:-525}
+
+# name|cap in seconds|files under $OUT|default or optional|what it shows
+PLAN=(
+    "env|15|log.txt|default|GPU, driver, torch/triton versions; the staged package imports"
+    "kernel_tests|150|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
+    "bench_moe|170|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
+    "optim_tests|40|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
+    "bench_optim|60|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
+    "memory|30|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
+    "train_offload_adamw|50|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|default|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
+    "train_adamw|50|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
+    "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
+    "more_tests|90|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
+)
+
+field() { # field ENTRY INDEX: one |-separated field of a plan entry (0-based)
+    local IFS='|'
+    local -a parts
+    read -r -a parts <<<"$1"
+    echo "${parts[$2]}"
+}
+
+selected() { # selected NAME KIND: whether the phase runs (GPU_CHECK_PHASES: names or prefixes)
+    if [[ -z ${GPU_CHECK_PHASES:-} ]]; then
+        [[ $2 == default ]]
+        return
+    fi
+    local item
+    for item in ${GPU_CHECK_PHASES//,/ }; do
+        [[ $1 == "$item"* ]] && return 0
+    done
+    return 1
+}
+
+cap_of() { # cap_of NAME: the phase's time cap from the plan
+    local entry
+    for entry in "${PLAN[@]}"; do
+        [[ $(field "$entry" 0) == "$1" ]] && field "$entry" 1 && return
+    done
+    echo "gpu_check.sh: phase $1 is not in PLAN; add it there" >&2
+    exit 2
+}
+
+dry_run() { # the plan of this invocation: phases, caps, files, and the worst-case total
+    local entry name cap total=0
+    echo "gpu_check plan: budget ${BUDGET} s (GPU_CHECK_SECONDS), sized for one call of ${CALL_S} s"
+    printf '  %-20s %5s  %-58s %s\n' phase cap "files under \$OUT" "what it shows"
+    for entry in "${PLAN[@]}"; do
+        name=$(field "$entry" 0)
+        cap=$(field "$entry" 1)
+        selected "$name" "$(field "$entry" 3)" || continue
+        printf '  %-20s %4ss  %-58s %s\n' "$name" "$cap" "$(field "$entry" 2)" "$(field "$entry" 4)"
+        total=$((total + cap))
+    done
+    echo "  always: summary.txt (a line per phase as it ends, then the summary), log.txt"
+    [[ -z ${GPU_CHECK_PHASES:-} ]] &&
+        echo "  optional (name them in GPU_CHECK_PHASES): $(optional_names)"
+    local worst=$((SETUP_S + total + GRACE_S + SUMMARY_S))
+    echo "worst case: setup ${SETUP_S} + phases ${total} + grace ${GRACE_S} + summary ${SUMMARY_S} = ${worst} s of a ${CALL_S} s call"
+    ((SETUP_S + total <= BUDGET)) ||
+        echo "  over the budget by $((SETUP_S + total - BUDGET)) s: the last phases get less than their caps"
+}
+
+optional_names() {
+    local entry out=()
+    for entry in "${PLAN[@]}"; do
+        [[ $(field "$entry" 3) == optional ]] && out+=("$(field "$entry" 0)")
+    done
+    echo "${out[*]}"
+}
+
+case "${1:-}" in
+--dry-run)
+    dry_run
+    exit 0
+    ;;
+"") ;;
+*)
+    echo "gpu_check.sh: unknown argument ${1}; use --dry-run or no argument" >&2
+    exit 2
+    ;;
+esac
+
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=${OUT:-$REPO/gpu_out}
-BUDGET=${GPU_CHECK_SECONDS:-500}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.txt
@@ -57,16 +141,15 @@ fi
 cp "$REPO/kernels/tuned_configs.json" "$OUT/tuned_configs.json"
 export MOESTACK_TUNED_CONFIGS=$OUT/tuned_configs.json
 
-phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, record the outcome
-    local name=$1 limit=$2
-    shift 2
-    if [[ -n ${GPU_CHECK_PHASES:-} ]]; then # names or prefixes: "train" selects train_*
-        local wanted=0 item
-        for item in ${GPU_CHECK_PHASES//,/ }; do
-            [[ $name == "$item"* ]] && wanted=1
-        done
-        ((wanted)) || return 0
-    fi
+phase() { # phase NAME COMMAND...: run under the plan's cap, log, record the outcome
+    local name=$1 kind=default entry
+    shift
+    for entry in "${PLAN[@]}"; do
+        [[ $(field "$entry" 0) == "$name" ]] && kind=$(field "$entry" 3)
+    done
+    selected "$name" "$kind" || return 0
+    local limit
+    limit=$(cap_of "$name")
     local left=$((BUDGET - SECONDS))
     ((left < limit)) && limit=$left
     if ((limit < 10)); then
@@ -75,7 +158,7 @@ phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, recor
     fi
     echo "===== $name (limit ${limit}s): $*" >>"$LOG"
     local t0=$SECONDS
-    timeout --signal=INT --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+    timeout --signal=INT --kill-after="$GRACE_S" "$limit" "$@" >>"$LOG" 2>&1
     local rc=$?
     local verdict=ok
     ((rc == 124 || rc == 137)) && verdict="TIMED OUT"
@@ -83,58 +166,70 @@ phase() { # phase NAME LIMIT_SECONDS COMMAND...: run with a time cap, log, recor
     echo "$name: $verdict in $((SECONDS - t0))s" | tee -a "$SUMMARY"
 }
 
-pytest_cmd=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra")
-# Kernel compilation, not GPU time, dominates the tests: with pytest-xdist (on the GPU image)
-# four workers compile in parallel; triton's on-disk cache is shared between them.
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra")
+# Kernel compilation, not GPU time, dominates the tests: with pytest-xdist four workers
+# compile in parallel; triton's on-disk cache is shared between them and the later phases.
 if "$PY" -c "import xdist" 2>/dev/null; then
-    pytest_cmd+=(-n 4)
+    PYTEST+=(-n 4)
 fi
 
-phase env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); \
+phase env bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.version); \
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda); \
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\"); \
 import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__); \
 import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")))'"
-MOESTACK_AUTOTUNE=0 phase gpu_tests 150 "${pytest_cmd[@]}" \
-    tests/kernels/test_kernels_gpu.py tests/optim/test_offload_devices.py
-phase bench_optim 90 "$PY" scripts/bench_optim.py --only memory,gpu,train_step \
-    --json "$OUT/bench_optim.json"
-# Autotunes on first use and saves the winners into the table after every shape.
-phase bench_moe 220 "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
+MOESTACK_AUTOTUNE=0 phase kernel_tests "${PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
+    tests/kernels/test_kernels_gpu.py tests/test_no_host_sync_gpu.py
+# Autotunes on first use, checks every contender against the torch path, saves the checked
+# winners into the table after every shape.
+phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
     --save-tuned "$OUT/tuned_configs.json"
-# End-to-end training of the 137M model (bf16 autocast, triton experts): the training CLI
-# needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
+MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_tests.xml" \
+    tests/optim/test_offload_devices.py
+phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step --json "$OUT/bench_optim.json"
+phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim_memory.json"
+# End-to-end training of the 137M model (bf16 autocast, triton experts, the table's configs):
+# the training CLI needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
 if "$PY" -c "import hydra" 2>/dev/null; then
     for optim in offload_adamw adamw; do
-        MOESTACK_AUTOTUNE=0 phase "train_$optim" 75 "$PY" -m moestack.train model=m137 \
+        MOESTACK_AUTOTUNE=0 phase "train_$optim" "$PY" -m moestack.train model=m137 \
             optim="$optim" telemetry=off steps=20 batch_size=8 data.seq_len=512 eval_every=0 \
             eval_batches=2 ckpt_every=0 log_every=5 wandb_mode=disabled progress=false \
             out_dir="$STAGE/run_$optim"
+        [[ -f $STAGE/run_$optim/summary.json ]] && cp "$STAGE/run_$optim/summary.json" "$OUT/train_$optim.json"
+        [[ -f $STAGE/run_$optim/metrics.jsonl ]] && cp "$STAGE/run_$optim/metrics.jsonl" "$OUT/train_${optim}_metrics.jsonl"
     done
-elif [[ -z ${GPU_CHECK_PHASES:-} || $GPU_CHECK_PHASES == *train* ]]; then
+elif selected train_offload_adamw default; then
     echo "train: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
 fi
-# Re-tunes every variant (compiled by now) at 16k tokens, and the plain grouped GEMM.
-phase tune 120 "$PY" scripts/tune_kernels.py --out "$OUT/tuned_configs.json"
-MOESTACK_AUTOTUNE=0 phase more_tests 90 "${pytest_cmd[@]}" \
+phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
+MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
 
-{
+ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) started
+
+{ # One screen: what passed, what failed, the figures that matter; the rest is in log.txt.
     echo
-    echo "--- test results"
-    grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|^SKIPPED" "$LOG" | head -40
-    echo "--- bench_moe"
-    if grep -q "^device: .*dtype:" "$LOG"; then
-        sed -n '/^device: .*dtype:/,/^=====/p' "$LOG" | grep -v "^=====" | head -60
-    else # stopped before its table: the lines it printed per contender
-        grep -E "^[a-z0-9_]+-[0-9]+k [a-z-]+: " "$LOG" | head -40
+    echo "--- tests (per phase; failures listed)"
+    awk '/^===== /{ph=$2} /^(FAILED|ERROR) /{print ph": "$0}
+         / (passed|failed|errors?|skipped)/ && / in [0-9.]+s/{print ph": "$0}' "$LOG" | head -16
+    if ran bench_moe; then
+        echo "--- bench_moe (output checks against the torch path, then the issue-3 targets)"
+        grep -E "OUTPUT CHECK FAILED|: failed: |output check FAILED|not saving" "$LOG" | head -6
+        echo "contenders checked ok: $(grep -cE " vs moestack-torch: .*: ok$" "$LOG")"
+        grep -E "^  (met   |MISSED) " "$LOG" | head -18
     fi
-    echo "--- bench_optim"
-    sed -n '/^\[gpu\]/,/^=====/p' "$LOG" | grep -v "^=====" | head -40
-    echo "--- training (offload_adamw, then adamw)"
-    grep -E "^(train loss|val loss|tokens/s) " "$LOG"
-    echo "--- tuned configs"
-    echo "configs in the table: $(grep -c '"block_m"' "$OUT/tuned_configs.json")"
+    if ran bench_optim; then
+        echo "--- bench_optim (GPU optimizer step, training step)"
+        sed -n '/^\[gpu\]/,/^=====/p;/^\[train_step\]/,/^=====/p' "$LOG" |
+            grep -vE "^(=====|$)" | head -10
+    fi
+    if ran train_; then
+        echo "--- training (offload_adamw, then adamw)"
+        grep -E "^(train loss|val loss|tokens/s) " "$LOG"
+    fi
+    echo "--- tuned configs in the table: $(grep -c '"block_m"' "$OUT/tuned_configs.json")"
 } | tee -a "$SUMMARY"
+rm -rf "$STAGE"
 # The exit status says whether every phase that ran passed.
 ! grep -qE ": (FAILED|TIMED OUT)" "$SUMMARY"

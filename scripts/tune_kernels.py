@@ -8,8 +8,9 @@ Run on the GPU the table is for (it needs CUDA):
 Every kernel variant of the MoE forward and backward (and the plain grouped GEMM) is timed
 over the candidate configs of ``moestack.kernels.tuning`` at each shape; the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
-first use of those shapes on that GPU needs no autotuning. Keys exclude the token count,
-so one token count per shape suffices (the largest you train with is a good choice).
+first use of those shapes on that GPU needs no autotuning. Keys carry the power-of-two
+bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes the nearest
+one, so tune at the token counts you train with (``--tokens 8192 16384``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def tune_grouped_gemm(E: int, k: int, D: int, F: int, tokens: int, dtype: torch.
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=list(SHAPES.items()))
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parents[1] / "kernels" / "tuned_configs.json"
@@ -104,24 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     # is saved after every step, so a run stopped part-way keeps what it measured.
     for tune in (tune_moe, tune_grouped_gemm):
         for name, (E, k, D, F) in args.shapes:
-            log.info(
-                "%s %s: E=%d k=%d D=%d F=%d tokens=%d %s",
-                tune.__name__,
-                name,
-                *(E, k, D, F, args.tokens, dtype),
-            )
-            tune(E, k, D, F, args.tokens, dtype)
-            save(args.out)
+            for tokens in args.tokens:
+                log.info(
+                    "%s %s: E=%d k=%d D=%d F=%d tokens=%d %s",
+                    tune.__name__,
+                    name,
+                    *(E, k, D, F, tokens, dtype),
+                )
+                tune(E, k, D, F, tokens, dtype)
+                save(args.out)
     return 0
 
 
-def save(out: Path) -> None:
-    """Merge the autotune cache into the table at ``out`` (atomically: temp file, rename)."""
+def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
+    """Merge the autotune cache, less the keys in ``skip``, into the table at ``out``
+    (atomically: temp file, rename). A table of an older key format is replaced."""
     from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
-    found = tuning.export_cache().get(gpu, {})
+    found = {k: v for k, v in tuning.export_cache().get(gpu, {}).items() if k not in skip}
     table = json.loads(out.read_text()) if out.is_file() else {}
+    if table.get("format", tuning.TABLE_FORMAT) != tuning.TABLE_FORMAT:
+        log.warning(
+            "replacing %s: key format %s, not %s", out, table["format"], tuning.TABLE_FORMAT
+        )
+        table = {}
     table.setdefault("format", tuning.TABLE_FORMAT)
     table.setdefault("gpus", {}).setdefault(gpu, {}).update(found)
     table["gpus"][gpu] = dict(sorted(table["gpus"][gpu].items()))

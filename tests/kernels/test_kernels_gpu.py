@@ -1,8 +1,12 @@
-"""CUDA-only kernel checks: bf16 accuracy, fully written outputs, 64-bit indexing, tuning."""
+"""CUDA-only kernel checks: bf16 accuracy of every candidate tile config, fully written
+outputs, 64-bit indexing, the fp32 precision settings, device-side id checks, tuning."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,13 +59,15 @@ def check_grouped_gemm(dtype, device="cuda", tol=BF16_TOL, seed=0):
     assert torch.equal(wd.grad[0], torch.zeros_like(wd.grad[0]))
 
 
-def check_moe(dtype, device="cuda", tol=BF16_TOL, seed=0, T=257, D=192, F=160, E=8, k=2):
+def check_moe(
+    dtype, device="cuda", tol=BF16_TOL, seed=0, T=257, D=192, F=160, E=8, k=2, empty=(5,)
+):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
     w1 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)).to(dtype)
     w2 = (torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)).to(dtype)
     scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    scores[:, 5] = -1.0  # expert 5 gets no token
+    scores[:, list(empty)] = -1.0  # experts that get no token
     weights, experts = scores.topk(k, dim=1)
     weights = torch.softmax(weights, 1).float()
     dy = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
@@ -96,6 +102,85 @@ def test_fp16(poisoned_buffers):
     check_moe(torch.float16, tol=3e-3)
 
 
+CANDIDATE_CASES = [
+    (kind, i) for kind, cands in tuning.CANDIDATES.items() for i in range(len(cands))
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "index"), CANDIDATE_CASES, ids=[f"{k}-{i}" for k, i in CANDIDATE_CASES]
+)
+def test_every_candidate_config_matches_float64(kind, index, poisoned_buffers, monkeypatch):
+    """Autotuning may pick any candidate, so each one, forced in turn (the other kinds at
+    their untimed default), must give bf16 results within tolerance of float64: ragged
+    groups, empty experts, tiles crossing group borders, outputs poisoned with NaN."""
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
+    tuning.clear_cache()
+    with tuning.forced_config(kind, tuning.CANDIDATES[kind][index]):
+        check_grouped_gemm(torch.bfloat16, seed=index)
+        check_moe(torch.bfloat16, seed=index)
+        check_moe(torch.bfloat16, seed=index + 100, T=1000, D=256, F=512, E=16, k=4, empty=(3, 11))
+    tuning.clear_cache()
+
+
+def _fp32_gemm_error() -> float:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 256, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 256, 192, generator=g, dtype=torch.float64)
+    offsets = torch.tensor([100, 100, 300], dtype=torch.int32)
+    y = grouped_gemm(x.float().cuda(), w.float().cuda(), offsets.cuda())
+    return rel_err(y, grouped_gemm_reference(x, w, offsets))
+
+
+def test_fp32_follows_the_new_precision_api(monkeypatch):
+    """torch >= 2.9's fp32_precision: "ieee" keeps float32 exact to ~1e-6, "tf32" rounds the
+    inputs to 10 mantissa bits (errors ~1e-3): the kernels follow whichever is set."""
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    matmul = torch.backends.cuda.matmul
+    try:
+        saved = matmul.fp32_precision
+    except AttributeError:
+        pytest.skip("this torch has no fp32_precision setting (torch < 2.9)")
+    try:
+        matmul.fp32_precision = "ieee"
+        assert _fp32_gemm_error() <= 5e-6
+        matmul.fp32_precision = "tf32"
+        assert 1e-5 < _fp32_gemm_error() <= 1e-2
+    finally:
+        matmul.fp32_precision = saved
+
+
+_BAD_IDS = """
+import torch
+from moestack.kernels import moe_experts
+x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+w1 = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+w2 = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
+experts = torch.zeros(8, 2, dtype=torch.long, device="cuda")
+experts[3, 1] = {bad}
+y = moe_experts(x, w1, w2, experts, torch.rand(8, 2, device="cuda"))
+torch.cuda.synchronize()
+print("NOT-CAUGHT")
+"""
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_expert_ids_out_of_range_fail_on_the_device(bad):
+    """A device-side assertion (no host sync) stops the run: in a subprocess, since it ends
+    the CUDA context."""
+    env = dict(os.environ, MOESTACK_AUTOTUNE="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _BAD_IDS.format(bad=bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "NOT-CAUGHT" not in proc.stdout, proc.stdout
+    assert "assert" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
 def test_autotune_cache_is_filled(monkeypatch):
     monkeypatch.setenv("MOESTACK_AUTOTUNE", "1")
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
@@ -105,6 +190,7 @@ def test_autotune_cache_is_filled(monkeypatch):
     gpu = torch.cuda.get_device_name()
     kinds = {key.split("|")[0] for key in table[gpu]}
     assert kinds == {"mm", "mm_swiglu", "wgrad"}
+    assert all(key.endswith("|R=128") for key in table[gpu]), table  # 64 tokens x 2 slots
     tuning.clear_cache()
 
 

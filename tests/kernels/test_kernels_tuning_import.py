@@ -22,17 +22,51 @@ def test_shipped_table_parses_and_invents_nothing():
             tuning.KernelConfig(**cfg)
 
 
-def test_table_lookup(tmp_path, monkeypatch):
-    key = tuning.make_key("mm", 8, 4096, 14336, torch.bfloat16, "g1s0c0z1")
-    assert key == "mm|E=8|K=4096|M=14336|bfloat16|g1s0c0z1"
-    cfg = tuning.KernelConfig(64, 128, 32, 4, 4, 5)
-    path = tmp_path / "table.json"
-    table = {"format": 1, "gpus": {"Fancy GPU": {key: cfg.__dict__}}}
-    path.write_text(json.dumps(table))
+def write_table(path, entries, monkeypatch, fmt=tuning.TABLE_FORMAT):
+    path.write_text(json.dumps({"format": fmt, "gpus": {"Fancy GPU": entries}}))
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
+    tuning.clear_cache()
+
+
+def test_table_lookup(tmp_path, monkeypatch):
+    key = tuning.make_key("mm", 8, 4096, 14336, torch.bfloat16, "g1s0c0z1t0", 16384)
+    assert key == "mm|E=8|K=4096|M=14336|bfloat16|g1s0c0z1t0|R=16384"
+    assert tuning.make_key("mm", 8, 4096, 14336, torch.bfloat16, "g1s0c0z1t0", 9000) == key
+    cfg = tuning.KernelConfig(64, 128, 32, 4, 4, 5)
+    write_table(tmp_path / "table.json", {key: cfg.__dict__}, monkeypatch)
     assert tuning.lookup_table("Fancy GPU", key) == cfg
     assert tuning.lookup_table("Other GPU", key) is None
     assert tuning.lookup_table("Fancy GPU", key.replace("E=8", "E=16")) is None
+    assert tuning.lookup_table("Fancy GPU", key.replace("t0", "t1")) is None  # W^T: other key
+
+
+def test_table_lookup_takes_the_nearest_row_bucket(tmp_path, monkeypatch):
+    def key(rows):
+        return tuning.make_key("wgrad", 64, 2048, 2048, torch.bfloat16, "g10", rows)
+
+    small, big = tuning.KernelConfig(64, 64, 64), tuning.KernelConfig(128, 128, 64)
+    entries = {key(2048): small.__dict__, key(65536): big.__dict__}
+    write_table(tmp_path / "table.json", entries, monkeypatch)
+    assert tuning.lookup_table("Fancy GPU", key(2048)) == small  # exact
+    assert tuning.lookup_table("Fancy GPU", key(4096)) == small  # one power of two away
+    assert tuning.lookup_table("Fancy GPU", key(32768)) == big
+    assert tuning.lookup_table("Fancy GPU", key(8192)) == small  # a tie: the smaller bucket
+    assert tuning.lookup_table("Fancy GPU", key(16)) == small
+    other = tuning.make_key("wgrad", 64, 2048, 2048, torch.bfloat16, "g01", 2048)
+    assert tuning.lookup_table("Fancy GPU", other) is None  # another variant never matches
+
+
+def test_tables_of_the_old_key_format_are_ignored(tmp_path, monkeypatch, caplog):
+    key = "mm|E=8|K=4096|M=14336|bfloat16|g1s0c0z1"  # format 1: no layout flag, no rows
+    write_table(
+        tmp_path / "old.json",
+        {key: {"block_m": 64, "block_n": 64, "block_k": 32}},
+        monkeypatch,
+        fmt=1,
+    )
+    assert tuning.lookup_table("Fancy GPU", key) is None
+    assert "unknown format 1" in caplog.text
+    tuning.clear_cache()
 
 
 def test_candidates_clip_to_small_problems():
@@ -46,6 +80,114 @@ def test_candidates_clip_to_small_problems():
                     assert c.block_m <= 32 and c.block_n == 16
                 else:
                     assert c.block_n == 16 and c.block_k <= 32
+
+
+def test_weight_gradient_candidates_include_five_stages():
+    """A gathered weight gradient loses a stage to its index loads: five stages keep three
+    tile buffers in flight (the compile test below measures it)."""
+    five = [c for c in tuning.CANDIDATES["wgrad"] if c.num_stages == 5]
+    assert five and tuning.CANDIDATES["wgrad"][0].num_stages == 3  # the default is unchanged
+    assert all(c in tuning.candidates("wgrad", 4096, 4096, torch.bfloat16) for c in five)
+
+
+def test_forced_config_wins_over_everything_and_is_fitted(monkeypatch):
+    def fail(cfg):
+        raise AssertionError("a forced config is never timed")
+
+    big = tuning.CANDIDATES["mm"][2]  # 128 x 256 x 64
+    with tuning.forced_config("mm", big):
+        for interpret in (True, False):  # ahead of the interpreter's config and the GPU path
+            got = tuning.choose_config(
+                "mm", "k", torch.device("cpu"), 20, 5, torch.float32, fail, interpret
+            )
+            assert got == tuning.fit(big, "mm", 20, 5, torch.float32)
+            assert got.block_n == 16 and got.block_k == 16 and got.block_m == 128
+        other = tuning.choose_config(
+            "wgrad", "k", torch.device("cpu"), 8, 8, torch.float32, fail, True
+        )
+        assert other == tuning.INTERPRET_CONFIG  # only the forced kind
+    assert "mm" not in tuning._FORCED
+    with (
+        pytest.raises(ValueError, match="kind='nope' is unknown"),
+        tuning.forced_config("nope", big),
+    ):
+        pass
+
+
+def _resource_error():
+    from triton.runtime.errors import OutOfResources
+
+    return OutOfResources(300_000, 232_448, "shared memory")
+
+
+def _compile_error():
+    import ast
+
+    from triton.compiler.errors import CompilationError
+
+    return CompilationError("src", ast.Pass(), "tile too large")
+
+
+def _fake_timer(errors, times=None):
+    """A stand-in for do_bench on the CPU and a launch: the launch of a config in ``errors``
+    raises its error; timing runs the launch once and returns ``times[cfg]`` (default 1)."""
+    times = times or {}
+    launched = []
+
+    def run(cfg):
+        launched.append(cfg)
+        if cfg in errors:
+            raise errors[cfg]
+
+    def time_ms(fn):
+        fn()
+        return times.get(launched[-1], 1.0)
+
+    return time_ms, run
+
+
+def test_tuner_skips_configs_that_do_not_fit(monkeypatch, caplog):
+    pytest.importorskip("triton")
+    cands = list(tuning.CANDIDATES["mm"][:4])
+    errors = {cands[0]: _resource_error(), cands[1]: _compile_error()}
+    time_ms, run = _fake_timer(errors, {cands[2]: 2.0, cands[3]: 1.0})
+    monkeypatch.setattr(tuning, "_time_ms", time_ms)
+    caplog.set_level("INFO", logger=tuning.__name__)
+    assert tuning._benchmark("mm|key", cands, run) == cands[3]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert caplog.text.count("skipped") == 2 and "out of resource" in caplog.text
+    with pytest.raises(RuntimeError, match=r"no tile config of mm\|key fits this GPU \(all 2"):
+        tuning._benchmark("mm|key", cands[:2], run)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        ValueError("a bug in the launcher"),
+    ],
+)
+def test_tuner_raises_any_other_error_with_a_warning(monkeypatch, caplog, error):
+    """An illegal address leaves the CUDA context unusable: trying the next candidate would
+    only bury the cause under "no config could run"."""
+    pytest.importorskip("triton")
+    cands = list(tuning.CANDIDATES["wgrad"][:3])
+    time_ms, run = _fake_timer({cands[1]: error})
+    monkeypatch.setattr(tuning, "_time_ms", time_ms)
+    with pytest.raises(type(error), match=str(error)):
+        tuning._benchmark("wgrad|key", cands, run)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(cands[1]) in warnings[0].getMessage()
+    assert "wgrad|key" in warnings[0].getMessage()
+
+
+def test_launch_without_registers_is_skipped(monkeypatch):
+    pytest.importorskip("triton")
+    cands = list(tuning.CANDIDATES["mm"][:2])
+    error = RuntimeError("Triton Error [CUDA]: too many resources requested for launch")
+    time_ms, run = _fake_timer({cands[0]: error})
+    monkeypatch.setattr(tuning, "_time_ms", time_ms)
+    assert tuning._benchmark("mm|key", cands, run) == cands[1]
 
 
 def test_interpreter_uses_fixed_config():
@@ -107,13 +249,13 @@ def test_megablocks_missing_gives_clear_error():
         )
 
 
-_COMPILE_CHECK = r"""
+_COMPILE_PRELUDE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moestack.kernels import _triton as tk
 
-def compile_for(fn, ptr, constexprs, num_warps):
+def compile_for(fn, ptr, constexprs, num_warps, num_stages=3):
     sig, cx, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -130,7 +272,11 @@ def compile_for(fn, ptr, constexprs, num_warps):
         print("API-MISMATCH")
         raise SystemExit(0)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=3))
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+"""
+_COMPILE_CHECK = (
+    _COMPILE_PRELUDE
+    + r"""
 
 # A launch specialises integer arguments equal to 1 into constants: contiguous tensors'
 # unit strides, given here as such, so that what compiles is what a real launch runs.
@@ -151,6 +297,7 @@ compile_for(tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4)
 print("SHARED", fwd.metadata.shared, dx.metadata.shared)
 print("COMPILED")
 """
+)
 
 
 def test_kernels_compile_for_sm90():
@@ -164,3 +311,71 @@ def test_kernels_compile_for_sm90():
     assert "COMPILED" in out.stdout, out.stderr[-3000:]
     shared = [int(v) for v in out.stdout.split("SHARED", 1)[1].split()[:2]]
     assert min(shared) > 32 * 1024, f"main loops not pipelined: shared memory {shared} bytes"
+
+
+_CANDIDATES_CHECK = (
+    _COMPILE_PRELUDE
+    + r"""
+from moestack.kernels import tuning
+
+# The launch variants of the MoE layer and the plain grouped GEMM (unit strides constant).
+mm_variants = {
+    "fwd_down": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
+                     SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False),
+    "bwd_G": dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_zn=1, GATHER_A=True,
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False),
+    "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False),
+}
+variants = {
+    "mm": mm_variants,
+    "mm_swiglu": {"fwd_up": dict(mm_variants["plain"], GATHER_A=True, SWIGLU=True,
+                                 STORE_Z=True)},
+    "wgrad": {
+        "gather_a": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=True, GATHER_B=False),
+        "gather_b": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=True),
+        "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=False),
+    },
+}
+for kind, cands in tuning.CANDIDATES.items():
+    fn = tk.grouped_wgrad_kernel if kind == "wgrad" else tk.grouped_mm_kernel
+    for cfg in cands:
+        for name, flags in variants[kind].items():
+            cx = dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m, DOT_PRECISION="tf32")
+            if kind != "wgrad":
+                cx["BLOCK_E"] = 128
+            k = compile_for(fn, "*bf16", cx, cfg.num_warps, cfg.num_stages)
+            print("CFG", kind, name, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
+                  k.metadata.shared, flush=True)
+print("COMPILED")
+"""
+)
+SM90_SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on H100/H200
+
+
+def test_every_candidate_compiles_for_sm90_within_shared_memory():
+    """Every candidate tile of every kind compiles for Hopper in bf16 and fits its shared
+    memory (a config that cannot would only cost autotuning time there), and the
+    five-stage weight-gradient tiles do keep one more buffer in flight than three stages."""
+    pytest.importorskip("triton.backends.nvidia")
+    out = _run(_CANDIDATES_CHECK)
+    if "API-MISMATCH" in out.stdout:
+        pytest.skip("this check speaks the triton 3.9 compiler API")
+    if "COMPILED" not in out.stdout and ("ptxas" in out.stderr and "not found" in out.stderr):
+        pytest.skip("no ptxas in this triton install")
+    assert "COMPILED" in out.stdout, out.stderr[-3000:]
+    shared = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("CFG "):
+            kind, name, bm, bn, bk, stages, nbytes = line.split()[1:]
+            shared[(kind, name, int(bm), int(bn), int(bk), int(stages))] = int(nbytes)
+    want = sum(len(c) for c in tuning.CANDIDATES.values())
+    assert len({key[:1] + key[2:] for key in shared}) == want
+    too_big = {key: n for key, n in shared.items() if n > SM90_SHARED_LIMIT}
+    assert not too_big, f"candidates over sm_90's shared memory: {too_big}"
+    for gathered in ("gather_a", "gather_b"):
+        three = shared[("wgrad", gathered, 128, 128, 64, 3)]
+        five = shared[("wgrad", gathered, 128, 128, 64, 5)]
+        stage = (128 * 64 + 64 * 128) * 2  # one bf16 A and B tile
+        assert three < 3 * stage <= five < 101_376, (gathered, three, five)  # fits 99 KiB

@@ -1,0 +1,155 @@
+"""The launchers' guards, on the CPU: the fp32 dot precision under torch's old and new TF32
+settings, expert-id and offset assertions that never sync with the host, and the tuning
+key of every launch (weight layout and row bucket)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moestack.kernels import _launch, grouped_gemm, moe_experts, tuning  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def matmul_precision():
+    """torch's real cuBLAS matmul settings (settable on a CPU build), restored afterwards."""
+    matmul = torch.backends.cuda.matmul
+    if not _has_new_api(matmul):
+        pytest.skip("this torch has no fp32_precision setting (torch < 2.9)")
+    saved_new, saved_global = matmul.fp32_precision, torch.backends.fp32_precision
+    yield matmul
+    torch.backends.fp32_precision = saved_global
+    matmul.fp32_precision = saved_new
+
+
+def _has_new_api(matmul) -> bool:
+    try:
+        matmul.fp32_precision  # noqa: B018
+    except AttributeError:
+        return False
+    return True
+
+
+def test_dot_precision_reads_the_new_setting_first(matmul_precision):
+    """Once TF32 is set through ``fp32_precision``, reading ``allow_tf32`` may raise (mixed
+    APIs, torch >= 2.9): the launch must not depend on it."""
+    matmul_precision.fp32_precision = "tf32"
+    assert _launch._dot_precision(torch.float32) == "tf32"
+    matmul_precision.fp32_precision = "ieee"
+    assert _launch._dot_precision(torch.float32) == "ieee"
+    for dtype in (torch.float16, torch.bfloat16):  # 16-bit inputs ignore the setting
+        assert _launch._dot_precision(dtype) == "tf32"
+
+
+def test_dot_precision_follows_the_legacy_flag_when_the_new_one_is_unset(matmul_precision):
+    matmul_precision.fp32_precision = "none"
+    matmul_precision.allow_tf32 = True
+    assert _launch._dot_precision(torch.float32) == "tf32"
+    matmul_precision.allow_tf32 = False
+    assert _launch._dot_precision(torch.float32) == "ieee"
+
+
+class _OldMatmul:
+    """torch < 2.9's cuBLAS settings: only ``allow_tf32``."""
+
+    def __init__(self, allow_tf32: bool) -> None:
+        self.allow_tf32 = allow_tf32
+
+
+class _MixedMatmul:
+    """New setting unset, legacy read refused (the two APIs mixed)."""
+
+    fp32_precision = "none"
+
+    @property
+    def allow_tf32(self) -> bool:
+        raise RuntimeError("you have used mix of the legacy and new APIs")
+
+
+@pytest.mark.parametrize(
+    ("matmul", "want"),
+    [(_OldMatmul(True), "tf32"), (_OldMatmul(False), "ieee"), (_MixedMatmul(), "ieee")],
+)
+def test_dot_precision_on_older_torch_and_mixed_settings(monkeypatch, matmul, want):
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    assert _launch._dot_precision(torch.float32) == want
+
+
+def test_expert_id_assertion_on_the_cpu():
+    E = 4
+    _launch.assert_expert_ids(torch.tensor([[0, 3], [2, 1]]), E)
+    _launch.assert_expert_ids(torch.tensor([[3]], dtype=torch.int32), E)
+    for bad in (torch.tensor([[0, 4]]), torch.tensor([[-1, 2]])):
+        with pytest.raises(RuntimeError, match=r"expert ids must lie in \[0, 4\)"):
+            _launch.assert_expert_ids(bad, E)
+
+
+def test_offsets_assertion_on_the_cpu():
+    _launch.assert_offsets(torch.tensor([0, 3, 3, 7], dtype=torch.int32), 7)
+    _launch.assert_offsets(torch.tensor([0], dtype=torch.int32), 0)
+    for bad in ([0, 3, 2, 7], [0, 3, 5, 6], [-1, 3, 5, 7], [0, 3, 5, 8]):
+        with pytest.raises(RuntimeError, match="offsets must be non-decreasing"):
+            _launch.assert_offsets(torch.tensor(bad, dtype=torch.int32), 7)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bad_id", [3, 7, -1])
+def test_moe_experts_refuses_expert_ids_out_of_range(bad_id):
+    """Ids >= E used to leave output rows unwritten and negative ids to compute with
+    expert 0; both now fail (on the CPU at once, on CUDA by a device-side assertion)."""
+    if DEVICE == "cuda":
+        pytest.skip("a device-side assertion ends the CUDA context: test_kernels_gpu.py")
+    x, w1, w2 = torch.randn(5, 8), torch.randn(3, 8, 12), torch.randn(3, 6, 8)
+    experts = torch.tensor([[0, 1], [2, 0], [1, 2], [0, bad_id], [2, 1]])
+    with pytest.raises(RuntimeError, match=r"expert ids must lie in \[0, 3\)"):
+        moe_experts(x, w1, w2, experts, torch.rand(5, 2))
+
+
+@needs_kernels
+def test_grouped_gemm_refuses_decreasing_cpu_offsets():
+    x, w = torch.randn(7, 8), torch.randn(3, 8, 4)
+    with pytest.raises(ValueError, match=r"non-decreasing .*: offsets\[1\] = 2 < offsets\[0\] = 3"):
+        grouped_gemm(x, w, torch.tensor([3, 2, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"offsets\[0\] = -1 must be >= 0"):
+        grouped_gemm(x, w, torch.tensor([-1, 2, 7], dtype=torch.int32))
+
+
+@needs_kernels
+def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
+    """Forward launches read W as stored, the backward's G and dx read W^T (a transposed
+    view): separate keys. Every key carries the power-of-two bucket of its sorted rows."""
+    keys: list[str] = []
+    choose = tuning.choose_config
+
+    def spy(kind, key, *args):
+        keys.append(key)
+        return choose(kind, key, *args)
+
+    monkeypatch.setattr(tuning, "choose_config", spy)
+    T, D, F, E, k = 9, 16, 8, 3, 2  # R = 18 sorted rows: bucket 32
+    x = torch.randn(T, D, device=DEVICE, requires_grad=True)
+    w1 = torch.randn(E, D, 2 * F, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(E, F, D, device=DEVICE, requires_grad=True)
+    weights = torch.rand(T, k, device=DEVICE, requires_grad=True)
+    experts = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).to(DEVICE)
+    moe_experts(x, w1, w2, experts, weights).sum().backward()
+    flags = {key.split("|")[0] + "|" + key.split("|")[5] for key in keys}
+    assert flags == {
+        "mm_swiglu|g1s0c0z1t0",  # h = swiglu(x[tok] @ W1)
+        "mm|g0s1c1z0t0",  # ys = w * h @ W2
+        "mm|g1s0c0z0t1",  # G = dy[tok] @ W2^T
+        "mm|g0s1c0z0t1",  # dx = dz @ W1^T
+        "wgrad|g01",  # dW2
+        "wgrad|g10",  # dW1
+    }, keys
+    assert all(key.endswith("|R=32") for key in keys), keys
