@@ -36,6 +36,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from moestack.atomic import install_dir
 from moestack.cache.store_format import (
     CHECKSUM,
     DTYPES,
@@ -50,7 +51,6 @@ from moestack.cache.store_format import (
     expert_tensors,
     fd_digest,
     index_json,
-    install_dir,
     layer_files,
     parse_header,
     pread_exact,

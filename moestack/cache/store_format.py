@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -197,20 +196,6 @@ def parse_header(path: Path, blob: bytes | None = None) -> tuple[int, dict[str, 
     return 8 + n, header
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (its entries), where the filesystem allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_file(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` and fsync it (the one place the store writes bytes)."""
     with open(path, "wb") as f:
@@ -373,17 +358,3 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
                 "rewrite the store with ExpertStore.write"
             )
         done += n
-
-
-def install_dir(tmp: Path, path: Path) -> None:
-    """Move the finished, fsynced folder ``tmp`` to ``path``, replacing an old store there
-    (renamed aside first, so ``path`` always holds a whole store or none)."""
-    fsync_dir(tmp)
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, path)
-    fsync_dir(path.parent)

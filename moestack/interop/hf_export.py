@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moestack.atomic import fsync_dir, install_dir
 from moestack.errors import MoestackError
 from moestack.interop.hf_config import check_model_dir
 from moestack.interop.hf_model import HFMoEModel, release_routed_weights
@@ -140,27 +141,7 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is moved aside first, then removed."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-    _fsync_dir(out.parent)
+        fsync_dir(Path(folder))
 
 
 def _warn_dropped(dropped: dict[int, float]) -> None:
@@ -209,7 +190,7 @@ def export_hf(
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         report["files"] = sorted(f.name for f in tmp.iterdir())
         _fsync_tree(tmp)
-        _move_into_place(tmp, out)
+        install_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
