@@ -9,7 +9,7 @@
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
                                                               (after a warm-up it announces)
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
-    moestack prereg lock|run|analyze FILE                     pre-registered experiments
+    moestack prereg lock|run|analyze|power FILE               pre-registered experiments
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
@@ -273,9 +273,17 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
     if args.action != "lock" and (args.force or args.amend is not None):
         raise MoestackError(f"--force and --amend belong to `prereg lock`, not `{args.action}`")
-    if args.action == "lock":
+    power_opts = (args.pilot, args.half_width, args.confidence)
+    if args.action != "power" and any(v is not None for v in power_opts):
+        raise MoestackError(
+            f"--pilot, --half-width and --confidence belong to `prereg power`, not `{args.action}`"
+        )
+    if args.action == "power":
+        result = prereg.power(args.file, args.pilot, args.half_width, args.confidence)
+        print(prereg.render_power(result))
+    elif args.action == "lock":
         target = prereg.lock(
-            args.file, force=args.force, amend=args.amend, out_dir=args.out or None
+            args.file, force=args.force, amend=args.amend, out_dir=args.out or None, rules=True
         )
         print(f"{'amended' if args.amend is not None else 'locked'}: {target}")
     elif args.action == "run":
@@ -437,7 +445,11 @@ def _report_parser(verbs: Any) -> None:
 
 def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
-    p.add_argument("action", choices=("lock", "run", "analyze"), help="lock, run or analyze")
+    p.add_argument(
+        "action",
+        choices=("lock", "run", "analyze", "power"),
+        help="lock, run, analyze, or power (the seeds a pilot's spread needs)",
+    )
     p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
     p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
@@ -450,6 +462,24 @@ def _prereg_parser(verbs: Any) -> None:
         default=None,
         help="lock: re-lock after runs exist; the reason is kept in the lock and the report "
         "(default: none)",
+    )
+    p.add_argument(
+        "--pilot",
+        default=None,
+        help="power: a pilot's results.json or study folder (default: the file's power.pilot)",
+    )
+    p.add_argument(
+        "--half-width",
+        type=float,
+        default=None,
+        help="power: target interval half-width, 0.005 = 0.5 pp of a relative change "
+        "(default: the file's power.half_width, else 0.005)",
+    )
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=None,
+        help="power: two-sided confidence of that interval (default: the file's, else 0.95)",
     )
     p.set_defaults(func=cmd_prereg)
 

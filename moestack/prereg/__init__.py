@@ -30,8 +30,10 @@ Layout: ``spec`` (the file format: dataclasses, parsing, validation), ``compose`
 composition of a run's config), ``hashing`` (the study hash: the file and its config
 files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify),
 ``provenance`` (the study hash each run was trained under), ``runner`` (the grid and the
-resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics) and
-``report`` (markdown, figures, ``analyze``). Everything public is re-exported here.
+resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics),
+``decision`` (the one-sided non-inferiority/superiority rules and Holm's correction),
+``power`` (the seeds a pilot's spread needs) and ``report`` (markdown, figures, ``analyze``).
+Everything public is re-exported here.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ from moestack.prereg.analysis import (
     t_quantile,
 )
 from moestack.prereg.compose import check_overrides, compose_config, config_choices
+from moestack.prereg.decision import ONE_SIDED, check_rules, holm, t_sf
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
+from moestack.prereg.power import half_width, load_pilot, power, seeds_needed
+from moestack.prereg.power import render as render_power
 from moestack.prereg.provenance import RUN_FILE, check_run, read_run_record, write_run_record
 from moestack.prereg.report import analyze, plot_capacity, plot_scatter, render_markdown
 from moestack.prereg.runner import (
@@ -63,6 +68,7 @@ from moestack.prereg.runner import (
 from moestack.prereg.spec import (
     CACHE_STATS,
     COMPARISONS,
+    CORRECTIONS,
     DECISIONS,
     OPS,
     REQUIRES,
@@ -70,6 +76,7 @@ from moestack.prereg.spec import (
     SCALAR_METRICS,
     Analysis,
     Hypothesis,
+    Power,
     Prereg,
     RunSpec,
     load,
@@ -81,9 +88,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CACHE_STATS",
     "COMPARISONS",
+    "CORRECTIONS",
     "DECISIONS",
     "EVAL_FILE",
     "LOCK_SUFFIX",
+    "ONE_SIDED",
     "OPS",
     "REQUIRES",
     "RESERVED_KEYS",
@@ -93,11 +102,13 @@ __all__ = [
     "Analysis",
     "Fingerprint",
     "Hypothesis",
+    "Power",
     "Prereg",
     "RunSpec",
     "analysis_key",
     "analyze",
     "check_overrides",
+    "check_rules",
     "check_run",
     "check_runs",
     "collect",
@@ -108,8 +119,11 @@ __all__ = [
     "evaluate_hypotheses",
     "evaluate_run",
     "fingerprint",
+    "half_width",
+    "holm",
     "is_finished",
     "load",
+    "load_pilot",
     "lock",
     "lock_path",
     "mean_ci",
@@ -117,11 +131,15 @@ __all__ = [
     "plan",
     "plot_capacity",
     "plot_scatter",
+    "power",
     "read_run_record",
     "render_markdown",
+    "render_power",
     "run",
+    "seeds_needed",
     "sha256_file",
     "t_quantile",
+    "t_sf",
     "verify",
     "write_run_record",
 ]

@@ -12,17 +12,24 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
+from moestack.prereg import decision as rules
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.spec import Analysis, Prereg
 
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "prereg_eval.json"
+# Analysis fields that decide verdicts but do not change a run's evaluation: left out of the
+# evaluation's cache key (so adding them kept the key of every earlier study).
+_NOT_EVALUATED = ("correction", "decision_reason")
 
 
 def analysis_key(spec: Prereg) -> str:
     """Hash of the analysis settings: a cached per-run evaluation is reused only if it matches."""
-    blob = json.dumps(dataclasses.asdict(spec.analysis), sort_keys=True, default=list)
+    fields = dataclasses.asdict(spec.analysis)
+    for name in _NOT_EVALUATED:
+        fields.pop(name)
+    blob = json.dumps(fields, sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -187,7 +194,10 @@ def evaluate_hypotheses(spec: Prereg, records: Sequence[dict[str, Any]]) -> list
             rows = [_joint_row(hyp, arm, results) for arm in hyp.arms]
         else:
             rows = [_arm_row(spec, hyp, arm, values) for arm in hyp.arms]
-        verdict = _verdict([r["pass"] for r in rows], hyp.require)
+            if rules.rule(spec, hyp) in rules.ONE_SIDED:
+                holm = spec.analysis.correction == "holm"
+                rules.decide(rows, hyp, spec.analysis.confidence, holm)
+        verdict = rules.verdict([rules.state(r) for r in rows], hyp.require)
         results[hyp.id] = {**dataclasses.asdict(hyp), "rows": rows, "verdict": verdict}
     return list(results.values())
 
@@ -195,17 +205,20 @@ def evaluate_hypotheses(spec: Prereg, records: Sequence[dict[str, Any]]) -> list
 def _joint_row(hyp: Any, arm: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """An arm of a joint hypothesis passes when it passes every hypothesis in ``hyp.of``."""
     parts = [next(row for row in results[ref]["rows"] if row["arm"] == arm) for ref in hyp.of]
-    if any(p["pass"] is None for p in parts):
-        ok = None if all(p["pass"] is not False for p in parts) else False
-    else:
-        ok = all(p["pass"] for p in parts)
+    states = [rules.state(p) for p in parts]
+    ok = False if "fail" in states else (True if set(states) == {"pass"} else None)
     margins = [p["margin"] for p in parts if p["margin"] is not None]
-    return {
+    row = {
         "arm": arm,
         "pass": ok,
         "margin": min(margins) if margins else None,
         "parts": {ref: p["pass"] for ref, p in zip(hyp.of, parts, strict=True)},
     }
+    if ok is None and "missing" not in states:
+        row["inconclusive"] = True  # no part failed or is missing, one is undecided
+    if "inconclusive" in states:
+        row["part_states"] = dict(zip(hyp.of, states, strict=True))
+    return row
 
 
 def _arm_row(
@@ -228,7 +241,12 @@ def _arm_row(
         row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
         return row
     est, lo, hi = mean_ci(per_seed, spec.analysis.confidence)
-    if spec.analysis.decision == "ci":
+    rule = rules.rule(spec, hyp)
+    if rule in rules.ONE_SIDED:  # decided with the hypothesis's other arms (Holm)
+        ok = None
+        if len(per_seed) > 1:
+            row["_test"] = rules.one_sided(per_seed, hyp.op, hyp.threshold)
+    elif rule == "ci":
         bound = hi if hyp.op == "<=" else lo
         ok = None if math.isnan(bound) else _passes(bound, hyp.op, hyp.threshold)
     else:
@@ -254,14 +272,3 @@ def _ci_verdict(lo: float, hi: float, op: str, threshold: float) -> str:
     if not _passes(lo if op == "<=" else hi, op, threshold):
         return "refuted"
     return "inconclusive"
-
-
-def _verdict(passes: list[bool | None], require: str) -> str:
-    """pass / fail / incomplete from the arms' results, for ``require`` any or all."""
-    if require == "any":
-        if any(p is True for p in passes):
-            return "pass"
-        return "incomplete" if any(p is None for p in passes) else "fail"
-    if any(p is False for p in passes):
-        return "fail"
-    return "incomplete" if any(p is None for p in passes) else "pass"

@@ -20,6 +20,7 @@ from moestack.errors import MoestackError
 from moestack.prereg import chain as chains
 from moestack.prereg import hashing
 from moestack.prereg.compose import check_overrides
+from moestack.prereg.decision import check_rules
 from moestack.prereg.hashing import fingerprint, sha256_file
 from moestack.prereg.provenance import find_run
 from moestack.prereg.spec import Prereg, load
@@ -109,6 +110,7 @@ def lock(
     *,
     amend: str | None = None,
     out_dir: Path | str | None = None,
+    rules: bool = False,
 ) -> Path:
     """Validate ``path`` and append a lock record to ``<file>.lock.json``; returns the lock.
 
@@ -116,9 +118,16 @@ def lock(
     commit and the UTC time. An existing lock is extended only with ``force`` (allowed while
     no run of the study exists under ``out_dir``, default runs/prereg/<study>) or ``amend``
     (the reason, recorded and reported); the previous record stays in the chain.
+
+    With ``rules`` (``moestack prereg lock`` passes it) a new lock is refused while a
+    non-inferiority hypothesis is decided by "mean" without ``analysis.decision_reason``
+    (``decision.check_rules``); it is off by default so that locks scripted before the rule
+    (and their tests) keep working, and re-locks of an existing study are not affected.
     """
     path = Path(path)
     spec = load(path)
+    if rules and not lock_path(path).exists():
+        check_rules(spec)  # a budget decided by the seed mean needs a stated reason
     check_overrides(spec)
     previous = _previous(path, spec, force, amend, out_dir)
     fp = fingerprint(spec)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
+from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.locking import verify
+from moestack.prereg.power import power_lines
 from moestack.prereg.runner import check_runs, default_out_dir, plan
 from moestack.prereg.spec import Prereg, load
 
@@ -29,8 +31,10 @@ def _fmt(value: Any, digits: int = 4, pct: bool = False, pp: bool = False) -> st
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
-def _verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else ("pass" if ok else "fail")
+def _verdict(ok: bool | None, inconclusive: bool = False) -> str:
+    if ok is None:
+        return "inconclusive" if inconclusive else "n/a"
+    return "pass" if ok else "fail"
 
 
 def _claim(hyp: dict[str, Any]) -> str:
@@ -87,7 +91,7 @@ def _provenance(
         f"- Evaluation: final checkpoint, {a.eval_batches} validation batches; cache replay "
         f"with the first {a.warmup:.0%} of each layer's requests as warm-up (not counted); "
         f"seeds paired with the baseline, mean and {a.confidence:.0%} t interval; "
-        f"decision rule: {a.decision}"
+        f"decision rule: {a.decision}{_rule_note(spec)}"
         + (
             f"; with {len(spec.seeds)} seeds the interval is mean +- "
             f"{t_quantile(0.5 + a.confidence / 2, len(spec.seeds) - 1):.2f} x sd / sqrt(n)."
@@ -98,12 +102,32 @@ def _provenance(
     ]
     if spec.question:
         lines += [f"Question: {spec.question}", ""]
+    lines += power_lines(spec)
     lines += _history_lines(lock_record.get("history") or [])
     lines += ["## Runs as registered", "", f"Shared: `{' '.join(spec.base_overrides)}`", ""]
     lines += ["| arm | overrides |", "|---|---|"]
     lines += [f"| {arm} | `{' '.join(ov)}` |" for arm, ov in spec.arms.items()]
     lines += ["", f"Seeds: {', '.join(map(str, spec.seeds))}; baseline: {spec.baseline}.", ""]
     return lines
+
+
+def _rule_note(spec: Prereg) -> str:
+    """The correction, the hypotheses with a rule of their own, and the reason for "mean"."""
+    notes = []
+    a, n = spec.analysis, len(spec.seeds)
+    if n > 1 and any(
+        h.comparison != "joint" and rule(spec, h) in ONE_SIDED for h in spec.hypotheses
+    ):
+        t = t_quantile(a.confidence, n - 1)
+        notes.append(f"one-sided {a.confidence:.0%} bounds: mean +- {t:.2f} x sd / sqrt(n)")
+    if spec.analysis.correction == "holm":
+        notes.append("Holm correction across the arms of each hypothesis")
+    own = [f"{h.id}: {h.decision}" for h in spec.hypotheses if h.decision]
+    if own:
+        notes.append("own rules " + ", ".join(own))
+    if spec.analysis.decision_reason:
+        notes.append(f"why: {spec.analysis.decision_reason}")
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _lock_lines(lock_record: dict[str, Any], records: Sequence[dict[str, Any]]) -> list[str]:
@@ -168,14 +192,18 @@ def _joint_table(h: dict[str, Any]) -> list[str]:
     lines = ["| arm | " + " | ".join(h["of"]) + " | min margin | pass |"]
     lines += ["|---|" + "---|" * len(h["of"]) + "---|---|"]
     for row in h["rows"]:
-        parts = " | ".join(_verdict(row["parts"][ref]) for ref in h["of"])
-        lines.append(
-            f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {_verdict(row['pass'])} |"
+        states = row.get("part_states") or {}
+        parts = " | ".join(
+            _verdict(row["parts"][ref], states.get(ref) == "inconclusive") for ref in h["of"]
         )
+        ok = _verdict(row["pass"], bool(row.get("inconclusive")))
+        lines.append(f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {ok} |")
     return lines + [""]
 
 
 def _arm_table(h: dict[str, Any]) -> list[str]:
+    if any("bound" in row for row in h["rows"]):
+        return _one_sided_table(h)
     pct = h["comparison"] == "relative_change"
     lines = [
         "| arm | seeds | baseline mean | arm mean | estimate | CI | threshold | margin "
@@ -190,6 +218,34 @@ def _arm_table(h: dict[str, Any]) -> list[str]:
             f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
             f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
             f"{row.get('ci_verdict', 'n/a')} | **{_verdict(row['pass'])}** |"
+        )
+    return lines + [""]
+
+
+def _one_sided_table(h: dict[str, Any]) -> list[str]:
+    """The table of a one-sided rule: the bound on the failing side decides pass, the other
+    bound fail, neither inconclusive; p-values of both tests (Holm-adjusted when stated)."""
+    pct = h["comparison"] == "relative_change"
+    side = ("upper", "lower") if h["op"] == "<=" else ("lower", "upper")
+    lines = [
+        f"| arm | seeds | estimate | one-sided {side[0]} bound | {side[1]} bound | threshold "
+        "| p (pass test) | p (fail test) | outcome |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in h["rows"]:
+        adj = row.get("p_adjusted") or {}
+        raw = row.get("p") or {}
+
+        def p(key: str, raw: dict[str, Any] = raw, adj: dict[str, Any] = adj) -> str:
+            if key not in raw:
+                return "n/a"
+            return f"{raw[key]:.3g}" + (f" (Holm {adj[key]:.3g})" if key in adj else "")
+
+        lines.append(
+            f"| {row['arm']} | {row['n']} | {_fmt(row['estimate'], pct=pct)} | "
+            f"{_fmt(row.get('bound'), pct=pct)} | {_fmt(row.get('other_bound'), pct=pct)} | "
+            f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {p('pass')} | {p('fail')} | "
+            f"**{_verdict(row['pass'], bool(row.get('inconclusive')))}** |"
         )
     return lines + [""]
 

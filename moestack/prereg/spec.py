@@ -15,7 +15,8 @@ from moestack.errors import MoestackError
 
 COMPARISONS = ("relative_change", "difference", "value", "joint")
 OPS = ("<=", ">=")
-DECISIONS = ("mean", "ci")
+DECISIONS = ("mean", "ci", "noninferiority", "superiority")
+CORRECTIONS = ("none", "holm")
 REQUIRES = ("any", "all")
 CACHE_STATS = ("hit_rate", "miss_rate", "misses_per_token")
 SCALAR_METRICS = ("perplexity", "val_loss")
@@ -37,6 +38,7 @@ class Hypothesis:
     threshold: float
     require: str  # "any" arm passing suffices, or "all" must pass
     of: tuple[str, ...] = ()  # joint: the hypotheses one arm must pass together
+    decision: str = ""  # its own decision rule ("" = analysis.decision)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,23 @@ class Analysis:
     capacities: tuple[int, ...] = (2, 4, 6)  # expert slots per layer
     warmup: float = 0.1  # share of each layer's requests that warms the cache, not counted
     confidence: float = 0.95  # two-sided t interval over seeds
-    decision: str = "mean"  # "mean": the seed mean meets the threshold; "ci": the whole CI does
+    decision: str = "mean"  # "mean": the seed mean meets the threshold; "ci": the whole CI does;
+    # "noninferiority"/"superiority": the one-sided bound decides, else "inconclusive"
+    correction: str = "none"  # "holm": Holm over the arms of each hypothesis (one-sided rules)
+    decision_reason: str = ""  # why a "mean" rule decides a budget (lock refuses it otherwise)
     scatter_capacity: int = 0  # capacity of the hit-rate-vs-perplexity scatter (0 = 2nd)
     device: str = "auto"  # where the evaluation runs
+
+
+@dataclass(frozen=True)
+class Power:
+    """The power analysis behind the seed count: the pilot, the target, the choice and why."""
+
+    pilot: str  # the pilot's results.json or study folder (relative to the study file)
+    seeds: int  # the chosen number of seeds (must be len(runs.seeds))
+    reason: str  # why that many: the pilot's sd and the seeds it needs, or the budget
+    half_width: float = 0.005  # target interval half-width (0.005 = 0.5 pp of a change)
+    confidence: float = 0.95  # of the two-sided t interval whose half-width is targeted
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,7 @@ class Prereg:
     analysis: Analysis
     hypotheses: tuple[Hypothesis, ...]
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    power: Power | None = None
 
     def overrides(self, arm: str, seed: int) -> list[str]:
         """The moestack-train overrides of one run (out_dir and resume added by the runner)."""
@@ -181,6 +198,7 @@ def _analysis(raw: dict[str, Any]) -> Analysis:
         if raw["decision"] not in DECISIONS:
             raise _fail("analysis.decision", f"{raw['decision']!r}", f"use one of {DECISIONS}")
         kw["decision"] = raw["decision"]
+    kw.update(_rule_fields(raw))
     if "device" in raw:
         if raw["device"] not in ("auto", "cpu", "cuda"):
             raise _fail("analysis.device", f"{raw['device']!r}", "use auto, cpu or cuda")
@@ -193,6 +211,59 @@ def _analysis(raw: dict[str, Any]) -> Analysis:
             "pick one of them",
         )
     return analysis
+
+
+def _rule_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """analysis.correction and analysis.decision_reason, checked against the decision rule."""
+    kw: dict[str, Any] = {}
+    if "correction" in raw:
+        if raw["correction"] not in CORRECTIONS:
+            raise _fail("analysis.correction", f"{raw['correction']!r}", f"use {CORRECTIONS}")
+        one_sided = ("noninferiority", "superiority")
+        if raw["correction"] == "holm" and raw.get("decision", "mean") not in one_sided:
+            raise _fail(
+                "analysis.correction",
+                f"holm needs a one-sided decision, not {raw.get('decision', 'mean')!r}",
+                "set analysis.decision: noninferiority or superiority",
+            )
+        kw["correction"] = raw["correction"]
+    if "decision_reason" in raw:
+        reason = raw["decision_reason"]
+        if not isinstance(reason, str) or not reason.strip():
+            raise _fail("analysis.decision_reason", f"{reason!r}", "say why in one sentence")
+        kw["decision_reason"] = reason.strip()
+    return kw
+
+
+def _power(raw: Any, seeds: tuple[int, ...]) -> Power | None:
+    """The optional ``power`` block: the pilot, the chosen seed count (= the seeds run) and
+    why, with the target half-width and confidence of the analysis that chose it."""
+    if raw is None:
+        return None
+    raw = _mapping(raw, "power")
+    known = {f.name for f in dataclasses.fields(Power)}
+    for key in raw:
+        if key not in known:
+            raise _fail(f"power.{key}", "unknown field", f"use fields from {sorted(known)}")
+    for key in ("pilot", "reason"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            what = "the pilot's results.json or folder" if key == "pilot" else "why that many"
+            raise _fail(f"power.{key}", f"{raw.get(key)!r}", f"give {what}")
+    n = _number(raw.get("seeds"), "power.seeds", int)
+    if n != len(seeds):
+        raise _fail(
+            "power.seeds", f"{n} but runs.seeds lists {len(seeds)}", "make them the same count"
+        )
+    kw: dict[str, Any] = {}
+    if "half_width" in raw:
+        kw["half_width"] = _number(raw["half_width"], "power.half_width")
+        if kw["half_width"] <= 0:
+            raise _fail("power.half_width", f"{kw['half_width']} <= 0", "e.g. 0.005")
+    if "confidence" in raw:
+        kw["confidence"] = _number(raw["confidence"], "power.confidence")
+        if not 0 < kw["confidence"] < 1:
+            raise _fail("power.confidence", f"{kw['confidence']} not in (0, 1)", "e.g. 0.95")
+    return Power(raw["pilot"].strip(), n, raw["reason"].strip(), **kw)
 
 
 def _check_metric(metric: Any, analysis: Analysis, where: str) -> str:
@@ -225,7 +296,7 @@ def _hypotheses(raw: Any, arms: dict[str, tuple[str, ...]], baseline: str, analy
         where = f"hypotheses[{i}]"
         item = _mapping(item, where)
         known = {"id", "statement", "metric", "arms", "comparison", "op", "threshold"}
-        known |= {"require", "of"}
+        known |= {"require", "of", "decision"}
         for key in item:
             if key not in known:
                 raise _fail(f"{where}.{key}", "unknown field", f"use fields from {sorted(known)}")
@@ -255,6 +326,13 @@ def _hypotheses(raw: Any, arms: dict[str, tuple[str, ...]], baseline: str, analy
                     f"the baseline {arm!r} cannot be compared with itself",
                     "remove it or use comparison: value",
                 )
+        decision = item.get("decision", "")
+        if decision and decision not in DECISIONS:
+            raise _fail(f"{where}.decision", f"{decision!r}", f"use one of {DECISIONS}")
+        if comparison == "joint" and decision:
+            raise _fail(f"{where}.decision", "a joint hypothesis has no rule", "remove it")
+        if analysis.correction == "holm" and decision in ("mean", "ci"):
+            raise _fail(f"{where}.decision", f"{decision!r} with holm", "use a one-sided rule")
         require = item.get("require", "all")
         if require not in REQUIRES:
             raise _fail(f"{where}.require", f"{require!r}", f"use one of {REQUIRES}")
@@ -282,8 +360,9 @@ def _hypotheses(raw: Any, arms: dict[str, tuple[str, ...]], baseline: str, analy
             raise _fail(f"{where}.op", f"{op!r}", f"use one of {OPS} (the side that passes)")
         threshold = _number(item.get("threshold"), f"{where}.threshold")
         seen[hid] = Hypothesis(
-            hid, statement.strip(), metric, tuple(hyp_arms), comparison, op, threshold, require
-        )
+            hid, statement.strip(), metric, tuple(hyp_arms), comparison, op, threshold, require,
+            decision=decision,
+        )  # fmt: skip
     return tuple(seen.values())
 
 
@@ -291,7 +370,7 @@ def parse(data: Any, path: Path | str = "<memory>") -> Prereg:
     """Validate a loaded pre-registration mapping; errors name the field and the fix."""
     data = _mapping(data, "the file")
     top = {"study", "title", "question", "model", "data", "budget", "train", "runs"}
-    top |= {"analysis", "hypotheses"}
+    top |= {"analysis", "hypotheses", "power"}
     for key in data:
         if key not in top:
             raise _fail(key, "unknown top-level field", f"use fields from {sorted(top)}")
@@ -351,6 +430,7 @@ def parse(data: Any, path: Path | str = "<memory>") -> Prereg:
         analysis=analysis,
         hypotheses=hypotheses,
         raw=data,
+        power=_power(data.get("power"), seeds_t),
     )
 
 
