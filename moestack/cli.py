@@ -4,6 +4,8 @@
     moestack eval RUN_DIR --offload [--capacity N --policy P --prefetch --generate N]
                                                               the same with experts served from
                                                               safetensors through an expert cache
+    moestack export RUN_DIR OUT_DIR                           a transformers model's run back
+                                                              to a transformers folder
     moestack telemetry MODEL TEXT OUT                         route a text through an MoE model,
                                                               write its trace and a report
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
@@ -13,6 +15,8 @@
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
+The eval and export verbs are in ``moestack.cli_eval``.
+
 Each verb prints its result, with progress bars on the slow ones (log lines do not break
 them); bad input, a missing file or a missing extra end with one line on stderr and exit
 status 2. ``moestack VERB --help`` lists every option with its default.
@@ -21,44 +25,17 @@ status 2. ``moestack VERB --help`` lists every option with its default.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from moestack.config import CacheConfig
+from moestack.cli_eval import eval_parser, export_parser
 from moestack.errors import MoestackError
 
 log = logging.getLogger("moestack")
 POLICIES = "lru,lfu,static,lru+static,belady"  # the default of --policies
-
-
-def cmd_eval(args: argparse.Namespace) -> dict:
-    from moestack.data import eval_batches
-    from moestack.evaluation import evaluate, resolve_device
-    from moestack.runs import load_run, run_corpus
-
-    run = load_run(args.run_dir, args.checkpoint)
-    cfg = run.cfg
-    if args.max_bytes >= 0:
-        cfg.data.max_bytes = args.max_bytes
-    device = resolve_device(args.device or cfg.device)
-    corpus = run_corpus(cfg)
-    batches = eval_batches(
-        corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
-    )
-    if args.offload:
-        metrics = _eval_offloaded(args, run, batches, device)
-    else:
-        run.model.to(device)
-        metrics = evaluate(run.model, batches, device, progress=True)
-    result = {"checkpoint": str(run.checkpoint), **metrics}
-    print(json.dumps(result, indent=2))
-    return result
 
 
 def _csv(text: str) -> list[str]:
@@ -166,108 +143,6 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(f"report: {index}")
 
 
-def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
-    """The run's cache settings with the command line's on top."""
-    changes: dict[str, Any] = {"prefetch": args.prefetch or cfg.prefetch}
-    if args.policy:
-        changes["policy"] = args.policy
-    if args.capacity:
-        changes.update(capacity=args.capacity, capacity_bytes=0)
-    if args.capacity_bytes:
-        changes.update(capacity=0, capacity_bytes=args.capacity_bytes)
-    if args.warmup >= 0:
-        changes["warmup"] = args.warmup
-    return dataclasses.replace(cfg, **changes)
-
-
-def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
-    """Every expert weight lives only in the safetensors store and the cache."""
-    from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
-
-    cache_cfg = _cache_config(args, run.cfg.cache)
-    if cache_cfg.policy == "belady":
-        raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
-    _check_capacity(cache_cfg, run.cfg.model.moe.top_k)  # before the store is written
-    bare = run.checkpoint == run.run_dir  # a transformers model folder itself, not a run
-    default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
-        run.run_dir / "experts")  # fmt: skip
-    store_dir = args.store_dir or cache_cfg.store_dir or default_dir
-    layers = None
-    if bare:  # the store is read from the folder's safetensors, one layer at a time
-        from moestack.interop.hf_experts import iter_hf_expert_layers
-
-        layers = iter_hf_expert_layers(run.run_dir)
-    store = open_or_write_store(
-        run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve()),
-        layers=layers,
-    )  # fmt: skip
-    run.model.to(device)  # before offloading: released experts are meta tensors
-    bias = args.cache_aware_bias
-    result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
-    if args.generate:
-        encode, decode = _text_codec(run.cfg.model)
-        out = generate_offloaded(
-            run.model, store, encode(args.prompt), args.generate, device, cache_cfg,
-            cache_aware_bias=bias,
-        )  # fmt: skip
-        result["generation"] = args.prompt + decode(out["tokens"])
-    return _counts_as_int(result)
-
-
-def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
-    """(encode, decode) between text and the model's tokens: bytes for moestack's own
-    models, the folder's tokenizer for transformers models."""
-    if not model_cfg.path:
-        return (
-            lambda text: torch.tensor(list(text.encode("utf-8")), dtype=torch.long),
-            lambda ids: bytes(t for t in ids if 0 < t < 256).decode("utf-8", "replace"),
-        )
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
-    return (
-        lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
-
-
-def cmd_export(args: argparse.Namespace) -> dict:
-    from moestack.interop.hf_export import export_hf
-    from moestack.runs import load_run
-
-    run = load_run(args.run_dir, args.checkpoint)
-    if not run.cfg.model.path:
-        raise MoestackError(
-            f"{args.run_dir} trained moestack's own model; export writes runs of transformers "
-            "models (model=hf model.path=DIR) back to the transformers format"
-        )
-    report = export_hf(run.model, args.out_dir, source_dir=run.cfg.model.path,
-                       overwrite=args.overwrite)  # fmt: skip
-    print(json.dumps(report, indent=2, default=str))
-    return report
-
-
-_COUNTS = ("hits", "misses", "loads", "host_hits", "bytes_read", "requests", "capacity")
-_COUNTS += ("prefetch_issued", "prefetch_hits", "prefetch_wasted")
-
-
-def _check_capacity(cache_cfg: CacheConfig, top_k: int) -> None:
-    """Refuse a cache smaller than one token's experts before any work is done."""
-    if cache_cfg.capacity and cache_cfg.capacity < top_k:
-        raise MoestackError(
-            f"--capacity {cache_cfg.capacity} is below moe.top_k={top_k}: one token's experts "
-            f"would not fit; use --capacity {top_k} or more"
-        )
-
-
-def _counts_as_int(result: dict[str, Any]) -> dict[str, Any]:
-    """The cache's counters as integers (they arrive as floats)."""
-    return {
-        k: int(v) if k.removeprefix("cache/") in _COUNTS and isinstance(v, float) else v
-        for k, v in result.items()
-    }
-
-
 def cmd_prereg(args: argparse.Namespace) -> None:
     from moestack import prereg
 
@@ -332,59 +207,6 @@ def _plan_parser(verbs: Any) -> None:
         help="plan for this device (default: the run's device; auto is cuda when present)",
     )
     p.set_defaults(func=cmd_plan)
-
-
-def _eval_parser(verbs: Any) -> None:
-    p = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
-    p.add_argument(
-        "run_dir", help="a moestack-train run folder (its out_dir), or a transformers model folder"
-    )
-    p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's newest)")
-    p.add_argument("--batches", type=int, default=0, help="validation batches (default: the run's)")
-    p.add_argument(
-        "--max-bytes",
-        type=int,
-        default=-1,
-        help="read at most this much text for the split (default: the run's data.max_bytes)",
-    )
-    p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
-    p.add_argument(
-        "--offload", action="store_true", help="serve experts from the store + cache (default: off)"
-    )
-    p.add_argument(
-        "--policy",
-        default="",
-        help="lru, lfu, static, lru+static (default: the run's cache.policy)",
-    )
-    p.add_argument(
-        "--capacity", type=int, default=0, help="experts per layer, >= top_k (default: 2 x top_k)"
-    )
-    p.add_argument(
-        "--capacity-bytes", type=int, default=0, help="or a byte budget per layer (default: unset)"
-    )
-    p.add_argument(
-        "--prefetch",
-        action="store_true",
-        help="load predicted next-layer experts early (default: off)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=-1,
-        help="static policies: requests counted before pinning (default: the run's cache.warmup)",
-    )
-    p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
-    p.add_argument(
-        "--cache-aware-bias",
-        type=float,
-        default=0.0,
-        help="router bias toward resident experts (default: %(default)s, none)",
-    )
-    p.add_argument(
-        "--generate", type=int, default=0, help="also greedily generate N bytes (default: 0, none)"
-    )
-    p.add_argument("--prompt", default="def ", help="prompt for --generate (default: %(default)r)")
-    p.set_defaults(func=cmd_eval)
 
 
 def _telemetry_parser(verbs: Any) -> None:
@@ -484,21 +306,6 @@ def _prereg_parser(verbs: Any) -> None:
     p.set_defaults(func=cmd_prereg)
 
 
-def _export_parser(verbs: Any) -> None:
-    p = verbs.add_parser("export", help="a run of a transformers model back to a model folder")
-    p.add_argument("run_dir", help="a moestack-train run of model=hf model.path=DIR")
-    p.add_argument("out_dir", help="the transformers model folder to write (must not exist)")
-    p.add_argument(
-        "--checkpoint", default=None, help="a checkpoint folder (default: the run's newest)"
-    )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace OUT_DIR if it is an earlier export (default: refuse an existing OUT_DIR)",
-    )
-    p.set_defaults(func=cmd_export)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from moestack import __version__
 
@@ -506,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moestack {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for add in (
-        _eval_parser, _export_parser, _telemetry_parser, _simulate_parser, _report_parser,
+        eval_parser, export_parser, _telemetry_parser, _simulate_parser, _report_parser,
         _prereg_parser, _plan_parser,
     ):  # fmt: skip
         add(verbs)

@@ -8,7 +8,7 @@ import json
 import pytest
 from test_hf_training import hf_config
 
-from moestack import cli
+from moestack import cli, cli_eval
 from moestack.errors import MoestackError
 from moestack.trainer import train
 
@@ -45,5 +45,5 @@ def test_export_refuses_a_run_of_moestacks_own_model(tmp_path):
         cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")])
     assert exit_info.value.code == 2
     with pytest.raises(MoestackError, match="moestack's own model"):
-        cli.cmd_export(cli.build_parser().parse_args(
+        cli_eval.cmd_export(cli.build_parser().parse_args(
             ["export", str(tmp_path / "run"), str(tmp_path / "out")]))  # fmt: skip
