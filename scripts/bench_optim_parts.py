@@ -1,0 +1,183 @@
+"""The parts of bench_optim shared by its sections, and the ones that need a device model:
+synthetic parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, and a
+whole training step of an MoE transformer (OffloadAdamW against torch AdamW, torchao's
+CPUOffloadOptimizer when installed). ``python scripts/bench_optim.py`` runs them."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from moestack.config import ModelConfig, MoEConfig, OptimConfig
+from moestack.model import MoETransformer
+from moestack.optim import OffloadAdamW, apply_param_dtype, build_optimizer, clip_grad_norm
+
+
+def make_params(
+    n: float, experts: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> list[tuple[str, torch.Tensor]]:
+    """Named parameters of about n elements: stacked experts w1/w2 (90%) plus dense tensors."""
+    g = torch.Generator().manual_seed(seed)
+    d = 256
+    f = max(1, int(0.45 * n / (experts * d)))
+    dense_rows = max(1, int(0.1 * n / d))
+    shapes = {
+        "layer.moe.w1": (experts, d, f),
+        "layer.moe.w2": (experts, f, d),
+        "layer.attn.weight": (dense_rows, d),
+        "layer.norm.weight": (d,),
+    }
+    out = []
+    for name, shape in shapes.items():
+        t = (torch.randn(shape, generator=g) * 0.02).to(dtype=dtype, device=device)
+        out.append((name, torch.nn.Parameter(t)))
+    return out
+
+
+def set_grads(params: list[tuple[str, torch.Tensor]], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _, p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(dtype=p.dtype, device=p.device)
+
+
+def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
+    """CUDA: step time of OffloadAdamW (host state) against fused torch AdamW on the device.
+
+    Gradients are set by hand, so no backward hook starts their copies: this times the
+    optimizer step with the synchronous gradient copy (the overlap shows in train_step).
+    """
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    for name in ("offload", "device_adamw_fused"):
+        base = _fresh_cuda_memory()
+        params = make_params(n, experts, torch.bfloat16, "cuda")
+        if name == "offload":
+            opt: torch.optim.Optimizer = OffloadAdamW(params)
+        else:
+            master = [torch.nn.Parameter(p.detach().float()) for _, p in params]
+            opt = torch.optim.AdamW(master, fused=True)
+            params = [(k, m) for (k, _), m in zip(params, master, strict=True)]
+        set_grads(params, 3)
+        opt.step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        _release(opt)
+        del opt, params
+    _fresh_cuda_memory()
+    return out
+
+
+def _release(opt: Any) -> None:
+    """Unhook an OffloadAdamW from its parameters, so that dropping both frees them."""
+    remove = getattr(opt, "remove_hooks", None)
+    if callable(remove):
+        remove()
+
+
+def _fresh_cuda_memory() -> int:
+    """Free what earlier contenders left, reset the peak; return the bytes still allocated
+    (subtracted from each contender's peak, so that nothing left over is counted)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
+    """Whole training steps, OffloadAdamW against torch AdamW, as moestack.train runs them."""
+    if device.type == "cuda":  # configs/model/m137.yaml: 137M parameters, 64 experts top-8
+        model_cfg = ModelConfig(
+            d_model=384, n_layers=8, n_heads=6, max_seq_len=1024, moe=MoEConfig(64, 8, 224, impl)
+        )
+        batch, seq = 16, 1024
+    else:  # a dry run of the same code, small enough for a CPU
+        model_cfg = ModelConfig(
+            d_model=64, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 64, impl)
+        )
+        batch, seq = 4, 64
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
+    out: dict[str, Any] = {"device": str(device), "tokens_per_step": batch * seq, "impl": impl}
+    contenders = ["adamw", "offload_adamw"]
+    if device.type == "cuda" and _torchao_offload() is not None:
+        contenders.append("torchao_cpu_offload")
+    for name in contenders:
+        base = _fresh_cuda_memory() if device.type == "cuda" else 0
+        cfg = OptimConfig(name="adamw" if name == "torchao_cpu_offload" else name, lr=1e-3)
+        torch.manual_seed(0)
+        model = MoETransformer(model_cfg).to(device)
+        dtype = apply_param_dtype(model, cfg, device)
+        if name == "torchao_cpu_offload":  # its intended use: fp32 weights, state on the host
+            opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        else:
+            opt = build_optimizer(model, cfg)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+
+        # torchao copies gradients to the host in backward, so a clip afterwards would not
+        # reach them: it runs unclipped (the clip costs little next to the host step).
+        clip = name != "torchao_cpu_offload"
+
+        def step(model=model, opt=opt, autocast=autocast, clip=clip) -> float:
+            with autocast:
+                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+            loss.backward()
+            if clip:
+                clip_grad_norm(model, opt, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+
+        losses = [step(), step()]  # warm-up: lazy state, kernel compilation
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()  # the peak of steady-state steps
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            losses.append(step())  # float(loss) synchronises with the device
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        numel = sum(p.numel() for p in model.parameters())
+        out["params"] = numel
+        out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
+        out[f"{name}_param_dtype"] = str(dtype).removeprefix("torch.")
+        out[f"{name}_loss_first_last"] = [losses[0], losses[-1]]
+        if device.type == "cuda":
+            out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        _release(opt)
+        del model, opt, step  # step holds both through its defaults
+    for name in contenders[1:]:
+        out[f"{name}_vs_adamw_step_time"] = out[f"{name}_step_ms"] / out["adamw_step_ms"]
+        if device.type == "cuda":
+            out[f"{name}_vs_adamw_peak_memory"] = (
+                out[f"{name}_peak_device_MiB"] / out["adamw_peak_device_MiB"]
+            )
+    return out
+
+
+def _torchao_offload() -> Any:
+    """torchao's CPUOffloadOptimizer (the field's baseline, DESIGN.md), when installed."""
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except Exception:  # not installed, or built for another torch
+        return None
+    return CPUOffloadOptimizer
