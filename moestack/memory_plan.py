@@ -311,9 +311,10 @@ def measure_activations(model: torch.nn.Module, tokens: torch.Tensor, targets: t
     return sum(alive.values())
 
 
-def saved_tensor_bytes(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> int:
-    """Bytes of distinct non-parameter storages autograd saves in one forward, seen through
-    ``torch.autograd.graph.saved_tensors_hooks`` (without checkpointing: what it keeps)."""
+def saved_tensor_bytes(model: torch.nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of distinct non-parameter storages autograd saves in one forward
+    ``model(*inputs)``, seen through ``torch.autograd.graph.saved_tensors_hooks`` (without
+    checkpointing: what it keeps)."""
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     storages: dict[int, int] = {}
 
@@ -324,5 +325,5 @@ def saved_tensor_bytes(model: torch.nn.Module, tokens: torch.Tensor, targets: to
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, targets=targets)
+        model(*inputs)
     return sum(storages.values())

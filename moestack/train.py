@@ -235,7 +235,10 @@ def _hydra_task(dict_cfg: Any) -> None:
 
 
 def _sweep_status() -> int:
-    """Report a sweep's failed jobs on stderr; returns the exit status (their number)."""
+    """Report a sweep's failed jobs on stderr; returns the exit status (their number).
+
+    Printed, not logged: this is the command's own closing output, after hydra's sweep has
+    ended, when its per-job logging (a job's train.log, stdout/stderr split) is gone."""
     failed = [(label, error) for label, error in _jobs if error is not None]
     if not failed:
         print(f"moestack-train: all {len(_jobs)} jobs finished")

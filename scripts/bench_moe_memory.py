@@ -24,27 +24,12 @@ if "TRITON_INTERPRET" not in os.environ:
 import torch
 
 from moestack.interop.hf import moe_from_hf
+from moestack.memory_plan import saved_tensor_bytes
 
 SHAPES = [  # name, experts, top_k, d_model, d_ff
     ("E8-k2", 8, 2, 256, 512),
     ("E64-k8", 64, 8, 256, 128),
 ]
-
-
-def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of distinct non-parameter storages saved for backward by one forward pass."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(x)
-    return sum(storages.values())
 
 
 def main() -> None:
@@ -81,7 +66,7 @@ def main() -> None:
         x = torch.randn(1, args.tokens, d_model, requires_grad=True)
         base = None
         for contender, module in contenders.items():
-            nbytes = saved_bytes(module, x)
+            nbytes = saved_tensor_bytes(module, x)
             base = base or nbytes
             rows.append({"shape": name, "contender": contender, "saved_mib": nbytes / 2**20,
                          "ratio": nbytes / base})  # fmt: skip
