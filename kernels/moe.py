@@ -18,6 +18,12 @@ Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dW2[e] = (weight * h)_e^T @ dy[tok]_e`` (the elementwise kernel writes weight * h, so
   the GEMM's main loop only loads and multiplies); ``dx = sum_slots dz @ W1[e]^T``;
   ``dW1[e] = x[tok]_e^T @ dz_e``.
+
+Forward and backward are the torch custom ops ``moestack::triton_moe_experts`` and
+``moestack::triton_moe_experts_bwd`` (fake implementations for tracing; the backward is the
+forward's registered autograd formula, not differentiable itself), so torch.compile keeps
+the experts in its graph as opaque calls instead of breaking it at the kernel launches.
+Eager calls go through the same ops and run the same kernels.
 """
 
 from __future__ import annotations
@@ -46,81 +52,180 @@ def dispatch(
     return pair_R, token_R, offsets_E
 
 
-class _MoEExperts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep_for_backward):  # noqa: D102
-        T, D = x_TD.shape
-        E, _, F2 = w1_EDF2.shape
-        F = F2 // 2
-        k = experts_TK.shape[1]
-        R = T * k
-        dev, dt = x_TD.device, x_TD.dtype
-        ctx.weights_dtype = weights_TK.dtype
-        ctx.shape = (T, D, E, F, k)
-        if R == 0:
-            ctx.save_for_backward(w1_EDF2, w2_EFD)
-            return x_TD.new_zeros((T, D))
+@torch.library.custom_op("moestack::triton_moe_experts", mutates_args=())
+def _experts_op(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward: ``(y, z, pair_R, token_R, offsets_E, weight_R)``; y [T, D] is the output,
+    the rest is what backward needs (z [R, 2F] with ``keep``, else [0, 2F])."""
+    T, D = x_TD.shape
+    E, _, F2 = w1_EDF2.shape
+    k = experts_TK.shape[1]
+    R = T * k
+    dev, dt = x_TD.device, x_TD.dtype
+    if R == 0:
+        return (
+            x_TD.new_zeros((T, D)),
+            x_TD.new_empty((0, F2)),
+            torch.empty((0,), dtype=torch.int32, device=dev),
+            torch.empty((0,), dtype=torch.int32, device=dev),
+            torch.zeros((E,), dtype=torch.int32, device=dev),
+            weights_TK.new_empty((0,)),
+        )
+    _launch.assert_expert_ids(experts_TK, E)  # on the device: no host sync
+    pair_R, token_R, offsets_E = dispatch(experts_TK, E)
+    weight_R = weights_TK.reshape(-1)[pair_R.long()]
+    h_RF = _launch.new_empty((R, F2 // 2), dt, dev)
+    z_RF2 = _launch.new_empty((R, F2), dt, dev) if keep else x_TD.new_empty((0, F2))
+    _launch.grouped_mm(
+        x_TD, w1_EDF2, offsets_E, h_RF, R, a_rows=token_R, swiglu=True, z=z_RF2 if keep else None
+    )
+    ys_RD = _launch.new_empty((R, D), dt, dev)
+    _launch.grouped_mm(h_RF, w2_EFD, offsets_E, ys_RD, R, c_rows=pair_R, scale=weight_R)
+    del h_RF
+    y_TD = ys_RD.view(T, k, D).sum(1) if k > 1 else ys_RD.view(T, D)
+    return y_TD, z_RF2, pair_R, token_R, offsets_E, weight_R
 
-        _launch.assert_expert_ids(experts_TK, E)  # on the device: no host sync
-        pair_R, token_R, offsets_E = dispatch(experts_TK, E)
-        weight_R = weights_TK.reshape(-1)[pair_R.long()]
-        h_RF = _launch.new_empty((R, F), dt, dev)
-        z_RF2 = _launch.new_empty((R, F2), dt, dev) if keep_for_backward else None
-        _launch.grouped_mm(x_TD, w1_EDF2, offsets_E, h_RF, R, a_rows=token_R, swiglu=True, z=z_RF2)
-        ys_RD = _launch.new_empty((R, D), dt, dev)
-        _launch.grouped_mm(h_RF, w2_EFD, offsets_E, ys_RD, R, c_rows=pair_R, scale=weight_R)
-        del h_RF
-        y_TD = ys_RD.view(T, k, D).sum(1) if k > 1 else ys_RD.view(T, D)
-        if keep_for_backward:
-            ctx.save_for_backward(
-                x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R
-            )
-        return y_TD
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy_TD):  # noqa: D102
-        T, D, E, F, k = ctx.shape
-        R = T * k
-        need_x, need_w1, need_w2, _, need_w, _ = ctx.needs_input_grad
-        if R == 0:
-            w1_EDF2, w2_EFD = ctx.saved_tensors
-            dx = dy_TD.new_zeros((T, D)) if need_x else None
-            dw1 = torch.zeros_like(w1_EDF2) if need_w1 else None
-            dw2 = torch.zeros_like(w2_EFD) if need_w2 else None
-            dwt = torch.zeros((T, k), dtype=ctx.weights_dtype, device=dy_TD.device)
-            return dx, dw1, dw2, None, dwt if need_w else None, None
+@_experts_op.register_fake
+def _(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, D = x_TD.shape
+    E, _, F2 = w1_EDF2.shape
+    R = T * experts_TK.shape[1]
+    rows = x_TD.new_empty((R,), dtype=torch.int32)
+    return (
+        x_TD.new_empty((T, D)),
+        x_TD.new_empty((R if keep else 0, F2)),
+        rows,
+        torch.empty_like(rows),
+        x_TD.new_empty((E,), dtype=torch.int32),
+        weights_TK.new_empty((R,)),
+    )
 
-        x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R = ctx.saved_tensors
-        dev, dt = x_TD.device, x_TD.dtype
-        dy_TD = dy_TD.to(dt)
 
-        # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward.
-        g_RF = _launch.new_empty((R, F), dt, dev)
-        _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
-        dz_RF2 = _launch.new_empty((R, 2 * F), dt, dev)
-        dweight_R = _launch.new_empty((R,), torch.float32, dev)
-        hw_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None  # weight * h
-        _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF)
-        del g_RF
+@torch.library.custom_op("moestack::triton_moe_experts_bwd", mutates_args=())
+def _experts_bwd_op(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    z_RF2: torch.Tensor,
+    pair_R: torch.Tensor,
+    token_R: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weight_R: torch.Tensor,
+    top_k: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dw1, dw2, dweights)``, dweights [T, k] in float32; ``needs`` says which of the
+    four are wanted (the others are empty [0] tensors)."""
+    need_x, need_w1, need_w2, need_w = needs
+    T, D = x_TD.shape
+    E, _, F2 = w1_EDF2.shape
+    R, F = T * top_k, F2 // 2
+    dev, dt = x_TD.device, x_TD.dtype
+    dx_TD, dw1, dw2, dweights_TK = (x_TD.new_empty((0,)) for _ in range(4))
+    if R == 0:
+        dx_TD = x_TD.new_zeros((T, D)) if need_x else dx_TD
+        dw1 = w1_EDF2.new_zeros(w1_EDF2.shape) if need_w1 else dw1
+        dw2 = w2_EFD.new_zeros(w2_EFD.shape) if need_w2 else dw2
+        dweights_TK = x_TD.new_zeros((T, top_k), dtype=torch.float32) if need_w else dweights_TK
+        return dx_TD, dw1, dw2, dweights_TK
+    dy_TD = dy_TD.to(dt)
 
-        dx_TD = dw1 = dw2 = dweights_TK = None
-        if need_w:
-            flat = _launch.new_empty((R,), torch.float32, dev)
-            flat[pair_R.long()] = dweight_R  # pair_R is a permutation: every slot written
-            dweights_TK = flat.view(T, k).to(ctx.weights_dtype)
-        if need_w2:
-            dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
-            _launch.grouped_wgrad(hw_RF, dy_TD, offsets_E, dw2, b_rows=token_R)
-            del hw_RF
-        if need_x:
-            dxs_RD = _launch.new_empty((R, D), dt, dev)
-            _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
-            dx_TD = dxs_RD.view(T, k, D).sum(1) if k > 1 else dxs_RD.view(T, D)
-        if need_w1:
-            dw1 = _launch.new_empty((E, D, 2 * F), w1_EDF2.dtype, dev)
-            _launch.grouped_wgrad(x_TD, dz_RF2, offsets_E, dw1, a_rows=token_R)
-        return dx_TD, dw1, dw2, None, dweights_TK, None
+    # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward.
+    g_RF = _launch.new_empty((R, F), dt, dev)
+    _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
+    dz_RF2 = _launch.new_empty((R, F2), dt, dev)
+    dweight_R = _launch.new_empty((R,), torch.float32, dev)
+    hw_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None  # weight * h
+    _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF)
+    del g_RF
+
+    if need_w:
+        flat = _launch.new_empty((R,), torch.float32, dev)
+        flat[pair_R.long()] = dweight_R  # pair_R is a permutation: every slot written
+        dweights_TK = flat.view(T, top_k)
+    if need_w2:
+        dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
+        _launch.grouped_wgrad(hw_RF, dy_TD, offsets_E, dw2, b_rows=token_R)
+        del hw_RF
+    if need_x:
+        dxs_RD = _launch.new_empty((R, D), dt, dev)
+        _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
+        dx_TD = dxs_RD.view(T, top_k, D).sum(1) if top_k > 1 else dxs_RD.view(T, D)
+    if need_w1:
+        dw1 = _launch.new_empty((E, D, F2), w1_EDF2.dtype, dev)
+        _launch.grouped_wgrad(x_TD, dz_RF2, offsets_E, dw1, a_rows=token_R)
+    return dx_TD, dw1, dw2, dweights_TK
+
+
+@_experts_bwd_op.register_fake
+def _(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    z_RF2: torch.Tensor,
+    pair_R: torch.Tensor,
+    token_R: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weight_R: torch.Tensor,
+    top_k: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    need_x, need_w1, need_w2, need_w = needs
+    T = x_TD.shape[0]
+    return (
+        x_TD.new_empty(tuple(x_TD.shape) if need_x else (0,)),
+        w1_EDF2.new_empty(tuple(w1_EDF2.shape) if need_w1 else (0,)),
+        w2_EFD.new_empty(tuple(w2_EFD.shape) if need_w2 else (0,)),
+        x_TD.new_empty((T, top_k) if need_w else (0,), dtype=torch.float32),
+    )
+
+
+def _experts_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
+    x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep = inputs
+    ctx.keep = keep
+    ctx.top_k = experts_TK.shape[1]
+    ctx.weights_dtype = weights_TK.dtype
+    ctx.mark_non_differentiable(*output[1:])  # backward's bookkeeping, not results
+    ctx.set_materialize_grads(False)  # no zero gradients for them either
+    ctx.save_for_backward(x_TD, w1_EDF2, w2_EFD, *output[1:])
+
+
+def _experts_backward(ctx, dy_TD, *_):  # noqa: ANN001, ANN202
+    need_x, need_w1, need_w2, _, need_w, _ = ctx.needs_input_grad
+    if dy_TD is None:  # y did not reach the loss
+        return None, None, None, None, None, None
+    if not ctx.keep:
+        raise RuntimeError("triton_moe_experts ran with keep=False: nothing saved for backward")
+    dx_TD, dw1, dw2, dweights_TK = torch.ops.moestack.triton_moe_experts_bwd(
+        dy_TD, *ctx.saved_tensors, ctx.top_k, [need_x, need_w1, need_w2, need_w]
+    )
+    return (
+        dx_TD if need_x else None,
+        dw1 if need_w1 else None,
+        dw2 if need_w2 else None,
+        None,
+        dweights_TK.to(ctx.weights_dtype) if need_w else None,
+        None,
+    )
+
+
+_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
 def moe_experts(
@@ -138,6 +243,8 @@ def moe_experts(
     weights. Fused dispatch: no padded or permuted copy of x, deterministic combine.
     Expert ids outside [0, E) fail: at once on the CPU, on CUDA through a device-side
     assertion (no host sync) that surfaces at the next synchronising call.
+    torch.compile traces it as one opaque custom op (no graph break; the checks below are on
+    shapes and dtypes only).
     """
     if x_TD.dim() != 2 or w1_EDF2.dim() != 3 or w2_EFD.dim() != 3:
         raise ValueError("expected x [T, D], w1 [E, D, 2F], w2 [E, F, D]")
@@ -162,4 +269,6 @@ def moe_experts(
     keep = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x_TD, w1_EDF2, w2_EFD, weights_TK)
     )
-    return _MoEExperts.apply(x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep)
+    return torch.ops.moestack.triton_moe_experts(
+        x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep
+    )[0]

@@ -206,9 +206,7 @@ def run_experts(
     if impl == "triton":
         from moestack.kernels import moe_experts
 
-        if torch.compiler.is_compiling():  # the kernels run outside the graph (a break)
-            return torch.compiler.disable(moe_experts)(*args)
-        return moe_experts(*args)
+        return moe_experts(*args)  # custom ops (moestack::triton_moe_experts): no graph break
     from moestack.kernels.megablocks_adapter import moe_experts_megablocks
 
     return moe_experts_megablocks(*args)

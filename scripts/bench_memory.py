@@ -8,9 +8,15 @@
 3. The plan's figures for m137 (CUDA, bf16 weights): adamw, offload_adamw, offload_adamw at 2
    and 8 data-parallel ranks.
 
-Times are medians of ``--steps`` steps after ``--warmup``; ratios are within this process.
+With ``--device cuda``, instead, on a GPU (scripts/gpu_check.sh, phase bench_memory): the m137
+model's training step (8 x 512 tokens, bf16 autocast, device AdamW, the default expert impl)
+in each ``model.checkpointing`` mode and with ``compile=true``: the peak allocated memory
+(``torch.cuda.max_memory_allocated`` over the timed steps), what the step adds to what stays
+allocated between steps (weights, optimizer state), the plan's device total, and the step time.
 
-    python scripts/bench_memory.py [--steps 5] [--json out.json]
+Times are medians of ``--steps`` steps after the warm-up steps; ratios are within this process.
+
+    python scripts/bench_memory.py [--steps 5] [--json out.json] [--device cuda]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 import torch
 
 from moestack.config import CHECKPOINTING
+from moestack.evaluation import autocast_context
 from moestack.memory_plan import measure_activations, plan_memory
 from moestack.optim import build_optimizer
 from moestack.prereg.compose import compose_config
@@ -72,6 +79,75 @@ def bench_compile(steps: int) -> dict:
     return {"eager_step_s": eager, "compiled_step_s": compiled, "compile_s": compile_s}
 
 
+CUDA_RUN = ["model=m137", "batch_size=8", "data.seq_len=512"]  # the GPU rows' run
+CUDA_DEVICE = "cuda"
+
+
+def cuda_step_row(overrides: list[str], steps: int, compile: bool = False) -> dict:
+    """Peak memory and step time of one m137 configuration's training step on the GPU."""
+    cfg = compose_config([*CUDA_RUN, *overrides])
+    device = torch.device(CUDA_DEVICE)
+    torch.manual_seed(0)
+    model = cfg.model.build().to(device)
+    if compile:
+        model.compile_blocks()
+    opt = build_optimizer(model, cfg.optim)
+    g = torch.Generator().manual_seed(0)
+    shape = (cfg.batch_size, cfg.data.seq_len)
+    tokens, targets = (torch.randint(1, 256, shape, generator=g).to(device) for _ in range(2))
+
+    def step() -> None:
+        with autocast_context(device):
+            loss = model(tokens, targets=targets).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    for _ in range(2 if compile else 1):  # kernels (and the compile) before the timed steps
+        step()
+    warmup_s = time.perf_counter() - start
+    torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()  # weights and optimizer state, between steps
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated()
+    plan = plan_memory(cfg, device="cuda")
+    return {"overrides": overrides, "compile": compile, "peak_mib": peak / 2**20,
+            "step_adds_mib": (peak - resident) / 2**20, "resident_mib": resident / 2**20,
+            "planned_device_mib": plan.total("device") / 2**20,
+            "planned_activations_mib": plan.line("activations").bytes / 2**20,
+            "step_s": statistics.median(times), "warmup_s": warmup_s}  # fmt: skip
+
+
+def bench_cuda(steps: int, json_path: str = "") -> list[dict]:
+    """Each checkpointing mode eager, then mode none compiled; printed and written (to
+    ``json_path``, if given) as they finish."""
+    print(f"[cuda] {' '.join(CUDA_RUN)}: bf16 autocast, adamw (MiB; step s; x none)")
+    print(
+        f"[cuda] {'run':<22} {'peak':>8} {'step adds':>10} {'plan':>8} {'step s':>8} {'x none':>7}"
+    )
+    rows = []
+    runs = [([f"model.checkpointing={m}"], False) for m in CHECKPOINTING]
+    for overrides, compile in [*runs, (["model.checkpointing=none"], True)]:
+        row = cuda_step_row(overrides, steps, compile)
+        torch.cuda.empty_cache()  # the row's model and optimizer are gone: start from empty
+        rows.append(row)
+        name = overrides[0].split("=")[1] + (" compile=true" if compile else "")
+        print(f"[cuda] {name:<22} {row['peak_mib']:>8.0f} {row['step_adds_mib']:>10.0f} "
+              f"{row['planned_device_mib']:>8.0f} {row['step_s']:>8.3f} "
+              f"{row['step_s'] / rows[0]['step_s']:>7.2f}", flush=True)  # fmt: skip
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "cuda": rows}, f, indent=2)
+    print(f"[cuda] compile (first two compiled steps): {rows[-1]['warmup_s']:.1f} s")
+    return rows
+
+
 def plan_rows() -> list[dict]:
     rows = []
     for optim, ranks in (("adamw", 1), ("offload_adamw", 1), ("offload_adamw", 2),
@@ -88,9 +164,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
     parser.add_argument("--json", default="", help="also write the results here (default: none)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU rows instead of the CPU ones (default: cpu)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        bench_cuda(args.steps, args.json)
+        return
     ckpt = bench_checkpointing(args.steps)
     print(f"{'mode':<10} {'saved B/token':>14} {'planned':>10} {'step s':>8} {'x none':>7}")
     for r in ckpt:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement (issues 3, 7 and 19) in ONE call of a lent machine, most
+# Every GPU check and measurement (issues 3, 7, 17 and 19) in ONE call of a lent machine, most
 # valuable first, inside a fixed time budget. No network: nothing is installed; the package
 # is staged the way pip would lay it out.
 #
@@ -37,6 +37,7 @@ PLAN=(
     "memory|30|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
     "train_offload_adamw|50|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|default|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
     "train_adamw|50|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
+    "bench_memory|120|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
     "more_tests|90|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
 )
@@ -202,6 +203,14 @@ if "$PY" -c "import hydra" 2>/dev/null; then
 elif selected train_offload_adamw default; then
     echo "train: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
 fi
+# Issue 17's GPU rows: peak memory (torch.cuda.max_memory_allocated) and step time of m137 in
+# each checkpointing mode and compiled; compose_config needs the hydra wheels too.
+if "$PY" -c "import hydra" 2>/dev/null; then
+    MOESTACK_AUTOTUNE=0 phase bench_memory "$PY" scripts/bench_memory.py --device cuda \
+        --steps 5 --json "$OUT/bench_memory.json"
+elif selected bench_memory optional; then
+    echo "bench_memory: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
+fi
 phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
@@ -223,6 +232,10 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         echo "--- bench_optim (GPU optimizer step, training step)"
         sed -n '/^\[gpu\]/,/^=====/p;/^\[train_step\]/,/^=====/p' "$LOG" |
             grep -vE "^(=====|$)" | head -10
+    fi
+    if ran bench_memory; then
+        echo "--- bench_memory (m137 per checkpointing mode and compiled: MiB, step s)"
+        grep -E "^\[cuda\] " "$LOG" | head -9
     fi
     if ran train_; then
         echo "--- training (offload_adamw, then adamw)"

@@ -1,0 +1,93 @@
+"""The kernels as torch custom ops: schemas, fake implementations and autograd registrations
+(``torch.library.opcheck``), and torch.compile over them in one graph (fullgraph)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moestack.kernels import grouped_gemm, moe_experts  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ops = torch.ops.moestack
+
+
+def experts_inputs(T: int = 9, D: int = 16, F: int = 8, E: int = 3, k: int = 2, seed: int = 0):
+    """x, w1, w2, experts, weights (fp32, the first four needing gradients), expert 2 unused."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    w1 = torch.randn(E, D, 2 * F, generator=g) / D**0.5
+    w2 = torch.randn(E, F, D, generator=g) / F**0.5
+    scores = torch.rand(T, E, generator=g)
+    scores[:, 2] = -1.0
+    weights, experts = scores.topk(k, dim=1)
+    grads = [t.to(DEVICE).requires_grad_() for t in (x, w1, w2, weights.softmax(1))]
+    return grads[0], grads[1], grads[2], experts.to(DEVICE), grads[3]
+
+
+def gemm_inputs(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(10, 12, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(3, 12, 5, generator=g).to(DEVICE).requires_grad_()
+    return x, w, torch.tensor([3, 3, 10], dtype=torch.int32, device=DEVICE)
+
+
+def test_moe_experts_ops_pass_opcheck():
+    x, w1, w2, experts, weights = experts_inputs()
+    torch.library.opcheck(ops.triton_moe_experts, (x, w1, w2, experts, weights, True))
+    plain = [t.detach() for t in (x, w1, w2, weights)]
+    torch.library.opcheck(ops.triton_moe_experts, (*plain[:3], experts, plain[3], False))
+    _, z, pair, token, offsets, weight = ops.triton_moe_experts(*plain[:3], experts, plain[3], True)
+    dy = torch.randn_like(plain[0])
+    for needs in ([True, True, True, True], [True, False, True, False]):
+        args = (dy, *plain[:3], z, pair, token, offsets, weight, 2, needs)
+        torch.library.opcheck(ops.triton_moe_experts_bwd, args)
+
+
+def test_grouped_gemm_ops_pass_opcheck():
+    x, w, offsets = gemm_inputs()
+    torch.library.opcheck(ops.triton_grouped_gemm, (x, w, offsets))
+    dy = torch.randn(10, 5, device=DEVICE)
+    for need_dx, need_dw in ((True, True), (False, True), (True, False)):
+        args = (dy, x.detach(), w.detach(), offsets, need_dx, need_dw)
+        torch.library.opcheck(ops.triton_grouped_gemm_bwd, args)
+
+
+def forward_backward(fn, *args: torch.Tensor) -> list[torch.Tensor]:
+    """The output and the gradients of every input that needs one, for a fixed upstream
+    gradient (non-contiguous, as compiled graphs may hand it over)."""
+    y = fn(*args)
+    dy = torch.linspace(-1, 1, y.numel(), device=y.device).view(y.shape[1], y.shape[0]).t()
+    inputs = [a for a in args if a.requires_grad]
+    return [y.detach(), *torch.autograd.grad(y, inputs, dy)]
+
+
+@pytest.mark.parametrize(
+    ("fn", "inputs"), [(moe_experts, experts_inputs), (grouped_gemm, gemm_inputs)]
+)
+def test_compiles_in_one_graph_and_matches_eager(fn, inputs):
+    """fullgraph: any graph break (a kernel launch dynamo cannot trace) is an error. The
+    same kernels run in both, so the results are equal to the bit."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    want = forward_backward(fn, *inputs())
+    got = forward_backward(compiled, *inputs())
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_backward_without_saved_tensors_is_refused():
+    """The op run with keep=False saved nothing for backward: a clear error, never a read of
+    missing buffers."""
+    x, w1, w2, experts, weights = experts_inputs()
+    y = ops.triton_moe_experts(x, w1, w2, experts, weights, False)[0]
+    with pytest.raises(RuntimeError, match="keep=False"):
+        y.sum().backward()
