@@ -312,6 +312,16 @@ class TelemetryConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the ranks of a torchrun job share the work (docs/parallel.md)."""
+
+    # expert-parallel degree: each group of ep ranks splits every MoE layer's experts
+    # (num_experts / ep whole experts per rank) and moves tokens to them by all-to-all; the
+    # world is world_size / ep data-parallel groups of ep ranks (1 = data parallel only)
+    ep: int = 1
+
+
+@dataclass
 class TrainConfig:
     """One training run: model, data, optimizer, loop settings, logging."""
 
@@ -323,6 +333,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -353,6 +364,7 @@ class TrainConfig:
         self.data = _coerce(self.data, DataConfig)
         self.cache = _coerce(self.cache, CacheConfig)
         self.telemetry = _coerce(self.telemetry, TelemetryConfig)
+        self.parallel = _coerce(self.parallel, ParallelConfig)
         self.model.router = _one_router(self.router, self.model.router)
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
             value = getattr(self, name)
@@ -360,6 +372,7 @@ class TrainConfig:
         for name in ("eval_every", "ckpt_every", "threads"):
             value = getattr(self, name)
             _check(value >= 0, f"{name}={value} must be >= 0")
+        _check_expert_parallel(self.parallel.ep, self.model)
         _check(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
         _check(
             self.trainable in ("all", "routers", "routers+experts"),
@@ -396,6 +409,18 @@ class TrainConfig:
             f"cache.capacity={self.cache.capacity} is smaller than moe.top_k="
             f"{self.model.moe.top_k}: one token would not fit",
         )
+
+
+def _check_expert_parallel(ep: int, model: ModelConfig) -> None:
+    """``parallel.ep`` must be >= 1 and split the experts evenly (a transformers model's
+    expert count is known when it is loaded, and checked then)."""
+    _check(ep >= 1, f"parallel.ep={ep} must be >= 1 (1 = no expert parallelism)")
+    experts = model.moe.num_experts
+    _check(
+        bool(model.path) or experts % ep == 0,
+        f"parallel.ep={ep} does not divide model.moe.num_experts={experts}: every rank "
+        "holds the same number of whole experts; choose an ep that divides it",
+    )
 
 
 def _one_router(router: RouterConfig, model_router: RouterConfig) -> RouterConfig:

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import (
 
 from moestack import router_losses
 from moestack.config import MoEConfig, RouterConfig
+from moestack.parallel.dispatch import ExpertShard, expert_parallel_experts
 from moestack.router import Router, Routing, tokens_per_expert
 
 
@@ -178,6 +179,14 @@ def check_impl(impl: str, device: torch.device) -> None:
         )
 
 
+def compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's when it is on (the custom kernels do not
+    autocast themselves), else the weights'."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return w.dtype
+
+
 def run_experts(
     x_TD: torch.Tensor,
     w1_EDF2: torch.Tensor,
@@ -193,12 +202,8 @@ def run_experts(
     autocast dtype (the custom kernels don't autocast), otherwise ``x`` takes the weights'
     dtype; ``impl`` is one of ``MOE_IMPLS``.
     """
-    device_type = x_TD.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x_TD, w1_EDF2, w2_EFD = x_TD.to(dtype), w1_EDF2.to(dtype), w2_EFD.to(dtype)
-    elif w1_EDF2.dtype != x_TD.dtype:
-        x_TD = x_TD.to(w1_EDF2.dtype)
+    dtype = compute_dtype(x_TD, w1_EDF2)
+    x_TD, w1_EDF2, w2_EFD = x_TD.to(dtype), w1_EDF2.to(dtype), w2_EFD.to(dtype)
     args = (x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK)
     impl = resolve_impl(impl, x_TD.device)
     if impl == "torch":
@@ -267,6 +272,8 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.metrics: dict[str, torch.Tensor] = {}
         self.recompute = "none"  # model.checkpointing (config.CHECKPOINTING); set by the model
+        # parallel.ep > 1: w1/w2 hold this rank's experts only (moestack.parallel.shard_experts)
+        self.ep_shard: ExpertShard | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -280,10 +287,29 @@ class MoE(nn.Module):
         computation keeps only its inputs and is run again in backward; the routing is one of
         those inputs, so the recomputation uses this forward's expert choices, never new ones.
         """
+        if self.ep_shard is not None:
+            return self._experts_parallel(x_TD, routing)
         args = (x_TD, self.w1, self.w2, routing.experts, routing.weights, self.cfg.impl)
         if self.recompute == "none" or not torch.is_grad_enabled():
             return run_experts(*args)
         return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
+
+    def _experts_parallel(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``experts`` with this layer's experts spread over an EP group: tokens travel to
+        the ranks owning their experts and back (moestack.parallel.dispatch). Only the local
+        expert computation is recomputed under checkpointing, never the exchanges."""
+
+        def local_experts(x_ND: torch.Tensor, local_ids_N: torch.Tensor) -> torch.Tensor:
+            ones_N1 = x_ND.new_ones(x_ND.shape[0], 1, dtype=torch.float32)
+            args = (x_ND, self.w1, self.w2, local_ids_N[:, None], ones_N1, self.cfg.impl)
+            if self.recompute == "none" or not torch.is_grad_enabled():
+                return run_experts(*args)
+            return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
+
+        x_TD = x_TD.to(compute_dtype(x_TD, self.w1))  # the exchanges carry what is computed
+        return expert_parallel_experts(
+            x_TD, routing.experts, routing.weights, self.ep_shard, local_experts, (self.w1, self.w2)
+        )
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., D] -> [..., D]``; ``segment_ids [...]`` (document of each token, optional)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 RESUME_MAY_CHANGE = (
     "resume", "out_dir", "progress", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
-    "telemetry.", "cache.",
+    "telemetry.", "cache.", "parallel.",
 )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import checkpoint, distributed, memory_plan
+from moestack import checkpoint, distributed, memory_plan, parallel
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -88,6 +88,8 @@ class Run:
     telemetry: Any  # moestack.telemetry.Telemetry on rank 0 when enabled, else None
     state: TrainState
     start_step: int  # the step this process started (or resumed) at
+    mesh: parallel.ExpertParallelMesh | None = None  # parallel.ep > 1: this rank's place
+    exchange: parallel.ExchangeStats | None = None  # parallel.ep > 1: all-to-all counters
     last_metrics: dict[str, float] = field(default_factory=dict)
     interval_start: float = field(default_factory=time.perf_counter)
 
@@ -167,9 +169,7 @@ def train_step(run: Run) -> StepResult:
         state.consecutive_bad += 1
         return StepResult(loss, aux, False, 0.0, out.metrics)
     state.consecutive_bad = 0
-    grad_norm = 0.0
-    if cfg.optim.grad_clip > 0:
-        grad_norm = clip_grad_norm(run.model, run.optimizer, cfg.optim.grad_clip)
+    grad_norm = _reduce_and_clip(run)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -178,6 +178,21 @@ def train_step(run: Run) -> StepResult:
     state.interval_aux += aux
     state.interval_steps += 1
     return StepResult(loss, aux, True, grad_norm, out.metrics)
+
+
+def _reduce_and_clip(run: Run) -> float:
+    """Average the gradients where nobody else does (torch AdamW under expert parallelism;
+    otherwise DDP or OffloadAdamW did), then clip them to ``optim.grad_clip`` (0: off);
+    returns the norm before clipping (0 when off)."""
+    max_norm = run.cfg.optim.grad_clip
+    torch_adamw_ep = run.mesh is not None and run.cfg.optim.name == "adamw"
+    if torch_adamw_ep:
+        parallel.average_gradients(run.model)
+    if max_norm <= 0:
+        return 0.0
+    if torch_adamw_ep:
+        return parallel.clip_grad_norm(run.model, max_norm)
+    return clip_grad_norm(run.model, run.optimizer, max_norm)
 
 
 def forward_backward(run: Run, last: bool) -> Any:
@@ -221,9 +236,13 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
     }
     metrics.update({k: float(v) for k, v in result.router_metrics.items()})
     metrics["eval/train_perplexity"] = perplexity(metrics["loss/train"])
+    if run.exchange is not None:
+        metrics.update(exchange_metrics(run, elapsed))
     if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
         with _paused(run.telemetry):
             metrics.update(evaluate(run.model, run.val_batches, run.device))
+        if run.exchange is not None:  # evaluation's exchanges are not training traffic
+            run.exchange.reset()
     charts = None
     if run.telemetry is not None:
         metrics.update(run.telemetry.interval_metrics(step=done))
@@ -237,6 +256,32 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
         )
     state.reset_interval()
     run.interval_start = time.perf_counter()
+
+
+def exchange_metrics(run: Run, elapsed: float) -> dict[str, float]:
+    """Expert parallelism's interval metrics (collective), then reset its counters: rows
+    (token, slot pairs) each rank sent to and received from other ranks per step, bytes it
+    sent per step (forward and backward), the largest share of the interval a rank spent in
+    all-to-alls, and the mean over layers of max / mean rows per EP rank (the straggler)."""
+    stats = run.exchange
+    assert stats is not None
+    steps = max(run.state.interval_steps, 1)
+    mine = torch.tensor(
+        [stats.rows_sent, stats.rows_received, stats.bytes_moved, stats.seconds],
+        dtype=torch.float64,
+    )
+    every = [torch.empty_like(mine) for _ in range(run.dist.world_size)]
+    torch.distributed.all_gather(every, mine)
+    metrics = {
+        "ep/a2a_share": max(float(t[3]) for t in every) / max(elapsed, 1e-9),
+        "ep/load_imbalance": stats.load_imbalance_sum / max(stats.layers, 1),
+        "ep/bytes_per_step": sum(float(t[2]) for t in every) / len(every) / steps,
+    }
+    for rank, t in enumerate(every):
+        metrics[f"ep/rank{rank}/tokens_sent"] = float(t[0]) / steps
+        metrics[f"ep/rank{rank}/tokens_received"] = float(t[1]) / steps
+    stats.reset()
+    return metrics
 
 
 def finish_run(run: Run, seconds: float) -> dict[str, Any]:
@@ -288,6 +333,7 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     device = resolve_device(cfg.device, dist_info.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    parallel.check_layout(dist_info.world_size, cfg.parallel.ep)
     if cfg.batch_size % dist_info.world_size:
         raise MoestackError(
             f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"
@@ -309,10 +355,12 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
-    # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it.
-    ddp = dist_info.active and cfg.optim.name == "adamw"
+    mesh, exchange = _shard_experts(cfg, dist_info, model)
+    # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it (or, with
+    # experts sharded, train_step's parallel.average_gradients).
+    ddp = dist_info.active and cfg.optim.name == "adamw" and mesh is None
     forward_model = nn.parallel.DistributedDataParallel(model) if ddp else model
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, mesh)
     run = Run(
         cfg=cfg,
         out_dir=out_dir,
@@ -335,6 +383,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
         telemetry=None,
         state=TrainState(),
         start_step=start_step,
+        mesh=mesh,
+        exchange=exchange,
     )
     if resume_from is not None:
         restore(run, resume_from)
@@ -348,6 +398,21 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     if dist_info.is_main:
         run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
     return run
+
+
+def _shard_experts(
+    cfg: TrainConfig, dist_info: distributed.DistInfo, model: RoutedLM
+) -> tuple[parallel.ExpertParallelMesh | None, parallel.ExchangeStats | None]:
+    """With ``parallel.ep > 1``: the mesh, and the model's experts cut to this rank's."""
+    if cfg.parallel.ep == 1:
+        return None, None
+    mesh = parallel.build_mesh(dist_info.world_size, dist_info.rank, cfg.parallel.ep)
+    exchange = parallel.shard_experts(model, mesh)
+    log.info(
+        "expert parallel: %d data-parallel group(s) x %d EP ranks; this rank: dp %d, ep %d",
+        mesh.dp, mesh.ep, mesh.dp_rank, mesh.ep_rank,
+    )  # fmt: skip
+    return mesh, exchange
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -376,7 +441,7 @@ def save(run: Run, step: int) -> None:
     routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
     holds."""
     state = {
-        "optimizer": run.optimizer.state_dict(),  # collective for a sharded optimizer
+        "optimizer": _optimizer_state(run),  # collective for a sharded optimizer
         "scheduler": run.scheduler.state_dict(),
         "data": run.loader.state_dict(),
         "rng": checkpoint.rng_state(),
@@ -384,13 +449,22 @@ def save(run: Run, step: int) -> None:
         "bad_steps": run.state.bad_steps,  # read by checkpoints written before "train"
     }
     _refuse_non_finite(run, step, state["optimizer"])
-    if run.dist.is_main:
-        checkpoint.save_checkpoint(
-            run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
-        )
+    whole = parallel.whole_experts(run.model) if run.mesh else contextlib.nullcontext()
+    with whole:  # every expert, gathered over the EP group: checkpoints are layout-free
+        if run.dist.is_main:
+            checkpoint.save_checkpoint(
+                run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
+            )
     if run.telemetry is not None:  # the trace on disk covers what the checkpoint covers
         run.telemetry.flush()
     distributed.barrier(run.dist)
+
+
+def _optimizer_state(run: Run) -> dict[str, Any]:
+    """The optimizer's state for a checkpoint, the same at any (dp, ep) layout."""
+    if run.mesh is not None and run.cfg.optim.name == "adamw":
+        return parallel.whole_adamw_state(run.optimizer, run.model)
+    return run.optimizer.state_dict()
 
 
 def _refuse_non_finite(run: Run, step: int, optimizer_state: dict[str, Any]) -> None:
@@ -415,7 +489,10 @@ def restore(run: Run, path: Path) -> None:
     built)."""
     state = checkpoint.load_train_state(path)
     run.scheduler.load_state_dict(state["scheduler"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    optimizer_state = state["optimizer"]
+    if run.mesh is not None and run.cfg.optim.name == "adamw":
+        optimizer_state = parallel.local_adamw_state(optimizer_state, run.optimizer, run.model)
+    run.optimizer.load_state_dict(optimizer_state)
     run.loader.load_state_dict(state["data"])
     checkpoint.set_rng_state(state["rng"])
     run.state.load_state_dict(state.get("train", {"bad_steps": state.get("bad_steps", 0)}))

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from moestack.optim.expert_parallel import ExpertParallelOffload
 from moestack.optim.offload import OffloadAdamW
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: Any, mesh: Any = None) -> torch.optim.Optimizer:
     """The optimizer ``cfg`` (a ``moestack.config.OptimConfig``) names, over ``model``.
 
     ``"adamw"`` is ``torch.optim.AdamW`` (fused on the CPU when torch supports it);
     ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings. With
-    ``offload_adamw`` under ``torch.distributed``, do not wrap the model in DDP.
+    ``offload_adamw`` under ``torch.distributed``, do not wrap the model in DDP. Under
+    expert parallelism (``mesh``, a ``moestack.parallel.ExpertParallelMesh``; the model's
+    experts already sharded) ``offload_adamw`` is a pair that keeps each rank's experts'
+    state over their own group (:class:`ExpertParallelOffload`).
     """
     groups = param_groups(model, float(cfg.weight_decay))
     kw = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
@@ -47,16 +51,21 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
             log.warning("fused AdamW unavailable (%s); using the default implementation", err)
             return torch.optim.AdamW(groups, **kw)
     if cfg.name == "offload_adamw":
-        return OffloadAdamW(
-            groups,
-            offload=cfg.offload,
-            shard=cfg.shard,
-            overlap=cfg.overlap,
-            skip_idle_experts=cfg.skip_idle_experts,
-            moment_dtype=cfg.moment_dtype,
-            fused_step=cfg.fused_step,
-            **kw,
-        )
+
+        def make(groups: list[dict[str, Any]], process_group: Any = None) -> OffloadAdamW:
+            return OffloadAdamW(
+                groups,
+                offload=cfg.offload,
+                shard=cfg.shard,
+                overlap=cfg.overlap,
+                skip_idle_experts=cfg.skip_idle_experts,
+                moment_dtype=cfg.moment_dtype,
+                fused_step=cfg.fused_step,
+                process_group=process_group,
+                **kw,
+            )
+
+        return make(groups) if mesh is None else ExpertParallelOffload(groups, model, mesh, make)
     raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")
 
 

@@ -323,6 +323,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type} is not supported; OffloadAdamW clips 2-norms")
+        total = self.grad_norm()
+        self.scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    @torch.no_grad()
+    def grad_norm(self) -> Tensor:
+        """The 2-norm of the averaged gradients over every shard, as the step will read them
+        (the first half of ``clip_grad_norm_``; expert parallelism combines two of them)."""
         self._sync_grads()
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.in_place or self._direct:
@@ -335,15 +343,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             total = local.sqrt()
         if self._fused is not None:  # the norm of the gradients as the step will read them
             total = total * self._grad_scale
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, coef: Tensor | float) -> None:
+        """Multiply the gradients the next step consumes by ``coef`` (the second half of
+        ``clip_grad_norm_``)."""
+        self._sync_grads()
         if self.in_place:
-            torch._foreach_mul_(grads, coef)
+            torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         elif self._fused is not None:
             self._grad_scale *= float(coef)
         else:
             assert self._host.grad is not None
             self._host.grad.mul_(coef)
-        return total
 
     # ------------------------------------------------------------------------- the step
 

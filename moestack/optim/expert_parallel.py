@@ -1,0 +1,179 @@
+"""OffloadAdamW under expert parallelism: one optimizer to the loop, two inside.
+
+Replicated parameters (attention, embeddings, routers, norms) are shared by all ranks, so
+their OffloadAdamW averages gradients and shards its host state over the whole world; each
+rank's experts are shared only by the ranks holding the same experts (the expert
+data-parallel group), so theirs works over that group, and a rank keeps host state only for
+its own experts' shard. The pair saves and loads one state in OffloadAdamW's own format
+(name-keyed, experts one by one, with global expert ids), so a checkpoint written at any
+``(dp, ep)`` layout loads at any other, and into a plain OffloadAdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moestack.optim import state_format
+from moestack.optim.offload import OffloadAdamW
+from moestack.parallel import ExpertParallelMesh
+
+_EXPERT_KEY = re.compile(r"^(?P<name>.+)/expert(?P<e>\d+)$")
+
+
+class ExpertParallelOffload(torch.optim.Optimizer):
+    """Two OffloadAdamW behind the ``torch.optim.Optimizer`` interface the loop uses.
+
+    ``param_groups`` are the replicated optimizer's (the LR scheduler sets them; each step
+    copies their hyper-parameters to the experts' groups, so both always agree).
+    """
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        model: nn.Module,
+        mesh: ExpertParallelMesh,
+        make: Callable[[list[dict[str, Any]], Any], OffloadAdamW],
+    ) -> None:
+        self.mesh = mesh
+        self.slots = expert_slots(model)  # sharded expert tensor name -> (first id, count)
+        self.group_names = [[name for name, _ in g["params"]] for g in groups]
+        self.replicated = make(_split(groups, self.slots, experts=False), None)
+        expert_groups = _split(groups, self.slots, experts=True)
+        # the experts' optimizer holds only the groups with experts (torch refuses an empty
+        # group among named ones); group_of_expert_group[i] is its group i's index in ours
+        self.group_of_expert_group = [i for i, g in enumerate(expert_groups) if g["params"]]
+        expert_groups = [expert_groups[i] for i in self.group_of_expert_group]
+        self.experts = make(expert_groups, mesh.expert_dp_group) if expert_groups else None
+        self.defaults = self.replicated.defaults
+        self.state: dict[Any, Any] = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.replicated.param_groups
+
+    @property
+    def _parts(self) -> list[OffloadAdamW]:
+        return [o for o in (self.replicated, self.experts) if o is not None]
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("ExpertParallelOffload.step takes no closure")
+        if self.experts is not None:
+            for mine, i in zip(self.experts.param_groups, self.group_of_expert_group, strict=True):
+                theirs = self.param_groups[i]
+                mine.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        for part in self._parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self._parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip to the global 2-norm, each expert counted once: the replicated norm (equal
+        on every rank) and the experts' norms summed over the EP group."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type={norm_type} is not supported; OffloadAdamW clips 2-norms")
+        squares = torch.zeros(2, dtype=torch.float64)
+        squares[0] = float(self.replicated.grad_norm()) ** 2
+        if self.experts is not None:
+            squares[1] = float(self.experts.grad_norm()) ** 2
+        dist.all_reduce(squares[1:], group=self.mesh.ep_group)
+        total = squares.sum().sqrt().to(torch.float32)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for part in self._parts:
+            part.scale_grads(coef)
+        return total
+
+    # ------------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        """One OffloadAdamW state for the whole model (collective over all ranks)."""
+        merged = self.replicated.state_dict()
+        own: dict[str, Any] = {}
+        if self.experts is not None:
+            for key, entry in self.experts.state_dict()["state"].items():
+                name, e = _split_key(key)
+                own[f"{name}/expert{e + self.slots[name][0]}"] = entry
+        gathered: list[Any] = [None] * self.mesh.ep
+        dist.all_gather_object(gathered, own, group=self.mesh.ep_group)
+        for entries in gathered:
+            merged["state"].update(entries)
+        for group, names in zip(merged["param_groups"], self.group_names, strict=True):
+            group["params"] = list(names)
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole-model OffloadAdamW state saved at any layout; keep this rank's part."""
+        state_format.check_format(state_dict)
+        self.replicated.load_state_dict(self._replicated_part(state_dict))
+        if self.experts is not None:
+            self.experts.load_state_dict(self._expert_part(state_dict))
+
+    def _replicated_part(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        names = {n for g in self.group_names for n in g} - set(self.slots)
+        state = {k: v for k, v in state_dict["state"].items() if _split_key(k)[0] in names}
+        return _with(state_dict, state, lambda n: n in names)
+
+    def _expert_part(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state = {}
+        for key, entry in state_dict["state"].items():
+            name, e = _split_key(key)
+            if name in self.slots:
+                first, count = self.slots[name]
+                if e is None:
+                    raise ValueError(
+                        f"optimizer state {key!r}: expert tensors are saved per expert"
+                    )
+                if first <= e < first + count:
+                    state[f"{name}/expert{e - first}"] = entry
+        part = _with(state_dict, state, lambda n: n in self.slots)
+        part["param_groups"] = [part["param_groups"][i] for i in self.group_of_expert_group]
+        return part
+
+
+def expert_slots(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Name of every sharded expert tensor -> (global id of its first expert here, count)."""
+    owner = {}
+    for moe in model.moe_layers:
+        if moe.ep_shard is not None:
+            first, _ = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
+            for name in ("w1", "w2"):
+                tensor = getattr(moe, name)
+                owner[id(tensor)] = (first, tensor.shape[0])
+    return {n: owner[id(p)] for n, p in model.named_parameters() if id(p) in owner}
+
+
+def _split(groups: list[dict[str, Any]], slots: dict[str, Any], experts: bool) -> list[dict]:
+    """The param groups with only the expert tensors (``experts``) or only the others."""
+    return [
+        dict(g, params=[(n, p) for n, p in g["params"] if (n in slots) == experts]) for g in groups
+    ]
+
+
+def _split_key(key: str) -> tuple[str, int | None]:
+    """``"name/expert3"`` -> ("name", 3); ``"name"`` -> ("name", None)."""
+    match = _EXPERT_KEY.match(key)
+    return (match["name"], int(match["e"])) if match else (key, None)
+
+
+def _with(state_dict: dict[str, Any], state: dict[str, Any], keep: Callable[[str], bool]) -> dict:
+    groups = [
+        dict(g, params=[n for n in g["params"] if keep(n)]) for g in state_dict["param_groups"]
+    ]
+    return {**state_dict, "param_groups": groups, "state": state}

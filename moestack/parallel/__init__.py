@@ -1,0 +1,33 @@
+"""Expert parallelism on torch.distributed (``parallel.ep``): the mesh, the all-to-all
+MoE computation, and what sharding the experts changes for gradients and checkpoints.
+docs/parallel.md."""
+
+from moestack.parallel.dispatch import ExchangeStats, ExpertShard, expert_parallel_experts
+from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
+from moestack.parallel.shard import (
+    average_gradients,
+    clip_grad_norm,
+    expert_params,
+    gather_rows,
+    local_adamw_state,
+    shard_experts,
+    whole_adamw_state,
+    whole_experts,
+)
+
+__all__ = [
+    "ExchangeStats",
+    "ExpertParallelMesh",
+    "ExpertShard",
+    "average_gradients",
+    "build_mesh",
+    "check_layout",
+    "clip_grad_norm",
+    "expert_parallel_experts",
+    "expert_params",
+    "gather_rows",
+    "local_adamw_state",
+    "shard_experts",
+    "whole_adamw_state",
+    "whole_experts",
+]

@@ -1,0 +1,166 @@
+"""Expert parallelism applied to a model: shard its experts, average and clip its gradients,
+and see its weights and optimizer state whole for a checkpoint.
+
+Checkpoints never depend on the layout: weights are saved whole (every expert, keyed by
+parameter name) and torch AdamW's state with whole expert tensors, so a run saved at any
+``(dp, ep)`` resumes at any other. OffloadAdamW's own format is keyed per expert already
+(``moestack.optim.expert_parallel`` merges the EP ranks' parts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moestack.parallel.dispatch import ExchangeStats, ExpertShard
+from moestack.parallel.mesh import ExpertParallelMesh, check_layout
+
+
+def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
+    """Keep only this rank's experts in every MoE layer of ``model`` (``model.moe_layers``),
+    in place; returns the exchange counters the layers share.
+
+    Each ``w1``/``w2`` becomes a new parameter holding rows ``[lo, hi)`` of the whole one
+    (same name). Expert gradients are scaled by ``1 / ep`` as they arrive, so that averaging
+    them over the expert data-parallel group (``dp`` ranks) gives the mean over all ``dp x
+    ep`` ranks' tokens, as a single process over the global batch would compute.
+    """
+    stats = ExchangeStats()
+    for moe in model.moe_layers:
+        num_experts = moe.w1.shape[0]
+        check_layout(mesh.world_size, mesh.ep, num_experts)
+        lo, hi = mesh.expert_range(num_experts)
+        for name in ("w1", "w2"):
+            whole = getattr(moe, name)
+            part = nn.Parameter(whole.detach()[lo:hi].clone(), requires_grad=whole.requires_grad)
+            if part.requires_grad and mesh.ep > 1:
+                part.register_hook(lambda g, ep=mesh.ep: g / ep)
+            setattr(moe, name, part)
+        moe.ep_shard = ExpertShard(mesh=mesh, num_experts=num_experts, stats=stats)
+    return stats
+
+
+def expert_params(model: nn.Module) -> set[int]:
+    """``id`` of every sharded expert parameter of ``model``."""
+    return {id(getattr(m, n)) for m in model.moe_layers if m.ep_shard for n in ("w1", "w2")}
+
+
+def _mesh_of(model: nn.Module) -> ExpertParallelMesh:
+    return next(m.ep_shard.mesh for m in model.moe_layers if m.ep_shard is not None)
+
+
+@torch.no_grad()
+def average_gradients(model: nn.Module) -> None:
+    """Average gradients over the ranks that share each parameter (for torch AdamW; the
+    OffloadAdamW pair reduces its own): replicated parameters over all ranks, experts over
+    their expert data-parallel group. A parameter that got no gradient on a rank (an expert
+    that received no tokens) takes part with zeros."""
+    mesh = _mesh_of(model)
+    experts = expert_params(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    replicated = [p.grad for p in params if id(p) not in experts]
+    sharded = [p.grad for p in params if id(p) in experts]
+    _all_reduce_mean(replicated, None, mesh.world_size)
+    if mesh.dp > 1:
+        _all_reduce_mean(sharded, mesh.expert_dp_group, mesh.dp)
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: Any, size: int) -> None:
+    """Sum ``grads`` over ``group`` in one flat buffer and divide by ``size``."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip to the global 2-norm over every parameter, each expert counted once (after
+    ``average_gradients``); returns the norm before clipping (torch's formula)."""
+    mesh = _mesh_of(model)
+    experts = expert_params(model)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    rep = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
+    own = [p.grad for p in model.parameters() if p.grad is not None and id(p) in experts]
+    sq = torch.zeros(2, dtype=torch.float64)
+    sq[0] = sum(float(g.double().square().sum()) for g in rep)
+    sq[1] = sum(float(g.double().square().sum()) for g in own)
+    dist.all_reduce(sq[1:], group=mesh.ep_group)  # each EP rank holds other experts
+    total = float(sq.sum().sqrt())
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+    return total
+
+
+@contextlib.contextmanager
+def whole_experts(model: nn.Module) -> Iterator[None]:
+    """Inside, every sharded ``w1``/``w2`` holds all experts (gathered over the EP group:
+    collective), so ``model.state_dict()`` is the layout-free model; restored on exit."""
+    layers = [m for m in model.moe_layers if m.ep_shard is not None]
+    saved = []
+    for moe in layers:
+        for name in ("w1", "w2"):
+            p = getattr(moe, name)
+            saved.append((p, p.data))
+            p.data = gather_rows(p.data, moe.ep_shard.mesh)
+    try:
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
+def gather_rows(local: torch.Tensor, mesh: ExpertParallelMesh) -> torch.Tensor:
+    """The EP group's row blocks of a tensor, concatenated in rank order (collective)."""
+    parts = [torch.empty_like(local) for _ in range(mesh.ep)]
+    dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
+    return torch.cat(parts)
+
+
+def whole_adamw_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """torch AdamW's ``state_dict()`` with every expert tensor's moments gathered whole
+    (collective), as a single process would save it."""
+    state = optimizer.state_dict()
+    return _map_expert_state(state, optimizer, model, lambda t, mesh, lo, hi: gather_rows(t, mesh))
+
+
+def local_adamw_state(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
+) -> dict[str, Any]:
+    """A whole AdamW state (saved at any layout) cut to this rank's experts, for
+    ``optimizer.load_state_dict``."""
+    return _map_expert_state(state, optimizer, model, lambda t, mesh, lo, hi: t[lo:hi].clone())
+
+
+def _map_expert_state(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module, fn: Any
+) -> dict[str, Any]:
+    """``state`` with ``fn(tensor, mesh, lo, hi)`` applied to the moments of expert
+    parameters (torch keys its state by a parameter's position in ``optimizer.param_groups``)."""
+    where = {}
+    for moe in model.moe_layers:
+        if moe.ep_shard is not None:
+            lo, hi = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
+            for name in ("w1", "w2"):
+                where[id(getattr(moe, name))] = (moe.ep_shard.mesh, lo, hi)
+    position = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    out = {"param_groups": state["param_groups"], "state": dict(state["state"])}
+    for idx, entry in state["state"].items():
+        owner = where.get(position[int(idx)])
+        if owner is not None:
+            out["state"][idx] = {k: v if k == "step" else fn(v, *owner) for k, v in entry.items()}
+    return out
