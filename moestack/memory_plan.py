@@ -3,9 +3,10 @@
 ``plan_memory(cfg, ranks)`` builds the model on the meta device (no allocation) and lists,
 with the formula behind each figure: weights, gradients, optimizer state (torch AdamW on the
 device; OffloadAdamW's flat host buffers, sharded ZeRO-1 style over ``ranks``) and the
-activations one micro-batch keeps for backward under ``model.checkpointing``. Expert
-parallelism does not exist in moestack yet: every rank holds every expert, and the plan says
-so. ``moestack plan`` prints it; the training run logs it at start (and on CUDA the measured
+activations one micro-batch keeps for backward under ``model.checkpointing``. With expert
+parallelism (``parallel.ep``) each rank holds ``num_experts / ep`` experts of every layer, and
+OffloadAdamW shards the experts' state over their data-parallel group (``ranks / ep``).
+``moestack plan`` prints it; the training run logs it at start (and on CUDA the measured
 peak beside it). How the activation formulas were derived, and how well they match a real
 run, is in docs/memory.md.
 """
@@ -17,6 +18,7 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,6 +28,7 @@ from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.optim.factory import device_param_dtype, param_groups
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, build_plan, expert_flags
+from moestack.parallel import check_layout
 
 log = logging.getLogger(__name__)
 
@@ -84,26 +87,57 @@ def plan_memory(cfg: TrainConfig, ranks: int = 1, device: str = "") -> MemoryPla
     kind = device or cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
+    ep = cfg.parallel.ep
+    check_layout(ranks, ep, cfg.model.moe.num_experts)
     with torch.device("meta"):
         model = cfg.model.build()
     model.set_trainable(cfg.trainable)
+    experts = _keep_local_experts(model, ep)
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
     _weights_and_grads(plan, model, pdtype)
     if cfg.optim.name == "adamw":
-        _adamw_lines(plan, model, pdtype)
+        _adamw_lines(plan, model, pdtype, ep)
+    elif ep == 1:
+        _offload_lines(plan, cfg, model, pdtype, _named(cfg, model, lambda n: True), ranks)
     else:
-        _offload_lines(plan, cfg, model, pdtype)
+        replicated = _named(cfg, model, lambda n: n not in experts)
+        _offload_lines(plan, cfg, model, pdtype, replicated, ranks, " (replicated)")
+        sharded = _named(cfg, model, lambda n: n in experts)
+        _offload_lines(plan, cfg, model, pdtype, sharded, ranks // ep, " (experts)")
     _activation_lines(plan, cfg)
-    plan.notes.append(
-        "expert parallelism: not in moestack yet; every rank holds every expert's weights, "
-        "gradients and (unsharded) device state"
-    )
+    if ep > 1:
+        plan.notes.append(
+            f"parallel.ep={ep}: each rank holds {cfg.model.moe.num_experts // ep} of "
+            f"{cfg.model.moe.num_experts} experts per layer; activations assume balanced "
+            "routing (a rank's experts see k rows per token on average; ep/load_imbalance "
+            "in a run's metrics scales their share)"
+        )
     if ranks > 1:
         plan.notes.append(
             f"per rank; a host running R of the {ranks} ranks holds R x the host lines"
         )
     return plan
+
+
+def _keep_local_experts(model: torch.nn.Module, ep: int) -> set[str]:
+    """Cut each MoE layer's meta ``w1``/``w2`` to one EP rank's experts; their names."""
+    names = set()
+    for i, moe in enumerate(model.moe_layers):
+        if ep > 1:
+            local = moe.w1.shape[0] // ep
+            for name in ("w1", "w2"):
+                whole = getattr(moe, name)
+                part = torch.nn.Parameter(whole[:local], requires_grad=whole.requires_grad)
+                setattr(moe, name, part)
+        names.update(f"layers.{i}.moe.{name}" for name in ("w1", "w2"))
+    return names
+
+
+def _named(cfg: TrainConfig, model: torch.nn.Module, keep: Any) -> list[tuple[int, str, Any]]:
+    """``(param group, name, tensor)`` of the trained parameters whose name ``keep`` takes."""
+    groups = param_groups(model, cfg.optim.weight_decay)
+    return [(gi, n, p) for gi, g in enumerate(groups) for n, p in g["params"] if keep(n)]
 
 
 def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) -> None:
@@ -125,9 +159,12 @@ def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.d
     )
 
 
-def _adamw_lines(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) -> None:
+def _adamw_lines(
+    plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype, ep: int = 1
+) -> None:
     """torch AdamW: exp_avg and exp_avg_sq in the parameter dtype, a float32 step per tensor;
-    under DDP also the gradient buckets (a second copy of the gradients)."""
+    under DDP also the gradient buckets (a second copy of the gradients); under expert
+    parallelism, whose gradients are averaged in one flat buffer per group, that buffer."""
     trained = [p for p in model.parameters() if p.requires_grad]
     numel, size = sum(p.numel() for p in trained), pdtype.itemsize
     plan.lines.append(
@@ -136,28 +173,38 @@ def _adamw_lines(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) 
             "optimizer state (adamw)",
             2 * numel * size + 4 * len(trained),
             f"2 moments x {_mib(numel)} x {size} B + 4 B step x {len(trained)} "
-            "tensors; replicated on every rank",
+            "tensors; replicated on every rank" + (" (experts: this rank's)" if ep > 1 else ""),
         )
     )
-    if plan.ranks > 1:
+    if ep > 1:
+        plan.lines.append(
+            Line("device", "gradient all-reduce buffer", numel * size, f"{_mib(numel)} x {size} B")
+        )
+    elif plan.ranks > 1:
         plan.lines.append(
             Line("device", "DDP gradient buckets", numel * size, f"{_mib(numel)} x {size} B")
         )
 
 
 def _offload_lines(
-    plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype
+    plan: MemoryPlan,
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    pdtype: torch.dtype,
+    named: list[tuple[int, str, Any]],
+    ranks: int,
+    label: str = "",
 ) -> None:
     """OffloadAdamW's host buffers (moestack.optim.transfer.alloc_host_buffers) for the
-    largest shard of ``plan.ranks``, and its device scratch for dtype changes."""
-    named = [(n, p) for g in param_groups(model, cfg.optim.weight_decay) for n, p in g["params"]]
-    groups = param_groups(model, cfg.optim.weight_decay)
-    group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
-    shapes = [tuple(p.shape) for _, p in named]
+    largest shard of ``named`` over ``ranks``, and its device scratch for dtype changes."""
+    if not named:
+        return
+    group_of = [gi for gi, _, _ in named]
+    shapes = [tuple(p.shape) for _, _, p in named]
     is_expert = expert_flags(
-        [p for _, p in named], [n for n, _ in named], None, DEFAULT_EXPERT_PATTERN
+        [p for _, _, p in named], [n for _, n, _ in named], None, DEFAULT_EXPERT_PATTERN
     )
-    shards = plan.ranks if (cfg.optim.shard and plan.ranks > 1) else 1
+    shards = ranks if (cfg.optim.shard and ranks > 1) else 1
     splan = build_plan(shapes, group_of, is_expert, shards, 0)
     size = splan.stride if shards > 1 else splan.total
     moment = 2 if cfg.optim.moment_dtype == "bfloat16" else 4
@@ -165,7 +212,7 @@ def _offload_lines(
     plan.lines.append(
         Line(
             "host",
-            "optimizer moments",
+            "optimizer moments" + label,
             2 * moment * size,
             f"2 x {_mib(size)} x {moment} B, {where}",
         )
@@ -178,7 +225,9 @@ def _offload_lines(
             "place: no master copy, no gradient buffers"
         )
         return
-    plan.lines.append(Line("host", "optimizer master weights", 4 * size, f"{_mib(size)} x 4 B"))
+    plan.lines.append(
+        Line("host", "optimizer master weights" + label, 4 * size, f"{_mib(size)} x 4 B")
+    )
     fused = cfg.optim.fused_step != "off"
     direct = fused and plan.ranks == 1 and on_cpu
     if not direct:
@@ -188,15 +237,17 @@ def _offload_lines(
             if shards > 1
             else f"{_mib(splan.total)} x 4 B"
         )
-        plan.lines.append(Line("host", "gradient pack buffers", 4 * comm, formula))
+        plan.lines.append(Line("host", "gradient pack buffers" + label, 4 * comm, formula))
     if fused and plan.ranks == 1 and not on_cpu and pdtype == torch.bfloat16:
-        plan.lines.append(Line("host", "weight staging (bf16)", 2 * size, f"{_mib(size)} x 2 B"))
+        plan.lines.append(
+            Line("host", "weight staging (bf16)" + label, 2 * size, f"{_mib(size)} x 2 B")
+        )
     if pdtype != torch.float32:
         largest = min(max(math.prod(s) for s in shapes), _XFER_CHUNK)
         plan.lines.append(
             Line(
                 "device",
-                "offload dtype scratch",
+                "offload dtype scratch" + label,
                 4 * largest,
                 f"min(largest param {_mib(largest)}, 2^24) x 4 B",
             )

@@ -129,3 +129,25 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A two-column table of the run's headline numbers."""
+    rows = [
+        ("train loss", f"{summary['loss/train']:.4f}"),
+        ("val loss", f"{summary['loss/val']:.4f}"),
+        ("val perplexity", f"{summary['eval/perplexity']:.3f}"),
+        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
+        ("params (total)", f"{summary['params/total'] / 1e6:.2f}M"),
+        ("params (active/token)", f"{summary['params/active'] / 1e6:.2f}M"),
+        ("skipped steps", str(summary["perf/bad_steps"])),
+    ]
+    rows += [
+        (f"layer {key.split('/')[1][5:]} imbalance", f"{value:.2f}")
+        for key, value in summary.items()
+        if key.endswith("/imbalance")
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)

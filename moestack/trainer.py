@@ -27,7 +27,7 @@ from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
-from moestack.metrics import MetricsWriter
+from moestack.metrics import MetricsWriter, format_summary
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
@@ -237,7 +237,8 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
     metrics.update({k: float(v) for k, v in result.router_metrics.items()})
     metrics["eval/train_perplexity"] = perplexity(metrics["loss/train"])
     if run.exchange is not None:
-        metrics.update(exchange_metrics(run, elapsed))
+        steps = state.interval_steps
+        metrics.update(parallel.exchange_metrics(run.exchange, run.dist.world_size, steps, elapsed))
     if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
         with _paused(run.telemetry):
             metrics.update(evaluate(run.model, run.val_batches, run.device))
@@ -256,32 +257,6 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
         )
     state.reset_interval()
     run.interval_start = time.perf_counter()
-
-
-def exchange_metrics(run: Run, elapsed: float) -> dict[str, float]:
-    """Expert parallelism's interval metrics (collective), then reset its counters: rows
-    (token, slot pairs) each rank sent to and received from other ranks per step, bytes it
-    sent per step (forward and backward), the largest share of the interval a rank spent in
-    all-to-alls, and the mean over layers of max / mean rows per EP rank (the straggler)."""
-    stats = run.exchange
-    assert stats is not None
-    steps = max(run.state.interval_steps, 1)
-    mine = torch.tensor(
-        [stats.rows_sent, stats.rows_received, stats.bytes_moved, stats.seconds],
-        dtype=torch.float64,
-    )
-    every = [torch.empty_like(mine) for _ in range(run.dist.world_size)]
-    torch.distributed.all_gather(every, mine)
-    metrics = {
-        "ep/a2a_share": max(float(t[3]) for t in every) / max(elapsed, 1e-9),
-        "ep/load_imbalance": stats.load_imbalance_sum / max(stats.layers, 1),
-        "ep/bytes_per_step": sum(float(t[2]) for t in every) / len(every) / steps,
-    }
-    for rank, t in enumerate(every):
-        metrics[f"ep/rank{rank}/tokens_sent"] = float(t[0]) / steps
-        metrics[f"ep/rank{rank}/tokens_received"] = float(t[1]) / steps
-    stats.reset()
-    return metrics
 
 
 def finish_run(run: Run, seconds: float) -> dict[str, Any]:
@@ -355,7 +330,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
-    mesh, exchange = _shard_experts(cfg, dist_info, model)
+    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
+                                              cfg.parallel.ep)  # fmt: skip
     # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it (or, with
     # experts sharded, train_step's parallel.average_gradients).
     ddp = dist_info.active and cfg.optim.name == "adamw" and mesh is None
@@ -398,21 +374,6 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     if dist_info.is_main:
         run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
     return run
-
-
-def _shard_experts(
-    cfg: TrainConfig, dist_info: distributed.DistInfo, model: RoutedLM
-) -> tuple[parallel.ExpertParallelMesh | None, parallel.ExchangeStats | None]:
-    """With ``parallel.ep > 1``: the mesh, and the model's experts cut to this rank's."""
-    if cfg.parallel.ep == 1:
-        return None, None
-    mesh = parallel.build_mesh(dist_info.world_size, dist_info.rank, cfg.parallel.ep)
-    exchange = parallel.shard_experts(model, mesh)
-    log.info(
-        "expert parallel: %d data-parallel group(s) x %d EP ranks; this rank: dp %d, ep %d",
-        mesh.dp, mesh.ep, mesh.dp_rank, mesh.ep_rank,
-    )  # fmt: skip
-    return mesh, exchange
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -544,25 +505,3 @@ def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A two-column table of the run's headline numbers."""
-    rows = [
-        ("train loss", f"{summary['loss/train']:.4f}"),
-        ("val loss", f"{summary['loss/val']:.4f}"),
-        ("val perplexity", f"{summary['eval/perplexity']:.3f}"),
-        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
-        ("params (total)", f"{summary['params/total'] / 1e6:.2f}M"),
-        ("params (active/token)", f"{summary['params/active'] / 1e6:.2f}M"),
-        ("skipped steps", str(summary["perf/bad_steps"])),
-    ]
-    rows += [
-        (f"layer {key.split('/')[1][5:]} imbalance", f"{value:.2f}")
-        for key, value in summary.items()
-        if key.endswith("/imbalance")
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
-    lines += [f"{name:<{width}}  {value}" for name, value in rows]
-    return "\n".join(lines)

@@ -132,7 +132,11 @@ def test_moestack_plan_prints_every_line(capsys):
     cli_main(["plan", "model=m137", "optim=offload_adamw", "--ranks", "8", "--device", "cuda"])
     out = capsys.readouterr().out
     for what in ("weights", "gradients", "optimizer moments", "master weights",
-                 "activations (checkpointing=none)", "expert parallelism"):  # fmt: skip
+                 "activations (checkpointing=none)"):  # fmt: skip
+        assert what in out
+    cli_main(["plan", "model=m137", "optim=offload_adamw", "parallel.ep=2", "--ranks", "8"])
+    out = capsys.readouterr().out
+    for what in ("optimizer moments (experts)", "optimizer moments (replicated)", "parallel.ep=2"):
         assert what in out
     assert "sharded over 8 ranks" in out
 

@@ -4,9 +4,11 @@ docs/parallel.md."""
 
 from moestack.parallel.dispatch import ExchangeStats, ExpertShard, expert_parallel_experts
 from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
+from moestack.parallel.metrics import exchange_metrics
 from moestack.parallel.shard import (
     average_gradients,
     clip_grad_norm,
+    expert_parallel,
     expert_params,
     gather_rows,
     local_adamw_state,
@@ -23,6 +25,8 @@ __all__ = [
     "build_mesh",
     "check_layout",
     "clip_grad_norm",
+    "exchange_metrics",
+    "expert_parallel",
     "expert_parallel_experts",
     "expert_params",
     "gather_rows",

@@ -10,6 +10,7 @@ parameter name) and torch AdamW's state with whole expert tensors, so a run save
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,25 @@ import torch.distributed as dist
 from torch import nn
 
 from moestack.parallel.dispatch import ExchangeStats, ExpertShard
-from moestack.parallel.mesh import ExpertParallelMesh, check_layout
+from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
+
+log = logging.getLogger(__name__)
+
+
+def expert_parallel(
+    model: nn.Module, world_size: int, rank: int, ep: int
+) -> tuple[ExpertParallelMesh | None, ExchangeStats | None]:
+    """With ``ep > 1``: the mesh (collective), and ``model``'s experts cut to this rank's;
+    with ``ep == 1``: ``(None, None)`` and the model as it is."""
+    if ep == 1:
+        return None, None
+    mesh = build_mesh(world_size, rank, ep)
+    stats = shard_experts(model, mesh)
+    log.info(
+        "expert parallel: %d data-parallel group(s) x %d EP ranks; this rank: dp %d, ep %d",
+        mesh.dp, mesh.ep, mesh.dp_rank, mesh.ep_rank,
+    )  # fmt: skip
+    return mesh, stats
 
 
 def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:

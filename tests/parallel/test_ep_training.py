@@ -41,8 +41,9 @@ TINY = [
 ]
 
 
-def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, float]:
-    """Run moestack.train on ``nproc`` processes; the train loss of every step."""
+def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, tuple[float, float]]:
+    """Run moestack.train on ``nproc`` processes; the train and router (aux) losses of every
+    step (the router losses see the same routing with experts sharded or not)."""
     launcher = [sys.executable, "-m", "moestack.train"]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -56,10 +57,10 @@ def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, float]:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = read_metrics(out_dir / "metrics.jsonl")
-    return {r["step"]: r["loss/train"] for r in records if "loss/train" in r}
+    return {r["step"]: (r["loss/train"], r["loss/aux"]) for r in records if "loss/train" in r}
 
 
-def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: range) -> None:
+def assert_same_losses(got: dict, want: dict, steps: range) -> None:
     for step in steps:
         assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
 
