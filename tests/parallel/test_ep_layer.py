@@ -4,6 +4,7 @@ layer on the same weights and tokens: outputs, input gradients and every paramet
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 
 import pytest
@@ -18,23 +19,25 @@ from moestack.parallel import average_gradients, build_mesh, shard_experts
 D_MODEL, D_FF = 12, 10
 TIMEOUT = datetime.timedelta(seconds=120)  # a deadlock fails the test instead of hanging it
 
-# name -> (num_experts, top_k, tokens of each rank (by world size), experts never chosen)
+# name -> (num_experts, top_k, tokens of each rank (by world size), experts never chosen,
+# expert impl: the triton kernels run in the interpreter on the CPU, conftest.py)
 CASES = {
-    "random": (8, 2, {2: [7, 9], 4: [7, 9, 5, 6]}, ()),
-    "one_token": (8, 3, {2: [1, 1], 4: [1, 1, 1, 1]}, ()),
-    "empty_rank": (8, 2, {2: [0, 6], 4: [5, 0, 3, 0]}, ()),
-    "idle_expert_and_rank": (8, 2, {2: [7, 9], 4: [7, 9, 5, 6]}, (1, 6, 7)),
-    "top_k_all": (4, 4, {2: [5, 4], 4: [5, 4, 3, 2]}, ()),
+    "random": (8, 2, {2: [7, 9], 4: [7, 9, 5, 6]}, (), "torch"),
+    "one_token": (8, 3, {2: [1, 1], 4: [1, 1, 1, 1]}, (), "torch"),
+    "empty_rank": (8, 2, {2: [0, 6], 4: [5, 0, 3, 0]}, (), "torch"),
+    "idle_expert_and_rank": (8, 2, {2: [7, 9], 4: [7, 9, 5, 6]}, (1, 6, 7), "torch"),
+    "top_k_all": (4, 4, {2: [5, 4], 4: [5, 4, 3, 2]}, (), "torch"),
+    "triton": (8, 2, {2: [7, 0], 4: [7, 9, 0, 6]}, (), "triton"),
 }
 
 
 class OneLayer(nn.Module):
     """The smallest model ``shard_experts`` accepts: one MoE layer."""
 
-    def __init__(self, num_experts: int, top_k: int, idle: tuple[int, ...]) -> None:
+    def __init__(self, num_experts: int, top_k: int, idle: tuple[int, ...], impl: str) -> None:
         super().__init__()
         router = RouterConfig(bias_update_rate=0.01 if idle else 0.0, load_balance=0.0)
-        self.moe = MoE(D_MODEL, MoEConfig(num_experts, top_k, D_FF, impl="torch"), router)
+        self.moe = MoE(D_MODEL, MoEConfig(num_experts, top_k, D_FF, impl=impl), router)
         with torch.no_grad():
             self.moe.router.weight.normal_(std=0.5)  # spread the routing
             for e in idle:  # the selection bias keeps these experts out of every top-k
@@ -47,9 +50,9 @@ class OneLayer(nn.Module):
 
 def build_case(name: str, world: int) -> tuple[OneLayer, list[torch.Tensor], list[torch.Tensor]]:
     """The layer, and each rank's tokens and output cotangents (seeded)."""
-    num_experts, top_k, tokens, idle = CASES[name]
+    num_experts, top_k, tokens, idle, impl = CASES[name]
     torch.manual_seed(len(name))
-    model = OneLayer(num_experts, top_k, idle)
+    model = OneLayer(num_experts, top_k, idle, impl)
     xs = [torch.randn(t, D_MODEL) for t in tokens[world]]
     gs = [torch.randn(t, D_MODEL) for t in tokens[world]]
     return model, xs, gs
@@ -78,8 +81,10 @@ def _worker(rank: int, world: int, ep: int, init: str, out: str) -> None:
 
 
 def reference(name: str, world: int) -> dict:
-    """The single-process layer over every rank's tokens at once."""
+    """The single-process layer over every rank's tokens at once, with the plain-torch
+    experts whatever the case's impl."""
     model, xs, gs = build_case(name, world)
+    model.moe.cfg = dataclasses.replace(model.moe.cfg, impl="torch")
     x = torch.cat(xs).requires_grad_()
     y = model.moe(x)
     (y * torch.cat(gs)).sum().backward()
