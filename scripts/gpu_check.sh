@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement (issues 3, 7, 17 and 19) in ONE call of a lent machine, most
+# Every GPU check and measurement (issues 3, 7, 16, 17 and 19) in ONE call of a lent machine, most
 # valuable first, inside a fixed time budget. No network: nothing is installed; the package
 # is staged the way pip would lay it out.
 #
@@ -40,6 +40,7 @@ PLAN=(
     "bench_memory|120|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
     "more_tests|90|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
+    "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
 )
 
 field() { # field ENTRY INDEX: one |-separated field of a plan entry (0-based)
@@ -214,6 +215,10 @@ fi
 phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
+# Issue 16: the expert-parallel layer over NCCL, one process per GPU, against one process
+# (outputs and gradients, torch and triton experts); with fewer than 2 GPUs it writes and
+# prints that it skipped, and why.
+MOESTACK_AUTOTUNE=0 phase ep_check "$PY" scripts/ep_check.py --json "$OUT/ep_check.json"
 
 ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) started
 
@@ -240,6 +245,10 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
     if ran train_; then
         echo "--- training (offload_adamw, then adamw)"
         grep -E "^(train loss|val loss|tokens/s) " "$LOG"
+    fi
+    if ran ep_check; then
+        echo "--- ep_check (expert parallelism on NCCL vs one process)"
+        grep -E "^(ep_check: |  beyond atol)" "$LOG" | head -6
     fi
     echo "--- tuned configs in the table: $(grep -c '"block_m"' "$OUT/tuned_configs.json")"
 } | tee -a "$SUMMARY"
