@@ -219,6 +219,14 @@ MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.
 # (outputs and gradients, torch and triton experts); with fewer than 2 GPUs it writes and
 # prints that it skipped, and why.
 MOESTACK_AUTOTUNE=0 phase ep_check "$PY" scripts/ep_check.py --json "$OUT/ep_check.json"
+if ! selected ep_check optional; then # not in the plan: say so, and why it matters
+    gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    if ((gpus < 2)); then
+        echo "ep_check: skipped, needs >= 2 GPUs, found $gpus" | tee -a "$SUMMARY"
+    else
+        echo "ep_check: not run; GPU_CHECK_PHASES=ep_check runs it on these $gpus GPUs" | tee -a "$SUMMARY"
+    fi
+fi
 
 ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) started
 
