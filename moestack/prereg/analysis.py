@@ -40,13 +40,14 @@ def evaluate_run(
 
     One eval-mode pass over the batches gives the cross-entropy and, through telemetry, the
     routing trace; each policy x capacity replays that trace with ``analysis.warmup``.
-    ``corpora`` caches loaded corpora between runs (keyed by the data config).
+    ``corpora`` caches loaded corpora between runs (keyed by the data config and, for a
+    transformers model folder, its path: its own tokenizer reads the text, as in training).
     """
     import torch
 
-    from moestack.data import eval_batches, load_corpus
+    from moestack.data import eval_batches
     from moestack.evaluation import evaluate, resolve_device
-    from moestack.runs import load_run
+    from moestack.runs import load_run, run_corpus
     from moestack.telemetry import attach, simulate
 
     run = load_run(run_dir)
@@ -58,9 +59,9 @@ def evaluate_run(
     device = resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
     model = run.model.to(device)
     corpora = {} if corpora is None else corpora
-    key = repr(cfg.data)
-    if key not in corpora:
-        corpora[key] = load_corpus(cfg.data)
+    key = repr((cfg.data, cfg.model.path, cfg.model.doc_separator))
+    if key not in corpora:  # read as the run's model reads text (a model.path: its tokenizer)
+        corpora[key] = run_corpus(cfg)
     batch_size = analysis.eval_batch_size or cfg.batch_size
     seq_len = analysis.eval_seq_len or cfg.data.seq_len
     batches = eval_batches(corpora[key].val, batch_size, seq_len, analysis.eval_batches)

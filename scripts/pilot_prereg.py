@@ -1,0 +1,274 @@
+"""Pilot of a pre-registered study: the seed-to-seed noise a power analysis needs.
+
+Trains some arms x pilot seeds of a study file at one or more step budgets, each run
+composed exactly as ``moestack prereg run`` composes it (``Prereg.overrides`` -> hydra
+compose -> ``moestack.trainer.train``; only ``steps`` replaced), without the study's lock:
+a pilot is not the study, so its seeds must not be the study's. Each run's final checkpoint
+is evaluated with the study's own analysis (``analysis.eval_*``: the shared validation set)
+and, for comparison, with a small validation set (``--small-eval``). Per budget it reports
+the baseline's seed-to-seed spread of perplexity and the paired spread of each arm's
+perplexity change (arm / baseline - 1 on the same seed), and the seeds
+``moestack.prereg.seeds_needed`` derives from it.
+
+    python scripts/pilot_prereg.py experiments/prereg_cpu_v2.yaml --out /tmp/pilot \
+        --steps 300,1200 --arms baseline,temporal --seeds 1000,1001,1002,1003 \
+        --json docs/prereg_cpu_v2/pilot.json --check-pairing
+
+Writes into each run folder ``prereg_eval.json`` (so ``moestack prereg power FILE --pilot
+<out>/steps<N>`` reads the folder) and ``pilot_timing.json``; with ``--json`` the summary
+and, beside it, ``pilot_steps<N>.json`` per budget (an analyze-style ``runs`` list that
+``moestack prereg power --pilot`` reads). Resumable: a finished run (``summary.json``) is
+not retrained, an interrupted one resumes from its checkpoint, a cached evaluation is reused;
+``--collect`` trains nothing and summarises the runs that finished (a seed an arm lacks is
+left out of that arm's pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moestack import checkpoint
+from moestack.prereg import (
+    EVAL_FILE,
+    analysis_key,
+    compose_config,
+    evaluate_run,
+    half_width,
+    load,
+    seeds_needed,
+)
+from moestack.prereg.spec import Analysis, Prereg
+from moestack.trainer import train
+
+log = logging.getLogger("pilot_prereg")
+TIMING_FILE = "pilot_timing.json"
+SMALL_EVAL = "metrics_small_eval"
+MISS = "lru/cap4/miss_rate"
+STATIC = "static/cap4/hit_rate"
+
+
+def run_overrides(spec: Prereg, arm: str, seed: int, steps: int) -> list[str]:
+    """The study's overrides of one run with ``steps`` replaced (the runner adds out_dir
+    and resume)."""
+    return [f"steps={steps}" if o.startswith("steps=") else o for o in spec.overrides(arm, seed)]
+
+
+def check_pairing(spec: Prereg, seeds: list[int]) -> dict[str, Any]:
+    """Whether every arm of a seed starts from the baseline's initial weights and sees the
+    same batches: built and loaded the way ``moestack.trainer.build_run`` does."""
+    from moestack.data import BatchLoader
+    from moestack.runs import run_corpus
+
+    out: dict[str, Any] = {}
+    for seed in seeds:
+        ref_state, ref_batches = None, None
+        for arm in spec.arms:
+            cfg = compose_config(spec.overrides(arm, seed))
+            torch.manual_seed(cfg.seed)
+            state = cfg.model.build().state_dict()
+            loader = BatchLoader(run_corpus(cfg).train, cfg.batch_size, cfg.data.seq_len, cfg.seed)
+            batches = [loader.get(i)[0] for i in (0, 1, 999)]
+            if ref_state is None:
+                ref_state, ref_batches = state, batches
+            same_init = state.keys() == ref_state.keys() and all(
+                torch.equal(state[k], ref_state[k]) for k in state
+            )
+            same_data = all(torch.equal(a, b) for a, b in zip(batches, ref_batches, strict=True))
+            out[f"{arm}-s{seed}"] = {"same_init": same_init, "same_data": same_data}
+    return out
+
+
+def train_one(spec: Prereg, arm: str, seed: int, steps: int, run_dir: Path) -> dict[str, Any]:
+    """Train (or resume, or reuse) one pilot run; its wall and CPU seconds."""
+    timing_file = run_dir / TIMING_FILE
+    if (run_dir / "summary.json").is_file() and timing_file.is_file():
+        return json.loads(timing_file.read_text())
+    resume = checkpoint.latest_checkpoint(run_dir / "checkpoints") is not None
+    overrides = [*run_overrides(spec, arm, seed, steps), f"out_dir={run_dir}"]
+    cfg = compose_config([*overrides, f"resume={str(resume).lower()}"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log.info("%s-s%d, %d steps: %s", arm, seed, steps, "resuming" if resume else "training")
+    wall, cpu = time.perf_counter(), time.process_time()
+    summary = train(cfg, run_dir)
+    timing = {
+        "train_wall_s": time.perf_counter() - wall,
+        "train_cpu_s": time.process_time() - cpu,
+        "resumed": resume,
+        "tokens_per_s": summary.get("perf/tokens_per_s"),
+        "overrides": overrides,
+    }
+    timing_file.write_text(json.dumps(timing, indent=2))
+    return timing
+
+
+def evaluate_one(
+    spec: Prereg, small: Analysis, run: tuple[str, int], run_dir: Path, corpora: dict
+) -> dict[str, Any]:
+    """The study's evaluation (cached in prereg_eval.json under the study's analysis key, with
+    the run's arm and seed as ``analyze`` caches it) and the small-set one, with the CPU
+    seconds of the study's evaluation."""
+    key, cached = analysis_key(spec), run_dir / EVAL_FILE
+    if cached.is_file():
+        record = json.loads(cached.read_text())
+        if record.get("analysis_key") == key and SMALL_EVAL in record:
+            return record
+    cpu = time.process_time()
+    record = evaluate_run(run_dir, spec.analysis, corpora)
+    record["eval_cpu_s"] = time.process_time() - cpu
+    record[SMALL_EVAL] = evaluate_run(run_dir, small, corpora)["metrics"]
+    record["small_eval_tokens"] = small.eval_batches * small.eval_batch_size * small.eval_seq_len
+    record.update(run=f"{run[0]}-s{run[1]}", arm=run[0], seed=run[1], analysis_key=key)
+    cached.write_text(json.dumps(record, indent=2))
+    return record
+
+
+def spread(records: list[dict[str, Any]], arms: list[str], baseline: str, metrics_key: str):
+    """Baseline perplexity spread and, per arm, the paired per-seed changes."""
+    by = {(r["arm"], r["seed"]): r[metrics_key] for r in records}
+    seeds = sorted({r["seed"] for r in records if r["arm"] == baseline})
+    base_ppl = [by[(baseline, s)]["perplexity"] for s in seeds]
+    mean = statistics.fmean(base_ppl)
+    sd = statistics.stdev(base_ppl) if len(base_ppl) > 1 else math.nan
+    out: dict[str, Any] = {
+        "baseline_perplexity": base_ppl,
+        "baseline_mean": mean,
+        "baseline_sd": sd,
+        "baseline_cv": sd / mean,
+        "baseline_range_rel": (max(base_ppl) - min(base_ppl)) / mean,
+        "arms": {},
+    }
+    for arm in arms:
+        if arm == baseline:
+            continue
+        pairs = [s for s in seeds if (arm, s) in by]
+        if not pairs:
+            continue
+        d_ppl = [by[(arm, s)]["perplexity"] / by[(baseline, s)]["perplexity"] - 1 for s in pairs]
+        d_miss = [by[(arm, s)][MISS] / by[(baseline, s)][MISS] - 1 for s in pairs]
+        d_static = [by[(arm, s)][STATIC] - by[(baseline, s)][STATIC] for s in pairs]
+        row: dict[str, Any] = {"seeds": pairs, "d_ppl": d_ppl, "d_miss": d_miss}
+        row["d_static_hit"] = d_static
+        for name, values in (("d_ppl", d_ppl), ("d_miss", d_miss), ("d_static_hit", d_static)):
+            row[f"{name}_mean"] = statistics.fmean(values) if values else math.nan
+            row[f"{name}_sd"] = statistics.stdev(values) if len(values) > 1 else math.nan
+        if len(d_ppl) > 1:
+            row["seeds_needed_0.5pp_95"] = seeds_needed(row["d_ppl_sd"], 0.005, 0.95)
+            row["half_width_at_pilot_seeds"] = half_width(row["d_ppl_sd"], len(d_ppl), 0.95)
+        out["arms"][arm] = row
+    return out
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """One table: per budget and validation set, the baseline spread and paired spreads."""
+    lines = [
+        "| steps | validation tokens | baseline ppl (mean) | baseline sd | baseline sd / mean "
+        "| arm | paired d ppl mean | paired d ppl sd | seeds for +-0.5 pp | d LRU misses mean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for steps, budget in summary["budgets"].items():
+        for label, key in (("study", "study_eval"), ("small", "small_eval")):
+            s = budget[key]
+            for arm, row in s["arms"].items():
+                lines.append(
+                    f"| {steps} | {budget[label + '_tokens']:,} | {s['baseline_mean']:.4f} | "
+                    f"{s['baseline_sd']:.4f} | {100 * s['baseline_cv']:.2f}% | {arm} | "
+                    f"{100 * row['d_ppl_mean']:+.2f}% | {100 * row['d_ppl_sd']:.2f} pp | "
+                    f"{row.get('seeds_needed_0.5pp_95', 'n/a')} | {100 * row['d_miss_mean']:+.1f}% |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", help="the study file whose runs and analysis the pilot uses")
+    parser.add_argument("--out", required=True, help="pilot run folders (e.g. /tmp/pilot)")
+    parser.add_argument("--steps", default="300", help="comma-separated step budgets")
+    parser.add_argument("--arms", default="", help="comma-separated arms (default: all)")
+    parser.add_argument("--seeds", default="1000,1001,1002", help="pilot seeds (not the study's)")
+    parser.add_argument("--small-eval", default="32,8,128", help="batches,batch size,seq len")
+    parser.add_argument("--json", default="", help="write the summary here (and per budget)")
+    parser.add_argument("--check-pairing", action="store_true", help="check paired seeds first")
+    parser.add_argument(
+        "--collect", action="store_true", help="train nothing: summarise the finished runs only"
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # the study's threads=1; the runs set it again themselves
+
+    spec = load(args.study)
+    arms = args.arms.split(",") if args.arms else list(spec.arms)
+    if spec.baseline not in arms:
+        arms.insert(0, spec.baseline)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    clash = sorted(set(seeds) & set(spec.seeds))
+    if clash:
+        parser.error(f"pilot seeds {clash} are study seeds; use seeds the study does not run")
+    budgets = [int(s) for s in args.steps.split(",")]
+    nb, bs, sl = (int(v) for v in args.small_eval.split(","))
+    small = dataclasses.replace(spec.analysis, eval_batches=nb, eval_batch_size=bs, eval_seq_len=sl)
+    summary: dict[str, Any] = {"study": spec.study, "file": str(args.study), "seeds": seeds}
+    summary["arms"] = arms
+    if args.check_pairing:
+        summary["pairing"] = check_pairing(spec, seeds[:1])
+    summary["budgets"] = {}
+    corpora: dict = {}
+    out = Path(args.out)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    for steps in budgets:
+        records = []
+        for seed in seeds:  # seed by seed, as the runner: a cut-short pilot keeps full seeds
+            for arm in arms:
+                run_dir = out / f"steps{steps}" / "runs" / f"{arm}-s{seed}"
+                if args.collect and not (run_dir / TIMING_FILE).is_file():
+                    continue  # not trained (or unfinished): left out of the pairs
+                timing = train_one(spec, arm, seed, steps, run_dir)
+                result = evaluate_one(spec, small, (arm, seed), run_dir, corpora)
+                record = {"run": f"{arm}-s{seed}", "arm": arm, "seed": seed, "status": "done"}
+                record.update({k: v for k, v in result.items() if k != "router"}, **timing)
+                records.append(record)
+        first = records[0]
+        budget = {
+            "steps": steps,
+            "train_tokens": steps * spec_batch_tokens(spec),
+            "study_tokens": first["eval_tokens"],
+            "small_tokens": first["small_eval_tokens"],
+            "train_cpu_s": {r["run"]: r["train_cpu_s"] for r in records},
+            "eval_cpu_s": {r["run"]: r["eval_cpu_s"] for r in records},
+            "study_eval": spread(records, arms, spec.baseline, "metrics"),
+            "small_eval": spread(records, arms, spec.baseline, SMALL_EVAL),
+        }
+        budget["mean_train_cpu_s"] = statistics.fmean(budget["train_cpu_s"].values())
+        budget["mean_eval_cpu_s"] = statistics.fmean(budget["eval_cpu_s"].values())
+        summary["budgets"][str(steps)] = budget
+        if args.json:
+            path = Path(args.json).with_name(f"pilot_steps{steps}.json")
+            doc = {"study": spec.study, "pilot": True, "steps": steps, "runs": records}
+            path.write_text(json.dumps(doc, indent=2) + "\n")
+    table = markdown(summary)
+    summary["table"] = table
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    print(table)
+    if "pairing" in summary:
+        print(json.dumps(summary["pairing"], indent=2))
+
+
+def spec_batch_tokens(spec: Prereg) -> int:
+    """Training tokens per step of the study's runs (batch_size x grad_accum x seq_len)."""
+    cfg = compose_config(spec.overrides(spec.baseline, spec.seeds[0]))
+    return cfg.batch_size * cfg.grad_accum * cfg.data.seq_len
+
+
+if __name__ == "__main__":
+    main()
