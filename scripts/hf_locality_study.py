@@ -17,11 +17,17 @@
 Prints markdown tables and writes ``<out>/results.json``. Everything runs offline:
 
     .venv/bin/python scripts/hf_locality_study.py --out runs/hf_study
+
+``--base-only`` stops after step 2 and prints the sha256 of ``<out>/pretrained/
+model.safetensors``: the pretrained model of experiments/prereg_hf_finetune.yaml, built with
+``--out runs/hf_base --threads 1`` (one thread: the sums, and so the weights, are then
+reproducible on the same machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shutil
@@ -177,6 +183,10 @@ def main() -> None:
     pre = run_config(base_dir, out / "pretrain", args, steps=args.pretrain_steps,
                      optim=OptimConfig(lr=3e-3, warmup_steps=30))  # fmt: skip
     pretrained = train_and_export(pre, out / "pretrained", base_dir)
+    if args.base_only:
+        digest = hashlib.sha256((pretrained / "model.safetensors").read_bytes()).hexdigest()
+        print(f"{pretrained}/model.safetensors sha256 {digest}")
+        return
     if args.speed_only:
         speed = step_speed(pretrained, args)
         print(json.dumps(speed))
@@ -252,6 +262,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--speed-only", action="store_true", help="only time the training step (needs a run)"
+    )
+    p.add_argument(
+        "--base-only",
+        action="store_true",
+        help="stop after the pretrained export (<out>/pretrained) and print its sha256",
     )
     return p.parse_args()
 

@@ -138,7 +138,12 @@ def test_load_names_the_file(tmp_path: Path) -> None:
 
 
 def test_shipped_studies_are_valid_and_compose() -> None:
-    for name, runs in (("prereg_cpu", 8), ("prereg_137m", 12), ("prereg_cpu_v2", 240)):
+    for name, runs in (
+        ("prereg_cpu", 8),
+        ("prereg_137m", 12),
+        ("prereg_cpu_v2", 240),
+        ("prereg_hf_finetune", 24),
+    ):
         spec = prereg.load(EXPERIMENTS / f"{name}.yaml")
         assert spec.study == name and len(prereg.plan(spec)) == runs
     spec = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
