@@ -115,7 +115,7 @@ def fields_text(values: dict[str, Any], choices: dict[str, Any] | None = None) -
         if cls is None:
             continue
         doc = (cls.__doc__ or "").strip().splitlines()[0]
-        chosen = f" [{f.name}={choices[f.name]}]" if choices.get(f.name) else ""
+        chosen = f" [{f.name}={choices[f.name]}]" if choices.get(f.name) else " (fields only)"
         lines += ["", f"{f.name}{chosen}: {doc}"]
         lines += _format(_rows(cls, values.get(f.name) or {}, f.name + "."))
     return "\n".join(lines)

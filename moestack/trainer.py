@@ -141,7 +141,11 @@ def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
         finally:
             if progress is not None:
                 progress.close()
-        return finish_run(run, time.perf_counter() - run_start)
+        summary = finish_run(run, time.perf_counter() - run_start)
+        # No rank tears its process group down while another still talks to it: gloo aborts
+        # a rank whose peer closed the connection first (seen as a SIGABRT at exit).
+        distributed.barrier(dist_info)
+        return summary
     finally:
         distributed.shutdown(dist_info)
 

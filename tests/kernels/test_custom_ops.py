@@ -91,3 +91,21 @@ def test_backward_without_saved_tensors_is_refused():
     y = ops.triton_moe_experts(x, w1, w2, experts, weights, False)[0]
     with pytest.raises(RuntimeError, match="keep=False"):
         y.sum().backward()
+
+
+def test_top_level_kernels_name_is_moestack_kernels():
+    """From a checkout's root, `import kernels` (transformers does it, probing for the PyPI
+    package of that name) must not load a second copy that registers the custom ops again
+    and points them at itself."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import moestack.kernels, kernels, sys; "
+        "assert kernels is moestack.kernels; "
+        "assert not [m for m in sys.modules if m.startswith('kernels.')]; print('ok')"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
