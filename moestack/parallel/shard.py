@@ -114,15 +114,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     rep = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     own = [p.grad for p in model.parameters() if p.grad is not None and id(p) in experts]
-    sq = torch.zeros(2, dtype=torch.float64)
-    sq[0] = sum(float(g.double().square().sum()) for g in rep)
-    sq[1] = sum(float(g.double().square().sum()) for g in own)
+    sq = torch.stack([_sum_of_squares(rep), _sum_of_squares(own)])  # one host sync
     dist.all_reduce(sq[1:], group=mesh.ep_group)  # each EP rank holds other experts
     total = float(sq.sum().sqrt())
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
     return total
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of ``grads`` in float64 on the host (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([g.detach().double().square().sum() for g in grads]).sum().cpu()
 
 
 @contextlib.contextmanager
