@@ -351,3 +351,24 @@ def test_end_to_end_micro_study(tmp_path: Path) -> None:
     assert 0 <= run["metrics"]["lru/cap2/hit_rate"] <= 1 and run["metrics"]["perplexity"] > 1
     assert run["metrics"]["lru/cap4/hit_rate"] == 1.0  # 4 slots hold all 4 experts
     assert {h["verdict"] for h in results["hypotheses"]} <= {"pass", "fail"}
+
+
+def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:
+    """An arm whose seeds give equal hit rates (an un-tuned model) has a mean that rounds
+    past them (0.1 x 3 / 3 > 0.1): its bar must not go negative (matplotlib refuses it)."""
+    from moestack.prereg.report import plot_capacity
+
+    spec = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
+    a = spec.analysis
+    records = [
+        {
+            "arm": arm,
+            "seed": seed,
+            "status": "done",
+            "metrics": {f"{p}/cap{c}/hit_rate": 0.1 for p in a.policies for c in a.capacities},
+        }
+        for arm in spec.arms
+        for seed in range(3)
+    ]
+    path = plot_capacity(spec, records, tmp_path)
+    assert path is not None and path.stat().st_size > 0

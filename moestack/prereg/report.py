@@ -330,8 +330,9 @@ def plot_capacity(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) ->
                 continue
             ys = [[r["metrics"][f"{policy}/cap{c}/hit_rate"] for r in pts] for c in a.capacities]
             mean = [sum(y) / len(y) for y in ys]
-            low = [m - min(y) for m, y in zip(mean, ys, strict=True)]
-            high = [max(y) - m for m, y in zip(mean, ys, strict=True)]
+            # clamped at 0: the mean of equal values can round past them (0.1 x 3 / 3)
+            low = [max(0.0, m - min(y)) for m, y in zip(mean, ys, strict=True)]
+            high = [max(0.0, max(y) - m) for m, y in zip(mean, ys, strict=True)]
             ax.errorbar(
                 a.capacities,
                 mean,
