@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -c "from moestack.optim.native import main; main()"  # the host step's kernel
+	$(BIN)/python scripts/build_host_kernel.py  # the host step's C++ kernel, built once here
 	touch $(STAMP)
 
 run: setup

@@ -289,7 +289,14 @@ class MoE(nn.Module):
         """
         if self.ep_shard is not None:
             return self._experts_parallel(x_TD, routing)
-        args = (x_TD, self.w1, self.w2, routing.experts, routing.weights, self.cfg.impl)
+        return self._run_experts(x_TD, routing.experts, routing.weights)
+
+    def _run_experts(
+        self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """``run_experts`` on this layer's weights, recomputed in backward when ``recompute``
+        is set."""
+        args = (x_TD, self.w1, self.w2, experts_TK, weights_TK, self.cfg.impl)
         if self.recompute == "none" or not torch.is_grad_enabled():
             return run_experts(*args)
         return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
@@ -301,10 +308,7 @@ class MoE(nn.Module):
 
         def local_experts(x_ND: torch.Tensor, local_ids_N: torch.Tensor) -> torch.Tensor:
             ones_N1 = x_ND.new_ones(x_ND.shape[0], 1, dtype=torch.float32)
-            args = (x_ND, self.w1, self.w2, local_ids_N[:, None], ones_N1, self.cfg.impl)
-            if self.recompute == "none" or not torch.is_grad_enabled():
-                return run_experts(*args)
-            return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
+            return self._run_experts(x_ND, local_ids_N[:, None], ones_N1)
 
         x_TD = x_TD.to(compute_dtype(x_TD, self.w1))  # the exchanges carry what is computed
         return expert_parallel_experts(

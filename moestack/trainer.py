@@ -102,6 +102,12 @@ class Run:
         return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.data.seq_len
 
     @property
+    def adamw_ep(self) -> bool:
+        """torch AdamW with experts sharded: the loop itself averages and clips the gradients
+        and reshapes AdamW's state for checkpoints (OffloadAdamW's pair does its own)."""
+        return self.mesh is not None and self.cfg.optim.name == "adamw"
+
+    @property
     def rows(self) -> slice:
         """This rank's rows of every global batch."""
         world, rank, batch = self.dist.world_size, self.dist.rank, self.cfg.batch_size
@@ -189,12 +195,11 @@ def _reduce_and_clip(run: Run) -> float:
     otherwise DDP or OffloadAdamW did), then clip them to ``optim.grad_clip`` (0: off);
     returns the norm before clipping (0 when off)."""
     max_norm = run.cfg.optim.grad_clip
-    torch_adamw_ep = run.mesh is not None and run.cfg.optim.name == "adamw"
-    if torch_adamw_ep:
+    if run.adamw_ep:
         parallel.average_gradients(run.model)
     if max_norm <= 0:
         return 0.0
-    if torch_adamw_ep:
+    if run.adamw_ep:
         return parallel.clip_grad_norm(run.model, max_norm)
     return clip_grad_norm(run.model, run.optimizer, max_norm)
 
@@ -427,7 +432,7 @@ def save(run: Run, step: int) -> None:
 
 def _optimizer_state(run: Run) -> dict[str, Any]:
     """The optimizer's state for a checkpoint, the same at any (dp, ep) layout."""
-    if run.mesh is not None and run.cfg.optim.name == "adamw":
+    if run.adamw_ep:
         return parallel.whole_adamw_state(run.optimizer, run.model)
     return run.optimizer.state_dict()
 
@@ -455,7 +460,7 @@ def restore(run: Run, path: Path) -> None:
     state = checkpoint.load_train_state(path)
     run.scheduler.load_state_dict(state["scheduler"])
     optimizer_state = state["optimizer"]
-    if run.mesh is not None and run.cfg.optim.name == "adamw":
+    if run.adamw_ep:
         optimizer_state = parallel.local_adamw_state(optimizer_state, run.optimizer, run.model)
     run.optimizer.load_state_dict(optimizer_state)
     run.loader.load_state_dict(state["data"])

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from moestack.optim import state_format
 from moestack.optim.offload import OffloadAdamW
-from moestack.parallel import ExpertParallelMesh
+from moestack.parallel import ExpertParallelMesh, expert_blocks
 
 _EXPERT_KEY = re.compile(r"^(?P<name>.+)/expert(?P<e>\d+)$")
 
@@ -149,13 +149,7 @@ class ExpertParallelOffload(torch.optim.Optimizer):
 
 def expert_slots(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Name of every sharded expert tensor -> (global id of its first expert here, count)."""
-    owner = {}
-    for moe in model.moe_layers:
-        if moe.ep_shard is not None:
-            first, _ = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
-            for name in ("w1", "w2"):
-                tensor = getattr(moe, name)
-                owner[id(tensor)] = (first, tensor.shape[0])
+    owner = {id(b.param): (b.lo, b.hi - b.lo) for b in expert_blocks(model)}
     return {n: owner[id(p)] for n, p in model.named_parameters() if id(p) in owner}
 
 

@@ -382,16 +382,3 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
-
-
-def main() -> int:
-    """Build the kernel now (``make setup`` calls this), so the
-    first offloaded step does not wait for the compiler; says where it is, or why not (the
-    optimizer then falls back at run time, with one logged line)."""
-    try:
-        kernel = load()
-    except RuntimeError as err:
-        print(f"fused host step: C++ kernel not built ({err}); OffloadAdamW will fall back")
-        return 0
-    print(f"fused host step: C++ kernel ready at {kernel.path}")
-    return 0

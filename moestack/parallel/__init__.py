@@ -8,6 +8,7 @@ from moestack.parallel.metrics import exchange_metrics
 from moestack.parallel.shard import (
     average_gradients,
     clip_grad_norm,
+    expert_blocks,
     expert_parallel,
     expert_params,
     gather_rows,
@@ -26,6 +27,7 @@ __all__ = [
     "check_layout",
     "clip_grad_norm",
     "exchange_metrics",
+    "expert_blocks",
     "expert_parallel",
     "expert_parallel_experts",
     "expert_params",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -64,9 +64,31 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
     return stats
 
 
+class ExpertBlock(NamedTuple):
+    """One sharded expert tensor of a model and where its rows sit among all experts."""
+
+    param: nn.Parameter  # this rank's rows: experts [lo, hi)
+    mesh: ExpertParallelMesh
+    lo: int
+    hi: int
+
+
+def expert_blocks(model: nn.Module) -> list[ExpertBlock]:
+    """Every sharded ``w1``/``w2`` of ``model``'s MoE layers, in layer order: the one walk
+    over them that gradients, checkpoints and the optimizer pair share."""
+    blocks = []
+    for moe in model.moe_layers:
+        if moe.ep_shard is not None:
+            lo, hi = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
+            blocks += [
+                ExpertBlock(getattr(moe, n), moe.ep_shard.mesh, lo, hi) for n in ("w1", "w2")
+            ]
+    return blocks
+
+
 def expert_params(model: nn.Module) -> set[int]:
     """``id`` of every sharded expert parameter of ``model``."""
-    return {id(getattr(m, n)) for m in model.moe_layers if m.ep_shard for n in ("w1", "w2")}
+    return {id(b.param) for b in expert_blocks(model)}
 
 
 def _mesh_of(model: nn.Module) -> ExpertParallelMesh:
@@ -134,13 +156,10 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
 def whole_experts(model: nn.Module) -> Iterator[None]:
     """Inside, every sharded ``w1``/``w2`` holds all experts (gathered over the EP group:
     collective), so ``model.state_dict()`` is the layout-free model; restored on exit."""
-    layers = [m for m in model.moe_layers if m.ep_shard is not None]
     saved = []
-    for moe in layers:
-        for name in ("w1", "w2"):
-            p = getattr(moe, name)
-            saved.append((p, p.data))
-            p.data = gather_rows(p.data, moe.ep_shard.mesh)
+    for block in expert_blocks(model):
+        saved.append((block.param, block.param.data))
+        block.param.data = gather_rows(block.param.data, block.mesh)
     try:
         yield
     finally:
@@ -175,12 +194,7 @@ def _map_expert_state(
 ) -> dict[str, Any]:
     """``state`` with ``fn(tensor, mesh, lo, hi)`` applied to the moments of expert
     parameters (torch keys its state by a parameter's position in ``optimizer.param_groups``)."""
-    where = {}
-    for moe in model.moe_layers:
-        if moe.ep_shard is not None:
-            lo, hi = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
-            for name in ("w1", "w2"):
-                where[id(getattr(moe, name))] = (moe.ep_shard.mesh, lo, hi)
+    where = {id(b.param): (b.mesh, b.lo, b.hi) for b in expert_blocks(model)}
     position = [id(p) for g in optimizer.param_groups for p in g["params"]]
     out = {"param_groups": state["param_groups"], "state": dict(state["state"])}
     for idx, entry in state["state"].items():
