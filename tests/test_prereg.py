@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +230,65 @@ def test_runner_skips_finished_runs_and_resumes_interrupted(tmp_path: Path) -> N
     calls.clear()
     prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
     assert calls == []
+
+
+def _two_seed_study(tmp_path: Path) -> Path:
+    data = study()
+    data["runs"]["seeds"] = [0, 1]
+    path = write(tmp_path, data)
+    prereg.lock(path)
+    return path
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_runner_leaves_claimed_runs_and_takes_over_dead_claims(tmp_path: Path) -> None:
+    path = _two_seed_study(tmp_path)
+    runs = tmp_path / "out" / "runs"
+    held = {  # a live runner of this host, a runner of another host, a runner that died
+        "a-s0": {"host": socket.gethostname(), "pid": os.getppid()},
+        "b-s0": {"host": "elsewhere", "pid": _dead_pid()},
+        "baseline-s1": {"host": socket.gethostname(), "pid": _dead_pid()},
+    }
+    for name, holder in held.items():
+        (runs / name).mkdir(parents=True)
+        (runs / name / prereg.CLAIM_FILE).write_text(json.dumps(holder))
+    calls: list[tuple[str, bool]] = []
+    prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
+    assert [c[0] for c in calls] == ["baseline-s0", "baseline-s1", "a-s1", "b-s1"]
+    assert (runs / "a-s0" / prereg.CLAIM_FILE).is_file()  # still the live runner's
+    assert (runs / "b-s0" / prereg.CLAIM_FILE).is_file()  # another host: not ours to judge
+    assert not (runs / "baseline-s1" / prereg.CLAIM_FILE).exists()  # taken over, released
+
+
+def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
+    """Two runner processes over one folder (hydra's global state keeps runners out of threads)."""
+    path = _two_seed_study(tmp_path)
+    trained = tmp_path / "trained.txt"
+
+    def slow_train(cfg, out_dir: Path) -> dict[str, Any]:
+        time.sleep(0.2)  # long enough that the two runners overlap
+        with open(trained, "a") as f:
+            f.write(Path(out_dir).name + "\n")
+        (Path(out_dir) / "summary.json").write_text("{}")
+        return {}
+
+    fork = multiprocessing.get_context("fork")
+    kwargs = {"train_fn": slow_train, "progress": False}
+    workers = [fork.Process(target=prereg.run, args=(path, tmp_path / "out"), kwargs=kwargs)]
+    workers.append(fork.Process(target=prereg.run, args=(path, tmp_path / "out"), kwargs=kwargs))
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert [w.exitcode for w in workers] == [0, 0]
+    names = sorted(trained.read_text().split())
+    assert names == sorted(f"{arm}-s{seed}" for arm in ("baseline", "a", "b") for seed in (0, 1))
+    assert not list((tmp_path / "out" / "runs").glob(f"*/{prereg.CLAIM_FILE}"))
 
 
 # ------------------------------------------------------------------ analysis

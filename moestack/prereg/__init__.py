@@ -13,9 +13,11 @@ Three steps, each a function the ``moestack prereg`` verbs call:
   re-lock needs ``force`` before any run exists and ``amend=REASON`` after (reported).
 - ``run(path, out_dir)`` checks the lock, then trains every arm x seed with
   ``moestack.trainer.train``, each config composed by hydra from configs/ (``compose`` with the
-  same overrides ``moestack-train`` takes, one process, one run after another). A run whose
-  directory holds ``summary.json`` is skipped; one with a checkpoint resumes from it. Each
-  run records the study hash it was trained under (``prereg_run.json``).
+  same overrides ``moestack-train`` takes, one run after another). A run whose directory
+  holds ``summary.json`` is skipped; one with a checkpoint resumes from it. A runner claims
+  each run before training it (``claim.json``), so several runners over the same folder (one
+  per core or machine) share the grid. Each run records the study hash it was trained under
+  (``prereg_run.json``).
 - ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock and runs trained
   under a study hash the lock does not cover, evaluates each run's final checkpoint
   (perplexity over the pre-registered validation batches; the routing of the same batches,
@@ -58,8 +60,10 @@ from moestack.prereg.power import render as render_power
 from moestack.prereg.provenance import RUN_FILE, check_run, read_run_record, write_run_record
 from moestack.prereg.report import analyze, plot_capacity, plot_scatter, render_markdown
 from moestack.prereg.runner import (
+    CLAIM_FILE,
     SUMMARY_FILE,
     check_runs,
+    claim,
     default_out_dir,
     is_finished,
     plan,
@@ -87,6 +91,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CACHE_STATS",
+    "CLAIM_FILE",
     "COMPARISONS",
     "CORRECTIONS",
     "DECISIONS",
@@ -111,6 +116,7 @@ __all__ = [
     "check_rules",
     "check_run",
     "check_runs",
+    "claim",
     "collect",
     "compose_config",
     "config_choices",

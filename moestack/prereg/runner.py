@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,12 @@ from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUMMARY_FILE", "check_runs", "default_out_dir", "is_finished", "plan", "run"]
+__all__ = [
+    "CLAIM_FILE", "SUMMARY_FILE", "check_runs", "claim", "default_out_dir", "is_finished", "plan",
+    "run",
+]  # fmt: skip
+
+CLAIM_FILE = "claim.json"  # in a run's folder while a runner trains it
 
 
 def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
@@ -60,24 +67,21 @@ def run(
     """Train every run of the locked study that has not finished; returns all run dirs.
 
     A run with ``summary.json`` is skipped; one with a checkpoint resumes from it
-    (``resume=true``, same out_dir). Each run records the study hash it is trained under
-    (``prereg_run.json``); a finished run the lock does not cover, or an interrupted one
-    started under another study hash, is refused before anything trains.
+    (``resume=true``, same out_dir). Runs are claimed one at a time (``claim``), so several
+    invocations over the same folder (one per core or machine) share the grid. Each run
+    records the study hash it is trained under (``prereg_run.json``); a finished run the lock
+    does not cover, or an interrupted one started under another study hash, is refused before
+    anything trains.
     ``train_fn`` replaces ``moestack.trainer.train``.
     """
-    from moestack import checkpoint
-
     info = verify(path)
     spec = load(path)
     runs = plan(spec, out_dir)
     train_fn = train_fn or _train
     check_runs(runs, info)
     todo = [r for r in runs if not is_finished(r.run_dir)]
-    resume = {
-        r.name: checkpoint.latest_checkpoint(r.run_dir / "checkpoints") is not None for r in todo
-    }
     for item in todo:
-        if resume[item.name]:
+        if _interrupted(item):
             check_run(item.run_dir, info, resume=True)
     log.info(
         "study %s: %d runs, %d finished, %d to train", spec.study, len(runs), len(runs) - len(todo),
@@ -88,13 +92,88 @@ def run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=spec.study, unit="run")
+    elsewhere = []
     try:
         for item in todo:
-            _train_one(item, resume[item.name], info, train_fn, bar)
+            if not _claimed_and_trained(item, info, train_fn, bar):
+                elsewhere.append(item.name)
     finally:
         if bar is not None:
             bar.close()
+    if elsewhere:
+        log.info("%d runs were being trained by other runners: %s", len(elsewhere), elsewhere)
     return [r.run_dir for r in runs]
+
+
+def claim(run_dir: Path) -> bool:
+    """Take the run for this process: create ``claim.json`` (host, pid) only if no live runner
+    holds it, so several ``prereg run`` invocations over the same folder share the grid.
+
+    A claim left by a dead process of this host is taken over; one from another host is
+    respected (remove its claim.json by hand if that runner is gone)."""
+    target = run_dir / CLAIM_FILE
+    run_dir.mkdir(parents=True, exist_ok=True)
+    mine = {"host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(2):
+        try:
+            fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if not _stale(target, mine["host"]):
+                return False
+            log.info("%s: taking over the claim of a runner that is gone", run_dir.name)
+            target.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        return True
+    return False
+
+
+def _stale(target: Path, host: str) -> bool:
+    """True when the claim's runner was a process of this host that no longer exists."""
+    try:
+        holder = json.loads(target.read_text())
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # being written right now, or unreadable: leave it alone
+    if holder.get("host") != host:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _interrupted(item: RunSpec) -> bool:
+    from moestack import checkpoint
+
+    return checkpoint.latest_checkpoint(item.run_dir / "checkpoints") is not None
+
+
+def _claimed_and_trained(
+    item: RunSpec,
+    info: dict[str, Any],
+    train_fn: Callable[[TrainConfig, Path], dict[str, Any]],
+    bar: Any,
+) -> bool:
+    """Train the run if no other runner holds or finished it; False when another runner has it."""
+    if not claim(item.run_dir):
+        return False
+    try:
+        if is_finished(item.run_dir):  # finished by another runner since the plan was made
+            if bar is not None:
+                bar.update(1)
+            return True
+        resume = _interrupted(item)
+        if resume:
+            check_run(item.run_dir, info, resume=True)
+        _train_one(item, resume, info, train_fn, bar)
+    finally:
+        (item.run_dir / CLAIM_FILE).unlink(missing_ok=True)
+    return True
 
 
 def _train_one(
