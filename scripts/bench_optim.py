@@ -9,6 +9,8 @@ Measures, in one process:
      fraction of each variant's bandwidth bound: the bytes it must move per parameter over
      the copy bandwidth measured in the same run (STREAM-style copy). For 1, 2 and all
      threads; a table per thread count, and the reference step's time by part;
+  2b. the step kernels alone (torch's ``_fused_adamw_`` and the native kernel, same
+     streams and the whole step's), to show what reads and writes cost;
   3. bf16 host moments: moment bytes and parameter drift against fp32 torch AdamW after N steps;
   4. skip_idle_experts: drift of an expert idle half of the steps against dense AdamW;
   5. on a GPU (when present): optimizer step time with offload against torch AdamW on the
@@ -40,7 +42,9 @@ import torch
 from bench_optim_parts import (  # a sibling module: scripts/ is on sys.path when run
     _release,
     gpu_step_time,
+    kernel_streams,
     make_params,
+    print_kernel_table,
     set_grads,
     train_step_time,
 )
@@ -360,7 +364,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated sections to run (memory,throughput,drift,gpu,train_step)",
+        help="comma-separated sections to run (memory,throughput,kernels,drift,gpu,train_step)",
     )
     ap.add_argument("--train-impl", default="torch", help="MoE impl of the train-step model")
     args = ap.parse_args()
@@ -372,6 +376,12 @@ def main() -> None:
         "throughput": lambda: throughput(
             args.params,
             args.experts,
+            args.reps,
+            [args.threads] if args.threads else thread_counts(args.thread_counts),
+            args.rounds,
+        ),
+        "kernels": lambda: kernel_streams(
+            args.params,
             args.reps,
             [args.threads] if args.threads else thread_counts(args.thread_counts),
             args.rounds,
@@ -391,6 +401,8 @@ def main() -> None:
         print(f"\n[{name}]")
         if name == "throughput":
             print_table(rows)
+        if name == "kernels":
+            print_kernel_table(rows)
         for k, v in rows.items():
             if k.startswith("threads_"):
                 continue

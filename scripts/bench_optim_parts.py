@@ -181,3 +181,92 @@ def _torchao_offload() -> Any:
     except Exception:  # not installed, or built for another torch
         return None
     return CPUOffloadOptimizer
+
+
+# name: (gradient dtype, moment dtype, output dtype or None, bytes read, bytes written) per
+# parameter. torch's in-place step reads gradient, weight and both moments (16) and writes the
+# last three back (12); the native kernel reads the gradient as it arrives and writes the
+# narrowed weight as a separate (streamed) store.
+KERNEL_VARIANTS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None, int, int]] = {
+    "torch_fused_adamw_kernel": (torch.float32, torch.float32, None, 16, 12),
+    "native_fp32_grad_no_out": (torch.float32, torch.float32, None, 16, 12),
+    "native_bf16_grad_bf16_out": (torch.bfloat16, torch.float32, torch.bfloat16, 14, 14),
+    "native_fp32_grad_bf16_out": (torch.float32, torch.float32, torch.bfloat16, 16, 14),
+    "native_bf16_moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 10, 10),
+}
+
+
+def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict[str, Any]:
+    """The step kernels alone, no optimizer around them: torch's ``_fused_adamw_`` on one flat
+    fp32 tensor against the native kernel with the same streams (fp32 gradient, no output)
+    and with the whole step's (bf16 gradient in, bf16 weight out). Shows what the reads and
+    writes cost: equal bytes need not take equal time when one variant writes more.
+    Each round runs every thread count and variant once (median of ``reps`` calls); each
+    keeps its best round."""
+    from moestack.optim import fused, native
+
+    kernel = native.load()
+    numel = int(n)
+    gen = torch.Generator().manual_seed(0)
+    best: dict[tuple[int, str], float] = {}
+    calls = {}
+    alive = []  # the tensors behind each prepared call's raw pointers
+    for name, (g_dt, s_dt, o_dt, _, _) in KERNEL_VARIANTS.items():
+        x = torch.randn(numel, generator=gen)
+        g = torch.randn(numel, generator=gen).to(g_dt)
+        m = (torch.randn(numel, generator=gen) * 0.1).to(s_dt)
+        v = (torch.rand(numel, generator=gen) * 0.01).to(s_dt)
+        if name.startswith("torch"):
+            step = torch.zeros(())
+            args = ([x], [g], [m], [v], [], [step])
+            hp = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
+            calls[name] = lambda a=args, h=hp: torch._fused_adamw_(
+                *a, amsgrad=False, maximize=False, **h
+            )
+            continue
+        out = None if o_dt is None else torch.empty(numel, dtype=o_dt)
+        coef = fused.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
+                                   "weight_decay": 0.01, "eps": 1e-8}, 10)  # fmt: skip
+        alive.append((x, g, m, v, out))
+        prepared = kernel.prepare([native.Seg(x, g, m, v, out, coef)])
+        calls[name] = lambda p=prepared, c=coef: kernel.run(p, [c])
+    for _ in range(rounds):
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for name, call in calls.items():
+                call()  # warm-up
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    call()
+                    times.append(time.perf_counter() - t0)
+                best[nt, name] = max(best.get((nt, name), 0.0), numel / statistics.median(times))
+    rows: dict[str, Any] = {"params": numel, "rounds": rounds}
+    for nt in threads:
+        base = best[nt, "torch_fused_adamw_kernel"]
+        rows[f"threads_{nt}"] = {
+            name: {
+                "bytes_read": read,
+                "bytes_written": written,
+                "params_per_s": best[nt, name],
+                "vs_torch_kernel": best[nt, name] / base,
+            }
+            for name, (*_, read, written) in KERNEL_VARIANTS.items()
+        }
+    return rows
+
+
+def print_kernel_table(rows: dict[str, Any]) -> None:
+    """The kernels section as one table per thread count."""
+    print(f"  {rows['params']:,} parameters, best of {rows['rounds']} interleaved rounds")
+    for key, table in rows.items():
+        if key.startswith("threads_"):
+            print(f"\n  {key.removeprefix('threads_')} thread(s):")
+            print("  {:<28} {:>6} {:>9} {:>9} {:>9}".format(
+                "kernel", "read", "written", "Mparam/s", "vs torch"))  # fmt: skip
+            for name, r in table.items():
+                print(
+                    f"  {name:<28} {r['bytes_read']:>6} {r['bytes_written']:>9} "
+                    f"{r['params_per_s'] / 1e6:>9.0f} {r['vs_torch_kernel']:>8.2f}x"
+                )
+    print()

@@ -237,6 +237,7 @@ class FusedHostStep:
         else:
             self._combos = {(torch.float32, moment_dtype, self._out_dtype(p)) for p in params}
         self.kernel: Kernel | None = None
+        self._prepared: tuple[tuple[Any, ...], native.Prepared] | None = None  # (where, arrays)
 
     @classmethod
     def create(
@@ -280,19 +281,61 @@ class FusedHostStep:
         :func:`~moestack.optim.plan.contiguous_runs`) of the host buffers ``host``."""
         assert self.kernel is not None and host.master is not None
         coef: dict[int, tuple[float, ...]] = {}
-        segs = []
-        for pidx, x0, off, n in spans:
+        for pidx, *_ in spans:
             if steps[pidx] not in coef:
                 coef[steps[pidx]] = coefficients(hp, steps[pidx], scale)
+        coefs = [coef[steps[pidx]] for pidx, *_ in spans]
+        grads = (
+            {pidx: _flat_grad(params[pidx]) for pidx, *_ in spans} if self.mode == DIRECT else {}
+        )
+        if not isinstance(self.kernel, native.NativeKernel):
+            self.kernel(self._segs(spans, params, host, grads, coefs))
+            return
+        key = self._where(spans, params, host, grads)
+        if self._prepared is None or self._prepared[0] != key:  # the slices moved: rebuild
+            segs = self._segs(spans, params, host, grads, coefs)
+            self._prepared = (key, self.kernel.prepare(segs))
+        self.kernel.run(self._prepared[1], coefs)
+
+    def _segs(
+        self,
+        spans: Sequence[tuple[int, int, int, int]],
+        params: Sequence[Tensor],
+        host: Any,
+        grads: dict[int, Tensor],
+        coefs: Sequence[tuple[float, ...]],
+    ) -> list[Seg]:
+        """The slices of the spans, as tensors."""
+        segs = []
+        for (pidx, x0, off, n), c in zip(spans, coefs, strict=True):
             p = params[pidx]
             if self.mode == DIRECT:
-                g, out = _flat_grad(p)[x0 : x0 + n], p.data.view(-1)[x0 : x0 + n]
+                g, out = grads[pidx][x0 : x0 + n], p.data.view(-1)[x0 : x0 + n]
             else:
                 g = host.grad[off : off + n]
                 out = host.staging[off : off + n] if self._out_dtype(p) is not None else None
             x, m, v = (buf[off : off + n] for buf in (host.master, host.exp_avg, host.exp_avg_sq))
-            segs.append(Seg(x, g, m, v, out, coef[steps[pidx]]))
-        self.kernel(segs)
+            segs.append(Seg(x, g, m, v, out, c))
+        return segs
+
+    def _where(
+        self,
+        spans: Sequence[tuple[int, int, int, int]],
+        params: Sequence[Tensor],
+        host: Any,
+        grads: dict[int, Tensor],
+    ) -> tuple[Any, ...]:
+        """What the slices' addresses and dtypes depend on: the spans, the host buffers and,
+        in direct mode, each parameter's data and gradient (a new ``.grad`` each backward
+        may land elsewhere). Equal keys mean the prepared segments are still valid."""
+        bufs = (host.master, host.exp_avg, host.exp_avg_sq, host.grad, host.staging)
+        where: list[Any] = [tuple(spans)]
+        where += [(t.data_ptr(), t.dtype, t.numel()) if t is not None else None for t in bufs]
+        for pidx, g in grads.items():
+            p = params[pidx].data
+            where.append((g.data_ptr(), g.dtype, g.numel(), p.data_ptr(), p.dtype, p.numel()))
+            where.append(p.is_contiguous())
+        return tuple(where)
 
 
 def _flat_grad(p: Tensor) -> Tensor:

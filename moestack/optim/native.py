@@ -15,8 +15,11 @@ threads. The library is cached under ``$MOESTACK_KERNEL_CACHE`` (default
 ``~/.cache/moestack/kernels``), keyed by the source, the flags, the compiler and the CPU's
 flags (it is built with ``-march=native``); ``$CXX`` names the compiler (default ``g++``).
 
-One call steps many contiguous segments: the elements of all segments are split into one
-contiguous range per thread, so every thread streams through memory once.
+One call steps many contiguous segments: the elements of all segments, concatenated, go to
+the threads in chunks of 64K elements, each to the next free thread. :meth:`NativeKernel.prepare` turns the
+segments into the pointer arrays the call takes once; a step whose slices have not moved
+reuses them (:class:`moestack.optim.fused.FusedHostStep`), so the Python around the kernel
+stays a small fraction of a step.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ FLAGS = (
 
 SOURCE = r"""
 // moestack: the fused AdamW host step (moestack/optim/native.py builds and loads it).
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -208,19 +212,26 @@ extern "C" int moestack_fused_adamw(const int64_t* ptrs, const int32_t* kinds,
     total += ptrs[6 * s + 5];
   }
   if (nthreads < 1 || total < (int64_t(1) << 15)) nthreads = 1;
+  // The concatenated segments in chunks of CHUNK elements, each taken by the next free
+  // thread: the threads stream through neighbouring memory, and one that the machine slows
+  // (a shared core) takes fewer chunks instead of holding the others up at the end. Each
+  // element is computed the same whichever thread takes it, so results do not depend on the
+  // split. Measured against one contiguous range per thread: 2-5% faster on two threads.
+  const int64_t CHUNK = int64_t(1) << 16;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    // Each thread takes one contiguous range of the concatenated segments (cut at 64 elements).
-    const int64_t lo = t == 0 ? 0 : (total * t / n) & ~int64_t(63);
-    const int64_t hi = t == n - 1 ? total : (total * (t + 1) / n) & ~int64_t(63);
-    int64_t base = 0;
-    for (int64_t s = 0; s < nseg && base < hi; ++s) {
-      const int64_t len = ptrs[6 * s + 5];
-      const int64_t a = lo > base ? lo - base : 0;
-      const int64_t b = hi - base < len ? hi - base : len;
-      if (a < b) segment(ptrs + 6 * s, kinds + 3 * s, coefs + 8 * s, a, b);
-      base += len;
+    int64_t s = 0, base = 0;  // the segment holding the chunk's start, and where it starts
+    for (int64_t lo = next.fetch_add(CHUNK, std::memory_order_relaxed); lo < total;
+         lo = next.fetch_add(CHUNK, std::memory_order_relaxed)) {  // increasing per thread
+      const int64_t hi = lo + CHUNK < total ? lo + CHUNK : total;
+      while (base + ptrs[6 * s + 5] <= lo) base += ptrs[6 * s++ + 5];
+      for (int64_t j = s, start = base; j < nseg && start < hi; start += ptrs[6 * j++ + 5]) {
+        const int64_t len = ptrs[6 * j + 5];
+        const int64_t a = lo > start ? lo - start : 0;
+        const int64_t b = hi - start < len ? hi - start : len;
+        if (a < b) segment(ptrs + 6 * j, kinds + 3 * j, coefs + 8 * j, a, b);
+      }
     }
 #if defined(__x86_64__) || defined(__i386__)
     _mm_sfence();  // the streamed stores are visible before the step returns
@@ -250,6 +261,14 @@ class Seg(NamedTuple):
     coef: tuple[float, ...]
 
 
+class Prepared(NamedTuple):
+    """Segments as the kernel takes them: pointers and lengths, dtype kinds (see SOURCE)."""
+
+    ptrs: ctypes.Array
+    kinds: ctypes.Array
+    nseg: int
+
+
 class NativeKernel:
     """The loaded library's step: one call for a list of :class:`Seg`."""
 
@@ -263,25 +282,42 @@ class NativeKernel:
 
     def __call__(self, segs: Sequence[Seg]) -> None:
         """Step every segment (all threads of torch's pool, one pass over memory)."""
+        self.run(self.prepare(segs), [s.coef for s in segs])
+
+    @staticmethod
+    def prepare(segs: Sequence[Seg]) -> Prepared:
+        """Check the segments (:func:`check_seg`) and build the arrays the kernel reads; valid
+        while the tensors stay where they are. ctypes arrays: a few microseconds, where
+        torch.tensor takes tens."""
         ptrs: list[int] = []
         kinds: list[int] = []
-        coefs: list[float] = []
         for s in segs:
             n = check_seg(s)
-            if n:
-                out = s.out
-                ptrs += (s.x.data_ptr(), s.g.data_ptr(), s.m.data_ptr(), s.v.data_ptr())
-                ptrs += (0 if out is None else out.data_ptr(), n)
-                kinds += (_KINDS[s.g.dtype], _KINDS[s.m.dtype], _out_kind(out))
-                coefs += s.coef
-        nseg = len(kinds) // 3
-        if nseg:  # ctypes arrays: a few microseconds, where torch.tensor takes tens
-            p = (ctypes.c_int64 * len(ptrs))(*ptrs)
-            k = (ctypes.c_int32 * len(kinds))(*kinds)
-            c = (ctypes.c_float * len(coefs))(*coefs)
-            rc = self._fn(p, k, c, nseg, torch.get_num_threads())
-            if rc != 0:  # pragma: no cover - check_seg refuses what the kernel would
-                raise RuntimeError(f"moestack_fused_adamw returned {rc}")
+            out = s.out
+            ptrs += (s.x.data_ptr(), s.g.data_ptr(), s.m.data_ptr(), s.v.data_ptr())
+            ptrs += (0 if out is None or not n else out.data_ptr(), n)
+            kinds += (_KINDS[s.g.dtype], _KINDS[s.m.dtype], _out_kind(out))
+        p = (ctypes.c_int64 * len(ptrs))(*ptrs)
+        k = (ctypes.c_int32 * len(kinds))(*kinds)
+        return Prepared(p, k, len(segs))
+
+    def run(self, prepared: Prepared, coefs: Sequence[tuple[float, ...]]) -> None:
+        """Step prepared segments with one coefficient tuple each."""
+        if len(coefs) != prepared.nseg:
+            raise ValueError(f"{len(coefs)} coefficient tuples for {prepared.nseg} segments")
+        if not prepared.nseg:
+            return
+        first = tuple(coefs[0])
+        if coefs.count(first) == len(coefs):  # one step count, one schedule: the usual case
+            flat: Sequence[float] = first * prepared.nseg
+        else:
+            flat = [value for coef in coefs for value in coef]
+        if len(flat) != 8 * prepared.nseg:
+            raise ValueError(f"each segment takes 8 coefficients, got {[len(c) for c in coefs]}")
+        c = (ctypes.c_float * len(flat))(*flat)
+        rc = self._fn(prepared.ptrs, prepared.kinds, c, prepared.nseg, torch.get_num_threads())
+        if rc != 0:  # pragma: no cover - check_seg refuses what the kernel would
+            raise RuntimeError(f"moestack_fused_adamw returned {rc}")
 
 
 def _out_kind(out: Tensor | None) -> int:

@@ -30,6 +30,7 @@ from moestack.optim import OffloadAdamW, fused, native
 from moestack.optim.native import Seg
 
 BF16_COMBO = (torch.bfloat16, torch.float32, torch.bfloat16)  # bf16 weights, fp32 moments
+HP = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
 
 
 @pytest.fixture
@@ -42,12 +43,11 @@ def fresh_backends(monkeypatch):
 def _segments(combo, sizes, seed=0):
     """Random slices of ``combo``'s dtypes, one per size; the coefficients differ per slice."""
     gen = torch.Generator().manual_seed(seed)
-    hp = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
     segs = []
     for k, n in enumerate(sizes):
         base = [torch.randn(n, generator=gen) for _ in range(3)]
         base.append(torch.rand(n, generator=gen) * 1e-2)
-        segs.append(fused._seg_of(base, combo, fused.coefficients(hp, k + 1, 0.7)))
+        segs.append(fused._seg_of(base, combo, fused.coefficients(HP, k + 1, 0.7)))
     return segs
 
 
@@ -80,20 +80,62 @@ def test_native_kernel_matches_the_formula_bitwise(combo) -> None:
 
 
 def test_native_kernel_splits_over_threads_exactly() -> None:
-    """The same result on 1 thread and on several (the split must not drop or repeat)."""
+    """1 thread and several equal the formula: the 64K-element chunks dealt to the threads
+    cross slices, start on slice boundaries, skip empty slices and end in a short chunk."""
     kernel = _native_kernel()
-    sizes = [70_001, 12_345, 50_000]
-    results = []
+    chunk = 1 << 16
+    gen = torch.Generator().manual_seed(3)
+    small = torch.randint(1, 900, (300,), generator=gen).tolist()  # many slices in one chunk
+    sizes = [70_001, 0, 12_345, chunk - 82_346 % chunk, chunk, 0, *small, 50_000, 1]
+    want = _segments(BF16_COMBO, sizes, seed=1)
+    fused.eager_kernel(want)
     threads = torch.get_num_threads()
     for nt in (1, max(2, threads)):
         torch.set_num_threads(nt)
         try:
-            segs = _segments(BF16_COMBO, sizes, seed=1)
-            kernel(segs)
+            got = _segments(BF16_COMBO, sizes, seed=1)
+            kernel(got)
         finally:
             torch.set_num_threads(threads)
-        results.append(segs)
-    _assert_same(*results)
+        _assert_same(want, got)
+
+
+def test_prepared_segments_take_new_coefficients() -> None:
+    """A prepared call steps with the coefficients it is given, and checks their count."""
+    kernel = _native_kernel()
+    want, got = _segments(BF16_COMBO, [5, 100], seed=2), _segments(BF16_COMBO, [5, 100], seed=2)
+    prepared = kernel.prepare(got)
+    other = [seg._replace(coef=fused.coefficients(HP, 7, 0.3)) for seg in want]
+    fused.eager_kernel(other)
+    kernel.run(prepared, [seg.coef for seg in other])
+    _assert_same(other, got)
+    with pytest.raises(ValueError, match="coefficient"):
+        kernel.run(prepared, [other[0].coef])
+    with pytest.raises(ValueError, match="8 coefficients"):
+        kernel.run(prepared, [other[0].coef, other[1].coef[:7]])
+
+
+def test_fused_step_reads_each_steps_new_gradients() -> None:
+    """The direct fused step reuses its prepared slices only while the gradients stay where
+    they are: new ``.grad`` tensors each step (one of them not contiguous) against torch
+    AdamW on copies."""
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(33, 17), (5,), (70_000,)]
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = OffloadAdamW(ours, lr=1e-2, weight_decay=0.1, in_place=False, fused_step="native")
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        for a, b in zip(ours, ref, strict=True):
+            g = torch.randn(a.shape[::-1], generator=gen).T if a.dim() == 2 and step == 2 else None
+            g = torch.randn(a.shape, generator=gen) if g is None else g
+            a.grad, b.grad = g, g.contiguous().clone()
+        opt.step()
+        torch_opt.step()
+    if opt.host_step != "native":
+        pytest.skip("no C++ compiler for the native kernel")
+    for a, b in zip(ours, ref, strict=True):
+        assert_rel_close(a.detach(), b.detach(), "weights", 1e-6)
 
 
 def test_native_kernel_refuses_what_it_cannot_take() -> None:
