@@ -4,22 +4,18 @@ module but the console entry point.
 
 One run, one folder: hydra's run folder is ``out_dir`` when it is set (configs/train.yaml), so
 ``.hydra/``, ``train.log`` and everything the run writes sit together; the run also records
-what produced it in ``provenance.json``. In a sweep (``-m``) a job that fails logs one line and
+what produced it in ``provenance.json`` (``moestack.provenance``, with this command's line,
+overrides and config choices). In a sweep (``-m``) a job that fails logs one line and
 the sweep goes on; the exit status is the number of jobs that failed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
 import logging
 import os
-import platform
-import subprocess
 import sys
 from collections.abc import Iterator
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +28,6 @@ from moestack.trainer import train
 
 log = logging.getLogger(__name__)
 
-PROVENANCE_FILE = "provenance.json"
-_PACKAGES = ("torch", "triton", "transformers", "hydra-core", "omegaconf", "wandb", "numpy")
 _MAX_STATUS = 125  # exit statuses above are the shell's own
 _jobs: list[tuple[str, str | None]] = []  # this process's sweep jobs: (label, error or None)
 
@@ -58,115 +52,19 @@ def _is_sweep(hydra_cfg: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- provenance
-def _git_state() -> dict[str, Any]:
-    """The commit (and whether the tree has changes) of the checkout moestack runs from;
-    None for both when it is installed from a wheel."""
-    root = Path(moestack.__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return {"git_commit": None, "git_dirty": None}
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": None if status is None else bool(status),
-    }
-
-
-def _versions() -> dict[str, str | None]:
-    """Python and the installed versions of the packages a run depends on (None: absent)."""
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
-def _device(cfg: TrainConfig) -> dict[str, Any]:
-    """The device ``cfg.device`` resolves to on this rank, with the GPU's name."""
-    import torch
-
-    from moestack.evaluation import resolve_device
-
-    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    return {
-        "device": str(device),
-        "device_name": name or platform.machine(),
-        "cuda": torch.version.cuda,
-    }
-
-
-def provenance(cfg: TrainConfig, hydra_cfg: Any) -> dict[str, Any]:
-    """What produces this start of the run: the command, its overrides and chosen group
-    options, moestack's version and commit, the library versions and the device."""
+def launch_record(hydra_cfg: Any) -> dict[str, Any]:
+    """How hydra started this run, for its provenance record (``moestack.provenance``): the
+    command, its overrides, the chosen config group options, the sweep and job."""
     choices = OmegaConf.to_container(hydra_cfg.runtime.choices)
     sweep = None
     if _is_sweep(hydra_cfg):
         sweep = {"dir": str(hydra_cfg.sweep.dir), "job": int(hydra_cfg.job.num)}
     return {
-        "status": "running",
-        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         "overrides": list(hydra_cfg.overrides.task),
         "choices": {k: v for k, v in choices.items() if not k.startswith("hydra/")},
         "sweep": sweep,
-        "moestack": moestack.__version__,
-        **_git_state(),
-        "versions": _versions(),
-        **_device(cfg),
-        "host": platform.node(),
     }
-
-
-def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
-    path = out_dir / PROVENANCE_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"starts": starts}, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def _earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
-    """The records of the run's earlier starts (a resumed run keeps them)."""
-    try:
-        starts = json.loads((out_dir / PROVENANCE_FILE).read_text())["starts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-    return starts if isinstance(starts, list) else []
-
-
-@contextlib.contextmanager
-def _recorded(out_dir: Path, record: dict[str, Any]) -> Iterator[None]:
-    """Append ``record`` to the run's provenance.json (rank 0), then mark how the start
-    ended: finished, or failed with the error (a killed run stays "running")."""
-    if os.environ.get("RANK", "0") != "0":
-        yield
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    starts = [*_earlier_starts(out_dir), record]
-    _write_starts(out_dir, starts)
-    try:
-        yield
-        record["status"] = "finished"
-    except BaseException as err:  # Ctrl-C included; a kill -9 leaves "running"
-        failed = isinstance(err, Exception)
-        record.update(
-            status="failed" if failed else "interrupted", error=f"{type(err).__name__}: {err}"
-        )
-        raise
-    finally:
-        record["ended_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        _write_starts(out_dir, starts)
 
 
 # --------------------------------------------------------------------------- one run
@@ -182,8 +80,7 @@ def _run(dict_cfg: Any, hydra_cfg: Any) -> None:
         Path(cfg.out_dir) if cfg.out_dir and not multirun else Path(hydra_cfg.runtime.output_dir)
     )
     cfg.out_dir = str(out_dir)  # config.yaml names the folder the run lives in
-    with _recorded(out_dir, provenance(cfg, hydra_cfg)):
-        train(cfg, out_dir)
+    train(cfg, out_dir, launch=launch_record(hydra_cfg))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import checkpoint, distributed, memory_plan, parallel
+from moestack import checkpoint, distributed, memory_plan, parallel, provenance
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -115,13 +115,25 @@ class Run:
 
 
 # --------------------------------------------------------------------------- the loop
-def train(cfg: TrainConfig, out_dir: Path | str) -> dict[str, Any]:
-    """Train ``cfg.model`` on ``cfg.data`` into ``out_dir``; returns the run summary."""
+def train(
+    cfg: TrainConfig, out_dir: Path | str, launch: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.data`` into ``out_dir``; returns the run summary.
+
+    Each start (new or resumed) is recorded in ``<out_dir>/provenance.json`` with ``launch``
+    (how it was started; default: the process's command line), see ``moestack.provenance``.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    with provenance.recorded(Path(out_dir), provenance.start_record(cfg, launch)):
+        return _train(cfg, Path(out_dir))
+
+
+def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
+    """The run itself: build it, step to ``cfg.steps`` (checkpointing, logging), finish."""
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
-        run = build_run(cfg, Path(out_dir), dist_info)
+        run = build_run(cfg, out_dir, dist_info)
         plan = (
             memory_plan.log_plan(cfg, dist_info.world_size, run.device)
             if dist_info.is_main

@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,6 +99,21 @@ def test_resume_after_a_crash_gives_identical_losses(tmp_path, monkeypatch):
     checkpoint.load_model_weights(crashed / "checkpoints/step_000020", b, small_config().model)
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+    # a Python caller's run records each start too: the kill, then the resume that finished
+    starts = json.loads((crashed / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["interrupted", "finished"]
+    assert "simulated kill" in starts[0]["error"]
+    assert starts[1]["command"][0] == Path(sys.argv[0]).name  # the default launch record
+    assert starts[1]["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert starts[1]["device"] == "cpu" and starts[1]["ended_at"] >= starts[1]["started_at"]
+
+
+def test_launch_record_is_kept_and_a_failed_start_says_why(tmp_path):
+    with pytest.raises(MoestackError):
+        train(small_config(steps=5, resume=True), tmp_path, launch={"api": "notebook"})
+    (start,) = json.loads((tmp_path / "provenance.json").read_text())["starts"]
+    assert start["api"] == "notebook" and "command" not in start
+    assert start["status"] == "failed" and "holds no checkpoint" in start["error"]
 
 
 def test_offload_with_bf16_device_weights_tracks_fp32_and_resumes(tmp_path, monkeypatch):

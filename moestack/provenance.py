@@ -1,0 +1,138 @@
+"""What produced a run: one record per start (new or resumed) in ``<run>/provenance.json``.
+
+Every start appends ``{"status": "running", "started_at", "launch", "moestack", git commit and
+whether the tree had changes, library versions, device, host}``; when the start ends its
+record says "finished", "failed" (with the error) or "interrupted" (Ctrl-C). A run killed
+outright keeps "running". ``moestack.trainer.train`` records every start, whoever calls it:
+the ``moestack-train`` command adds its command line, overrides and config choices to
+``launch``, the pre-registered runner its study, and a Python caller what it passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import moestack
+from moestack.config import TrainConfig
+
+PROVENANCE_FILE = "provenance.json"
+_PACKAGES = ("torch", "triton", "transformers", "hydra-core", "omegaconf", "wandb", "numpy")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_state() -> dict[str, Any]:
+    """The commit (and whether the tree has changes) of the checkout moestack runs from;
+    None for both when it is installed from a wheel."""
+    root = Path(moestack.__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return {"git_commit": None, "git_dirty": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+    }
+
+
+def versions() -> dict[str, str | None]:
+    """Python and the installed versions of the packages a run depends on (None: absent)."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _device(cfg: TrainConfig) -> dict[str, Any]:
+    """The device ``cfg.device`` resolves to on this rank, with the GPU's name."""
+    import torch
+
+    from moestack.evaluation import resolve_device
+
+    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "device": str(device),
+        "device_name": name or platform.machine(),
+        "cuda": torch.version.cuda,
+    }
+
+
+def start_record(cfg: TrainConfig, launch: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The record of this start: ``launch`` (how it was started; by default the process's
+    command line), moestack's version and commit, the library versions and the device."""
+    launch = launch if launch is not None else {"command": [Path(sys.argv[0]).name, *sys.argv[1:]]}
+    return {
+        "status": "running",
+        "started_at": _now(),
+        **launch,
+        "moestack": moestack.__version__,
+        **git_state(),
+        "versions": versions(),
+        **_device(cfg),
+        "host": platform.node(),
+    }
+
+
+def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
+    path = out_dir / PROVENANCE_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"starts": starts}, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
+    """The records of the run's earlier starts (a resumed run keeps them)."""
+    try:
+        starts = json.loads((out_dir / PROVENANCE_FILE).read_text())["starts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return starts if isinstance(starts, list) else []
+
+
+@contextlib.contextmanager
+def recorded(out_dir: Path, record: dict[str, Any]) -> Iterator[None]:
+    """Append ``record`` to the run's provenance.json (rank 0), then mark how the start
+    ended: finished, or failed with the error (a killed run stays "running")."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    starts = [*earlier_starts(out_dir), record]
+    _write_starts(out_dir, starts)
+    try:
+        yield
+        record["status"] = "finished"
+    except BaseException as err:  # Ctrl-C included; a kill -9 leaves "running"
+        failed = isinstance(err, Exception)
+        record.update(
+            status="failed" if failed else "interrupted", error=f"{type(err).__name__}: {err}"
+        )
+        raise
+    finally:
+        record["ended_at"] = _now()
+        _write_starts(out_dir, starts)
