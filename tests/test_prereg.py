@@ -257,9 +257,14 @@ def test_runner_leaves_claimed_runs_and_takes_over_dead_claims(tmp_path: Path) -
     for name, holder in held.items():
         (runs / name).mkdir(parents=True)
         (runs / name / prereg.CLAIM_FILE).write_text(json.dumps(holder))
+    for name, age in (("a-s1", 3600), ("b-s1", 0)):  # half-written: by a dead runner, or now
+        (runs / name).mkdir(parents=True)
+        (runs / name / prereg.CLAIM_FILE).write_text("")
+        os.utime(runs / name / prereg.CLAIM_FILE, (time.time() - age, time.time() - age))
     calls: list[tuple[str, bool]] = []
     prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
-    assert [c[0] for c in calls] == ["baseline-s0", "baseline-s1", "a-s1", "b-s1"]
+    assert [c[0] for c in calls] == ["baseline-s0", "baseline-s1", "a-s1"]
+    assert (runs / "b-s1" / prereg.CLAIM_FILE).is_file()  # being written: left alone
     assert (runs / "a-s0" / prereg.CLAIM_FILE).is_file()  # still the live runner's
     assert (runs / "b-s0" / prereg.CLAIM_FILE).is_file()  # another host: not ours to judge
     assert not (runs / "baseline-s1" / prereg.CLAIM_FILE).exists()  # taken over, released

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
 ]  # fmt: skip
 
 CLAIM_FILE = "claim.json"  # in a run's folder while a runner trains it
+_UNREADABLE_CLAIM_S = 60.0  # an unreadable claim older than this is a dead runner's
 
 
 def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
@@ -130,12 +132,16 @@ def claim(run_dir: Path) -> bool:
 
 
 def _stale(target: Path, host: str) -> bool:
-    """True when the claim's runner was a process of this host that no longer exists."""
+    """True when the claim's runner was a process of this host that no longer exists, or the
+    claim has stayed unreadable for a minute (its runner died while writing it)."""
     try:
         holder = json.loads(target.read_text())
         pid = int(holder["pid"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False  # being written right now, or unreadable: leave it alone
+        try:  # being written right now, or left half-written: wait a minute before taking it
+            return time.time() - target.stat().st_mtime > _UNREADABLE_CLAIM_S
+        except OSError:
+            return False
     if holder.get("host") != host:
         return False
     try:
