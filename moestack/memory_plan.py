@@ -225,9 +225,24 @@ def _offload_lines(
             "place: no master copy, no gradient buffers"
         )
         return
-    plan.lines.append(
-        Line("host", "optimizer master weights" + label, 4 * size, f"{_mib(size)} x 4 B")
-    )
+    # one process, bf16 weights, the native kernel: the master is the bf16 weights (the
+    # parameters or the staging buffer) plus 2-byte remainders (moestack.optim.split_master)
+    split = cfg.optim.fused_step in ("auto", "native") and plan.ranks == 1
+    split = split and pdtype == torch.bfloat16
+    if split:
+        plan.lines.append(
+            Line(
+                "host",
+                "optimizer master weights, low halves" + label,
+                2 * size,
+                f"{_mib(size)} x 2 B (their bf16 halves are the weights; 4 B without a C++ "
+                "compiler)",
+            )
+        )
+    else:
+        plan.lines.append(
+            Line("host", "optimizer master weights" + label, 4 * size, f"{_mib(size)} x 4 B")
+        )
     fused = cfg.optim.fused_step != "off"
     direct = fused and plan.ranks == 1 and on_cpu
     if not direct:

@@ -183,8 +183,8 @@ def _torchao_offload() -> Any:
     return CPUOffloadOptimizer
 
 
-# name: (gradient dtype, moment dtype, output dtype or None, bytes read, bytes written) per
-# parameter. torch's in-place step reads gradient, weight and both moments (16) and writes the
+# name: (gradient dtype, moment dtype, output dtype or None (int16: a split master), bytes
+# read, bytes written) per parameter. torch's in-place step reads gradient, weight and both moments (16) and writes the
 # last three back (12); the native kernel reads the gradient as it arrives and writes the
 # narrowed weight as a separate (streamed) store.
 KERNEL_VARIANTS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None, int, int]] = {
@@ -193,6 +193,8 @@ KERNEL_VARIANTS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None, i
     "native_bf16_grad_bf16_out": (torch.bfloat16, torch.float32, torch.bfloat16, 14, 14),
     "native_fp32_grad_bf16_out": (torch.float32, torch.float32, torch.bfloat16, 16, 14),
     "native_bf16_moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 10, 10),
+    # the whole step with a split master: bf16 weight and int16 remainder read and written
+    "native_split_master": (torch.bfloat16, torch.float32, torch.int16, 14, 12),
 }
 
 
@@ -225,6 +227,9 @@ def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict
             )
             continue
         out = None if o_dt is None else torch.empty(numel, dtype=o_dt)
+        if o_dt == torch.int16:  # a split master: out holds the weights, x the remainders
+            out = torch.empty(numel, dtype=torch.bfloat16)
+            x = fused.split_master(x, out)
         coef = fused.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
                                    "weight_decay": 0.01, "eps": 1e-8}, 10)  # fmt: skip
         alive.append((x, g, m, v, out))

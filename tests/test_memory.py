@@ -7,7 +7,7 @@ from moestack.cli import main as cli_main
 from moestack.config import ModelConfig, RouterConfig, TrainConfig
 from moestack.memory_plan import measure_activations, plan_memory, saved_tensor_bytes
 from moestack.model import MoETransformer
-from moestack.optim import build_optimizer
+from moestack.optim import apply_param_dtype, build_optimizer
 from moestack.telemetry import attach
 
 MODES = ("none", "moe", "block", "selective")
@@ -82,19 +82,24 @@ def _bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@pytest.mark.parametrize("optim", ["adamw", "offload_adamw"])
+@pytest.mark.parametrize(
+    "optim", [{"name": "adamw"}, {"name": "offload_adamw"},
+              {"name": "offload_adamw", "param_dtype": "bfloat16"}],  # a split master
+    ids=["adamw", "offload_adamw", "offload_adamw-bf16"],
+)  # fmt: skip
 def test_plan_matches_the_tensors_a_real_run_allocates(optim):
-    cfg = tiny(optim={"name": optim})
+    cfg = tiny(optim=optim)
     plan = plan_memory(cfg, ranks=1, device="cpu")
     torch.manual_seed(0)
     model = cfg.model.build()
+    apply_param_dtype(model, cfg.optim, torch.device("cpu"))
     optimizer = build_optimizer(model, cfg.optim)
     tokens, targets = batch()
     model(tokens, targets=targets).loss.backward()
     optimizer.step()
     weights = _bytes(model.parameters()) + _bytes(model.buffers())
     grads = _bytes(p.grad for p in model.parameters())
-    if optim == "adamw":
+    if optim["name"] == "adamw":
         state = _bytes(t for s in optimizer.state.values() for t in s.values())
         planned = plan.line("optimizer state").bytes
     else:

@@ -96,8 +96,33 @@ def _store(x: Tensor, m: Tensor, v: Tensor, out: Tensor | None, new: tuple[Tenso
 
 def step_formula(x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, h: Tensor) -> None:
     """One fused step of one slice in eager torch ops: the arithmetic every backend matches
-    bitwise (the reference of :func:`self_check`)."""
-    _store(x, m, v, out, _update(x, g, m, v, h, _ieee_sqrt))
+    bitwise (the reference of :func:`self_check`). An int16 ``x`` is a split master's low
+    halves, with its bf16 weights in ``out`` (:func:`join_master`)."""
+    if x.dtype != torch.int16:
+        _store(x, m, v, out, _update(x, g, m, v, h, _ieee_sqrt))
+        return
+    assert out is not None
+    x1, m1, v1 = _update(join_master(out, x), g, m, v, h, _ieee_sqrt)
+    _store(x, m, v, None, (split_master(x1, out), m1, v1))
+
+
+def join_master(hi: Tensor, lo: Tensor) -> Tensor:
+    """The fp32 master weights of a split master: the bf16 weights ``hi`` and the int16
+    remainders ``lo`` (bits(x) - bits(hi) << 16), exactly."""
+    bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def split_master(x: Tensor, hi: Tensor) -> Tensor:
+    """Write ``x.to(bfloat16)`` into ``hi`` and return the int16 remainders that join back to
+    ``x``. Nearest-even rounding leaves remainders in [-0x8000, 0x8000]; the one that int16
+    cannot hold, +0x8000 (an exact tie rounded down), becomes 0x7fff: that master weight moves
+    one ulp (2^-24 relative) towards its bf16 weight, to which it still rounds. A NaN's
+    remainder is the low 16 bits of the difference: its bf16 weight is 0x7fc0, and every
+    remainder joins it to a NaN."""
+    hi.copy_(x)
+    rem = x.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
+    return rem.clamp_(max=0x7FFF).to(torch.int16)
 
 
 def _compiled_formula(
@@ -160,6 +185,8 @@ class CompiledKernel:
 
     @torch.no_grad()
     def __call__(self, segs: Sequence[Seg]) -> None:
+        if any(s.x.dtype != torch.float32 for s in segs):
+            raise ValueError("the compiled step takes fp32 master weights, not a split master")
         for s in segs:
             n = s.x.numel()
             if n:
@@ -199,7 +226,9 @@ def check_choice(fused_step: str) -> None:
 
 def describe(step: FusedHostStep | None) -> str:
     """The fused step's choice and mode, for the log ("off" without one)."""
-    return "off" if step is None else f"{step.requested}, {step.mode} mode"
+    if step is None:
+        return "off"
+    return f"{step.requested}, {step.mode} mode{', split master' if step.split else ''}"
 
 
 def backend_of(step: FusedHostStep | None) -> str:
@@ -237,6 +266,7 @@ class FusedHostStep:
         else:
             self._combos = {(torch.float32, moment_dtype, self._out_dtype(p)) for p in params}
         self.kernel: Kernel | None = None
+        self.split = self._split_master(params)
         self._prepared: tuple[tuple[Any, ...], native.Prepared] | None = None  # (where, arrays)
 
     @classmethod
@@ -253,6 +283,25 @@ class FusedHostStep:
         if requested == "off" or in_place:
             return None
         return cls(requested, params, distributed, num_shards, moment_dtype)
+
+    def _split_master(self, params: Sequence[Tensor]) -> bool:
+        """Whether the master weights are kept split (:mod:`moestack.optim.split_master`):
+        every parameter bf16, one process (direct or staged mode), and the native kernel,
+        which is loaded now for it (the layout of the host buffers depends on it)."""
+        if self.requested not in ("auto", "native") or self.mode == MASTER:
+            return False
+        if not params or any(p.dtype != torch.bfloat16 for p in params):
+            return False
+        kernel = _native()
+        if isinstance(kernel, str):
+            return False
+        self.kernel = kernel
+        return True
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The host master buffer's dtype: int16 remainders when split, else fp32 weights."""
+        return torch.int16 if self.split else torch.float32
 
     @property
     def per_param(self) -> bool:
@@ -354,6 +403,7 @@ _WARNED: set[str] = set()
 ALL_COMBOS: tuple[Combo, ...] = tuple(
     (g, s, o) for g in KERNEL_DTYPES for s in KERNEL_DTYPES for o in (None, *KERNEL_DTYPES)
 )
+SPLIT_COMBOS: tuple[Combo, ...] = tuple(c for c in ALL_COMBOS if c[2] == torch.bfloat16)
 
 
 def resolve(requested: str, combos: Sequence[Combo]) -> Kernel | None:
@@ -382,6 +432,7 @@ def _native() -> Kernel | str:
         try:
             kernel = native.load()
             self_check(kernel, ALL_COMBOS)
+            self_check(kernel, SPLIT_COMBOS, split=True)
             _STATE["native"] = kernel
             log.info("fused host step: native kernel %s", kernel.path)
         except Exception as err:  # any failure to build or load means: not available
@@ -411,16 +462,17 @@ def _compiled(combos: Sequence[Combo]) -> Kernel | str:
     return kernel
 
 
-def self_check(kernel: Kernel, combos: Sequence[Combo], n: int = 67) -> None:
+def self_check(kernel: Kernel, combos: Sequence[Combo], n: int = 67, split: bool = False) -> None:
     """Raise RuntimeError unless ``kernel`` matches :func:`step_formula` bitwise on random
-    slices of each dtype combination (a wrong build must not train)."""
+    slices of each dtype combination, with split master weights if ``split`` (a wrong build
+    must not train)."""
     gen = torch.Generator().manual_seed(0)
     hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
     coef = coefficients(hp, step=3, scale=0.5)
     for combo in combos:
         base = [torch.randn(n, generator=gen) for _ in range(3)]
         base.append(torch.rand(n, generator=gen))  # the second moment is >= 0
-        want, got = _seg_of(base, combo, coef), _seg_of(base, combo, coef)
+        want, got = _seg_of(base, combo, coef, split), _seg_of(base, combo, coef, split)
         eager_kernel([want])
         kernel([got])
         for a, b in zip(want, got, strict=True):
@@ -428,11 +480,15 @@ def self_check(kernel: Kernel, combos: Sequence[Combo], n: int = 67) -> None:
                 raise RuntimeError(f"results differ from the reference formula for {combo}")
 
 
-def _seg_of(base: list[Tensor], combo: Combo, coef: tuple[float, ...]) -> Seg:
-    """A fresh slice of dtypes ``combo`` from fp32 ``base`` = [x, g, m, v]."""
+def _seg_of(base: list[Tensor], combo: Combo, coef: tuple[float, ...], split: bool = False) -> Seg:
+    """A fresh slice of dtypes ``combo`` from fp32 ``base`` = [x, g, m, v]; with ``split`` the
+    master is held as bf16 weights (``out``) and int16 remainders (``x``)."""
     g_dt, s_dt, o_dt = combo
     x, g, m, v = (t.clone() for t in base)
     out = None if o_dt is None else torch.empty(x.numel(), dtype=o_dt)
+    if split:
+        assert out is not None and o_dt == torch.bfloat16
+        x = split_master(x, out)
     return Seg(x, g.to(g_dt), m.to(s_dt), v.to(s_dt), out, coef)
 
 

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moestack.optim import collectives, fused, state_format, transfer, update
+from moestack.optim import collectives, fused, split_master, state_format, transfer, update
 from moestack.optim.plan import (
     DEFAULT_EXPERT_PATTERN,
     Unit,
@@ -195,6 +195,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             *(self._plan, self.moment_dtype, self.in_place, self._params),
             pack=not self._direct,  # the direct fused step reads p.grad itself
             staging_dtype=None if self._fused is None else self._fused.staging_dtype,
+            master_dtype=torch.float32 if self._fused is None else self._fused.master_dtype,
         )
 
     def _reset_step_state(self) -> None:
@@ -380,9 +381,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grads_ready = False
         return loss
 
+    @property
+    def _split(self) -> bool:
+        """The master weights are the bf16 weights plus remainders (:mod:`.split_master`)."""
+        return self._fused is not None and self._fused.split
+
     def _init_master(self, pidxs: list[int]) -> None:
         """Copy the current parameters into the master buffer (first step / load)."""
         assert self._host.master is not None
+        if self._split:
+            split_master.init(self._host, self._plan, self._params, pidxs, self._direct)
+            return
         transfer.init_master(self._host.master, self._plan, self._params, pidxs)
 
     def _spans(self, gi: int) -> list[tuple[int, int, int, int]]:
@@ -479,10 +488,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         The format is described in :mod:`moestack.optim.state_format`.
         """
         transfer.synchronize(self._side)
+        master = self._host.master
+        if self._split:  # saved as fp32, as without the split (one process: nothing to gather)
+            master = split_master.joined(self._host, self._plan, self._params, self._direct)
         gathered = {
             "exp_avg": self._gathered(self._host.exp_avg),
             "exp_avg_sq": self._gathered(self._host.exp_avg_sq),
-            "master": self._gathered(self._host.master),
+            "master": self._gathered(master),
         }
         state = state_format.pack_state(
             self._plan, self._params, self._names, self._is_expert, self._steps, gathered
@@ -497,18 +509,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         transfer.synchronize(self._side)
         state_format.restore_groups(state_dict["param_groups"], self.param_groups, self._name_of)
         state = state_dict["state"]
-        init_master = [i for i in range(len(self._params)) if self._load_param(i, state)]
+        targets = self._host.state()
+        if self._split:  # the fp32 master is loaded whole, then split
+            targets["master"] = torch.zeros(self._plan.host_size, dtype=torch.float32)
+        loaded = [self._load_param(i, state, targets) for i in range(len(self._params))]
+        init_master = [i for i, has in enumerate(loaded) if has is False]
+        if self._split:
+            with_master = [i for i, has in enumerate(loaded) if has]
+            split_master.load(
+                self._host, self._plan, self._params, targets["master"], with_master, self._direct
+            )
         if init_master and not self.in_place:
             self._init_master(init_master)
         self._grads_ready = False
 
-    def _load_param(self, i: int, state: dict[str, Any]) -> bool:
-        """Load parameter i's saved state into this rank's buffers; return whether its master
-        weights must be taken from the parameter (the state holds none for it)."""
-        name, is_expert, targets = self._names[i], self._is_expert[i], self._host.state()
+    def _load_param(self, i: int, state: dict[str, Any], targets: dict[str, Tensor]) -> bool | None:
+        """Load parameter i's saved state into ``targets``; return whether the state held its
+        master weights (False: they must be taken from the parameter), None when the state
+        holds nothing for it (it starts afresh)."""
+        name, is_expert = self._names[i], self._is_expert[i]
         loaded = state_format.unpack_param(self._plan, state, i, name, is_expert, targets)
-        if loaded is None:  # not in the checkpoint: starts afresh
+        if loaded is None:
             self._steps[i] = 0
-            return False
+            return None
         self._steps[i], has_master = loaded
-        return not has_master
+        return has_master

@@ -36,7 +36,7 @@ class HostBuffers:
 
     exp_avg: Tensor
     exp_avg_sq: Tensor
-    master: Tensor | None  # fp32 master weights; None when the parameters are stepped in place
+    master: Tensor | None  # fp32 master weights (int16 remainders when split); None in place
     grad: Tensor | None  # this rank's averaged gradients (``comm`` itself when not sharded)
     comm: Tensor | None  # every shard's slot: packed gradients, then gathered weights
     staging: Tensor | None = None  # bf16 weights the fused step narrowed for the device
@@ -68,8 +68,10 @@ def alloc_host_buffers(
     params: Sequence[Tensor],
     pack: bool = True,
     staging_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype = torch.float32,
 ) -> HostBuffers:
-    """Zeroed host buffers: moments; unless stepping in place, master weights and (with
+    """Zeroed host buffers: moments; unless stepping in place, master weights (fp32, or the
+    int16 remainders of a split master, :mod:`moestack.optim.split_master`) and (with
     ``pack``) the gradient and communication buffers; a weight staging buffer of
     ``staging_dtype`` if given. Pinned when some parameter is on a CUDA device."""
     pin = pinned(params)
@@ -78,7 +80,7 @@ def alloc_host_buffers(
     exp_avg_sq = torch.zeros(size, dtype=moment_dtype, pin_memory=pin)
     if in_place:
         return HostBuffers(exp_avg, exp_avg_sq, master=None, grad=None, comm=None)
-    master = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
+    master = torch.zeros(size, dtype=master_dtype, pin_memory=pin)
     comm, grad = alloc_pack_buffers(plan, pin) if pack else (None, None)
     staging = None
     if staging_dtype is not None:

@@ -335,3 +335,110 @@ def test_bad_fused_step_names_the_argument() -> None:
 def test_segments_take_only_what_the_kernel_can() -> None:
     with pytest.raises(ValueError, match="segment"):
         native.check_seg(Seg(torch.zeros(3), torch.zeros(4), *[torch.zeros(3)] * 3, (0.0,) * 8))
+
+
+# ------------------------------------------------------------------ the split master weight
+@pytest.mark.parametrize("combo", fused.SPLIT_COMBOS, ids=str)
+def test_split_master_kernel_matches_the_formula_bitwise(combo) -> None:
+    """bf16 weights plus int16 remainders: the kernel against the eager formula, over tails,
+    several slices, chunks taken by two threads; the join equals the fp32-master step."""
+    kernel = _native_kernel()
+    sizes = [1, 15, 67, 70_000, 0, 33]
+
+    def split_segments():
+        return [
+            s._replace(x=fused.split_master(s.x, s.out)) for s in _segments(combo, sizes, seed=5)
+        ]
+
+    want, got, plain = split_segments(), split_segments(), _segments(combo, sizes, seed=5)
+    fused.eager_kernel(want)
+    kernel(got)
+    _assert_same(want, got)
+    start = [fused.join_master(s.out, s.x) for s in split_segments()]
+    plain = [s._replace(x=x) for s, x in zip(plain, start, strict=True)]
+    kernel(plain)  # the same step on the fp32 master
+    for p, s in zip(plain, got, strict=True):
+        assert torch.equal(s.out, p.out)  # the same bf16 weights
+        assert torch.equal(s.m, p.m) and torch.equal(s.v, p.v)
+        joined = fused.join_master(s.out, s.x)
+        ties = (joined != p.x).sum().item()  # a tie rounded down moves one ulp
+        assert ties <= max(3, p.x.numel() >> 12), ties
+
+
+def test_split_master_holds_every_value_it_can() -> None:
+    """Exact joins for finite values, infinities and values that round to infinity; a NaN
+    stays a NaN; the one tie int16 cannot hold moves one ulp towards its bf16 weight."""
+    kernel = _native_kernel()
+    bits = torch.tensor(
+        [0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
+         0xFF800000, 0x00000001, 0x80000000, 0x7FC00001, 0xFFFFFFFF, 0x3F800000, 0x00808000],
+        dtype=torch.int64,
+    ).to(torch.int32)  # fmt: skip
+    x = bits.repeat(5).view(torch.float32)  # 70 values: the 16-lane loop and the tail
+    hi = torch.empty(x.numel(), dtype=torch.bfloat16)
+    lo = fused.split_master(x, hi)
+    assert torch.equal(hi.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    joined = fused.join_master(hi, lo)
+    nan = x.isnan()
+    assert joined[nan].isnan().all()
+    tie_down = torch.tensor([1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], dtype=torch.bool).repeat(5)
+    keep = ~nan & ~tie_down
+    assert torch.equal(joined[keep].view(torch.int32), x[keep].view(torch.int32))
+    assert torch.equal(joined[tie_down].view(torch.int32), x[tie_down].view(torch.int32) - 1)
+    # a step whose result is a tie: x + 2^-8 from x = 1 (rounds down: the nudge) and from
+    # x = 1 + 2^-7 (rounds up: remainder -0x8000), through the 16-lane loop and the tail
+    kernel = _native_kernel()
+    start = torch.tensor([1.0] * 40 + [1.0078125] * 30)
+    coef = (1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0**-8, 1.0)  # x + 2^-8 * g / |g|, g = 1
+    n = start.numel()
+
+    def tie_step():
+        hi = start.to(torch.bfloat16)
+        return Seg(torch.zeros(n, dtype=torch.int16), torch.ones(n), torch.zeros(n),
+                   torch.zeros(n), hi, coef)  # fmt: skip
+
+    want, got = tie_step(), tie_step()
+    fused.eager_kernel([want])
+    kernel([got])
+    _assert_same([want], [got])
+    assert got.x[:40].eq(0x7FFF).all() and got.x[40:].eq(-0x8000).all()
+    assert got.out[:40].eq(1.0).all() and got.out[40:].eq(1.015625).all()
+
+
+def test_split_master_is_used_where_it_can_be() -> None:
+    """One process with every weight bf16 and the native kernel: 2-byte remainders instead
+    of 4-byte master weights. Mixed dtypes or the compiled step keep the fp32 master."""
+    _native_kernel()
+    model = TinyMoE().to(torch.bfloat16)
+    master = OffloadAdamW(model.named_parameters(), fused_step="auto").host_buffers()["master"]
+    assert master.dtype == torch.int16
+    compiled = OffloadAdamW(model.named_parameters(), fused_step="compile")
+    assert compiled.host_buffers()["master"].dtype == torch.float32
+    mixed = TinyMoE().to(torch.bfloat16)
+    mixed.moe.w1.data = mixed.moe.w1.data.float()
+    assert OffloadAdamW(mixed.named_parameters()).host_buffers()["master"].dtype == torch.float32
+
+
+def test_split_and_plain_master_checkpoints_load_into_each_other() -> None:
+    """A checkpoint holds the fp32 master either way: a split run resumes on the reference
+    path and back, with the same master, moments and weights."""
+    _native_kernel()
+    model = TinyMoE().to(torch.bfloat16)
+    opt = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="native")
+    for step in range(3):
+        micro_step(model, step)
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plain = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="off")
+    plain.load_state_dict(saved)
+    again = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="native")
+    again.load_state_dict(plain.state_dict())
+    for other in (plain, again):
+        for key, entry in other.state_dict()["state"].items():
+            for name, t in entry.items():
+                want = saved["state"][key][name]
+                assert torch.equal(torch.as_tensor(t), torch.as_tensor(want)), (key, name)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), weights[n]), n
