@@ -439,18 +439,22 @@ def check_seg(s: Seg) -> int:
     return n
 
 
-def load() -> NativeKernel:
-    """Build (or find in the cache) and load the library; raise RuntimeError if impossible."""
+def load(extra_flags: Sequence[str] = ()) -> NativeKernel:
+    """Build (or find in the cache) and load the library; raise RuntimeError if impossible.
+
+    ``extra_flags`` go after :data:`FLAGS` (the tests build the portable loops, without the
+    AVX-512 ones, with ``-mno-avx512f``)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    path = _cache_dir() / f"fused_adamw_{_key(cxx)}.so"
+    flags = (*FLAGS, *extra_flags)
+    path = _cache_dir() / f"fused_adamw_{_key(cxx, flags)}.so"
     if not path.exists():
-        _build(cxx, path)
+        _build(cxx, path, flags)
     return NativeKernel(ctypes.CDLL(str(path)), path)
 
 
-def _build(cxx: str, path: Path) -> None:
+def _build(cxx: str, path: Path, flags: Sequence[str] = FLAGS) -> None:
     """Compile SOURCE into ``path`` (atomically: concurrent processes may build it too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -459,7 +463,7 @@ def _build(cxx: str, path: Path) -> None:
         lib = Path(tmp) / path.name
         try:
             proc = subprocess.run(
-                [*shlex.split(cxx), *FLAGS, str(src), "-o", str(lib)],
+                [*shlex.split(cxx), *flags, str(src), "-o", str(lib)],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -487,10 +491,10 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"moestack-kernels-{os.getuid()}"
 
 
-def _key(cxx: str) -> str:
+def _key(cxx: str, flags: Sequence[str] = FLAGS) -> str:
     """A digest of what the library depends on: source, flags, compiler, CPU features."""
     h = hashlib.sha256()
-    for part in (SOURCE, " ".join(FLAGS), cxx, platform.machine(), _cpu_flags()):
+    for part in (SOURCE, " ".join(flags), cxx, platform.machine(), _cpu_flags()):
         h.update(part.encode())
         h.update(b"\0")
     try:

@@ -365,6 +365,25 @@ def test_split_master_kernel_matches_the_formula_bitwise(combo) -> None:
         assert ties <= max(3, p.x.numel() >> 12), ties
 
 
+def test_portable_loops_match_the_formula_bitwise() -> None:
+    """The kernel built without its AVX-512 loops (what a CPU without AVX-512 runs): every
+    dtype combination, fp32 and split master, over the threads' chunks and the tails."""
+    _native_kernel()
+    try:
+        kernel = native.load(("-mno-avx512f",))
+    except RuntimeError as err:  # a compiler that does not know the flag (not x86)
+        pytest.skip(f"cannot build without AVX-512: {err}")
+    fused.self_check(kernel, fused.ALL_COMBOS, n=70_001)
+    fused.self_check(kernel, fused.SPLIT_COMBOS, n=70_001, split=True)
+    start = torch.tensor([1.0] * 40 + [1.0078125] * 30)  # both rounding ties, as below
+    coef = (1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0**-8, 1.0)
+    n = start.numel()
+    seg = Seg(torch.zeros(n, dtype=torch.int16), torch.ones(n), torch.zeros(n), torch.zeros(n),
+              start.to(torch.bfloat16), coef)  # fmt: skip
+    kernel([seg])
+    assert seg.x[:40].eq(0x7FFF).all() and seg.x[40:].eq(-0x8000).all()
+
+
 def test_split_master_holds_every_value_it_can() -> None:
     """Exact joins for finite values, infinities and values that round to infinity; a NaN
     stays a NaN; the one tie int16 cannot hold moves one ulp towards its bf16 weight."""
