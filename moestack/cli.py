@@ -11,7 +11,7 @@
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
                                                               (after a warm-up it announces)
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
-    moestack prereg lock|run|analyze|power FILE               pre-registered experiments
+    moestack prereg lock|run|status|analyze|power FILE        pre-registered experiments
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
@@ -164,6 +164,8 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     elif args.action == "run":
         runs = prereg.run(args.file, out_dir=args.out or None)
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
+    elif args.action == "status":
+        print(prereg.render_status(prereg.status(args.file, out_dir=args.out or None)))
     else:
         report = prereg.analyze(args.file, out_dir=args.out or None, report_dir=args.report or None)
         print(Path(report).read_text())
@@ -269,8 +271,9 @@ def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
     p.add_argument(
         "action",
-        choices=("lock", "run", "analyze", "power"),
-        help="lock, run, analyze, or power (the seeds a pilot's spread needs)",
+        choices=("lock", "run", "status", "analyze", "power"),
+        help="lock, run, status (runs done and left, no results), analyze, or power (the seeds "
+        "a pilot's spread needs)",
     )
     p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")

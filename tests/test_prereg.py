@@ -296,6 +296,34 @@ def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
     assert not list((tmp_path / "out" / "runs").glob(f"*/{prereg.CLAIM_FILE}"))
 
 
+def test_status_counts_runs_by_state_and_shows_no_results(tmp_path: Path, capsys) -> None:
+    path = _two_seed_study(tmp_path)
+    runs = tmp_path / "out" / "runs"
+    for name, minutes in (("baseline-s0", 3), ("a-s0", 5), ("b-s0", 4)):  # finished
+        (runs / name).mkdir(parents=True)
+        (runs / name / "summary.json").write_text(json.dumps({"eval/perplexity": 9.87}))
+        record = {"study_sha256": "x", "started_at": "2026-01-01T10:00:00+00:00",
+                  "finished_at": f"2026-01-01T10:0{minutes}:00+00:00"}  # fmt: skip
+        (runs / name / prereg.RUN_FILE).write_text(json.dumps(record))
+    (runs / "baseline-s1").mkdir()  # running: a live runner's claim
+    claim = {"host": socket.gethostname(), "pid": os.getppid()}
+    (runs / "baseline-s1" / prereg.CLAIM_FILE).write_text(json.dumps(claim))
+    ckpt = runs / "a-s1" / "checkpoints" / "step_000002"  # interrupted
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(json.dumps({"step": 2}))
+    result = prereg.status(path, tmp_path / "out")
+    assert result["total"] == {"finished": 3, "running": 1, "interrupted": 1, "waiting": 1}
+    assert result["arms"]["a"] == {"finished": 1, "running": 0, "interrupted": 1, "waiting": 0}
+    assert result["median_run_s"] == 240.0  # 3, 4 and 5 minutes
+    assert result["eta_s"] == 3 * 240.0  # three runs left, one runner
+    from moestack.cli import main as cli_main
+
+    cli_main(["prereg", "status", str(path), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "3 of 6 runs finished" in out and "9.87" not in out
+    assert "about 0.2 h with 1 runner(s)" in out
+
+
 # ------------------------------------------------------------------ analysis
 BASE = {"perplexity": 10.0, "lru/cap4/miss_rate": 0.40, "static/cap4/hit_rate": 0.50}
 ARMS = {

@@ -34,7 +34,8 @@ files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify)
 ``provenance`` (the study hash each run was trained under), ``runner`` (the grid and the
 resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics),
 ``decision`` (the one-sided non-inferiority/superiority rules and Holm's correction),
-``power`` (the seeds a pilot's spread needs) and ``report`` (markdown, figures, ``analyze``).
+``power`` (the seeds a pilot's spread needs), ``status`` (runs finished, running and left,
+no results) and ``report`` (markdown, figures, ``analyze``).
 Everything public is re-exported here.
 """
 
@@ -64,6 +65,7 @@ from moestack.prereg.runner import (
     SUMMARY_FILE,
     check_runs,
     claim,
+    claimed,
     default_out_dir,
     is_finished,
     plan,
@@ -86,6 +88,8 @@ from moestack.prereg.spec import (
     load,
     parse,
 )
+from moestack.prereg.status import render as render_status
+from moestack.prereg.status import status
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +121,7 @@ __all__ = [
     "check_run",
     "check_runs",
     "claim",
+    "claimed",
     "collect",
     "compose_config",
     "config_choices",
@@ -141,9 +146,11 @@ __all__ = [
     "read_run_record",
     "render_markdown",
     "render_power",
+    "render_status",
     "run",
     "seeds_needed",
     "sha256_file",
+    "status",
     "t_quantile",
     "t_sf",
     "verify",

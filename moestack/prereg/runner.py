@@ -27,8 +27,8 @@ from moestack.prereg.spec import Prereg, RunSpec, load
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CLAIM_FILE", "SUMMARY_FILE", "check_runs", "claim", "default_out_dir", "is_finished", "plan",
-    "run",
+    "CLAIM_FILE", "SUMMARY_FILE", "check_runs", "claim", "claimed", "default_out_dir",
+    "is_finished", "plan", "run",
 ]  # fmt: skip
 
 CLAIM_FILE = "claim.json"  # in a run's folder while a runner trains it
@@ -129,6 +129,12 @@ def claim(run_dir: Path) -> bool:
             json.dump(mine, f)
         return True
     return False
+
+
+def claimed(run_dir: Path) -> bool:
+    """Whether a live runner holds the run (a claim that is not a dead runner's)."""
+    target = Path(run_dir) / CLAIM_FILE
+    return target.exists() and not _stale(target, socket.gethostname())
 
 
 def _stale(target: Path, host: str) -> bool:
