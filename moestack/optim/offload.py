@@ -18,8 +18,11 @@ the master weights and moments of its shard only (layout: :mod:`moestack.optim.p
 With ``fused_step`` (the default, ``"auto"``) a master-copy step runs in one pass over host
 memory instead (:mod:`moestack.optim.fused`): each gradient element is read once as it
 arrived, master weight and moments are updated and the narrowed weight written in the same
-pass; on one process with CPU parameters nothing is packed or copied back at all. Steps 1-3
-stay as the reference path (``fused_step="off"``, and the fallback when no kernel builds).
+pass; on one process with CPU parameters nothing is packed or copied back at all. With bf16
+parameters in one process and the native kernel, the master weights are kept split: their
+bf16 halves are the weights themselves (or the staging buffer) and only 2-byte remainders
+sit in the master buffer (:mod:`moestack.optim.split_master`). Steps 1-3 stay as the
+reference path (``fused_step="off"``, and the fallback when no kernel builds).
 
 With gradient accumulation, run every micro-batch but the last inside ``opt.no_sync()`` (as
 with DDP; moestack.trainer does): the gradients then cross to the host once per step.
