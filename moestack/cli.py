@@ -146,6 +146,8 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_prereg(args: argparse.Namespace) -> None:
     from moestack import prereg
 
+    if args.action != "run" and (args.jobs != 1 or args.quiet):
+        raise MoestackError(f"--jobs and --quiet belong to `prereg run`, not `{args.action}`")
     if args.action != "lock" and (args.force or args.amend is not None):
         raise MoestackError(f"--force and --amend belong to `prereg lock`, not `{args.action}`")
     power_opts = (args.pilot, args.half_width, args.confidence)
@@ -162,7 +164,11 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         )
         print(f"{'amended' if args.amend is not None else 'locked'}: {target}")
     elif args.action == "run":
-        runs = prereg.run(args.file, out_dir=args.out or None)
+        out = args.out or None
+        if args.jobs != 1:
+            runs = prereg.run_jobs(args.file, out_dir=out, jobs=args.jobs)
+        else:
+            runs = prereg.run(args.file, out_dir=out, progress=not args.quiet)
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
     elif args.action == "status":
         print(prereg.render_status(prereg.status(args.file, out_dir=args.out or None)))
@@ -278,6 +284,13 @@ def _prereg_parser(verbs: Any) -> None:
     p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
     p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run: runner processes sharing the grid, one progress bar (default: 1)",
+    )
+    p.add_argument("--quiet", action="store_true", help="run: no progress bar (default: off)")
     p.add_argument(
         "--force", action="store_true", help="lock: re-lock before any run exists (default: off)"
     )

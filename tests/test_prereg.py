@@ -451,6 +451,34 @@ def test_end_to_end_micro_study(tmp_path: Path) -> None:
     assert {h["verdict"] for h in results["hypotheses"]} <= {"pass", "fail"}
 
 
+def test_jobs_train_a_study_with_several_runner_processes(tmp_path: Path) -> None:
+    """Two runner processes (real training, micro model), one progress bar: every run
+    trained once, each runner's output in its log, no claim left."""
+    data = study(
+        model=[
+            "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
+            "model.moe.num_experts=4", "model.moe.d_ff=16",
+        ],
+        data=["data.seq_len=16", "data.max_bytes=200000"],
+        budget={"steps": 2, "batch_size": 2},
+        train=["telemetry=off", "wandb_mode=disabled", "progress=false", "eval_batches=1",
+               "threads=1", "ckpt_every=0"],
+    )  # fmt: skip
+    path = write(tmp_path, data)
+    with pytest.raises(MoestackError, match="not locked"):
+        prereg.run_jobs(path, tmp_path / "out", jobs=2)
+    prereg.lock(path)
+    with pytest.raises(MoestackError, match="--jobs 0"):
+        prereg.run_jobs(path, tmp_path / "out", jobs=0)
+    dirs = prereg.run_jobs(path, tmp_path / "out", jobs=2, poll_s=0.2, progress=False)
+    assert len(dirs) == 9 and all((d / "summary.json").is_file() for d in dirs)
+    records = [json.loads((d / prereg.RUN_FILE).read_text()) for d in dirs]
+    assert {r["status"] for r in records} == {"finished"}
+    assert sorted(p.name for p in (tmp_path / "out").glob("runner-*.log")) == [
+        "runner-0.log", "runner-1.log"]  # fmt: skip
+    assert not list((tmp_path / "out" / "runs").glob(f"*/{prereg.CLAIM_FILE}"))
+
+
 def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:
     """An arm whose seeds give equal hit rates (an un-tuned model) has a mean that rounds
     past them (0.1 x 3 / 3 > 0.1): its bar must not go negative (matplotlib refuses it)."""

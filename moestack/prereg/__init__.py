@@ -55,6 +55,7 @@ from moestack.prereg.analysis import (
 from moestack.prereg.compose import check_overrides, compose_config, config_choices
 from moestack.prereg.decision import ONE_SIDED, check_rules, holm, t_sf
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
+from moestack.prereg.jobs import run_jobs
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
 from moestack.prereg.power import half_width, load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
@@ -148,6 +149,7 @@ __all__ = [
     "render_power",
     "render_status",
     "run",
+    "run_jobs",
     "seeds_needed",
     "sha256_file",
     "status",

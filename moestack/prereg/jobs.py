@@ -1,0 +1,80 @@
+"""Several runners at once: ``moestack prereg run FILE --jobs N`` starts N runner processes
+over the same folder, which share the grid through claims (:func:`.runner.claim`), and shows
+one progress bar over the whole study. Runner ``i`` writes its output to
+``<out>/runner-<i>.log``. Set the study's ``threads`` so that N runners fit the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from moestack.errors import MoestackError
+from moestack.prereg.locking import verify
+from moestack.prereg.runner import default_out_dir, is_finished, plan
+from moestack.prereg.spec import load
+
+log = logging.getLogger(__name__)
+
+
+def run_jobs(
+    path: Path | str,
+    out_dir: Path | str | None = None,
+    jobs: int = 2,
+    *,
+    poll_s: float = 5.0,
+    progress: bool = True,
+) -> list[Path]:
+    """Train every unfinished run of the locked study with ``jobs`` runner processes; returns
+    all run dirs. Raises, naming their logs, when a runner fails; Ctrl-C stops them all
+    (each interrupted run resumes later from its last checkpoint)."""
+    if jobs < 1:
+        raise MoestackError(f"--jobs {jobs}: give 1 or more runner processes")
+    verify(path)  # a study that is not locked or has changed fails here, before any start
+    spec = load(path)
+    root = Path(out_dir) if out_dir else default_out_dir(spec)
+    runs = plan(spec, root)
+    root.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "moestack.cli", "prereg", "run", str(path)]
+    command += ["--out", str(root), "--quiet"]
+    logs = [root / f"runner-{i}.log" for i in range(jobs)]
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(open(p, "a")) for p in logs]
+        procs = [subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT) for f in files]
+        log.info("study %s: %d runners (logs: %s)", spec.study, jobs, root / "runner-*.log")
+        try:
+            _watch(procs, runs, spec.study, poll_s, progress)
+        except BaseException:  # Ctrl-C: the runners stop too (their runs resume later)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait()
+            raise
+    failed = [f"{logs[i]} (exit {p.returncode})" for i, p in enumerate(procs) if p.returncode]
+    if failed:
+        raise MoestackError(f"{len(failed)} of {jobs} runners failed; see {', '.join(failed)}")
+    return [r.run_dir for r in runs]
+
+
+def _watch(
+    procs: list[subprocess.Popen], runs: list, study: str, poll_s: float, progress: bool
+) -> None:
+    """Wait for the runners, counting finished runs on one progress bar."""
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        done = sum(is_finished(r.run_dir) for r in runs)
+        bar = tqdm(total=len(runs), initial=done, desc=study, unit="run")
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(poll_s)
+            if bar is not None:
+                bar.update(sum(is_finished(r.run_dir) for r in runs) - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
