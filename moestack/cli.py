@@ -166,7 +166,7 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     elif args.action == "run":
         out = args.out or None
         if args.jobs != 1:
-            runs = prereg.run_jobs(args.file, out_dir=out, jobs=args.jobs)
+            runs = prereg.run_jobs(args.file, out_dir=out, jobs=args.jobs, progress=not args.quiet)
         else:
             runs = prereg.run(args.file, out_dir=out, progress=not args.quiet)
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")

@@ -4,8 +4,8 @@ Every start appends ``{"status": "running", "started_at", "launch", "moestack", 
 whether the tree had changes, library versions, device, host}``; when the start ends its
 record says "finished", "failed" (with the error) or "interrupted" (Ctrl-C). A run killed
 outright keeps "running". ``moestack.trainer.train`` records every start, whoever calls it:
-the ``moestack-train`` command adds its command line, overrides and config choices to
-``launch``, the pre-registered runner its study, and a Python caller what it passes.
+the ``moestack-train`` command adds its command line, overrides and config choices
+(``launch``); any other caller gets its process's command line, or passes ``launch`` itself.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -24,6 +25,8 @@ from typing import Any
 
 import moestack
 from moestack.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "provenance.json"
 _PACKAGES = ("torch", "triton", "transformers", "hydra-core", "omegaconf", "wandb", "numpy")
@@ -86,16 +89,19 @@ def start_record(cfg: TrainConfig, launch: dict[str, Any] | None = None) -> dict
     """The record of this start: ``launch`` (how it was started; by default the process's
     command line), moestack's version and commit, the library versions and the device."""
     launch = launch if launch is not None else {"command": [Path(sys.argv[0]).name, *sys.argv[1:]]}
-    return {
+    record = {
         "status": "running",
         "started_at": _now(),
-        **launch,
         "moestack": moestack.__version__,
         **git_state(),
         "versions": versions(),
         **_device(cfg),
         "host": platform.node(),
     }
+    taken = sorted(set(launch) & {*record, "ended_at", "error"})
+    if taken:
+        raise ValueError(f"launch record keys {taken} are the provenance record's own; rename them")
+    return {**launch, **record}
 
 
 def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
@@ -106,12 +112,34 @@ def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
 
 
 def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
-    """The records of the run's earlier starts (a resumed run keeps them)."""
-    try:
-        starts = json.loads((out_dir / PROVENANCE_FILE).read_text())["starts"]
-    except (OSError, ValueError, KeyError, TypeError):
+    """The records of the run's earlier starts (a resumed run keeps them). A file that cannot
+    be read is kept aside as ``provenance.json.bad``, with a warning, and a new one begun."""
+    path = out_dir / PROVENANCE_FILE
+    if not path.exists():
         return []
-    return starts if isinstance(starts, list) else []
+    try:
+        starts = json.loads(path.read_text())["starts"]
+        if not isinstance(starts, list):
+            raise TypeError("'starts' is not a list")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        bad = path.with_name(PROVENANCE_FILE + ".bad")
+        log.warning("%s cannot be read (%s): kept as %s, a new record begins", path, err, bad)
+        os.replace(path, bad)
+        return []
+    return starts
+
+
+@contextlib.contextmanager
+def recorded_start(
+    out_dir: Path, cfg: TrainConfig, launch: dict[str, Any] | None = None
+) -> Iterator[None]:
+    """:func:`recorded` with :func:`start_record`, built on rank 0 only (the others write
+    nothing, and need not ask git or the GPU)."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    with recorded(out_dir, start_record(cfg, launch)):
+        yield
 
 
 @contextlib.contextmanager

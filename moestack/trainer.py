@@ -125,7 +125,7 @@ def train(
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with provenance.recorded(Path(out_dir), provenance.start_record(cfg, launch)):
+    with provenance.recorded_start(Path(out_dir), cfg, launch):
         return _train(cfg, Path(out_dir))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -240,34 +241,43 @@ def _two_seed_study(tmp_path: Path) -> Path:
     return path
 
 
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
+@contextlib.contextmanager
+def held_claim(run_dir: Path):
+    """Another live process holding the run's claim (its flock) while the block runs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir / prereg.CLAIM_FILE)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
 
 
-def test_runner_leaves_claimed_runs_and_takes_over_dead_claims(tmp_path: Path) -> None:
+def test_runner_leaves_held_runs_and_takes_free_claims(tmp_path: Path) -> None:
+    """A run another process holds is left to it; the claim file of a runner that died (its
+    lock is gone with it), empty or not, is taken."""
     path = _two_seed_study(tmp_path)
     runs = tmp_path / "out" / "runs"
-    held = {  # a live runner of this host, a runner of another host, a runner that died
-        "a-s0": {"host": socket.gethostname(), "pid": os.getppid()},
-        "b-s0": {"host": "elsewhere", "pid": _dead_pid()},
-        "baseline-s1": {"host": socket.gethostname(), "pid": _dead_pid()},
-    }
-    for name, holder in held.items():
+    for name, text in (("baseline-s1", '{"host": "gone", "pid": 1}'), ("a-s1", "")):
         (runs / name).mkdir(parents=True)
-        (runs / name / prereg.CLAIM_FILE).write_text(json.dumps(holder))
-    for name, age in (("a-s1", 3600), ("b-s1", 0)):  # half-written: by a dead runner, or now
-        (runs / name).mkdir(parents=True)
-        (runs / name / prereg.CLAIM_FILE).write_text("")
-        os.utime(runs / name / prereg.CLAIM_FILE, (time.time() - age, time.time() - age))
+        (runs / name / prereg.CLAIM_FILE).write_text(text)
     calls: list[tuple[str, bool]] = []
-    prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
-    assert [c[0] for c in calls] == ["baseline-s0", "baseline-s1", "a-s1"]
-    assert (runs / "b-s1" / prereg.CLAIM_FILE).is_file()  # being written: left alone
-    assert (runs / "a-s0" / prereg.CLAIM_FILE).is_file()  # still the live runner's
-    assert (runs / "b-s0" / prereg.CLAIM_FILE).is_file()  # another host: not ours to judge
-    assert not (runs / "baseline-s1" / prereg.CLAIM_FILE).exists()  # taken over, released
+    with held_claim(runs / "a-s0"):
+        assert prereg.claimed(runs / "a-s0") and not prereg.claimed(runs / "a-s1")
+        prereg.run(path, tmp_path / "out", train_fn=_fake_train(calls), progress=False)
+        assert prereg.claimed(runs / "a-s0")  # still the other process's
+    assert [c[0] for c in calls] == ["baseline-s0", "b-s0", "baseline-s1", "a-s1", "b-s1"]
+    assert not any(prereg.claimed(d) for d in runs.iterdir())  # every claim released
+    mine = json.loads((runs / "a-s1" / prereg.CLAIM_FILE).read_text())
+    assert mine == {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
@@ -293,7 +303,7 @@ def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
     assert [w.exitcode for w in workers] == [0, 0]
     names = sorted(trained.read_text().split())
     assert names == sorted(f"{arm}-s{seed}" for arm in ("baseline", "a", "b") for seed in (0, 1))
-    assert not list((tmp_path / "out" / "runs").glob(f"*/{prereg.CLAIM_FILE}"))
+    assert not any(prereg.claimed(d) for d in (tmp_path / "out" / "runs").iterdir())
 
 
 def test_status_counts_runs_by_state_and_shows_no_results(tmp_path: Path, capsys) -> None:
@@ -305,13 +315,11 @@ def test_status_counts_runs_by_state_and_shows_no_results(tmp_path: Path, capsys
         record = {"study_sha256": "x", "started_at": "2026-01-01T10:00:00+00:00",
                   "finished_at": f"2026-01-01T10:0{minutes}:00+00:00"}  # fmt: skip
         (runs / name / prereg.RUN_FILE).write_text(json.dumps(record))
-    (runs / "baseline-s1").mkdir()  # running: a live runner's claim
-    claim = {"host": socket.gethostname(), "pid": os.getppid()}
-    (runs / "baseline-s1" / prereg.CLAIM_FILE).write_text(json.dumps(claim))
     ckpt = runs / "a-s1" / "checkpoints" / "step_000002"  # interrupted
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_text(json.dumps({"step": 2}))
-    result = prereg.status(path, tmp_path / "out")
+    with held_claim(runs / "baseline-s1"):  # running: a live runner's claim
+        result = prereg.status(path, tmp_path / "out")
     assert result["total"] == {"finished": 3, "running": 1, "interrupted": 1, "waiting": 1}
     assert result["arms"]["a"] == {"finished": 1, "running": 0, "interrupted": 1, "waiting": 0}
     assert result["median_run_s"] == 240.0  # 3, 4 and 5 minutes
@@ -476,7 +484,7 @@ def test_jobs_train_a_study_with_several_runner_processes(tmp_path: Path) -> Non
     assert {r["status"] for r in records} == {"finished"}
     assert sorted(p.name for p in (tmp_path / "out").glob("runner-*.log")) == [
         "runner-0.log", "runner-1.log"]  # fmt: skip
-    assert not list((tmp_path / "out" / "runs").glob(f"*/{prereg.CLAIM_FILE}"))
+    assert not any(prereg.claimed(d) for d in (tmp_path / "out" / "runs").iterdir())
 
 
 def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:

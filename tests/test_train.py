@@ -114,6 +114,13 @@ def test_launch_record_is_kept_and_a_failed_start_says_why(tmp_path):
     (start,) = json.loads((tmp_path / "provenance.json").read_text())["starts"]
     assert start["api"] == "notebook" and "command" not in start
     assert start["status"] == "failed" and "holds no checkpoint" in start["error"]
+    with pytest.raises(ValueError, match="status"):  # the record's own keys are refused
+        train(small_config(steps=5), tmp_path / "b", launch={"status": "mine"})
+    (tmp_path / "provenance.json").write_text("{not json")  # unreadable: kept aside
+    with pytest.raises(MoestackError):
+        train(small_config(steps=5, resume=True), tmp_path)
+    assert (tmp_path / "provenance.json.bad").read_text() == "{not json"
+    assert len(json.loads((tmp_path / "provenance.json").read_text())["starts"]) == 1
 
 
 def test_offload_with_bf16_device_weights_tracks_fp32_and_resumes(tmp_path, monkeypatch):

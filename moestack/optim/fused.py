@@ -54,6 +54,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ORDER = {"auto": ("native", "compile"), "native": ("native",), "compile": ("compile",)}
 _MIN_COMPILED = 16  # slices shorter than this run the eager formula (no 0/1 specialisation)
 _COMPILE_HINT = 1 << 18  # elements of the slice each dtype combination is first compiled for
+_PREPARED_KEPT = 16  # prepared pointer arrays kept per optimizer (one per param group in use)
 
 Kernel = Callable[[Sequence[Seg]], None]
 Combo = tuple[torch.dtype, torch.dtype, torch.dtype | None]  # (grad, moments, out or None)
@@ -108,9 +109,13 @@ def step_formula(x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None,
 
 def join_master(hi: Tensor, lo: Tensor) -> Tensor:
     """The fp32 master weights of a split master: the bf16 weights ``hi`` and the int16
-    remainders ``lo`` (bits(x) - bits(hi) << 16), exactly."""
-    bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
-    return bits.view(torch.float32)
+    remainders ``lo`` (bits(x) - bits(hi) << 16), exactly. A negative remainder of a zero
+    weight (the weight was set to zero from outside since its remainder was computed; it
+    would join to a NaN) counts as 0."""
+    high = hi.view(torch.int16).to(torch.int32) << 16
+    low = lo.to(torch.int32)
+    low = torch.where(((high & 0x7FFFFFFF) == 0) & (low < 0), 0, low)
+    return (high + low).view(torch.float32)
 
 
 def split_master(x: Tensor, hi: Tensor) -> Tensor:
@@ -118,8 +123,8 @@ def split_master(x: Tensor, hi: Tensor) -> Tensor:
     ``x``. Nearest-even rounding leaves remainders in [-0x8000, 0x8000]; the one that int16
     cannot hold, +0x8000 (an exact tie rounded down), becomes 0x7fff: that master weight moves
     one ulp (2^-24 relative) towards its bf16 weight, to which it still rounds. A NaN's
-    remainder is the low 16 bits of the difference: its bf16 weight is 0x7fc0, and every
-    remainder joins it to a NaN."""
+    remainder is the low 16 bits of the difference (its bf16 weight is a NaN, and so is every
+    join with it; the kernel writes 0x7fc0 there, torch's ``copy_`` may write another NaN)."""
     hi.copy_(x)
     rem = x.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
     return rem.clamp_(max=0x7FFF).to(torch.int16)
@@ -267,7 +272,7 @@ class FusedHostStep:
             self._combos = {(torch.float32, moment_dtype, self._out_dtype(p)) for p in params}
         self.kernel: Kernel | None = None
         self.split = self._split_master(params)
-        self._prepared: tuple[tuple[Any, ...], native.Prepared] | None = None  # (where, arrays)
+        self._prepared: dict[tuple[Any, ...], native.Prepared] = {}  # by _where: one a group
 
     @classmethod
     def create(
@@ -341,10 +346,14 @@ class FusedHostStep:
             self.kernel(self._segs(spans, params, host, grads, coefs))
             return
         key = self._where(spans, params, host, grads)
-        if self._prepared is None or self._prepared[0] != key:  # the slices moved: rebuild
-            segs = self._segs(spans, params, host, grads, coefs)
-            self._prepared = (key, self.kernel.prepare(segs))
-        self.kernel.run(self._prepared[1], coefs)
+        prepared = self._prepared.get(key)
+        if prepared is None:  # new slices, or they moved: rebuild
+            if len(self._prepared) >= _PREPARED_KEPT:
+                self._prepared.clear()
+            prepared = self._prepared[key] = self.kernel.prepare(
+                self._segs(spans, params, host, grads, coefs)
+            )
+        self.kernel.run(prepared, coefs)
 
     def _segs(
         self,

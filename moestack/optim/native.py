@@ -88,8 +88,12 @@ inline void put(uint16_t* p, int64_t i, float f) { p[i] = narrow(f); }
 // lo = bits(x) - bits(hi) << 16, which nearest-even rounding keeps in [-0x8000, 0x8000]. The
 // one value int16 cannot hold, +0x8000 (an exact tie rounded down to an even hi), is stored
 // as 0x7fff: the master moves one ulp towards hi, which still rounds to hi.
+// A remainder below zero cannot belong to a zero hi (it would cross the sign and join to a
+// NaN): that happens when the weights were written to from outside since the last step
+// (direct mode, where hi is the parameter), and the remainder is taken as 0.
 inline float join(uint16_t hi, int16_t lo) {
-  const uint32_t u = (uint32_t(hi) << 16) + uint32_t(int32_t(lo));
+  const int32_t l = (hi & 0x7fffu) == 0 && lo < 0 ? 0 : int32_t(lo);
+  const uint32_t u = (uint32_t(hi) << 16) + uint32_t(l);
   float f;
   std::memcpy(&f, &u, 4);
   return f;
@@ -160,7 +164,9 @@ inline void store16(uint16_t* p, __m512 f) {
 inline __m512 join16(const uint16_t* hi, const int16_t* lo) {  // as join()
   const __m512i h = _mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi))), 16);
-  const __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+  __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+  const __mmask16 zero = _mm512_testn_epi32_mask(h, _mm512_set1_epi32(0x7fffffff));
+  l = _mm512_mask_max_epi32(l, zero, l, _mm512_setzero_si512());
   return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
 }
 inline void split16(uint16_t* hi, int16_t* lo, __m512 x) {  // as narrow(), remainder_of()

@@ -210,6 +210,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grad_scale = 1.0  # the clipping factor the fused step applies to the gradients
         self._idle: set[int] = set()  # indices (into the plan's units) of owned units skipped now
         self._active = [False] * len(self._params)
+        self._stamps: dict[int, tuple[int, int]] = {}  # direct split: (address, version) seen
 
     def _setup_transfers(self) -> None:
         """The side stream, the device scratch and, with overlap, the gradient hooks."""
@@ -375,6 +376,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         first = [i for i, a in enumerate(self._active) if a and self._steps[i] == 0]
         if first and not self.in_place:
             self._init_master(first)
+        if self._split and self._direct:
+            self._take_outside_writes()
         for i, a in enumerate(self._active):
             if a:
                 self._steps[i] += 1
@@ -388,6 +391,21 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _split(self) -> bool:
         """The master weights are the bf16 weights plus remainders (:mod:`.split_master`)."""
         return self._fused is not None and self._fused.split
+
+    def _take_outside_writes(self) -> None:
+        """Direct split mode: a parameter written in place since the last step (its version
+        moved: ``nn.init``, ``p.copy_`` under no_grad, ``model.load_state_dict``) or replaced
+        becomes its master weight exactly (remainders 0). A write through ``p.data`` is not
+        versioned: it becomes the master to within half a bf16 ulp (the old remainders)."""
+        stamps = [(p.data_ptr(), p._version) for p in self._params]
+        changed = [
+            i
+            for i, stamp in enumerate(stamps)
+            if self._steps[i] > 0 and self._stamps.get(i, stamp) != stamp
+        ]
+        if changed:
+            split_master.init(self._host, self._plan, self._params, changed, direct=True)
+        self._stamps = dict(enumerate(stamps))
 
     def _init_master(self, pidxs: list[int]) -> None:
         """Copy the current parameters into the master buffer (first step / load)."""
@@ -524,6 +542,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         if init_master and not self.in_place:
             self._init_master(init_master)
+        self._stamps = {i: (p.data_ptr(), p._version) for i, p in enumerate(self._params)}
         self._grads_ready = False
 
     def _load_param(self, i: int, state: dict[str, Any], targets: dict[str, Tensor]) -> bool | None:

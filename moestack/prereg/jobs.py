@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -49,15 +50,27 @@ def run_jobs(
         try:
             _watch(procs, runs, spec.study, poll_s, progress)
         except BaseException:  # Ctrl-C: the runners stop too (their runs resume later)
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait()
+            _stop(procs)
             raise
     failed = [f"{logs[i]} (exit {p.returncode})" for i, p in enumerate(procs) if p.returncode]
     if failed:
         raise MoestackError(f"{len(failed)} of {jobs} runners failed; see {', '.join(failed)}")
     return [r.run_dir for r in runs]
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """Interrupt the runners as Ctrl-C does (they stop between or inside runs and free their
+    claims), then kill any still running after ``grace_s``."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _watch(

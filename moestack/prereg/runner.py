@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,11 +28,10 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "CLAIM_FILE", "SUMMARY_FILE", "check_runs", "claim", "claimed", "default_out_dir",
-    "is_finished", "plan", "run",
+    "is_finished", "plan", "release", "run",
 ]  # fmt: skip
 
-CLAIM_FILE = "claim.json"  # in a run's folder while a runner trains it
-_UNREADABLE_CLAIM_S = 60.0  # an unreadable claim older than this is a dead runner's
+CLAIM_FILE = "claim.json"  # in a run's folder; locked (flock) while a runner trains it
 
 
 def plan(spec: Prereg, out_dir: Path | str | None = None) -> list[RunSpec]:
@@ -94,68 +93,61 @@ def run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=spec.study, unit="run")
-    elsewhere = []
     try:
-        for item in todo:
-            if not _claimed_and_trained(item, info, train_fn, bar):
-                elsewhere.append(item.name)
+        held = [item for item in todo if not _claimed_and_trained(item, info, train_fn, bar)]
+        # a second pass: a run skipped in the instant `prereg status` looked at its claim
+        held = [item for item in held if not _claimed_and_trained(item, info, train_fn, bar)]
     finally:
         if bar is not None:
             bar.close()
-    if elsewhere:
-        log.info("%d runs were being trained by other runners: %s", len(elsewhere), elsewhere)
+    if held:
+        names = [item.name for item in held]
+        log.warning("%d runs are being trained by other runners: %s", len(names), names)
     return [r.run_dir for r in runs]
 
 
-def claim(run_dir: Path) -> bool:
-    """Take the run for this process: create ``claim.json`` (host, pid) only if no live runner
-    holds it, so several ``prereg run`` invocations over the same folder share the grid.
+def claim(run_dir: Path) -> int | None:
+    """Take the run for this process: an exclusive ``flock`` on ``claim.json`` (which names
+    the host and pid), held until :func:`release`; None when another runner holds it. So
+    several ``prereg run`` invocations over the same folder share the grid.
 
-    A claim left by a dead process of this host is taken over; one from another host is
-    respected (remove its claim.json by hand if that runner is gone)."""
-    target = run_dir / CLAIM_FILE
+    The operating system drops the lock when its process ends, however it ends, so the claim
+    of a runner that was killed is free at once (on a network file system, as far as it
+    supports ``flock``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / CLAIM_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
     mine = {"host": socket.gethostname(), "pid": os.getpid()}
-    for _ in range(2):
-        try:
-            fd = os.open(target, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if not _stale(target, mine["host"]):
-                return False
-            log.info("%s: taking over the claim of a runner that is gone", run_dir.name)
-            target.unlink(missing_ok=True)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-        return True
-    return False
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(mine).encode())
+    return fd
+
+
+def release(fd: int) -> None:
+    """Give a run claimed with :func:`claim` back (its claim.json stays, unlocked)."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 def claimed(run_dir: Path) -> bool:
-    """Whether a live runner holds the run (a claim that is not a dead runner's)."""
-    target = Path(run_dir) / CLAIM_FILE
-    return target.exists() and not _stale(target, socket.gethostname())
-
-
-def _stale(target: Path, host: str) -> bool:
-    """True when the claim's runner was a process of this host that no longer exists, or the
-    claim has stayed unreadable for a minute (its runner died while writing it)."""
+    """Whether a runner holds the run now. Asks with a shared lock, taken and dropped at
+    once: a runner that tries to claim the run in that instant skips it, and takes it on its
+    second pass (:func:`run`)."""
+    path = Path(run_dir) / CLAIM_FILE
     try:
-        holder = json.loads(target.read_text())
-        pid = int(holder["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        try:  # being written right now, or left half-written: wait a minute before taking it
-            return time.time() - target.stat().st_mtime > _UNREADABLE_CLAIM_S
-        except OSError:
-            return False
-    if holder.get("host") != host:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
         return True
-    except PermissionError:
-        return False
+    finally:
+        os.close(fd)  # closing drops the shared lock if it was taken
     return False
 
 
@@ -172,7 +164,8 @@ def _claimed_and_trained(
     bar: Any,
 ) -> bool:
     """Train the run if no other runner holds or finished it; False when another runner has it."""
-    if not claim(item.run_dir):
+    fd = claim(item.run_dir)
+    if fd is None:
         return False
     try:
         if is_finished(item.run_dir):  # finished by another runner since the plan was made
@@ -184,7 +177,7 @@ def _claimed_and_trained(
             check_run(item.run_dir, info, resume=True)
         _train_one(item, resume, info, train_fn, bar)
     finally:
-        (item.run_dir / CLAIM_FILE).unlink(missing_ok=True)
+        release(fd)
     return True
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack import checkpoint
+from moestack.errors import MoestackError
 from moestack.prereg.provenance import read_run_record
 from moestack.prereg.runner import claimed, is_finished, plan
 from moestack.prereg.spec import load
@@ -29,12 +30,13 @@ def _state(run_dir: Path) -> str:
 
 
 def _wall_s(run_dir: Path) -> float | None:
-    """Start to finish of a finished run, from its run record (None if unknown)."""
+    """Start to finish of a finished run, from its run record (None if unknown; a resumed
+    run's includes the time it stood still, so the estimate errs long)."""
     try:
         record = read_run_record(run_dir) or {}
         start = dt.datetime.fromisoformat(record["started_at"])
         end = dt.datetime.fromisoformat(record["finished_at"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, MoestackError):  # no, or a malformed, record
         return None
     return (end - start).total_seconds()
 

@@ -461,3 +461,66 @@ def test_split_and_plain_master_checkpoints_load_into_each_other() -> None:
                 assert torch.equal(torch.as_tensor(t), torch.as_tensor(want)), (key, name)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), weights[n]), n
+
+
+def test_split_master_takes_writes_to_the_weights() -> None:
+    """Direct split mode: the parameters are the master's bf16 half, so writes to them between
+    steps become the master (exactly when made on the parameter, as nn.init and
+    load_state_dict do); a write of zeros through .data never joins a stale remainder into a
+    NaN. Against torch AdamW on fp32 copies that get the same writes."""
+    _native_kernel()
+    gen = torch.Generator().manual_seed(6)
+    w = torch.nn.Parameter(torch.randn(4096, generator=gen).bfloat16())
+    ref = torch.nn.Parameter(w.detach().float())
+    opt = OffloadAdamW([("w", w)], lr=1e-3, weight_decay=0.0, fused_step="native")
+    ref_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+    assert opt.host_buffers()["master"].dtype == torch.int16
+
+    def step() -> None:
+        g = torch.randn(4096, generator=gen)
+        w.grad, ref.grad = g.bfloat16(), g.bfloat16().float()
+        opt.step()
+        ref_opt.step()
+
+    for _ in range(3):
+        step()
+    with torch.no_grad():  # a write on the parameter: versioned
+        torch.nn.init.normal_(w, std=0.5, generator=gen)
+        ref.copy_(w.float())
+    step()
+    master = next(iter(opt.state_dict()["state"].values()))["master"]
+    assert_rel_close(master, ref.detach(), "after nn.init", 1e-6)
+    w.data.zero_()  # through .data: not versioned, the remainders are stale
+    with torch.no_grad():
+        ref.zero_()
+    step()
+    master = next(iter(opt.state_dict()["state"].values()))["master"]
+    assert not master.isnan().any() and not w.isnan().any()
+    assert_rel_close(master, ref.detach(), "after .data.zero_()", 1e-6)
+
+
+def test_prepared_slices_are_kept_per_param_group(monkeypatch) -> None:
+    """Two param groups (decay and no decay, as the trainer builds them): the pointer arrays
+    of each are built once while the gradients stay where they are, and rebuilt when a new
+    .grad tensor lands elsewhere."""
+    kernel = _native_kernel()
+    model = TinyMoE().to(torch.bfloat16)
+    opt = OffloadAdamW(groups(model), lr=LR, fused_step="native")
+    assert len(opt.param_groups) == 2
+    calls = []
+    prepare = type(kernel).prepare
+    monkeypatch.setattr(
+        type(kernel), "prepare", staticmethod(lambda segs: calls.append(1) or prepare(segs))
+    )
+    grads = None
+    for step in range(4):
+        micro_step(model, step)
+        if grads is None:
+            grads = {n: p.grad for n, p in model.named_parameters()}
+        else:  # the same tensors: copy this step's gradients into them
+            for n, p in model.named_parameters():
+                grads[n].copy_(p.grad)
+                p.grad = grads[n]
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert len(calls) == 2  # one per group
