@@ -2,8 +2,8 @@
 
 Why: torch.compile's CPU code for the fused step (:mod:`moestack.optim.fused`) reloads its
 scalar coefficients on every vector iteration (its pointers are not ``restrict``) and cannot
-stream its stores: 0.67x of torch's fused in-place AdamW on one thread of the development
-machine, where this kernel reaches 1.13x (BENCHMARKS.md). With AVX-512 the loops are
+stream its stores: 0.68x of torch's fused in-place AdamW on one thread of the development
+machine, where this kernel reaches 1.11x (BENCHMARKS.md). With AVX-512 the loops are
 written with intrinsics: the split master's join and split (bf16 weights plus int16
 remainders, :mod:`moestack.optim.split_master`), non-temporal stores for narrowed weights
 that are written once and not read first, and software prefetch on every stream; otherwise
