@@ -98,10 +98,22 @@ def start_record(cfg: TrainConfig, launch: dict[str, Any] | None = None) -> dict
         **_device(cfg),
         "host": platform.node(),
     }
-    taken = sorted(set(launch) & {*record, "ended_at", "error"})
+    check_launch(launch)
+    return {**launch, **record}
+
+
+RECORD_KEYS = frozenset(
+    ("status", "started_at", "ended_at", "error", "moestack", "git_commit", "git_dirty",
+     "versions", "device", "device_name", "cuda", "host")
+)  # fmt: skip
+
+
+def check_launch(launch: dict[str, Any] | None) -> None:
+    """Raise ValueError when ``launch`` uses a key of the record's own (:data:`RECORD_KEYS`);
+    cheap, so every rank checks it before any work."""
+    taken = sorted(set(launch or {}) & RECORD_KEYS)
     if taken:
         raise ValueError(f"launch record keys {taken} are the provenance record's own; rename them")
-    return {**launch, **record}
 
 
 def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
@@ -113,7 +125,8 @@ def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
 
 def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
     """The records of the run's earlier starts (a resumed run keeps them). A file that cannot
-    be read is kept aside as ``provenance.json.bad``, with a warning, and a new one begun."""
+    be read is kept aside as ``provenance.json.bad-<UTC time>``, with a warning, and a new one
+    begun."""
     path = out_dir / PROVENANCE_FILE
     if not path.exists():
         return []
@@ -122,7 +135,8 @@ def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
         if not isinstance(starts, list):
             raise TypeError("'starts' is not a list")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        bad = path.with_name(PROVENANCE_FILE + ".bad")
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        bad = path.with_name(f"{PROVENANCE_FILE}.bad-{stamp}")
         log.warning("%s cannot be read (%s): kept as %s, a new record begins", path, err, bad)
         os.replace(path, bad)
         return []

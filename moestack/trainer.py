@@ -123,6 +123,7 @@ def train(
     Each start (new or resumed) is recorded in ``<out_dir>/provenance.json`` with ``launch``
     (how it was started; default: the process's command line), see ``moestack.provenance``.
     """
+    provenance.check_launch(launch)  # on every rank, before any of them starts
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     with provenance.recorded_start(Path(out_dir), cfg, launch):

@@ -280,6 +280,19 @@ def test_runner_leaves_held_runs_and_takes_free_claims(tmp_path: Path) -> None:
     assert mine == {"host": socket.gethostname(), "pid": os.getpid()}
 
 
+def test_a_claim_file_deleted_while_held_is_claimed_anew(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = prereg.claim(run_dir)
+    assert first is not None and prereg.claim(run_dir) is None  # held (also within a process)
+    (run_dir / prereg.CLAIM_FILE).unlink()  # by hand, or by a runner of an older version
+    second = prereg.claim(run_dir)
+    assert second is not None  # the new file's lock: the old holder no longer counts
+    assert prereg.claimed(run_dir)
+    prereg.release(first)
+    prereg.release(second)
+    assert not prereg.claimed(run_dir)
+
+
 def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
     """Two runner processes over one folder (hydra's global state keeps runners out of threads)."""
     path = _two_seed_study(tmp_path)

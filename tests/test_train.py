@@ -114,12 +114,16 @@ def test_launch_record_is_kept_and_a_failed_start_says_why(tmp_path):
     (start,) = json.loads((tmp_path / "provenance.json").read_text())["starts"]
     assert start["api"] == "notebook" and "command" not in start
     assert start["status"] == "failed" and "holds no checkpoint" in start["error"]
+    from moestack import provenance
+
+    assert set(provenance.start_record(small_config(), {})) <= provenance.RECORD_KEYS
     with pytest.raises(ValueError, match="status"):  # the record's own keys are refused
         train(small_config(steps=5), tmp_path / "b", launch={"status": "mine"})
     (tmp_path / "provenance.json").write_text("{not json")  # unreadable: kept aside
     with pytest.raises(MoestackError):
         train(small_config(steps=5, resume=True), tmp_path)
-    assert (tmp_path / "provenance.json.bad").read_text() == "{not json"
+    (bad,) = tmp_path.glob("provenance.json.bad-*")
+    assert bad.read_text() == "{not json"
     assert len(json.loads((tmp_path / "provenance.json").read_text())["starts"]) == 1
 
 

@@ -211,6 +211,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._idle: set[int] = set()  # indices (into the plan's units) of owned units skipped now
         self._active = [False] * len(self._params)
         self._stamps: dict[int, tuple[int, int]] = {}  # direct split: (address, version) seen
+        self._loaded_prints: dict[int, tuple[int, ...]] = {}  # direct split: weights as loaded
 
     def _setup_transfers(self) -> None:
         """The side stream, the device scratch and, with overlap, the gradient hooks."""
@@ -396,16 +397,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Direct split mode: a parameter written in place since the last step (its version
         moved: ``nn.init``, ``p.copy_`` under no_grad, ``model.load_state_dict``) or replaced
         becomes its master weight exactly (remainders 0). A write through ``p.data`` is not
-        versioned: it becomes the master to within half a bf16 ulp (the old remainders)."""
+        versioned: it becomes the master to within half a bf16 ulp (the old remainders).
+        Weights written back unchanged after a ``load_state_dict`` of this optimizer (a
+        model loaded after it) keep the loaded remainders (:func:`split_master.fingerprint`)."""
         stamps = [(p.data_ptr(), p._version) for p in self._params]
-        changed = [
-            i
-            for i, stamp in enumerate(stamps)
-            if self._steps[i] > 0 and self._stamps.get(i, stamp) != stamp
-        ]
+        changed = []
+        for i, stamp in enumerate(stamps):
+            if self._steps[i] == 0 or self._stamps.get(i, stamp) == stamp:
+                continue
+            loaded = self._loaded_prints.get(i)
+            if loaded is None or split_master.fingerprint(self._params[i]) != loaded:
+                changed.append(i)
         if changed:
             split_master.init(self._host, self._plan, self._params, changed, direct=True)
         self._stamps = dict(enumerate(stamps))
+        self._loaded_prints = {}
 
     def _init_master(self, pidxs: list[int]) -> None:
         """Copy the current parameters into the master buffer (first step / load)."""
@@ -509,6 +515,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         The format is described in :mod:`moestack.optim.state_format`.
         """
         transfer.synchronize(self._side)
+        if self._split and self._direct:  # writes since the last step count, as a step would
+            self._take_outside_writes()
         master = self._host.master
         if self._split:  # saved as fp32, as without the split (one process: nothing to gather)
             master = split_master.joined(self._host, self._plan, self._params, self._direct)
@@ -543,6 +551,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if init_master and not self.in_place:
             self._init_master(init_master)
         self._stamps = {i: (p.data_ptr(), p._version) for i, p in enumerate(self._params)}
+        if self._split and self._direct:
+            self._loaded_prints = {
+                i: split_master.fingerprint(p) for i, p in enumerate(self._params)
+            }
         self._grads_ready = False
 
     def _load_param(self, i: int, state: dict[str, Any], targets: dict[str, Tensor]) -> bool | None:

@@ -70,6 +70,7 @@ from moestack.prereg.runner import (
     default_out_dir,
     is_finished,
     plan,
+    release,
     run,
 )
 from moestack.prereg.spec import (
@@ -147,6 +148,7 @@ __all__ = [
     "read_run_record",
     "render_markdown",
     "render_power",
+    "release",
     "render_status",
     "run",
     "run_jobs",

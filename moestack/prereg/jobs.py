@@ -45,7 +45,12 @@ def run_jobs(
     logs = [root / f"runner-{i}.log" for i in range(jobs)]
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(open(p, "a")) for p in logs]
-        procs = [subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT) for f in files]
+        # their own sessions: Ctrl-C reaches this process only, which then stops each runner
+        # once (a second SIGINT would cut a runner's own clean-up short)
+        procs = [
+            subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            for f in files
+        ]
         log.info("study %s: %d runners (logs: %s)", spec.study, jobs, root / "runner-*.log")
         try:
             _watch(procs, runs, spec.study, poll_s, progress)

@@ -111,20 +111,33 @@ def claim(run_dir: Path) -> int | None:
     the host and pid), held until :func:`release`; None when another runner holds it. So
     several ``prereg run`` invocations over the same folder share the grid.
 
-    The operating system drops the lock when its process ends, however it ends, so the claim
-    of a runner that was killed is free at once (on a network file system, as far as it
-    supports ``flock``)."""
+    The operating system drops the lock when the last descriptor of it closes: when the
+    runner ends, however it ends, unless a child it forked without exec still runs (on a
+    network file system, as far as it supports ``flock``). A claim.json deleted while held
+    is noticed (the lock is on the old file) and claimed anew."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / CLAIM_FILE, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    mine = {"host": socket.gethostname(), "pid": os.getpid()}
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(mine).encode())
-    return fd
+    path = run_dir / CLAIM_FILE
+    for _ in range(3):
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:  # deleted under us: again
+                release(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode())
+        except BaseException:
+            release(fd)
+            raise
+        return fd
+    return None
 
 
 def release(fd: int) -> None:
