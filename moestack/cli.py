@@ -353,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
             args.func(args)
     except (MoestackError, ValueError, OSError, ImportError) as err:
         _error(args.verb, err)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (runs resume where they stopped)
+        print(f"moestack {args.verb}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def run(
     finally:
         if bar is not None:
             bar.close()
+    held = [item for item in held if not is_finished(item.run_dir)]  # others finished them
     if held:
         names = [item.name for item in held]
         log.warning("%d runs are being trained by other runners: %s", len(names), names)
