@@ -146,6 +146,8 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_prereg(args: argparse.Namespace) -> None:
     from moestack import prereg
 
+    if args.action != "analyze" and args.interim:
+        raise MoestackError(f"--interim belongs to `prereg analyze`, not `{args.action}`")
     if args.action != "run" and (args.jobs != 1 or args.quiet):
         raise MoestackError(f"--jobs and --quiet belong to `prereg run`, not `{args.action}`")
     if args.action != "lock" and (args.force or args.amend is not None):
@@ -173,7 +175,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     elif args.action == "status":
         print(prereg.render_status(prereg.status(args.file, out_dir=args.out or None)))
     else:
-        report = prereg.analyze(args.file, out_dir=args.out or None, report_dir=args.report or None)
+        report = prereg.analyze(
+            args.file, out_dir=args.out or None, report_dir=args.report or None,
+            interim=args.interim,
+        )  # fmt: skip
         print(Path(report).read_text())
         print(f"report: {report}")
 
@@ -291,6 +296,12 @@ def _prereg_parser(verbs: Any) -> None:
         help="run: runner processes sharing the grid, one progress bar (default: 1)",
     )
     p.add_argument("--quiet", action="store_true", help="run: no progress bar (default: off)")
+    p.add_argument(
+        "--interim",
+        action="store_true",
+        help="analyze: a study with unfinished runs, labelled as an interim look, not a "
+        "verdict (default: refused)",
+    )
     p.add_argument(
         "--force", action="store_true", help="lock: re-lock before any run exists (default: off)"
     )

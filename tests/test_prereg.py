@@ -423,7 +423,10 @@ def test_ci_decision_and_missing_runs(tmp_path: Path) -> None:
     prereg.lock(path)
     spec = prereg.load(path)
     fake_runs(spec, tmp_path / "out", skip=("b-s0", "b-s1", "b-s2", "baseline-s2"))
-    report = prereg.analyze(path, tmp_path / "out", evaluate=False)
+    with pytest.raises(MoestackError, match="4 of 9 registered runs are not finished"):
+        prereg.analyze(path, tmp_path / "out", evaluate=False)  # an early look is refused
+    report = prereg.analyze(path, tmp_path / "out", evaluate=False, interim=True)
+    assert report.read_text().startswith("> **Interim look: 5 of 9 registered runs finished")
     hyp = {
         h["id"]: h for h in json.loads((report.parent / "results.json").read_text())["hypotheses"]
     }

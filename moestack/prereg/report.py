@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moestack.errors import MoestackError
 from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.locking import verify
 from moestack.prereg.power import power_lines
-from moestack.prereg.runner import check_runs, default_out_dir, plan
+from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
 from moestack.prereg.spec import Prereg, load
 
 log = logging.getLogger(__name__)
@@ -371,18 +372,30 @@ def analyze(
     report_dir: Path | str | None = None,
     *,
     evaluate: bool = True,
+    interim: bool = False,
 ) -> Path:
     """Check the lock and the study hash every finished run was trained under, evaluate the
     runs, write the report; returns report.md.
 
     ``out_dir`` is the study directory given to ``run``; the report goes to ``report_dir``
     (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
-    hit_rate_vs_capacity.png. Missing runs are listed and make hypotheses "incomplete".
+    hit_rate_vs_capacity.png. A study with unfinished runs is refused unless ``interim``:
+    then the report says on its first line that it is an interim look, not a verdict, and
+    the missing runs make hypotheses "incomplete".
     """
     record = verify(path)
     spec = load(path)
     root = Path(out_dir) if out_dir else default_out_dir(spec)
-    trained = check_runs(plan(spec, root), record)  # refuses runs the lock does not cover
+    grid = plan(spec, root)
+    trained = check_runs(grid, record)  # refuses runs the lock does not cover
+    unfinished = [r.name for r in grid if not is_finished(r.run_dir)]
+    if unfinished and not interim:
+        raise MoestackError(
+            f"{spec.study}: {len(unfinished)} of {len(grid)} registered runs are not finished "
+            f"({', '.join(unfinished[:3])}{', ...' if len(unfinished) > 3 else ''}); analyse "
+            f"once all are done (`moestack prereg status {path}`), or pass --interim for a "
+            "report labelled as an interim look (stopping on what it shows is optional stopping)"
+        )
     report = Path(report_dir) if report_dir else root / "report"
     report.mkdir(parents=True, exist_ok=True)
     records = collect(spec, root, evaluate=evaluate)
@@ -396,6 +409,9 @@ def analyze(
     ]
     results = {
         "study": spec.study,
+        "interim": {"finished": len(grid) - len(unfinished), "registered": len(grid)}
+        if unfinished
+        else None,
         "lock": {k: v for k, v in record.items() if k != "path"},
         "analysis": dataclasses.asdict(spec.analysis),
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -407,6 +423,14 @@ def analyze(
     }
     (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
     md = report / "report.md"
-    md.write_text(render_markdown(spec, record, records, hypotheses, figures))
+    text = render_markdown(spec, record, records, hypotheses, figures)
+    if unfinished:
+        banner = (
+            f"> **Interim look: {len(grid) - len(unfinished)} of {len(grid)} registered runs "
+            "finished. Not a verdict**: the decision rules hold for the registered seeds only, "
+            "and stopping on what an interim look shows is optional stopping."
+        )
+        text = banner + "\n\n" + text
+    md.write_text(text)
     log.info("report: %s", md)
     return md
