@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,7 @@ def claim(run_dir: Path) -> int | None:
     for _ in range(3):
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_soon(fd)
         except BlockingIOError:
             os.close(fd)
             return None
@@ -139,6 +140,19 @@ def claim(run_dir: Path) -> int | None:
             raise
         return fd
     return None
+
+
+def _lock_soon(fd: int, tries: int = 3, wait_s: float = 0.02) -> None:
+    """``flock(LOCK_EX | LOCK_NB)``, tried again after a moment: a ``prereg status`` probe
+    holds a shared lock for microseconds. Raises BlockingIOError when the lock stays held."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(wait_s)
 
 
 def release(fd: int) -> None:
