@@ -110,12 +110,13 @@ def step_formula(x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None,
 def join_master(hi: Tensor, lo: Tensor) -> Tensor:
     """The fp32 master weights of a split master: the bf16 weights ``hi`` and the int16
     remainders ``lo`` (bits(x) - bits(hi) << 16), exactly. A negative remainder of a zero
-    weight (the weight was set to zero from outside since its remainder was computed; it
-    would join to a NaN) counts as 0."""
+    weight, or a positive one of an infinite weight (the weight was written to from outside
+    since its remainder was computed; either would join to a NaN), counts as 0."""
     high = hi.view(torch.int16).to(torch.int32) << 16
     low = lo.to(torch.int32)
-    low = torch.where(((high & 0x7FFFFFFF) == 0) & (low < 0), 0, low)
-    return (high + low).view(torch.float32)
+    mag = high & 0x7FFFFFFF
+    invalid = ((mag == 0) & (low < 0)) | ((mag == 0x7F800000) & (low > 0))
+    return (high + torch.where(invalid, 0, low)).view(torch.float32)
 
 
 def split_master(x: Tensor, hi: Tensor) -> Tensor:

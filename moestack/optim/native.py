@@ -2,8 +2,8 @@
 
 Why: torch.compile's CPU code for the fused step (:mod:`moestack.optim.fused`) reloads its
 scalar coefficients on every vector iteration (its pointers are not ``restrict``) and cannot
-stream its stores: 0.68x of torch's fused in-place AdamW on one thread of the development
-machine, where this kernel reaches 1.11x (BENCHMARKS.md). With AVX-512 the loops are
+stream its stores: 0.69x of torch's fused in-place AdamW on one thread of the development
+machine, where this kernel reaches 1.08x (BENCHMARKS.md). With AVX-512 the loops are
 written with intrinsics: the split master's join and split (bf16 weights plus int16
 remainders, :mod:`moestack.optim.split_master`), non-temporal stores for narrowed weights
 that are written once and not read first, and software prefetch on every stream; otherwise
@@ -88,11 +88,12 @@ inline void put(uint16_t* p, int64_t i, float f) { p[i] = narrow(f); }
 // lo = bits(x) - bits(hi) << 16, which nearest-even rounding keeps in [-0x8000, 0x8000]. The
 // one value int16 cannot hold, +0x8000 (an exact tie rounded down to an even hi), is stored
 // as 0x7fff: the master moves one ulp towards hi, which still rounds to hi.
-// A remainder below zero cannot belong to a zero hi (it would cross the sign and join to a
-// NaN): that happens when the weights were written to from outside since the last step
-// (direct mode, where hi is the parameter), and the remainder is taken as 0.
+// A remainder below zero cannot belong to a zero hi, nor one above zero to an infinite hi
+// (either would join to a NaN): that happens when the weights were written to from outside
+// since the last step (direct mode, where hi is the parameter); the remainder is taken as 0.
 inline float join(uint16_t hi, int16_t lo) {
-  const int32_t l = (hi & 0x7fffu) == 0 && lo < 0 ? 0 : int32_t(lo);
+  const uint32_t mag = hi & 0x7fffu;
+  const int32_t l = (mag == 0 && lo < 0) || (mag == 0x7f80u && lo > 0) ? 0 : int32_t(lo);
   const uint32_t u = (uint32_t(hi) << 16) + uint32_t(l);
   float f;
   std::memcpy(&f, &u, 4);
@@ -165,8 +166,11 @@ inline __m512 join16(const uint16_t* hi, const int16_t* lo) {  // as join()
   const __m512i h = _mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi))), 16);
   __m512i l = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
-  const __mmask16 zero = _mm512_testn_epi32_mask(h, _mm512_set1_epi32(0x7fffffff));
+  const __m512i mag = _mm512_and_si512(h, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 zero = _mm512_test_epi32_mask(mag, mag) ^ __mmask16(0xffff);
+  const __mmask16 inf = _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7f800000));
   l = _mm512_mask_max_epi32(l, zero, l, _mm512_setzero_si512());
+  l = _mm512_mask_min_epi32(l, inf, l, _mm512_setzero_si512());
   return _mm512_castsi512_ps(_mm512_add_epi32(h, l));
 }
 inline void split16(uint16_t* hi, int16_t* lo, __m512 x) {  // as narrow(), remainder_of()

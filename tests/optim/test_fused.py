@@ -497,6 +497,14 @@ def test_split_master_takes_writes_to_the_weights() -> None:
     master = next(iter(opt.state_dict()["state"].values()))["master"]
     assert not master.isnan().any() and not w.isnan().any()
     assert_rel_close(master, ref.detach(), "after .data.zero_()", 1e-6)
+    lo = opt.host_buffers()["master"]
+    lo.copy_(torch.randint(-0x8000, 0x8000, lo.shape, generator=gen, dtype=torch.int16))
+    w.data.fill_(float("inf"))  # stale remainders of both signs under infinite weights
+    joined = fused.join_master(w.detach(), lo)  # a negative remainder: a finite value that
+    assert not joined.isnan().any() and torch.isinf(joined[lo >= 0]).all()  # rounds to inf
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert not w.isnan().any()  # a positive remainder counts as 0 in the kernel too
 
 
 def test_prepared_slices_are_kept_per_param_group(monkeypatch) -> None:
