@@ -148,8 +148,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
     if args.action != "analyze" and args.interim:
         raise MoestackError(f"--interim belongs to `prereg analyze`, not `{args.action}`")
-    if args.action != "run" and (args.jobs != 1 or args.quiet):
-        raise MoestackError(f"--jobs and --quiet belong to `prereg run`, not `{args.action}`")
+    if args.action not in ("run", "analyze") and args.jobs != 1:
+        raise MoestackError(f"--jobs belongs to `prereg run` and `analyze`, not `{args.action}`")
+    if args.action != "run" and args.quiet:
+        raise MoestackError(f"--quiet belongs to `prereg run`, not `{args.action}`")
     if args.action != "lock" and (args.force or args.amend is not None):
         raise MoestackError(f"--force and --amend belong to `prereg lock`, not `{args.action}`")
     power_opts = (args.pilot, args.half_width, args.confidence)
@@ -177,7 +179,7 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     else:
         report = prereg.analyze(
             args.file, out_dir=args.out or None, report_dir=args.report or None,
-            interim=args.interim,
+            interim=args.interim, jobs=args.jobs,
         )  # fmt: skip
         print(Path(report).read_text())
         print(f"report: {report}")
@@ -293,7 +295,8 @@ def _prereg_parser(verbs: Any) -> None:
         "--jobs",
         type=int,
         default=1,
-        help="run: runner processes sharing the grid, one progress bar (default: 1)",
+        help="run: runner processes sharing the grid, one progress bar; analyze: processes "
+        "evaluating the runs (default: 1)",
     )
     p.add_argument("--quiet", action="store_true", help="run: no progress bar (default: off)")
     p.add_argument(

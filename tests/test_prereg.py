@@ -473,6 +473,12 @@ def test_end_to_end_micro_study(tmp_path: Path) -> None:
     assert 0 <= run["metrics"]["lru/cap2/hit_rate"] <= 1 and run["metrics"]["perplexity"] > 1
     assert run["metrics"]["lru/cap4/hit_rate"] == 1.0  # 4 slots hold all 4 experts
     assert {h["verdict"] for h in results["hypotheses"]} <= {"pass", "fail"}
+    for cache in (tmp_path / "out" / "runs").glob(f"*/{prereg.EVAL_FILE}"):
+        cache.unlink()  # evaluated again, in two processes: the same report
+    again = prereg.analyze(path, tmp_path / "out", tmp_path / "again", jobs=2)
+    parallel = json.loads((again.parent / "results.json").read_text())
+    assert parallel["hypotheses"] == results["hypotheses"]
+    assert [r["metrics"] for r in parallel["runs"]] == [r["metrics"] for r in results["runs"]]
 
 
 def test_jobs_train_a_study_with_several_runner_processes(tmp_path: Path) -> None:

@@ -111,21 +111,61 @@ def collect(
     for item in plan(spec, out_dir):
         record: dict[str, Any] = {"run": item.name, "arm": item.arm, "seed": item.seed}
         record["run_dir"] = str(item.run_dir)
-        cached = item.run_dir / EVAL_FILE
+        cached = _cached(item.run_dir, key)
         if not is_finished(item.run_dir):
             record["status"] = "missing"
-        elif cached.is_file() and json.loads(cached.read_text()).get("analysis_key") == key:
-            record.update(json.loads(cached.read_text()), status="done")
+        elif cached is not None:
+            record.update(cached, status="done")
         elif evaluate:
-            log.info("%s: evaluating the final checkpoint", item.name)
-            result = evaluate_run(item.run_dir, spec.analysis, corpora)
-            result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
-            cached.write_text(json.dumps(result, indent=2))
-            record.update(result, status="done")
+            record.update(_evaluate(item, spec, key, corpora), status="done")
         else:
             record["status"] = "not evaluated"
         records.append(record)
     return records
+
+
+def evaluate_shard(
+    path: str, out_dir: str | None, shard: int, shards: int, threads: int = 0
+) -> int:
+    """Evaluate and cache the finished, not yet evaluated runs ``shard::shards`` of the study
+    (a worker of ``analyze(jobs=N)``; nothing is aggregated or shown). Returns how many."""
+    from moestack.prereg.spec import load
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    spec = load(path)
+    key = analysis_key(spec)
+    corpora: dict[str, Any] = {}
+    done = 0
+    for item in plan(spec, out_dir)[shard::shards]:
+        if is_finished(item.run_dir) and _cached(item.run_dir, key) is None:
+            _evaluate(item, spec, key, corpora)
+            done += 1
+    return done
+
+
+def _cached(run_dir: Path, key: str) -> dict[str, Any] | None:
+    """The run's cached evaluation under the analysis hash ``key``, or None (none, another
+    hash, or a file cut short: evaluated again)."""
+    try:
+        cached = json.loads((run_dir / EVAL_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return cached if isinstance(cached, dict) and cached.get("analysis_key") == key else None
+
+
+def _evaluate(item: Any, spec: Prereg, key: str, corpora: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate a run's final checkpoint and cache the result (atomically)."""
+    log.info("%s: evaluating the final checkpoint", item.name)
+    result = evaluate_run(item.run_dir, spec.analysis, corpora)
+    result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
+    target = item.run_dir / EVAL_FILE
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(target)
+    return result
 
 
 # --------------------------------------------------------------------------- statistics

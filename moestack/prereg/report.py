@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
+from moestack.prereg.analysis import collect, evaluate_hypotheses, evaluate_shard, t_quantile
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.locking import verify
 from moestack.prereg.power import power_lines
@@ -366,6 +366,20 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _evaluate_in_parallel(path: Path | str, root: Path, jobs: int) -> None:
+    """Evaluate the finished runs in ``jobs`` processes (fresh interpreters: each loads the
+    corpus once), each on every ``jobs``-th run, with ``cores // jobs`` threads."""
+    import multiprocessing
+    import os
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(jobs) as pool:
+        args = [(str(path), str(root), i, jobs, threads) for i in range(jobs)]
+        done = sum(pool.starmap(evaluate_shard, args))
+    log.info("evaluated %d runs in %d processes", done, jobs)
+
+
 def analyze(
     path: Path | str,
     out_dir: Path | str | None = None,
@@ -373,6 +387,7 @@ def analyze(
     *,
     evaluate: bool = True,
     interim: bool = False,
+    jobs: int = 1,
 ) -> Path:
     """Check the lock and the study hash every finished run was trained under, evaluate the
     runs, write the report; returns report.md.
@@ -381,8 +396,11 @@ def analyze(
     (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
     hit_rate_vs_capacity.png. A study with unfinished runs is refused unless ``interim``:
     then the report says on its first line that it is an interim look, not a verdict, and
-    the missing runs make hypotheses "incomplete".
+    the missing runs make hypotheses "incomplete". ``jobs`` > 1 evaluates the runs in that
+    many processes first (each with its share of the cores).
     """
+    if jobs < 1:
+        raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
     record = verify(path)
     spec = load(path)
     root = Path(out_dir) if out_dir else default_out_dir(spec)
@@ -398,6 +416,8 @@ def analyze(
         )
     report = Path(report_dir) if report_dir else root / "report"
     report.mkdir(parents=True, exist_ok=True)
+    if evaluate and jobs > 1:
+        _evaluate_in_parallel(path, root, jobs)
     records = collect(spec, root, evaluate=evaluate)
     for r in records:
         r["trained_under"] = trained.get(r["run"])
