@@ -445,18 +445,23 @@ def test_t_quantile() -> None:
     assert mean == 1.0 and math.isnan(lo) and math.isnan(hi)
 
 
-def test_end_to_end_micro_study(tmp_path: Path) -> None:
-    """The real train and evaluation on a micro model: two arms, one seed, two steps."""
-    data = study(
+def micro_study(width: int, layers: int, max_bytes: int, train: list[str] | None = None):
+    """:func:`study` on a model small enough for real training in a test: two steps."""
+    return study(
         model=[
-            "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
-            "model.moe.num_experts=4", "model.moe.d_ff=32",
+            f"model.d_model={width}", f"model.n_layers={layers}", "model.n_heads=2",
+            f"model.max_seq_len={width}", "model.moe.num_experts=4", f"model.moe.d_ff={width}",
         ],
-        data=["data.seq_len=32", "data.max_bytes=1000000"],
+        data=[f"data.seq_len={width}", f"data.max_bytes={max_bytes}"],
         budget={"steps": 2, "batch_size": 2},
         train=["telemetry=off", "wandb_mode=disabled", "progress=false", "eval_batches=1",
-               "threads=1"],
+               "threads=1", *(train or [])],
     )  # fmt: skip
+
+
+def test_end_to_end_micro_study(tmp_path: Path) -> None:
+    """The real train and evaluation on a micro model: two arms, one seed, two steps."""
+    data = micro_study(width=32, layers=2, max_bytes=1_000_000)
     data["runs"]["arms"].pop("b")
     data["runs"]["seeds"] = [0]
     data["hypotheses"] = data["hypotheses"][:2]
@@ -484,16 +489,7 @@ def test_end_to_end_micro_study(tmp_path: Path) -> None:
 def test_jobs_train_a_study_with_several_runner_processes(tmp_path: Path) -> None:
     """Two runner processes (real training, micro model), one progress bar: every run
     trained once, each runner's output in its log, no claim left."""
-    data = study(
-        model=[
-            "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
-            "model.moe.num_experts=4", "model.moe.d_ff=16",
-        ],
-        data=["data.seq_len=16", "data.max_bytes=200000"],
-        budget={"steps": 2, "batch_size": 2},
-        train=["telemetry=off", "wandb_mode=disabled", "progress=false", "eval_batches=1",
-               "threads=1", "ckpt_every=0"],
-    )  # fmt: skip
+    data = micro_study(width=16, layers=1, max_bytes=200_000, train=["ckpt_every=0"])
     path = write(tmp_path, data)
     with pytest.raises(MoestackError, match="not locked"):
         prereg.run_jobs(path, tmp_path / "out", jobs=2)

@@ -438,16 +438,23 @@ def test_split_master_is_used_where_it_can_be() -> None:
     assert OffloadAdamW(mixed.named_parameters()).host_buffers()["master"].dtype == torch.float32
 
 
+def _trained_split(steps: int) -> tuple[TinyMoE, OffloadAdamW]:
+    """A bf16 TinyMoE and its split-master OffloadAdamW after ``steps`` steps."""
+    _native_kernel()
+    model = TinyMoE().to(torch.bfloat16)
+    opt = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="native")
+    for step in range(steps):
+        micro_step(model, step)
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
 def test_split_and_plain_master_checkpoints_load_into_each_other() -> None:
     """A checkpoint holds the fp32 master either way: a split run resumes on the reference
     path and back, with the same master, moments and weights."""
     _native_kernel()
-    model = TinyMoE().to(torch.bfloat16)
-    opt = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="native")
-    for step in range(3):
-        micro_step(model, step)
-        opt.step()
-        opt.zero_grad()
+    model, opt = _trained_split(3)
     saved = opt.state_dict()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="off")
@@ -537,14 +544,8 @@ def test_prepared_slices_are_kept_per_param_group(monkeypatch) -> None:
 def test_split_master_resumes_in_either_load_order() -> None:
     """Optimizer state loaded before the model (whose load writes the same bf16 weights back)
     or after it: the loaded master is kept either way; a save sees writes made since."""
-    _native_kernel()
     torch.manual_seed(7)
-    model = TinyMoE().to(torch.bfloat16)
-    opt = OffloadAdamW(model.named_parameters(), lr=LR, fused_step="native")
-    for step in range(2):
-        micro_step(model, step)
-        opt.step()
-        opt.zero_grad()
+    model, opt = _trained_split(2)
     saved_opt, saved_model = opt.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
     for optimizer_first in (True, False):
         fresh = TinyMoE().to(torch.bfloat16)
