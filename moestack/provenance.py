@@ -42,21 +42,22 @@ def git_state() -> dict[str, Any]:
     root = Path(moestack.__file__).resolve().parent.parent
     if not (root / ".git").exists():
         return {"git_commit": None, "git_dirty": None}
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
+    status = run_git(["status", "--porcelain", "--untracked-files=no"], root)
     return {
-        "git_commit": git("rev-parse", "HEAD"),
+        "git_commit": run_git(["rev-parse", "HEAD"], root),
         "git_dirty": None if status is None else bool(status),
     }
+
+
+def run_git(args: list[str], cwd: Path) -> str | None:
+    """``git ARGS`` in ``cwd``: its output, stripped, or None when git is missing or fails."""
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def versions() -> dict[str, str | None]:

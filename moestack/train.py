@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from omegaconf import OmegaConf
 
@@ -131,25 +131,36 @@ def _hydra_task(dict_cfg: Any) -> None:
         sys.exit(2)
 
 
-def _sweep_status() -> int:
-    """Report a sweep's failed jobs on stderr; returns the exit status (their number).
+def _say(message: str, stream: TextIO) -> None:
+    """One line of the command's own output on ``stream``, through a logger of its own: after
+    a sweep, hydra's handlers (a job's train.log, its stdout/stderr split) are gone."""
+    out = logging.getLogger("moestack.train.console")
+    out.propagate = False
+    out.setLevel(logging.INFO)
+    handler = logging.StreamHandler(stream)
+    out.addHandler(handler)
+    try:
+        out.info(message)
+    finally:
+        out.removeHandler(handler)
 
-    Printed, not logged: this is the command's own closing output, after hydra's sweep has
-    ended, when its per-job logging (a job's train.log, stdout/stderr split) is gone."""
+
+def _sweep_status() -> int:
+    """Report a sweep's failed jobs on stderr; returns the exit status (their number)."""
     failed = [(label, error) for label, error in _jobs if error is not None]
     if not failed:
-        print(f"moestack-train: all {len(_jobs)} jobs finished")
+        _say(f"moestack-train: all {len(_jobs)} jobs finished", sys.stdout)
         return 0
-    print(f"moestack-train: {len(failed)} of {len(_jobs)} jobs failed:", file=sys.stderr)
+    _say(f"moestack-train: {len(failed)} of {len(_jobs)} jobs failed:", sys.stderr)
     for label, error in failed:
-        print(f"  job {label}: {error}", file=sys.stderr)
+        _say(f"  job {label}: {error}", sys.stderr)
     return min(len(failed), _MAX_STATUS)
 
 
 def main() -> None:
     """Console entry point of ``moestack-train``."""
     if "--version" in sys.argv[1:]:  # before hydra, whose own --version names hydra's
-        print(f"moestack {moestack.__version__}")
+        _say(f"moestack {moestack.__version__}", sys.stdout)
         return
     import hydra
 

@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from moestack.prereg.decision import check_rules
 from moestack.prereg.hashing import fingerprint, sha256_file
 from moestack.prereg.provenance import find_run
 from moestack.prereg.spec import Prereg, load
+from moestack.provenance import run_git
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,6 @@ def lock_path(path: Path | str) -> Path:
     """Where the lock of ``path`` lives: ``<file>.lock.json`` beside it."""
     path = Path(path)
     return path.with_name(path.name + LOCK_SUFFIX)
-
-
-def _git(args: list[str], cwd: Path) -> str | None:
-    try:
-        result = subprocess.run(
-            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def _read(target: Path) -> dict[str, Any]:
@@ -132,8 +122,8 @@ def lock(
     previous = _previous(path, spec, force, amend, out_dir)
     fp = fingerprint(spec)
     folder = path.resolve().parent
-    commit = _git(["rev-parse", "HEAD"], folder) or "unknown"
-    status = _git(["status", "--porcelain"], folder)
+    commit = run_git(["rev-parse", "HEAD"], folder) or "unknown"
+    status = run_git(["status", "--porcelain"], folder)
     record: dict[str, Any] = {
         "action": "amend" if amend is not None else ("relock" if previous else "lock"),
         "reason": amend.strip() if amend is not None else None,
