@@ -20,9 +20,12 @@ from moestack.errors import MoestackError
 def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.data import eval_batches
     from moestack.evaluation import evaluate, resolve_device
-    from moestack.runs import load_run, run_corpus
+    from moestack.runs import is_transformers_dir, load_run, run_corpus
 
-    run = load_run(args.run_dir, args.checkpoint)
+    # offloaded, a transformers folder's experts are never read into memory: the store
+    # serves them, written from the folder's safetensors one expert at a time
+    lean = args.offload and is_transformers_dir(args.run_dir)
+    run = load_run(args.run_dir, args.checkpoint, experts=not lean)
     cfg = run.cfg
     if args.max_bytes >= 0:
         cfg.data.max_bytes = args.max_bytes
@@ -58,6 +61,7 @@ def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
 def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
     """Every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
+    from moestack.runs import move_resident
 
     cache_cfg = _cache_config(args, run.cfg.cache)
     if cache_cfg.policy == "belady":
@@ -76,7 +80,7 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
         run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve()),
         layers=layers,
     )  # fmt: skip
-    run.model.to(device)  # before offloading: released experts are meta tensors
+    move_resident(run.model, device)  # released (or never read) experts stay meta
     bias = args.cache_aware_bias
     result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
     if args.generate:

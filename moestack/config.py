@@ -170,14 +170,22 @@ class ModelConfig:
                 value = MoEConfig(**value, impl=self.moe.impl)
             setattr(self, key, value)
 
-    def build(self) -> Any:
+    def build(self, *, experts: bool = True) -> Any:
         """The model this config describes (a ``moestack.model.RoutedLM``): moestack's
         ``MoETransformer``, or the transformers model at ``path`` with moestack MoE layers.
-        Routers with an anchor loss take the built weights as their reference."""
+        Routers with an anchor loss take the built weights as their reference.
+
+        ``experts=False`` (transformers models only) leaves the routed experts unread, as
+        meta tensors, for serving them from an expert store."""
         if self.path:
             from moestack.interop.hf_model import load_hf_moe
 
-            model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router)
+            model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router, experts=experts)
+        elif not experts:
+            raise ValueError(
+                "experts=False reads a transformers model folder without its experts; "
+                "moestack's own model is built whole (set model.path, or experts=True)"
+            )
         else:
             from moestack.model import MoETransformer
 

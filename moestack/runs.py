@@ -88,17 +88,25 @@ def is_transformers_dir(path: Path | str) -> bool:
     return (path / "config.json").is_file() and not (path / "config.yaml").is_file()
 
 
-def _load_transformers_dir(path: Path, device: str | torch.device | None) -> LoadedRun:
+def _load_transformers_dir(
+    path: Path, device: str | torch.device | None, experts: bool
+) -> LoadedRun:
     """A transformers MoE model folder as a run at step 0: the default run config with
     ``model.path`` set (its data, batch and evaluation settings; sequences no longer than
-    the model takes), the model patched."""
+    the model takes), the model patched (``experts=False``: routed experts left unread)."""
     model_cfg = ModelConfig(path=str(path))
     seq_len = min(DataConfig().seq_len, model_cfg.max_seq_len)
     cfg = TrainConfig(model=model_cfg, data=DataConfig(seq_len=seq_len))
-    model = cfg.model.build()
+    model = cfg.model.build(experts=experts)
     if device is not None:
-        model.to(resolve_device(cfg.device if device == "auto" else str(device)))
+        move_resident(model, resolve_device(cfg.device if device == "auto" else str(device)))
     return LoadedRun(path, cfg, model, path, 0)
+
+
+def move_resident(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """``model.to(device)`` for a model whose expert weights may be meta tensors (released,
+    or never read): those stay meta, everything else moves."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def load_run(
@@ -106,16 +114,19 @@ def load_run(
     checkpoint_path: Path | str | None = None,
     *,
     device: str | torch.device | None = None,
+    experts: bool = True,
 ) -> LoadedRun:
     """Config, model and weights of the newest (or the named) checkpoint of ``run_dir``;
     a transformers model folder loads as a run at step 0 (its checkpoint is the folder).
 
     ``device`` moves the model there ("auto" = the run's own device setting resolved here);
     None leaves it on the CPU (offloaded evaluation writes the expert store from there).
+    ``experts=False`` loads a transformers folder without its routed experts (meta tensors:
+    served from an expert store); a moestack run's experts are always read.
     """
     run_dir = Path(run_dir)
     if is_transformers_dir(run_dir):
-        return _load_transformers_dir(run_dir, device)
+        return _load_transformers_dir(run_dir, device, experts)
     cfg = load_run_config(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     model = cfg.model.build()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,3 +37,20 @@ def test_bench_optim_sections_at_toy_size(tmp_path):
     step = results["train_step"]
     # Same seed, same data, same AdamW arithmetic: the two optimizers train identically.
     assert step["adamw_loss_first_last"] == step["offload_adamw_loss_first_last"]
+
+
+def test_bench_hf_offload_at_toy_size(tmp_path):
+    """Loaded without its experts, the model holds less than loaded whole (counted bytes)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf_offload.json"
+    run_script(
+        "bench_hf_offload.py",
+        *("--layers", "2", "--experts", "4", "--d-model", "32", "--d-ff", "32"),
+        *("--vocab", "320", "--tokens", "128", "--json", str(out)),
+    )
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"import", "whole", "without_experts", "served"}
+    per_expert = (32 * 2 * 32 + 32 * 32) * 4  # (w1 [D, 2F] + w2 [F, D]) x fp32
+    whole, lean = rows["whole"]["model_bytes"], rows["without_experts"]["model_bytes"]
+    assert whole - lean == 2 * 4 * per_expert and lean > 0  # 2 layers x 4 experts
+    assert rows["served"]["cache_bytes"] == 2 * (2 * 2) * per_expert  # 2 x top_k per layer

@@ -82,6 +82,24 @@ def _save_tensors(
     return record, header
 
 
+def _write_layer(
+    root: Path,
+    layer: int,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    layout: str,
+    files: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Write one layer's safetensors files (records appended to ``files``); return its
+    experts' index entries. Holds no view of the layer once it returns."""
+    row: list[dict[str, Any]] = []
+    for name, tensors, prefixes in layer_files(layer, w1.to("cpu"), w2.to("cpu"), layout):
+        record, header = _save_tensors(root, name, tensors)
+        files.append(record)
+        row.extend(expert_json(name, header, record["data_start"], p) for p in prefixes)
+    return row
+
+
 class ExpertStore:
     """Read-only view of an expert store directory; ``load(layer, expert)`` reads one expert.
 
@@ -238,19 +256,16 @@ class ExpertStore:
         experts: list[list[dict[str, Any]]] = []
         first: torch.Tensor | None = None
         for layer, (w1, w2) in enumerate(layers):
-            first = w1 if first is None else first
+            if first is None:  # shape and dtype only: no layer is kept past its turn
+                first = torch.empty_like(w1, device="meta")
             if w1.shape != first.shape or w1.dtype != first.dtype:
                 raise MoestackError(
                     f"layer {layer}: w1 {tuple(w1.shape)} {w1.dtype} differs from layer 0's; "
                     "every MoE layer must have the same expert shape"
                 )
             check_layer(layer, w1, w2)
-            row: list[dict[str, Any]] = []
-            for name, tensors, prefixes in layer_files(layer, w1.to("cpu"), w2.to("cpu"), layout):
-                record, header = _save_tensors(root, name, tensors)
-                files.append(record)
-                row.extend(expert_json(name, header, record["data_start"], p) for p in prefixes)
-            experts.append(row)
+            experts.append(_write_layer(root, layer, w1, w2, layout, files))
+            del w1, w2  # a generator's layer is freed before it makes the next one
         if first is None:
             raise MoestackError("no MoE layer to store: the model has no expert weights")
         return index_json(layout, [first] * len(experts), cfg, meta, files, experts)

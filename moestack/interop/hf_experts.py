@@ -42,7 +42,7 @@ _ROLE = {
 }
 
 
-def _key_files(folder: Path) -> dict[str, Path]:
+def key_files(folder: Path) -> dict[str, Path]:
     """Every tensor name of the checkpoint and the file holding it."""
     files = weight_files(folder)
     index = folder / SAFETENSORS_INDEX
@@ -51,6 +51,11 @@ def _key_files(folder: Path) -> dict[str, Path]:
         return {key: folder / name for key, name in weight_map.items()}
     with safe_open(files[0], framework="pt", device="cpu") as f:
         return dict.fromkeys(f.keys(), files[0])  # safe_open is no dict
+
+
+def is_expert_key(key: str) -> bool:
+    """A routed expert's tensor (``...layers.L.<block>.experts.<rest>``), in any layout."""
+    return _EXPERT_KEY.match(key) is not None
 
 
 def _expert_keys(keys: dict[str, Path]) -> dict[int, dict[str, str]]:
@@ -87,7 +92,7 @@ def _layer_plan(
     return {"per_expert": experts}
 
 
-class _Reader:
+class TensorReader:
     """Open safetensors files once each and read one tensor (or one slice) at a time."""
 
     def __init__(self, keys: dict[str, Path], stack: contextlib.ExitStack) -> None:
@@ -119,7 +124,7 @@ def _check_shapes(w1: torch.Tensor, w2: torch.Tensor, d_model: int, d_ff: int, w
         )
 
 
-def _read_expert(reader: _Reader, plan: dict[str, Any], e: int) -> dict[str, torch.Tensor]:
+def _read_expert(reader: TensorReader, plan: dict[str, Any], e: int) -> dict[str, torch.Tensor]:
     """Expert ``e`` of one layer as {"w1": [D, 2F], "w2": [F, D]}."""
     if "fused" in plan:
         gate_up_2FD = reader.row(plan["fused"]["gate_up_proj"], e)
@@ -136,7 +141,7 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
     ``path``, layer by layer, expert by expert (see the module docstring)."""
     info = read_hf_config(path)
     folder = Path(info["path"])
-    keys = _key_files(folder)
+    keys = key_files(folder)
     layers = _expert_keys(keys)
     want = info["moe_layer_ids"]
     if sorted(layers) != want:
@@ -146,7 +151,7 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
         )
     num_experts, d_ff = info["moe"]["num_experts"], info["moe"]["d_ff"]
     with contextlib.ExitStack() as stack:
-        reader = _Reader(keys, stack)
+        reader = TensorReader(keys, stack)
         for layer, decoder_layer in enumerate(want):
             plan = _layer_plan(layers[decoder_layer], num_experts, decoder_layer, folder)
             for e in range(num_experts):
@@ -157,20 +162,18 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
 
 
 def iter_hf_expert_layers(path: str | Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, in layer order, built from
+    """``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, in layer order, filled from
     ``iter_hf_experts``: one layer in memory at a time (``ExpertStore.write_layers``)."""
-    row: list[dict[str, torch.Tensor]] = []
-    current = 0
-    for layer, expert, weights in iter_hf_experts(path):
-        if layer != current:
-            yield _stack(row)
-            row, current = [], layer
-        if expert != len(row):
-            raise MoestackError(f"{path}: layer {layer} lists expert {expert} out of order")
-        row.append(weights)
-    if row:
-        yield _stack(row)
-
-
-def _stack(row: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.stack([w["w1"] for w in row]), torch.stack([w["w2"] for w in row])
+    num_experts = read_hf_config(path)["moe"]["num_experts"]
+    w1_EDF = w2_EFD = None
+    for _layer, expert, weights in iter_hf_experts(path):
+        if expert == 0:
+            if w1_EDF is not None:
+                yield w1_EDF, w2_EFD
+                w1_EDF = w2_EFD = None  # freed before the next layer is allocated
+            w1_EDF = weights["w1"].new_empty((num_experts, *weights["w1"].shape))
+            w2_EFD = weights["w2"].new_empty((num_experts, *weights["w2"].shape))
+        w1_EDF[expert] = weights["w1"]
+        w2_EFD[expert] = weights["w2"]
+    if w1_EDF is not None:
+        yield w1_EDF, w2_EFD

@@ -29,6 +29,7 @@ from moestack.config import ModelConfig, MoEConfig, RouterConfig
 from moestack.errors import MoestackError
 from moestack.interop.hf import family_router_config, moe_from_hf
 from moestack.interop.hf_config import read_hf_config, weight_files
+from moestack.interop.hf_without_experts import from_pretrained_without_experts
 from moestack.model import ModelOutput, RoutedLM
 from moestack.moe import MoE
 
@@ -226,10 +227,15 @@ def load_hf_moe(
     impl: str = "auto",
     router: RouterConfig | None = None,
     dtype: torch.dtype = torch.float32,
+    experts: bool = True,
 ) -> HFMoEModel:
     """Load the transformers MoE model in ``path`` with moestack MoE layers (see the module
     docstring). ``router`` gives the router losses' weights (None: all off); the score and
-    renormalisation are always the family's. In eval mode, as transformers loads it."""
+    renormalisation are always the family's. In eval mode, as transformers loads it.
+
+    ``experts=False`` reads every weight but the routed experts, whose MoE ``w1``/``w2``
+    stay meta tensors (no memory): for serving them from an expert store
+    (``moestack.interop.hf_without_experts``); such a model only runs offloaded."""
     info = read_hf_config(path)
     folder = Path(info["path"])
     weight_files(folder)
@@ -240,7 +246,11 @@ def load_hf_moe(
             folder,
             info["router_jitter_noise"],
         )
-    hf = _from_pretrained(folder, dtype)
+    if experts:
+        hf = _from_pretrained(folder, dtype)
+    else:
+        _import_transformers()
+        hf = from_pretrained_without_experts(folder, dtype)
     patched = patch_sparse_blocks(hf, impl=impl, router=router)
     if len(patched) != len(info["moe_layer_ids"]):
         raise MoestackError(

@@ -73,13 +73,13 @@ def test_fused_layout(hf_dir, tmp_path):
 def test_reads_one_expert_at_a_time(hf_dir, monkeypatch):
     """Yielding expert (0, 0) has read its three tensors and nothing else."""
     read: list[str] = []
-    real = hf_experts._Reader.tensor
+    real = hf_experts.TensorReader.tensor
 
     def spy(self, key):
         read.append(key)
         return real(self, key)
 
-    monkeypatch.setattr(hf_experts._Reader, "tensor", spy)
+    monkeypatch.setattr(hf_experts.TensorReader, "tensor", spy)
     experts = iter_hf_experts(hf_dir("qwen2_moe"))
     layer, expert, tensors = next(experts)
     assert (layer, expert) == (0, 0) and tensors["w1"].shape == (32, 32)
