@@ -287,14 +287,14 @@ class MoE(nn.Module):
         computation keeps only its inputs and is run again in backward; the routing is one of
         those inputs, so the recomputation uses this forward's expert choices, never new ones.
         """
-        if self.ep_shard is not None:
-            return self._experts_parallel(x_TD, routing)
-        if self.w1.is_meta and not x_TD.is_meta:  # a meta result would fail far from here
+        if self.w1.is_meta and not x_TD.is_meta:  # torch would return garbage, not raise
             raise RuntimeError(
                 "this MoE layer's expert weights are not in memory (released, or a model loaded "
                 "with experts=False): run it with its experts served from a store "
                 "(moestack.cache.offloaded / evaluate_offloaded), or load it with its experts"
             )
+        if self.ep_shard is not None:
+            return self._experts_parallel(x_TD, routing)
         return self._run_experts(x_TD, routing.experts, routing.weights)
 
     def _run_experts(

@@ -122,11 +122,17 @@ def load_run(
     ``device`` moves the model there ("auto" = the run's own device setting resolved here);
     None leaves it on the CPU (offloaded evaluation writes the expert store from there).
     ``experts=False`` loads a transformers folder without its routed experts (meta tensors:
-    served from an expert store); a moestack run's experts are always read.
+    served from an expert store); a moestack run's store is written from its loaded experts,
+    so for a run it is refused.
     """
     run_dir = Path(run_dir)
     if is_transformers_dir(run_dir):
         return _load_transformers_dir(run_dir, device, experts)
+    if not experts:
+        raise ValueError(
+            f"{run_dir} is a moestack run: experts=False is for transformers model folders "
+            "(a run's expert store is written from its loaded experts); pass experts=True"
+        )
     cfg = load_run_config(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     model = cfg.model.build()

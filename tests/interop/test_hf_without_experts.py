@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ pytest.importorskip("transformers")
 
 from _hf_fixtures import FAMILIES, reference_model, sample_tokens, tiny_hf_model_dir  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import save, save_file  # noqa: E402
 
 from moestack.cache import ExpertCache, ExpertStore, offloaded  # noqa: E402
 from moestack.config import ModelConfig  # noqa: E402
@@ -97,14 +98,67 @@ def test_served_from_the_store_the_logits_equal_the_whole_model(hf_dir, tmp_path
     store.close()
 
 
+def _assert_non_experts_equal(lean: nn.Module, ref: nn.Module) -> None:
+    got = dict(lean.named_parameters(remove_duplicate=False))
+    for name, param in ref.named_parameters(remove_duplicate=False):
+        if is_expert_key(name):
+            assert got[name].is_meta, name
+        else:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], param), name
+
+
 def test_sharded_checkpoint_and_load_run(tmp_path):
     path = tiny_hf_model_dir(tmp_path, "mixtral", max_shard_size="20KB")
-    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
     run = load_run(path, experts=False, device="cpu")
-    whole = load_hf_moe(path, impl=run.cfg.model.moe.impl)
     assert all(moe.w1.is_meta for moe in run.model.moe_layers)
-    for layer, (moe, ref) in enumerate(zip(run.model.moe_layers, whole.moe_layers, strict=True)):
-        assert torch.equal(moe.router.weight, ref.router.weight), layer
+    _assert_non_experts_equal(
+        from_pretrained_without_experts(path, torch.float32), reference_model(path)
+    )
+
+
+def test_bf16_checkpoint_read_as_fp32(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_hf_model_dir(tmp_path, "qwen3_moe", seed=5)
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(path)
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    _assert_non_experts_equal(
+        from_pretrained_without_experts(path, torch.float32), reference_model(path)
+    )
+
+
+def test_weights_do_not_follow_a_rewritten_file(hf_dir, tmp_path):
+    """The weights read are copies: rewriting the file in place (same layout, other values)
+    does not change a loaded model."""
+    path = tmp_path / "m"
+    shutil.copytree(hf_dir("olmoe"), path)
+    lean = from_pretrained_without_experts(path, torch.float32)
+    before = {n: p.clone() for n, p in lean.named_parameters() if not p.is_meta}
+    file = path / "model.safetensors"
+    with safe_open(file, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) + 1.0 for k in f.keys()}  # noqa: SIM118 (no dict)
+    blob = save(tensors, metadata={"format": "pt"})
+    assert len(blob) == file.stat().st_size
+    with open(file, "r+b") as out:  # same inode: what a private mapping would see
+        out.write(blob)
+    for name, param in lean.named_parameters():
+        if not param.is_meta:
+            assert torch.equal(param, before[name]), name
+
+
+def test_unread_checkpoint_tensors_are_warned_about(hf_dir, tmp_path, caplog):
+    path = tmp_path / "m"
+    shutil.copytree(hf_dir("qwen3_moe"), path)
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    tensors["model.layers.0.self_attn.stray.weight"] = torch.randn(3, 3)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        from_pretrained_without_experts(path, torch.float32)
+    assert "model.layers.0.self_attn.stray.weight" in caplog.text
 
 
 def test_missing_tensor_names_the_parameter(hf_dir, tmp_path):
@@ -140,9 +194,45 @@ def test_parameters_on_meta_is_undone_even_on_error():
     assert inside.weight.is_meta and nn.Linear(3, 5).weight.device.type == "cpu"
 
 
-def test_own_model_refuses_experts_false():
+def test_parameters_on_meta_acts_in_its_own_thread_only():
+    """Another thread building a module meanwhile gets real weights; a second build waits its
+    turn; afterwards the original register_parameter is back."""
+    register = nn.Module.register_parameter
+    entered, release = threading.Event(), threading.Event()
+    built: dict[str, nn.Module] = {}
+
+    def first() -> None:
+        with parameters_on_meta():
+            built["first"] = nn.Linear(2, 2)
+            entered.set()
+            release.wait(10)
+
+    def second() -> None:
+        with parameters_on_meta():
+            built["second"] = nn.Linear(2, 2)
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert entered.wait(10)
+    built["other"] = nn.Linear(2, 2)  # this thread, while the first build is inside
+    b = threading.Thread(target=second)
+    b.start()
+    b.join(0.2)
+    assert b.is_alive()  # waiting for the first build
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert built["first"].weight.is_meta and built["second"].weight.is_meta
+    assert built["other"].weight.device.type == "cpu"
+    assert nn.Module.register_parameter is register
+
+
+def test_own_model_refuses_experts_false(tmp_path):
     with pytest.raises(ValueError, match="transformers model folder"):
         ModelConfig().build(experts=False)
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(ValueError, match="is a moestack run"):
+        load_run(tmp_path, experts=False)
 
 
 def test_running_without_experts_outside_the_cache_is_an_error(hf_dir):
