@@ -11,7 +11,7 @@
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
                                                               (after a warm-up it announces)
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
-    moestack prereg lock|run|status|analyze|power FILE        pre-registered experiments
+    moestack prereg lock|run|status|evaluate|analyze|power FILE        pre-registered experiments
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
@@ -148,8 +148,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
     if args.action != "analyze" and args.interim:
         raise MoestackError(f"--interim belongs to `prereg analyze`, not `{args.action}`")
-    if args.action not in ("run", "analyze") and args.jobs != 1:
-        raise MoestackError(f"--jobs belongs to `prereg run` and `analyze`, not `{args.action}`")
+    if args.action not in ("run", "evaluate", "analyze") and args.jobs != 1:
+        raise MoestackError(
+            f"--jobs belongs to `prereg run`, `evaluate` and `analyze`, not `{args.action}`"
+        )
     if args.action != "run" and args.quiet:
         raise MoestackError(f"--quiet belongs to `prereg run`, not `{args.action}`")
     if args.action != "lock" and (args.force or args.amend is not None):
@@ -176,6 +178,9 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
     elif args.action == "status":
         print(prereg.render_status(prereg.status(args.file, out_dir=args.out or None)))
+    elif args.action == "evaluate":
+        result = prereg.evaluate_finished(args.file, out_dir=args.out or None, jobs=args.jobs)
+        print(prereg.render_evaluate(result))
     else:
         report = prereg.analyze(
             args.file, out_dir=args.out or None, report_dir=args.report or None,
@@ -284,9 +289,10 @@ def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
     p.add_argument(
         "action",
-        choices=("lock", "run", "status", "analyze", "power"),
-        help="lock, run, status (runs done and left, no results), analyze, or power (the seeds "
-        "a pilot's spread needs)",
+        choices=("lock", "run", "status", "evaluate", "analyze", "power"),
+        help="lock, run, status (runs done and left, no results), evaluate (the finished runs, "
+        "ahead of the analysis; no results), analyze, or power (the seeds a pilot's spread "
+        "needs)",
     )
     p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
@@ -295,8 +301,8 @@ def _prereg_parser(verbs: Any) -> None:
         "--jobs",
         type=int,
         default=1,
-        help="run: runner processes sharing the grid, one progress bar; analyze: processes "
-        "evaluating the runs (default: 1)",
+        help="run: runner processes sharing the grid, one progress bar; evaluate, analyze: "
+        "processes evaluating the runs (default: 1)",
     )
     p.add_argument("--quiet", action="store_true", help="run: no progress bar (default: off)")
     p.add_argument(

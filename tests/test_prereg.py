@@ -524,3 +524,35 @@ def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:
     ]
     path = plot_capacity(spec, records, tmp_path)
     assert path is not None and path.stat().st_size > 0
+
+
+def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys, monkeypatch):
+    """Finished runs are evaluated while the rest wait (counts only, no metric printed); the
+    analysis then reuses those evaluations instead of computing them again."""
+    data = micro_study(width=16, layers=1, max_bytes=200_000, train=["ckpt_every=0"])
+    data["runs"]["seeds"] = [0]
+    path = write(tmp_path, data)
+    out = tmp_path / "out"
+    with pytest.raises(MoestackError, match="not locked"):
+        prereg.evaluate_finished(path, out)
+    prereg.lock(path)
+    prereg.run(path, out, progress=False)
+    (out / "runs" / "b-s0" / "summary.json").unlink()  # as if b-s0 were still training
+    from moestack.cli import main as cli_main
+
+    cli_main(["prereg", "evaluate", str(path), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "evaluated 2 run(s) now; 2 of 2 finished runs evaluated (3 registered)" in printed
+    assert "perplexity" not in printed
+    assert sorted(p.parent.name for p in out.glob(f"runs/*/{prereg.EVAL_FILE}")) == [
+        "a-s0", "baseline-s0"]  # fmt: skip
+    assert prereg.evaluate_finished(path, out)["evaluated_now"] == 0  # nothing left to do
+    assert prereg.status(path, out)["evaluated"] == 2
+    prereg.run(path, out, progress=False)  # b-s0 trained again from scratch
+    calls: list[str] = []
+    real = prereg.analysis.evaluate_run
+    monkeypatch.setattr(
+        prereg.analysis, "evaluate_run", lambda d, *a: calls.append(Path(d).name) or real(d, *a)
+    )
+    prereg.analyze(path, out)
+    assert calls == ["b-s0"]  # the two evaluated ahead come from the cache

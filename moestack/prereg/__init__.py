@@ -35,7 +35,8 @@ files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify)
 resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics),
 ``decision`` (the one-sided non-inferiority/superiority rules and Holm's correction),
 ``power`` (the seeds a pilot's spread needs), ``status`` (runs finished, running and left,
-no results) and ``report`` (markdown, figures, ``analyze``).
+no results), ``evaluate`` (finished runs evaluated ahead of the analysis, no results) and
+``report`` (markdown, figures, ``analyze``).
 Everything public is re-exported here.
 """
 
@@ -54,6 +55,8 @@ from moestack.prereg.analysis import (
 )
 from moestack.prereg.compose import check_overrides, compose_config, config_choices
 from moestack.prereg.decision import ONE_SIDED, check_rules, holm, t_sf
+from moestack.prereg.evaluate import evaluate_finished
+from moestack.prereg.evaluate import render as render_evaluate
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.jobs import run_jobs
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
@@ -118,6 +121,7 @@ __all__ = [
     "RunSpec",
     "analysis_key",
     "analyze",
+    "evaluate_finished",
     "check_overrides",
     "check_rules",
     "check_run",
@@ -147,6 +151,7 @@ __all__ = [
     "power",
     "read_run_record",
     "render_markdown",
+    "render_evaluate",
     "render_power",
     "release",
     "render_status",

@@ -111,7 +111,7 @@ def collect(
     for item in plan(spec, out_dir):
         record: dict[str, Any] = {"run": item.name, "arm": item.arm, "seed": item.seed}
         record["run_dir"] = str(item.run_dir)
-        cached = _cached(item.run_dir, key)
+        cached = cached_evaluation(item.run_dir, key)
         if not is_finished(item.run_dir):
             record["status"] = "missing"
         elif cached is not None:
@@ -140,13 +140,13 @@ def evaluate_shard(
     corpora: dict[str, Any] = {}
     done = 0
     for item in plan(spec, out_dir)[shard::shards]:
-        if is_finished(item.run_dir) and _cached(item.run_dir, key) is None:
+        if is_finished(item.run_dir) and cached_evaluation(item.run_dir, key) is None:
             _evaluate(item, spec, key, corpora)
             done += 1
     return done
 
 
-def _cached(run_dir: Path, key: str) -> dict[str, Any] | None:
+def cached_evaluation(run_dir: Path, key: str) -> dict[str, Any] | None:
     """The run's cached evaluation under the analysis hash ``key``, or None (none, another
     hash, or a file cut short: evaluated again)."""
     try:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import collect, evaluate_hypotheses, evaluate_shard, t_quantile
+from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
 from moestack.prereg.decision import ONE_SIDED, rule
+from moestack.prereg.evaluate import evaluate_in_parallel
 from moestack.prereg.locking import verify
 from moestack.prereg.power import power_lines
 from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
@@ -366,20 +367,6 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _evaluate_in_parallel(path: Path | str, root: Path, jobs: int) -> None:
-    """Evaluate the finished runs in ``jobs`` processes (fresh interpreters: each loads the
-    corpus once), each on every ``jobs``-th run, with ``cores // jobs`` threads."""
-    import multiprocessing
-    import os
-
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs) as pool:
-        args = [(str(path), str(root), i, jobs, threads) for i in range(jobs)]
-        done = sum(pool.starmap(evaluate_shard, args))
-    log.info("evaluated %d runs in %d processes", done, jobs)
-
-
 def analyze(
     path: Path | str,
     out_dir: Path | str | None = None,
@@ -417,7 +404,7 @@ def analyze(
     report = Path(report_dir) if report_dir else root / "report"
     report.mkdir(parents=True, exist_ok=True)
     if evaluate and jobs > 1:
-        _evaluate_in_parallel(path, root, jobs)
+        evaluate_in_parallel(path, root, jobs)
     records = collect(spec, root, evaluate=evaluate)
     for r in records:
         r["trained_under"] = trained.get(r["run"])

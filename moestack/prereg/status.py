@@ -1,6 +1,7 @@
 """Where a study stands: how many runs are finished, running, interrupted or waiting, per
-arm, and the time the rest should take. No metric of any run is read: a study is analysed
-once, when every registered run is done (looking at interim numbers is optional stopping).
+arm, the time the rest should take, and how many finished runs are evaluated already. No
+metric of any run is shown: a study is analysed once, when every registered run is done
+(looking at interim numbers is optional stopping).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from moestack import checkpoint
 from moestack.errors import MoestackError
+from moestack.prereg.analysis import analysis_key, cached_evaluation
 from moestack.prereg.provenance import read_run_record
 from moestack.prereg.runner import claimed, is_finished, plan
 from moestack.prereg.spec import load
@@ -49,12 +51,15 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
     arms: dict[str, dict[str, int]] = {arm: dict.fromkeys(STATES, 0) for arm in spec.arms}
     total = dict.fromkeys(STATES, 0)
     walls = []
+    key, evaluated = analysis_key(spec), 0
     for item in runs:
         state = _state(item.run_dir)
         arms[item.arm][state] += 1
         total[state] += 1
         if state == "finished" and (wall := _wall_s(item.run_dir)) is not None:
             walls.append(wall)
+        if state == "finished":  # its evaluation exists (``prereg evaluate``); none is shown
+            evaluated += cached_evaluation(item.run_dir, key) is not None
     median = statistics.median(walls) if walls else None
     left = total["running"] + total["interrupted"] + total["waiting"]
     runners = max(total["running"], 1)
@@ -67,6 +72,7 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
         "median_run_s": median,
         "runners": total["running"],
         "eta_s": eta,
+        "evaluated": evaluated,
     }
 
 
@@ -83,4 +89,8 @@ def render(result: dict[str, Any]) -> str:
             f"  a run takes {result['median_run_s']:.0f} s (median); the rest about "
             f"{eta_h:.1f} h with {max(result['runners'], 1)} runner(s)"
         )
+    lines.append(
+        f"  evaluated ahead of the analysis: {result['evaluated']} of "
+        f"{result['total']['finished']} finished runs (`moestack prereg evaluate`)"
+    )
     return "\n".join(lines)

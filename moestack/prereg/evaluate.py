@@ -1,0 +1,76 @@
+"""Evaluating a study's finished runs ahead of its analysis, showing nothing.
+
+A run's evaluation (perplexity and cache hit rates of its final checkpoint on the
+pre-registered validation batches) depends on that run alone, so it may be computed as soon
+as the run finishes, while the others still train: ``moestack prereg evaluate FILE`` fills
+each finished run's cached evaluation (``prereg_eval.json``, keyed by the analysis settings)
+and prints counts only. ``prereg analyze`` reuses the cache once every run is done. No
+metric is read back or shown here: an interim look at results would be optional stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+from typing import Any
+
+from moestack.errors import MoestackError
+from moestack.prereg.analysis import analysis_key, cached_evaluation, evaluate_shard
+from moestack.prereg.locking import verify
+from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
+from moestack.prereg.spec import load
+
+log = logging.getLogger(__name__)
+
+
+def evaluate_in_parallel(path: Path | str, root: Path, jobs: int) -> int:
+    """Evaluate the finished, not yet evaluated runs in ``jobs`` processes (fresh
+    interpreters: each loads the corpus once), each on every ``jobs``-th run, with
+    ``cores // jobs`` threads. Returns how many were evaluated."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(jobs) as pool:
+        args = [(str(path), str(root), i, jobs, threads) for i in range(jobs)]
+        done = sum(pool.starmap(evaluate_shard, args))
+    log.info("evaluated %d runs in %d processes", done, jobs)
+    return done
+
+
+def evaluate_finished(
+    path: Path | str, out_dir: Path | str | None = None, *, jobs: int = 1
+) -> dict[str, Any]:
+    """Check the lock and the study every finished run was trained under, then evaluate the
+    finished runs that have no cached evaluation yet (``jobs`` processes). Returns counts:
+    registered, finished, evaluated now, evaluated in all."""
+    if jobs < 1:
+        raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
+    record = verify(path)
+    spec = load(path)
+    root = Path(out_dir) if out_dir else default_out_dir(spec)
+    grid = plan(spec, root)
+    check_runs(grid, record)  # refuses runs the lock does not cover
+    if jobs > 1:
+        now = evaluate_in_parallel(path, root, jobs)
+    else:
+        now = evaluate_shard(str(path), str(root), 0, 1)
+    key = analysis_key(spec)
+    finished = [r for r in grid if is_finished(r.run_dir)]
+    return {
+        "study": spec.study,
+        "registered": len(grid),
+        "finished": len(finished),
+        "evaluated_now": now,
+        "evaluated": sum(cached_evaluation(r.run_dir, key) is not None for r in finished),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """One line of counts (no metric)."""
+    return (
+        f"study {result['study']}: evaluated {result['evaluated_now']} run(s) now; "
+        f"{result['evaluated']} of {result['finished']} finished runs evaluated "
+        f"({result['registered']} registered). No results are shown before the study is "
+        "complete: `moestack prereg analyze` reports them then."
+    )
