@@ -19,19 +19,23 @@ naming the file; ``newest_verified`` finds the newest checkpoint whose files all
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import safetensors
 import safetensors.torch
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from moestack.config import ModelConfig
@@ -50,6 +54,7 @@ FORMAT = "moestack-checkpoint"
 VERSION = 2
 _META_KEYS = ("format", "version", "step", "model", "sizes", "sha256", SELF_DIGEST)
 _FILES = (MODEL_FILE, STATE_FILE)
+_EXPERT_KEY = re.compile(r"layers\.\d+\.moe\.w[12]")
 
 
 def _fsync(path: Path) -> None:
@@ -300,6 +305,58 @@ def load_model_weights(
             f"unexpected {unexpected[:3]}); use the checkpoint's model config"
         )
     return meta
+
+
+def _expert_key(key: str) -> bool:
+    """A routed expert tensor of a moestack model: ``layers.<i>.moe.w1`` or ``.w2``."""
+    return _EXPERT_KEY.fullmatch(key) is not None
+
+
+def load_model_weights_without_experts(
+    path: Path | str, model: nn.Module, model_cfg: ModelConfig
+) -> dict[str, Any]:
+    """``load_model_weights`` for a model built under ``meta_load.parameters_on_meta``: every
+    weight and persistent buffer but the MoE layers' ``w1``/``w2`` read (copies), the experts
+    left meta, for serving them from an expert store. Returns the checkpoint's meta."""
+    from moestack.meta_load import TensorReader, fill_buffers, fill_parameters
+
+    path = Path(path)
+    meta = read_meta(path)
+    check_model_config(meta, model_cfg, path)
+    verify_file(path, MODEL_FILE, meta)
+    file = path / MODEL_FILE
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            keys = dict.fromkeys(f.keys(), file)  # safe_open is no dict
+    except (safetensors.SafetensorError, OSError) as err:
+        raise MoestackError(f"{file}: cannot be read ({err})") from None
+    with contextlib.ExitStack() as stack:
+        reader = TensorReader(keys, stack)
+
+        def find(name: str) -> str | None:  # moestack saves a tensor under its own name
+            return name if name in keys else None
+
+        used = fill_parameters(model, reader, find, _expert_key, file)
+        used |= fill_buffers(model, reader, find, file, required=True)
+    unexpected = sorted(k for k in keys if k not in used and not _expert_key(k))
+    if unexpected:
+        raise MoestackError(
+            f"{file} does not match the model (unexpected {unexpected[:3]}); use the "
+            "checkpoint's model config"
+        )
+    return meta
+
+
+def iter_expert_layers(path: Path | str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(w1 [E, D, 2F], w2 [E, F, D])`` of each MoE layer of checkpoint ``path``, in layer
+    order, one layer read at a time (``ExpertStore.write_layers``). The file is verified
+    first."""
+    path = Path(path)
+    verify_file(path, MODEL_FILE, read_meta(path))
+    with safe_open(path / MODEL_FILE, framework="pt", device="cpu") as f:
+        layers = sorted(int(k.split(".")[1]) for k in f.keys() if k.endswith(".moe.w1"))  # noqa: SIM118
+        for i in layers:
+            yield f.get_tensor(f"layers.{i}.moe.w1"), f.get_tensor(f"layers.{i}.moe.w2")
 
 
 def load_train_state(path: Path | str) -> dict[str, Any]:

@@ -20,12 +20,11 @@ from moestack.errors import MoestackError
 def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.data import eval_batches
     from moestack.evaluation import evaluate, resolve_device
-    from moestack.runs import is_transformers_dir, load_run, run_corpus
+    from moestack.runs import load_run, run_corpus
 
-    # offloaded, a transformers folder's experts are never read into memory: the store
-    # serves them, written from the folder's safetensors one expert at a time
-    lean = args.offload and is_transformers_dir(args.run_dir)
-    run = load_run(args.run_dir, args.checkpoint, experts=not lean)
+    # offloaded, the experts are never read into memory: the store serves them, written
+    # from the checkpoint's (or the folder's) safetensors one layer at a time
+    run = load_run(args.run_dir, args.checkpoint, experts=not args.offload)
     cfg = run.cfg
     if args.max_bytes >= 0:
         cfg.data.max_bytes = args.max_bytes
@@ -71,11 +70,14 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
         run.run_dir / "experts")  # fmt: skip
     store_dir = args.store_dir or cache_cfg.store_dir or default_dir
-    layers = None
-    if bare:  # the store is read from the folder's safetensors, one layer at a time
+    if bare:  # the experts were not loaded: the store is read from the safetensors
         from moestack.interop.hf_experts import iter_hf_expert_layers
 
         layers = iter_hf_expert_layers(run.run_dir)
+    else:
+        from moestack.checkpoint import iter_expert_layers
+
+        layers = iter_expert_layers(run.checkpoint)
     store = open_or_write_store(
         run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve()),
         layers=layers,

@@ -184,7 +184,8 @@ class ModelConfig:
         elif not experts:
             raise ValueError(
                 "experts=False reads a transformers model folder without its experts; "
-                "moestack's own model is built whole (set model.path, or experts=True)"
+                "moestack's own model without experts is loaded from a checkpoint: "
+                "moestack.runs.load_run(RUN, experts=False)"
             )
         else:
             from moestack.model import MoETransformer

@@ -24,6 +24,7 @@ from moestack.config import DataConfig, ModelConfig, TrainConfig
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
+from moestack.meta_load import parameters_on_meta
 from moestack.metrics import jsonable
 from moestack.model import RoutedLM
 
@@ -121,24 +122,24 @@ def load_run(
 
     ``device`` moves the model there ("auto" = the run's own device setting resolved here);
     None leaves it on the CPU (offloaded evaluation writes the expert store from there).
-    ``experts=False`` loads a transformers folder without its routed experts (meta tensors:
-    served from an expert store); a moestack run's store is written from its loaded experts,
-    so for a run it is refused.
+    ``experts=False`` leaves the routed experts unread (meta tensors, served from an expert
+    store written from the checkpoint or folder: ``checkpoint.iter_expert_layers``,
+    ``iter_hf_expert_layers``); only the other weights are read.
     """
     run_dir = Path(run_dir)
     if is_transformers_dir(run_dir):
         return _load_transformers_dir(run_dir, device, experts)
-    if not experts:
-        raise ValueError(
-            f"{run_dir} is a moestack run: experts=False is for transformers model folders "
-            "(a run's expert store is written from its loaded experts); pass experts=True"
-        )
     cfg = load_run_config(run_dir)
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
-    model = cfg.model.build()
-    meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
+    if experts:
+        model = cfg.model.build()
+        meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
+    else:
+        with parameters_on_meta():
+            model = cfg.model.build()
+        meta = checkpoint.load_model_weights_without_experts(ckpt, model, cfg.model)
     if device is not None:
-        model.to(resolve_device(cfg.device if device == "auto" else str(device)))
+        move_resident(model, resolve_device(cfg.device if device == "auto" else str(device)))
     return LoadedRun(run_dir, cfg, model, ckpt, int(meta["step"]))
 
 

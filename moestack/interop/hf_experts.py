@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from moestack.errors import MoestackError
 from moestack.interop.hf_config import SAFETENSORS_INDEX, read_hf_config, weight_files
+from moestack.meta_load import TensorReader
 
 _EXPERT_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.[A-Za-z_]+\.experts\.(.+)$")
 _FUSED = ("gate_up_proj", "down_proj")
@@ -90,30 +91,6 @@ def _layer_plan(
                 "w1/w3/w2, or fused experts.gate_up_proj/down_proj)"
             )
     return {"per_expert": experts}
-
-
-class TensorReader:
-    """Open safetensors files once each and read one tensor (or one slice) at a time."""
-
-    def __init__(self, keys: dict[str, Path], stack: contextlib.ExitStack) -> None:
-        self.keys = keys
-        self.stack = stack
-        self.handles: dict[Path, Any] = {}
-
-    def _handle(self, key: str) -> Any:
-        file = self.keys[key]
-        if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(
-                safe_open(file, framework="pt", device="cpu")
-            )
-        return self.handles[file]
-
-    def tensor(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
-
-    def row(self, key: str, index: int) -> torch.Tensor:
-        """``tensor[index]`` without reading the rest of the tensor."""
-        return self._handle(key).get_slice(key)[index]
 
 
 def _check_shapes(w1: torch.Tensor, w2: torch.Tensor, d_model: int, d_ff: int, where: str) -> None:

@@ -24,10 +24,8 @@ from moestack.errors import MoestackError  # noqa: E402
 from moestack.interop import hf_experts  # noqa: E402
 from moestack.interop.hf_experts import is_expert_key, iter_hf_expert_layers  # noqa: E402
 from moestack.interop.hf_model import load_hf_moe  # noqa: E402
-from moestack.interop.hf_without_experts import (  # noqa: E402
-    from_pretrained_without_experts,
-    parameters_on_meta,
-)
+from moestack.interop.hf_without_experts import from_pretrained_without_experts  # noqa: E402
+from moestack.meta_load import parameters_on_meta  # noqa: E402
 from moestack.runs import load_run  # noqa: E402
 
 
@@ -227,12 +225,11 @@ def test_parameters_on_meta_acts_in_its_own_thread_only():
     assert nn.Module.register_parameter is register
 
 
-def test_own_model_refuses_experts_false(tmp_path):
+def test_own_model_config_cannot_build_without_experts():
+    """Building reads no weights: moestack's own model without experts comes from a
+    checkpoint (``load_run(experts=False)``, tests/test_meta_load.py), not from build()."""
     with pytest.raises(ValueError, match="transformers model folder"):
         ModelConfig().build(experts=False)
-    (tmp_path / "config.yaml").write_text("{}")
-    with pytest.raises(ValueError, match="is a moestack run"):
-        load_run(tmp_path, experts=False)
 
 
 def test_running_without_experts_outside_the_cache_is_an_error(hf_dir):
