@@ -347,16 +347,38 @@ def load_model_weights_without_experts(
     return meta
 
 
-def iter_expert_layers(path: Path | str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def iter_expert_layers(
+    path: Path | str, dtype: torch.dtype | None = None, *, verify: bool = True
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(w1 [E, D, 2F], w2 [E, F, D])`` of each MoE layer of checkpoint ``path``, in layer
-    order, one layer read at a time (``ExpertStore.write_layers``). The file is verified
-    first."""
+    order, one layer read at a time (``ExpertStore.write_layers``), in ``dtype`` if given
+    (the model's: a bf16 checkpoint serves an fp32 model's experts in fp32, as loading it
+    whole would). ``verify=False`` skips the file's sha256 check for a caller that has just
+    checked it (a large checkpoint is then read once, not twice)."""
     path = Path(path)
-    verify_file(path, MODEL_FILE, read_meta(path))
-    with safe_open(path / MODEL_FILE, framework="pt", device="cpu") as f:
-        layers = sorted(int(k.split(".")[1]) for k in f.keys() if k.endswith(".moe.w1"))  # noqa: SIM118
-        for i in layers:
-            yield f.get_tensor(f"layers.{i}.moe.w1"), f.get_tensor(f"layers.{i}.moe.w2")
+    meta = read_meta(path)
+    if verify:
+        verify_file(path, MODEL_FILE, meta)
+    file = path / MODEL_FILE
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
+            layers = sorted(
+                int(k.split(".")[1]) for k in names if _expert_key(k) and k.endswith("w1")
+            )
+            for i in layers:
+                w1, w2 = (f.get_tensor(f"layers.{i}.moe.{n}") for n in ("w1", "w2"))
+                yield (w1, w2) if dtype is None else (w1.to(dtype), w2.to(dtype))
+    except (safetensors.SafetensorError, OSError) as err:
+        raise MoestackError(
+            f"{file}: cannot read the experts ({err}); the checkpoint is damaged, use another"
+        ) from None
+
+
+def model_sha256(path: Path | str) -> str | None:
+    """sha256 of checkpoint ``path``'s weights file, as its meta.json records it (None for a
+    checkpoint older than the digests)."""
+    return read_meta(path).get("sha256", {}).get(MODEL_FILE)
 
 
 def load_train_state(path: Path | str) -> dict[str, Any]:

@@ -70,18 +70,18 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
         run.run_dir / "experts")  # fmt: skip
     store_dir = args.store_dir or cache_cfg.store_dir or default_dir
+    dtype = run.model.moe_layers[0].w1.dtype  # the store holds the experts as the model would
     if bare:  # the experts were not loaded: the store is read from the safetensors
         from moestack.interop.hf_experts import iter_hf_expert_layers
 
-        layers = iter_hf_expert_layers(run.run_dir)
+        layers = (tuple(w.to(dtype) for w in pair) for pair in iter_hf_expert_layers(run.run_dir))
     else:
         from moestack.checkpoint import iter_expert_layers
 
-        layers = iter_expert_layers(run.checkpoint)
+        layers = iter_expert_layers(run.checkpoint, dtype, verify=False)  # load_run verified
     store = open_or_write_store(
-        run.model, store_dir, run.cfg.model, source=str(Path(run.checkpoint).resolve()),
-        layers=layers,
-    )  # fmt: skip
+        run.model, store_dir, run.cfg.model, source=_weights_identity(run), layers=layers
+    )
     move_resident(run.model, device)  # released (or never read) experts stay meta
     bias = args.cache_aware_bias
     result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
@@ -93,6 +93,20 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
         )  # fmt: skip
         result["generation"] = args.prompt + decode(out["tokens"])
     return _counts_as_int(result)
+
+
+def _weights_identity(run: Any) -> str:
+    """What the expert store was written from: the checkpoint (or folder) path and the
+    identity of its weights (the checkpoint's sha256; a folder's weight files' names, sizes
+    and modification times), so a store of older weights at the same path is rewritten."""
+    where = str(Path(run.checkpoint).resolve())
+    if run.checkpoint != run.run_dir:
+        from moestack.checkpoint import model_sha256
+
+        return f"{where} sha256:{model_sha256(run.checkpoint)}"
+    files = sorted(Path(run.run_dir).glob("*.safetensors*")) + [Path(run.run_dir) / "config.json"]
+    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{where} files:{stamp}"
 
 
 def _text_codec(model_cfg: Any) -> tuple[Any, Any]:

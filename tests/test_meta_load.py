@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import save_file
 from test_train import small_config
 
 from moestack import checkpoint
-from moestack.config import RouterConfig
+from moestack.config import OptimConfig, RouterConfig
 from moestack.errors import MoestackError
 from moestack.meta_load import TensorReader, fill_buffers, parameters_on_meta, resident_bytes
 from moestack.runs import load_run
@@ -57,15 +58,43 @@ def test_expert_layers_read_from_the_checkpoint(trained):
         assert torch.equal(w1, moe.w1) and torch.equal(w2, moe.w2)
 
 
-def test_eval_offload_equals_eval_in_memory(trained, capsys):
+def _eval(capsys, run_dir, *args: str) -> dict:
     from moestack.cli import main
 
-    main(["eval", str(trained), "--batches", "2"])
-    in_memory = json.loads(capsys.readouterr().out)
-    main(["eval", str(trained), "--offload", "--capacity", "2", "--batches", "2"])
-    offloaded = json.loads(capsys.readouterr().out)
+    main(["eval", str(run_dir), "--batches", "2", *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_offload_equals_eval_in_memory(trained, capsys):
+    in_memory = _eval(capsys, trained)
+    offloaded = _eval(capsys, trained, "--offload", "--capacity", "2")
     assert offloaded["loss/val"] == in_memory["loss/val"]  # exact: same function, same data
     assert offloaded["cache/misses"] > 0
+
+
+def test_a_bf16_checkpoint_serves_its_experts_as_the_model_computes_them(tmp_path, capsys):
+    """Weights trained and saved in bf16 are loaded into an fp32 model: the store holds the
+    experts in fp32 too, so the offloaded loss is the in-memory one exactly."""
+    train(small_config(steps=4, ckpt_every=4, optim=OptimConfig(param_dtype="bfloat16")), tmp_path)
+    ckpt = load_run(tmp_path).checkpoint
+    with safe_open(ckpt / checkpoint.MODEL_FILE, framework="pt") as f:
+        assert f.get_tensor("layers.0.moe.w1").dtype == torch.bfloat16
+    in_memory = _eval(capsys, tmp_path)
+    offloaded = _eval(capsys, tmp_path, "--offload", "--capacity", "2")
+    assert offloaded["loss/val"] == in_memory["loss/val"]
+
+
+def test_a_retrained_run_gets_a_new_store(tmp_path, capsys):
+    """The store remembers the weights it came from: the same checkpoint path with other
+    weights (a run trained again, longer) is not served from the old store."""
+    store = ("--offload", "--capacity", "2", "--store-dir", str(tmp_path / "store"))
+    train(small_config(steps=4, ckpt_every=4, keep_last=1), tmp_path / "run")
+    first = _eval(capsys, tmp_path / "run", *store)
+    shutil.rmtree(tmp_path / "run")
+    train(small_config(steps=4, ckpt_every=4, keep_last=1, seed=7), tmp_path / "run")
+    second = _eval(capsys, tmp_path / "run", *store)
+    in_memory = _eval(capsys, tmp_path / "run")
+    assert second["loss/val"] == in_memory["loss/val"] != first["loss/val"]
 
 
 def test_a_persistent_buffer_missing_from_the_checkpoint_is_refused(trained):
@@ -89,8 +118,6 @@ def test_a_persistent_buffer_missing_from_the_checkpoint_is_refused(trained):
 
 
 def test_a_checkpoint_with_flipped_bytes_is_refused(trained, tmp_path):
-    import shutil
-
     ckpt = tmp_path / "step"
     shutil.copytree(load_run(trained).checkpoint, ckpt)
     file = ckpt / checkpoint.MODEL_FILE

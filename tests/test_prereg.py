@@ -7,6 +7,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -537,7 +538,7 @@ def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys
         prereg.evaluate_finished(path, out)
     prereg.lock(path)
     prereg.run(path, out, progress=False)
-    (out / "runs" / "b-s0" / "summary.json").unlink()  # as if b-s0 were still training
+    shutil.rmtree(out / "runs" / "b-s0")  # as if b-s0 were still waiting
     from moestack.cli import main as cli_main
 
     cli_main(["prereg", "evaluate", str(path), "--out", str(out)])
@@ -548,11 +549,16 @@ def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys
         "a-s0", "baseline-s0"]  # fmt: skip
     assert prereg.evaluate_finished(path, out)["evaluated_now"] == 0  # nothing left to do
     assert prereg.status(path, out)["evaluated"] == 2
-    prereg.run(path, out, progress=False)  # b-s0 trained again from scratch
+    prereg.run(path, out, progress=False)  # b-s0 trained from scratch
+    stale = out / "runs" / "a-s0" / prereg.EVAL_FILE  # as if a-s0 had been retrained since
+    record = json.loads(stale.read_text())
+    assert record["model_sha256"] and record["torch_threads"] >= 1
+    stale.write_text(json.dumps({**record, "model_sha256": "0" * 64}))
     calls: list[str] = []
     real = prereg.analysis.evaluate_run
     monkeypatch.setattr(
         prereg.analysis, "evaluate_run", lambda d, *a: calls.append(Path(d).name) or real(d, *a)
     )
     prereg.analyze(path, out)
-    assert calls == ["b-s0"]  # the two evaluated ahead come from the cache
+    assert sorted(calls) == ["a-s0", "b-s0"]  # baseline-s0's evaluation is still its weights'
+    assert json.loads(stale.read_text())["model_sha256"] == record["model_sha256"]

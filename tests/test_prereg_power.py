@@ -129,6 +129,9 @@ def test_power_from_a_pilot_folder_and_the_spec_block(tmp_path: Path, capsys) ->
     path = write(tmp_path, data)
     prereg.lock(path)
     synthetic_runs(path, tmp_path / "out")
+    with pytest.raises(MoestackError, match="analyze the pilot study first"):
+        prereg.power(path)  # per-run evaluations are no pilot before the analysis
+    prereg.analyze(path, tmp_path / "out", evaluate=False)  # out/report/results.json
     result = prereg.power(path)  # the pilot named in the file, relative to it
     rows = {(r["hypothesis"], r["arm"]): r for r in result["rows"]}
     sd = math.sqrt(sum(v * v for v in PPL["good"]) / 4)  # the mean is 0
@@ -239,3 +242,10 @@ def test_committed_study_still_verifies_and_analyses_as_before() -> None:
     section = report[report.index("## Verdicts") : report.index("## Per-run results")]
     for line in section.splitlines():
         assert line in md, line
+
+
+def test_an_interim_analysis_is_no_pilot(tmp_path: Path) -> None:
+    pilot = tmp_path / "results.json"
+    pilot.write_text(json.dumps({"interim": {"finished": 3, "registered": 8}, "runs": []}))
+    with pytest.raises(MoestackError, match="interim analysis"):
+        prereg.load_pilot(pilot)

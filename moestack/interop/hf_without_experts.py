@@ -93,7 +93,8 @@ def from_pretrained_without_experts(folder: Path, dtype: torch.dtype) -> nn.Modu
     hf = _build_on_meta(folder, dtype)
     read = load_non_expert_weights(hf, folder)
     log.info(
-        "%s: read %d non-expert tensors (%.1f MB); routed experts left on the meta device",
+        "%s: read %d checkpoint tensors (the model now holds %.1f MB); routed experts left "
+        "on the meta device",
         folder,
         read["tensors"],
         read["bytes"] / 1e6,

@@ -88,6 +88,7 @@ def evaluate_run(
             metrics[f"{policy}/cap{cap}/misses_per_token"] = stats.misses_per_token
     return {
         "checkpoint": str(ckpt),
+        "model_sha256": _model_sha256(ckpt),  # which weights: a retrained run is evaluated anew
         "step": step,
         "eval_tokens": tokens,
         "router": dataclasses.asdict(cfg.router),  # as trained (config.yaml), for provenance
@@ -128,41 +129,73 @@ def evaluate_shard(
     path: str, out_dir: str | None, shard: int, shards: int, threads: int = 0
 ) -> int:
     """Evaluate and cache the finished, not yet evaluated runs ``shard::shards`` of the study
-    (a worker of ``analyze(jobs=N)``; nothing is aggregated or shown). Returns how many."""
+    (a worker of ``analyze(jobs=N)`` and ``evaluate``; nothing is aggregated or shown), each
+    checked against the lock first, with ``threads`` torch threads (0: every core). Returns
+    how many."""
+    import os
+
+    import torch
+
+    from moestack.prereg.locking import verify
+    from moestack.prereg.provenance import check_run
     from moestack.prereg.spec import load
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    lock_info = verify(path)
     spec = load(path)
     key = analysis_key(spec)
     corpora: dict[str, Any] = {}
     done = 0
     for item in plan(spec, out_dir)[shard::shards]:
         if is_finished(item.run_dir) and cached_evaluation(item.run_dir, key) is None:
+            check_run(item.run_dir, lock_info)  # a run finished since the caller checked
             _evaluate(item, spec, key, corpora)
             done += 1
     return done
 
 
+def _model_sha256(ckpt: Path) -> str | None:
+    """sha256 of a checkpoint's weights file, from its meta.json (None: none recorded)."""
+    from moestack import checkpoint
+
+    try:
+        return checkpoint.model_sha256(ckpt)
+    except MoestackError:
+        return None
+
+
+def _final_model_sha256(run_dir: Path) -> str | None:
+    from moestack import checkpoint
+
+    ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    return None if ckpt is None else _model_sha256(ckpt)
+
+
 def cached_evaluation(run_dir: Path, key: str) -> dict[str, Any] | None:
-    """The run's cached evaluation under the analysis hash ``key``, or None (none, another
-    hash, or a file cut short: evaluated again)."""
+    """The run's cached evaluation under the analysis hash ``key`` and of the weights its
+    newest checkpoint holds, or None (none, another hash, other weights: a run retrained
+    since, or a file cut short: evaluated again). No metric is interpreted here."""
     try:
         cached = json.loads((run_dir / EVAL_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return cached if isinstance(cached, dict) and cached.get("analysis_key") == key else None
+    if not isinstance(cached, dict) or cached.get("analysis_key") != key:
+        return None
+    return cached if cached.get("model_sha256") == _final_model_sha256(run_dir) else None
 
 
 def _evaluate(item: Any, spec: Prereg, key: str, corpora: dict[str, Any]) -> dict[str, Any]:
     """Evaluate a run's final checkpoint and cache the result (atomically)."""
     log.info("%s: evaluating the final checkpoint", item.name)
+    import os
+
+    import torch
+
     result = evaluate_run(item.run_dir, spec.analysis, corpora)
     result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
+    result.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
     target = item.run_dir / EVAL_FILE
-    tmp = target.with_name(target.name + ".tmp")
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two evaluators never share
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(target)
     return result

@@ -4,9 +4,9 @@ A verdict is only as sharp as its interval: with n paired seeds of standard devi
 the two-sided t interval of the mean change has half-width t_{(1+c)/2, n-1} * sd / sqrt(n).
 ``seeds_needed`` finds the smallest n whose half-width is at most a target (0.5 percentage
 points of perplexity change by default: half the 1% budget). The sd comes from a pilot: the
-per-run metrics of earlier seeds (a finished study's ``results.json``, its report folder, or
-its study folder with ``runs/<arm>-s<seed>/prereg_eval.json``), paired seed by seed with the
-baseline exactly as the analysis pairs them.
+per-run metrics of earlier seeds (a finished study's ``results.json``, or its report or study
+folder holding one; never an interim analysis, nor a study's per-run evaluations before it
+is analysed), paired seed by seed with the baseline exactly as the analysis pairs them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import EVAL_FILE, _compare, t_quantile
+from moestack.prereg.analysis import _compare, t_quantile
 from moestack.prereg.spec import SCALAR_METRICS, Hypothesis, Prereg, load
 
 DEFAULT_HALF_WIDTH = 0.005  # 0.5 pp of relative change: half the 1% perplexity budget
@@ -62,12 +62,17 @@ def _records_file(path: Path) -> list[dict[str, Any]]:
     runs = doc.get("runs") if isinstance(doc, dict) else None
     if not isinstance(runs, list):
         raise MoestackError(f"{path}: no 'runs' list; give an analyze results.json as the pilot")
+    if doc.get("interim"):
+        raise MoestackError(
+            f"{path} is an interim analysis ({doc['interim']}): sizing or stopping a study on "
+            "an interim look is optional stopping; give a finished study's results.json"
+        )
     return [r for r in runs if isinstance(r, dict) and r.get("status", "done") == "done"]
 
 
 def load_pilot(path: Path | str) -> list[dict[str, Any]]:
-    """The pilot's per-run records (arm, seed, metrics) from a results.json, a folder holding
-    one (or report/results.json), or a study folder with runs/*/prereg_eval.json."""
+    """The pilot's per-run records (arm, seed, metrics) from a results.json or a folder holding
+    one (or report/results.json); an interim analysis is refused."""
     path = Path(path)
     if path.is_file():
         records = _records_file(path)
@@ -76,7 +81,12 @@ def load_pilot(path: Path | str) -> list[dict[str, Any]]:
     elif (path / "report" / "results.json").is_file():
         records = _records_file(path / "report" / "results.json")
     elif path.is_dir():
-        records = [json.loads(f.read_text()) for f in sorted(path.glob(f"runs/*/{EVAL_FILE}"))]
+        raise MoestackError(
+            f"pilot {path} holds no results.json (nor report/results.json): analyze the pilot "
+            "study first (`moestack prereg analyze`); a study's cached per-run evaluations "
+            "are no pilot until it is complete and analysed (interim numbers would size or "
+            "stop a study on an interim look)"
+        )
     else:
         raise MoestackError(f"pilot {path} not found; give a results.json or a study folder")
     records = [r for r in records if "arm" in r and "seed" in r and "metrics" in r]
