@@ -460,7 +460,7 @@ def micro_study(width: int, layers: int, max_bytes: int, train: list[str] | None
     )  # fmt: skip
 
 
-def test_end_to_end_micro_study(tmp_path: Path) -> None:
+def test_end_to_end_micro_study(tmp_path: Path, caplog) -> None:
     """The real train and evaluation on a micro model: two arms, one seed, two steps."""
     data = micro_study(width=32, layers=2, max_bytes=1_000_000)
     data["runs"]["arms"].pop("b")
@@ -471,7 +471,10 @@ def test_end_to_end_micro_study(tmp_path: Path) -> None:
     data["hypotheses"][0]["metric"] = "lru/cap2/miss_rate"  # at cap 4 nothing misses
     path = write(tmp_path, data)
     prereg.lock(path)
-    prereg.run(path, tmp_path / "out", progress=False)
+    with caplog.at_level("INFO"):
+        prereg.run(path, tmp_path / "out", progress=False)
+    assert "a-s0: training" in caplog.text  # the runner says what it does ...
+    assert "val loss" not in caplog.text and "perplexity" not in caplog.text  # ... not results
     report = prereg.analyze(path, tmp_path / "out")
     results = json.loads((report.parent / "results.json").read_text())
     run = results["runs"][1]

@@ -53,10 +53,19 @@ def check_runs(runs: list[RunSpec], lock_info: dict[str, Any]) -> dict[str, dict
 
 
 def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
-    """moestack.trainer.train, imported late: torch loads only when a run trains."""
+    """moestack.trainer.train, imported late: torch loads only when a run trains. The
+    trainer's own log (its closing summary holds the run's val loss and perplexity) is kept
+    to warnings: a study shows no run's results before it is complete (summary.json and
+    metrics.jsonl still record them)."""
     from moestack.trainer import train
 
-    return train(cfg, out_dir)
+    trainer_log = logging.getLogger("moestack.trainer")
+    level = trainer_log.level
+    trainer_log.setLevel(logging.WARNING)
+    try:
+        return train(cfg, out_dir)
+    finally:
+        trainer_log.setLevel(level)
 
 
 def run(
