@@ -60,6 +60,7 @@ def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
 def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
     """Every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
+    from moestack.meta_load import resident_bytes
     from moestack.runs import move_resident
 
     cache_cfg = _cache_config(args, run.cfg.cache)
@@ -92,6 +93,8 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
             cache_aware_bias=bias,
         )  # fmt: skip
         result["generation"] = args.prompt + decode(out["tokens"])
+    result["memory/model_bytes"] = resident_bytes(run.model)  # held by the model: no expert
+    result["memory/experts_bytes"] = store.expert_bytes * store.num_experts * store.num_layers
     return _counts_as_int(result)
 
 

@@ -70,6 +70,10 @@ def test_eval_offload_equals_eval_in_memory(trained, capsys):
     offloaded = _eval(capsys, trained, "--offload", "--capacity", "2")
     assert offloaded["loss/val"] == in_memory["loss/val"]  # exact: same function, same data
     assert offloaded["cache/misses"] > 0
+    whole = load_run(trained).model
+    experts = sum(p.numel() * p.element_size() for m in whole.moe_layers for p in (m.w1, m.w2))
+    assert offloaded["memory/experts_bytes"] == experts  # in the store, not in the model
+    assert offloaded["memory/model_bytes"] == resident_bytes(whole) - experts
 
 
 def test_a_bf16_checkpoint_serves_its_experts_as_the_model_computes_them(tmp_path, capsys):
