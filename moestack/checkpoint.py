@@ -54,7 +54,9 @@ FORMAT = "moestack-checkpoint"
 VERSION = 2
 _META_KEYS = ("format", "version", "step", "model", "sizes", "sha256", SELF_DIGEST)
 _FILES = (MODEL_FILE, STATE_FILE)
-_EXPERT_KEY = re.compile(r"layers\.\d+\.moe\.w[12]")
+# A routed expert tensor of a moestack MoE layer: ``layers.<i>.moe.w1`` in moestack's model,
+# ``hf.model.layers.<i>.mlp.moe.w1`` in a transformers model's run (model=hf).
+_EXPERT_KEY = re.compile(r"(?:.*\.)?layers\.(?P<layer>\d+)\.(?:[A-Za-z_]+\.)?moe\.(?P<w>w[12])")
 
 
 def _fsync(path: Path) -> None:
@@ -308,7 +310,7 @@ def load_model_weights(
 
 
 def _expert_key(key: str) -> bool:
-    """A routed expert tensor of a moestack model: ``layers.<i>.moe.w1`` or ``.w2``."""
+    """A routed expert tensor of a moestack MoE layer (``_EXPERT_KEY``)."""
     return _EXPERT_KEY.fullmatch(key) is not None
 
 
@@ -362,12 +364,12 @@ def iter_expert_layers(
     file = path / MODEL_FILE
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
-            names = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
-            layers = sorted(
-                int(k.split(".")[1]) for k in names if _expert_key(k) and k.endswith("w1")
-            )
-            for i in layers:
-                w1, w2 = (f.get_tensor(f"layers.{i}.moe.{n}") for n in ("w1", "w2"))
+            keys: dict[int, dict[str, str]] = {}  # decoder layer -> {"w1": key, "w2": key}
+            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+                if match := _EXPERT_KEY.fullmatch(key):
+                    keys.setdefault(int(match["layer"]), {})[match["w"]] = key
+            for layer in sorted(keys):  # the order of model.moe_layers
+                w1, w2 = (f.get_tensor(keys[layer][n]) for n in ("w1", "w2"))
                 yield (w1, w2) if dtype is None else (w1.to(dtype), w2.to(dtype))
     except (safetensors.SafetensorError, OSError) as err:
         raise MoestackError(

@@ -29,8 +29,9 @@ from torch import nn
 from moestack.errors import MoestackError
 
 # One build at a time: nn.Module.register_parameter is patched for the whole process while a
-# model is built, and the patch acts only in the thread that holds this lock.
-_BUILD_LOCK = threading.Lock()
+# model is built, and the patch acts only in the thread that holds this lock (re-entrant: a
+# build inside a build nests its patch and undoes it in order).
+_BUILD_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager

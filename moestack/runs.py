@@ -135,8 +135,11 @@ def load_run(
         model = cfg.model.build()
         meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     else:
-        with parameters_on_meta():
-            model = cfg.model.build()
+        if cfg.model.path:  # a transformers model's run: its folder without the experts
+            model = cfg.model.build(experts=False)
+        else:
+            with parameters_on_meta():
+                model = cfg.model.build()
         meta = checkpoint.load_model_weights_without_experts(ckpt, model, cfg.model)
     if device is not None:
         move_resident(model, resolve_device(cfg.device if device == "auto" else str(device)))

@@ -14,9 +14,8 @@ perplexity change (arm / baseline - 1 on the same seed), and the seeds
         --steps 300,1200 --arms baseline,temporal --seeds 1000,1001,1002,1003 \
         --json docs/prereg_cpu_v2/pilot.json --check-pairing
 
-Writes into each run folder ``prereg_eval.json`` (so ``moestack prereg power FILE --pilot
-<out>/steps<N>`` reads the folder) and ``pilot_timing.json``; with ``--json`` the summary
-and, beside it, ``pilot_steps<N>.json`` per budget (an analyze-style ``runs`` list that
+Writes into each run folder ``prereg_eval.json`` and ``pilot_timing.json``; with ``--json``
+the summary and, beside it, ``pilot_steps<N>.json`` per budget (an analyze-style ``runs`` list that
 ``moestack prereg power --pilot`` reads). Resumable: a finished run (``summary.json``) is
 not retrained, an interrupted one resumes from its checkpoint, a cached evaluation is reused;
 ``--collect`` trains nothing and summarises the runs that finished (a seed an arm lacks is

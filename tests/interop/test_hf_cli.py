@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_hf_training import hf_config
 
 from moestack import cli, cli_eval
@@ -35,6 +36,37 @@ def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, c
     assert isinstance(offloaded["generation"], str)
     store = tmp_path / "exported.experts"  # beside the model folder, not inside it
     assert (store / "index.json").is_file() and not (out / "experts").exists()
+
+
+def test_a_transformers_run_evaluated_offloaded_without_loading_its_experts(
+    hf_dir, tmp_path, capsys
+):
+    """A router fine-tuning run (model=hf, anchor on): loaded without its experts it holds the
+    run's weights and buffers, and served from the store its loss is the in-memory one."""
+    from moestack.checkpoint import iter_expert_layers
+    from moestack.runs import load_run
+
+    cfg = hf_config(hf_dir("qwen2_moe"), tmp_path, steps=4, ckpt_every=0)
+    train(cfg, tmp_path / "run")
+    whole, lean = load_run(tmp_path / "run"), load_run(tmp_path / "run", experts=False)
+    got = dict(lean.model.named_parameters())
+    for name, param in whole.model.named_parameters():
+        if name.endswith((".moe.w1", ".moe.w2")):
+            assert got[name].is_meta, name
+        else:
+            assert torch.equal(got[name], param), name
+    buffers = dict(lean.model.named_buffers())
+    for name, buf in whole.model.named_buffers():
+        assert torch.equal(buffers[name], buf), name
+    layers = list(iter_expert_layers(whole.checkpoint))
+    assert len(layers) == len(whole.model.moe_layers) == 2
+    for (w1, w2), moe in zip(layers, whole.model.moe_layers, strict=True):
+        assert torch.equal(w1, moe.w1) and torch.equal(w2, moe.w2)
+    small = ["--batches", "2", "--max-bytes", "200000"]
+    in_memory = run_cli(capsys, "eval", str(tmp_path / "run"), *small)
+    offloaded = run_cli(capsys, "eval", str(tmp_path / "run"), *small, "--offload",
+                        "--capacity", "3")  # fmt: skip
+    assert offloaded["loss/val"] == in_memory["loss/val"]
 
 
 def test_export_refuses_a_run_of_moestacks_own_model(tmp_path):
