@@ -551,7 +551,8 @@ def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys
     assert sorted(p.parent.name for p in out.glob(f"runs/*/{prereg.EVAL_FILE}")) == [
         "a-s0", "baseline-s0"]  # fmt: skip
     assert prereg.evaluate_finished(path, out)["evaluated_now"] == 0  # nothing left to do
-    assert prereg.status(path, out)["evaluated"] == 2
+    where = prereg.status(path, out)
+    assert where["evaluated"] == 2 and where["eval_left_cpu_s"] > 0  # one run left to evaluate
     prereg.run(path, out, progress=False)  # b-s0 trained from scratch
     stale = out / "runs" / "a-s0" / prereg.EVAL_FILE  # as if a-s0 had been retrained since
     record = json.loads(stale.read_text())

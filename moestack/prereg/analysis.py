@@ -188,12 +188,15 @@ def _evaluate(item: Any, spec: Prereg, key: str, corpora: dict[str, Any]) -> dic
     """Evaluate a run's final checkpoint and cache the result (atomically)."""
     log.info("%s: evaluating the final checkpoint", item.name)
     import os
+    import time
 
     import torch
 
+    cpu_start = time.process_time()
     result = evaluate_run(item.run_dir, spec.analysis, corpora)
     result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
     result.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+    result["eval_cpu_s"] = time.process_time() - cpu_start  # core-seconds, for planning
     target = item.run_dir / EVAL_FILE
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two evaluators never share
     tmp.write_text(json.dumps(result, indent=2))

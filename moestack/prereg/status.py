@@ -51,7 +51,7 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
     arms: dict[str, dict[str, int]] = {arm: dict.fromkeys(STATES, 0) for arm in spec.arms}
     total = dict.fromkeys(STATES, 0)
     walls = []
-    key, evaluated = analysis_key(spec), 0
+    key, evaluated, eval_cpu = analysis_key(spec), 0, []
     for item in runs:
         state = _state(item.run_dir)
         arms[item.arm][state] += 1
@@ -59,7 +59,10 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
         if state == "finished" and (wall := _wall_s(item.run_dir)) is not None:
             walls.append(wall)
         if state == "finished":  # its evaluation exists (``prereg evaluate``); none is shown
-            evaluated += cached_evaluation(item.run_dir, key) is not None
+            cached = cached_evaluation(item.run_dir, key)
+            evaluated += cached is not None
+            if cached is not None and isinstance(cached.get("eval_cpu_s"), (int, float)):
+                eval_cpu.append(float(cached["eval_cpu_s"]))
     median = statistics.median(walls) if walls else None
     left = total["running"] + total["interrupted"] + total["waiting"]
     runners = max(total["running"], 1)
@@ -73,6 +76,10 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
         "runners": total["running"],
         "eta_s": eta,
         "evaluated": evaluated,
+        # core-seconds the evaluations left should take (None: none timed yet)
+        "eval_left_cpu_s": (len(runs) - evaluated) * statistics.median(eval_cpu)
+        if eval_cpu
+        else None,
     }
 
 
@@ -89,8 +96,11 @@ def render(result: dict[str, Any]) -> str:
             f"  a run takes {result['median_run_s']:.0f} s (median); the rest about "
             f"{eta_h:.1f} h with {max(result['runners'], 1)} runner(s)"
         )
-    lines.append(
+    line = (
         f"  evaluated ahead of the analysis: {result['evaluated']} of "
         f"{result['total']['finished']} finished runs (`moestack prereg evaluate`)"
     )
+    if result.get("eval_left_cpu_s") is not None:
+        line += f"; the other evaluations about {result['eval_left_cpu_s'] / 60:.0f} core-minutes"
+    lines.append(line)
     return "\n".join(lines)
