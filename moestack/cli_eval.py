@@ -75,7 +75,7 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     if bare:  # the experts were not loaded: the store is read from the safetensors
         from moestack.interop.hf_experts import iter_hf_expert_layers
 
-        layers = (tuple(w.to(dtype) for w in pair) for pair in iter_hf_expert_layers(run.run_dir))
+        layers = iter_hf_expert_layers(run.run_dir, dtype)
     else:
         from moestack.checkpoint import iter_expert_layers
 

@@ -5,9 +5,9 @@ leaving out the tensors a caller skips (the routed experts, served by the expert
 this thread registers becomes a meta tensor (shape and dtype only); buffers, such as rotary
 tables, are built as usual. ``fill_parameters`` then puts a tensor read from the files in
 place of each parameter it is not told to skip, and ``fill_buffers`` reads the persistent
-buffers. A tied parameter (one object under several
-names) is read once and stays one parameter. Each tensor is copied out of the memory-mapped
-file (cast to the parameter's dtype), so rewriting the file later cannot change the model.
+buffers. A tied parameter (one object under several names) is read once and stays one
+parameter. Each tensor is copied out of the memory-mapped file (cast to the parameter's
+dtype), so rewriting the file later cannot change the model.
 
 Both moestack checkpoints (``moestack.checkpoint``) and transformers model folders
 (``moestack.interop.hf_without_experts``) are read this way; each says which checkpoint key

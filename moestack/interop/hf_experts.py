@@ -138,9 +138,12 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
                 yield layer, e, tensors
 
 
-def iter_hf_expert_layers(path: str | Path) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def iter_hf_expert_layers(
+    path: str | Path, dtype: torch.dtype | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, in layer order, filled from
-    ``iter_hf_experts``: one layer in memory at a time (``ExpertStore.write_layers``)."""
+    ``iter_hf_experts``: one layer in memory at a time (``ExpertStore.write_layers``), in
+    ``dtype`` if given (else the checkpoint's)."""
     num_experts = read_hf_config(path)["moe"]["num_experts"]
     w1_EDF = w2_EFD = None
     for _layer, expert, weights in iter_hf_experts(path):
@@ -148,8 +151,9 @@ def iter_hf_expert_layers(path: str | Path) -> Iterator[tuple[torch.Tensor, torc
             if w1_EDF is not None:
                 yield w1_EDF, w2_EFD
                 w1_EDF = w2_EFD = None  # freed before the next layer is allocated
-            w1_EDF = weights["w1"].new_empty((num_experts, *weights["w1"].shape))
-            w2_EFD = weights["w2"].new_empty((num_experts, *weights["w2"].shape))
+            as_dtype = dtype or weights["w1"].dtype  # the copies below cast into it
+            w1_EDF = weights["w1"].new_empty((num_experts, *weights["w1"].shape), dtype=as_dtype)
+            w2_EFD = weights["w2"].new_empty((num_experts, *weights["w2"].shape), dtype=as_dtype)
         w1_EDF[expert] = weights["w1"]
         w2_EFD[expert] = weights["w2"]
     if w1_EDF is not None:

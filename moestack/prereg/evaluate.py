@@ -14,15 +14,38 @@ import logging
 import multiprocessing
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import analysis_key, cached_evaluation, evaluate_shard
 from moestack.prereg.locking import verify
 from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
-from moestack.prereg.spec import load
+from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
+
+
+class CheckedStudy(NamedTuple):
+    """A locked study whose finished runs the lock covers (what ``evaluate`` and ``analyze``
+    start from)."""
+
+    lock: dict[str, Any]  # ``verify``'s record
+    spec: Prereg
+    root: Path  # the study folder
+    grid: list[RunSpec]  # every registered run
+    trained: dict[str, dict[str, Any]]  # finished run -> the lock record it was trained under
+
+
+def checked_study(path: Path | str, out_dir: Path | str | None, jobs: int) -> CheckedStudy:
+    """Verify the lock and that it covers every finished run (refused otherwise); ``jobs``
+    must be 1 or more."""
+    if jobs < 1:
+        raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
+    lock = verify(path)
+    spec = load(path)
+    root = Path(out_dir) if out_dir else default_out_dir(spec)
+    grid = plan(spec, root)
+    return CheckedStudy(lock, spec, root, grid, check_runs(grid, lock))
 
 
 def evaluate_in_parallel(path: Path | str, root: Path, jobs: int) -> int:
@@ -44,13 +67,7 @@ def evaluate_finished(
     """Check the lock and the study every finished run was trained under, then evaluate the
     finished runs that have no cached evaluation yet (``jobs`` processes). Returns counts:
     registered, finished, evaluated now, evaluated in all."""
-    if jobs < 1:
-        raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
-    record = verify(path)
-    spec = load(path)
-    root = Path(out_dir) if out_dir else default_out_dir(spec)
-    grid = plan(spec, root)
-    check_runs(grid, record)  # refuses runs the lock does not cover
+    _, spec, root, grid, _ = checked_study(path, out_dir, jobs)
     if jobs > 1:
         now = evaluate_in_parallel(path, root, jobs)
     else:

@@ -14,11 +14,10 @@ from typing import Any
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
 from moestack.prereg.decision import ONE_SIDED, rule
-from moestack.prereg.evaluate import evaluate_in_parallel
-from moestack.prereg.locking import verify
+from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
 from moestack.prereg.power import power_lines
-from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
-from moestack.prereg.spec import Prereg, load
+from moestack.prereg.runner import is_finished
+from moestack.prereg.spec import Prereg
 
 log = logging.getLogger(__name__)
 
@@ -386,13 +385,7 @@ def analyze(
     the missing runs make hypotheses "incomplete". ``jobs`` > 1 evaluates the runs in that
     many processes first (each with its share of the cores).
     """
-    if jobs < 1:
-        raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
-    record = verify(path)
-    spec = load(path)
-    root = Path(out_dir) if out_dir else default_out_dir(spec)
-    grid = plan(spec, root)
-    trained = check_runs(grid, record)  # refuses runs the lock does not cover
+    record, spec, root, grid, trained = checked_study(path, out_dir, jobs)
     unfinished = [r.name for r in grid if not is_finished(r.run_dir)]
     if unfinished and not interim:
         raise MoestackError(

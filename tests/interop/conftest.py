@@ -10,6 +10,23 @@ import pytest
 from _hf_fixtures import tiny_hf_model_dir
 
 
+@pytest.fixture
+def tensor_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The checkpoint keys read through ``moestack.meta_load.TensorReader.tensor`` during the
+    test, in order."""
+    from moestack.meta_load import TensorReader
+
+    read: list[str] = []
+    real = TensorReader.tensor
+
+    def spy(self: TensorReader, key: str):
+        read.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(TensorReader, "tensor", spy)
+    return read
+
+
 @pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``hf_dir(family)``: a saved tiny model folder of ``family`` (read-only: copy it to

@@ -15,7 +15,6 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from moestack.errors import MoestackError  # noqa: E402
-from moestack.interop import hf_experts  # noqa: E402
 from moestack.interop.hf_experts import iter_hf_experts  # noqa: E402
 from moestack.interop.hf_model import load_hf_moe  # noqa: E402
 
@@ -70,20 +69,12 @@ def test_fused_layout(hf_dir, tmp_path):
     assert _check_equal(path, load_hf_moe(source, impl="torch")) == 12
 
 
-def test_reads_one_expert_at_a_time(hf_dir, monkeypatch):
+def test_reads_one_expert_at_a_time(hf_dir, tensor_reads):
     """Yielding expert (0, 0) has read its three tensors and nothing else."""
-    read: list[str] = []
-    real = hf_experts.TensorReader.tensor
-
-    def spy(self, key):
-        read.append(key)
-        return real(self, key)
-
-    monkeypatch.setattr(hf_experts.TensorReader, "tensor", spy)
     experts = iter_hf_experts(hf_dir("qwen2_moe"))
     layer, expert, tensors = next(experts)
     assert (layer, expert) == (0, 0) and tensors["w1"].shape == (32, 32)
-    assert sorted(read) == [
+    assert sorted(tensor_reads) == [
         f"model.layers.0.mlp.experts.0.{name}.weight"
         for name in ("down_proj", "gate_proj", "up_proj")
     ]

@@ -21,7 +21,6 @@ from safetensors.torch import save, save_file  # noqa: E402
 from moestack.cache import ExpertCache, ExpertStore, offloaded  # noqa: E402
 from moestack.config import ModelConfig  # noqa: E402
 from moestack.errors import MoestackError  # noqa: E402
-from moestack.interop import hf_experts  # noqa: E402
 from moestack.interop.hf_experts import is_expert_key, iter_hf_expert_layers  # noqa: E402
 from moestack.interop.hf_model import load_hf_moe  # noqa: E402
 from moestack.interop.hf_without_experts import from_pretrained_without_experts  # noqa: E402
@@ -59,21 +58,13 @@ def test_non_expert_weights_equal_transformers_load(tmp_path, family, tied):
     assert _resident_bytes(lean) == _resident_bytes(ref) - expert_bytes
 
 
-def test_no_expert_tensor_is_read(hf_dir, monkeypatch):
+def test_no_expert_tensor_is_read(hf_dir, tensor_reads):
     """Every non-expert checkpoint tensor is read once, and no expert tensor at all."""
     path = hf_dir("qwen2_moe")
-    read: list[str] = []
-    real = hf_experts.TensorReader.tensor
-
-    def spy(self, key):
-        read.append(key)
-        return real(self, key)
-
-    monkeypatch.setattr(hf_experts.TensorReader, "tensor", spy)
     from_pretrained_without_experts(path, torch.float32)
     with safe_open(path / "model.safetensors", framework="pt") as f:
         non_expert = sorted(k for k in f.keys() if not is_expert_key(k))  # noqa: SIM118
-    assert sorted(read) == non_expert
+    assert sorted(tensor_reads) == non_expert
 
 
 @pytest.mark.parametrize("family", FAMILIES)
