@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh                  # writes under $OUT (or ./gpu_out)
 #   GPU_CHECK_PHASES=bench_moe,train bash scripts/gpu_check.sh   # some phases (names/prefixes)
 #
+# The caps are the times of the first H200 run (2026-11-30, BENCHMARKS.md) with headroom.
 # The plan is sized for one device call with timeout_s=560: the phases' caps plus staging
 # fit GPU_CHECK_SECONDS (default 525), and the worst case adds one phase's SIGKILL grace and
 # the summary (--dry-run prints the sum). Each phase's cap is also clipped to what is left of
@@ -30,16 +31,16 @@ BUDGET=${GPU_CHECK_SECONDS:-525}
 # name|cap in seconds|files under $OUT|default or optional|what it shows
 PLAN=(
     "env|15|log.txt|default|GPU, driver, torch/triton versions; the staged package imports"
-    "kernel_tests|150|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
-    "bench_moe|170|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
+    "kernel_tests|200|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
+    "bench_moe|120|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
     "optim_tests|40|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
-    "bench_optim|60|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
-    "memory|30|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
-    "train_offload_adamw|50|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|default|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
-    "train_adamw|50|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
-    "bench_memory|120|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
+    "bench_optim|50|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
+    "memory|20|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
+    "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|default|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
+    "train_adamw|40|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
+    "bench_memory|60|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
-    "more_tests|90|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
+    "more_tests|60|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
     "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
 )
 
@@ -169,9 +170,14 @@ phase() { # phase NAME COMMAND...: run under the plan's cap, log, record the out
 }
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra")
-# Kernel compilation, not GPU time, dominates the tests: with pytest-xdist four workers
+# Kernel compilation, not GPU time, dominates the tests: with pytest-xdist the workers
 # compile in parallel; triton's on-disk cache is shared between them and the later phases.
+# The kernel tests compile every candidate tile config (60-90 s a test on the H200 machine's
+# 16 cores, 2026-11-30): they get a worker per core, up to 16; the other phases get 4.
+KERNEL_PYTEST=("${PYTEST[@]}")
 if "$PY" -c "import xdist" 2>/dev/null; then
+    cores=$(nproc 2>/dev/null || echo 4)
+    KERNEL_PYTEST+=(-n $((cores < 16 ? cores : 16)))
     PYTEST+=(-n 4)
 fi
 
@@ -180,7 +186,7 @@ print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", to
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\"); \
 import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__); \
 import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")))'"
-MOESTACK_AUTOTUNE=0 phase kernel_tests "${PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
+MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
     tests/kernels/test_kernels_gpu.py tests/test_no_host_sync_gpu.py
 # Autotunes on first use, checks every contender against the torch path, saves the checked
 # winners into the table after every shape.
