@@ -276,6 +276,11 @@ def swiglu_bwd_kernel(
     router-weighted activation scale * h: the weight gradient of W2 is
     sum_r (scale_r h_r)^T dy_r, so its GEMM then needs no scaling in its main loop. Rows of
     Z, G, dZ and h are contiguous (inner stride 1): moe.py allocates all of them.
+
+    In place: dZ may be Z's memory and h G's (moe.py passes them so, to keep the backward's
+    peak down). Every element is read before it is written, by the same program; the barrier
+    between each block's loads and its stores keeps the compiler and the threads from
+    reordering a store ahead of a load of the same address.
     """
     row = tl.program_id(0).to(tl.int64)
     scale = tl.load(scale_ptr + row).to(tl.float32)
@@ -289,6 +294,7 @@ def swiglu_bwd_kernel(
         gate = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(z_row + F + offs, mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every load of this block before any store (in-place calls)
         sig = tl.sigmoid(gate)
         silu = gate * sig
         h = silu * up

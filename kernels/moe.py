@@ -12,6 +12,12 @@ Forward, for the T*k (token, slot) pairs sorted by expert (R = T*k sorted rows):
 Saved for backward: x, W1, W2 (inputs), ``z`` [R, 2F] and the int32 sort bookkeeping.
 ``h`` (needed for dW2 and the router-weight gradient) is recomputed from ``z`` by an
 elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after forward.
+That kernel works in place: ``dz`` overwrites the saved ``z`` and ``weight * h`` overwrites
+``G``, so the backward's largest live buffers are ``z`` and one [R, F] (2F + F elements a
+row, against 2F + F + 2F + F had each its own buffer: 1.3 GiB less at Mixtral's shape and 8k
+tokens). The in-place backward op declares ``z`` as mutated, so autograd counts the write: a
+second backward through the same graph (``retain_graph=True``) raises instead of reading dz
+as z. Traced code (torch.compile) runs a functional twin of that op, with buffers of its own.
 
 Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dweight[pair] = <dy[tok], h @ W2[e]> = <G, h>``; ``dz = SwiGLU'(z, weight * G)``;
@@ -20,7 +26,8 @@ Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dW1[e] = x[tok]_e^T @ dz_e``.
 
 Forward and backward are the torch custom ops ``moestack::triton_moe_experts`` and
-``moestack::triton_moe_experts_bwd`` (fake implementations for tracing; the backward is the
+``moestack::triton_moe_experts_bwd_`` (in place; ``..._bwd`` when traced) (fake
+implementations for tracing; the backward is the
 forward's registered autograd formula, not differentiable itself), so torch.compile keeps
 the experts in its graph as opaque calls instead of breaking it at the kernel launches.
 Eager calls go through the same ops and run the same kernels.
@@ -29,6 +36,7 @@ Eager calls go through the same ops and run the same kernels.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _launch
 
@@ -115,8 +123,7 @@ def _(
     )
 
 
-@torch.library.custom_op("moestack::triton_moe_experts_bwd", mutates_args=())
-def _experts_bwd_op(
+def _backward_kernels(
     dy_TD: torch.Tensor,
     x_TD: torch.Tensor,
     w1_EDF2: torch.Tensor,
@@ -128,9 +135,11 @@ def _experts_bwd_op(
     weight_R: torch.Tensor,
     top_k: int,
     needs: list[bool],
+    in_place: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw1, dw2, dweights)``, dweights [T, k] in float32; ``needs`` says which of the
-    four are wanted (the others are empty [0] tensors)."""
+    four are wanted (the others are empty [0] tensors). ``in_place`` overwrites ``z_RF2``
+    with dz and G with weight * h (eager); else both get buffers of their own (traced)."""
     need_x, need_w1, need_w2, need_w = needs
     T, D = x_TD.shape
     E, _, F2 = w1_EDF2.shape
@@ -145,13 +154,14 @@ def _experts_bwd_op(
         return dx_TD, dw1, dw2, dweights_TK
     dy_TD = dy_TD.to(dt)
 
-    # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward.
+    # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward: dz, the
+    # router-weight gradient and weight * h (what dW2 needs).
     g_RF = _launch.new_empty((R, F), dt, dev)
     _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
-    dz_RF2 = _launch.new_empty((R, F2), dt, dev)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
-    hw_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None  # weight * h
-    _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF)
+    dz_RF2 = z_RF2 if in_place else _launch.new_empty((R, F2), dt, dev)
+    hw_RF = g_RF if in_place else _launch.new_empty((R, F), dt, dev)
+    _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF if need_w2 else None)
     del g_RF
 
     if need_w:
@@ -161,19 +171,19 @@ def _experts_bwd_op(
     if need_w2:
         dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
         _launch.grouped_wgrad(hw_RF, dy_TD, offsets_E, dw2, b_rows=token_R)
-        del hw_RF
+    del hw_RF
     if need_x:
         dxs_RD = _launch.new_empty((R, D), dt, dev)
         _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
         dx_TD = dxs_RD.view(T, top_k, D).sum(1) if top_k > 1 else dxs_RD.view(T, D)
+        del dxs_RD  # with k > 1 the sum is a new tensor: free the per-slot rows before dW1
     if need_w1:
         dw1 = _launch.new_empty((E, D, F2), w1_EDF2.dtype, dev)
         _launch.grouped_wgrad(x_TD, dz_RF2, offsets_E, dw1, a_rows=token_R)
     return dx_TD, dw1, dw2, dweights_TK
 
 
-@_experts_bwd_op.register_fake
-def _(
+def _backward_fake(
     dy_TD: torch.Tensor,
     x_TD: torch.Tensor,
     w1_EDF2: torch.Tensor,
@@ -196,6 +206,60 @@ def _(
     )
 
 
+# The backward as two ops over the same kernels. Eager autograd calls the in-place one (its
+# schema declares z mutated, so autograd bumps z's version). Traced code (torch.compile, AOT
+# autograd) calls the functional one: AOT autograd cannot partition a backward that mutates
+# a tensor the forward saved (torch.library.opcheck fails on it), so compiled graphs keep the
+# dz buffer of their own.
+
+
+@torch.library.custom_op("moestack::triton_moe_experts_bwd", mutates_args=())
+def _experts_bwd_op(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    z_RF2: torch.Tensor,
+    pair_R: torch.Tensor,
+    token_R: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weight_R: torch.Tensor,
+    top_k: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward, functional: dz and weight * h get buffers of their own."""
+    args = (dy_TD, x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R)
+    return _backward_kernels(*args, top_k, needs, in_place=False)
+
+
+@torch.library.custom_op("moestack::triton_moe_experts_bwd_", mutates_args=("z_RF2",))
+def _experts_bwd_inplace_op(
+    dy_TD: torch.Tensor,
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    z_RF2: torch.Tensor,
+    pair_R: torch.Tensor,
+    token_R: torch.Tensor,
+    offsets_E: torch.Tensor,
+    weight_R: torch.Tensor,
+    top_k: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward in place: dz is written over the saved ``z_RF2``, weight * h over G."""
+    args = (dy_TD, x_TD, w1_EDF2, w2_EFD, z_RF2, pair_R, token_R, offsets_E, weight_R)
+    return _backward_kernels(*args, top_k, needs, in_place=True)
+
+
+_experts_bwd_op.register_fake(_backward_fake)
+_experts_bwd_inplace_op.register_fake(_backward_fake)
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether autograd's formula is being traced (dynamo, AOT autograd, opcheck)."""
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
 def _experts_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
     x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, keep = inputs
     ctx.keep = keep
@@ -212,7 +276,9 @@ def _experts_backward(ctx, dy_TD, *_):  # noqa: ANN001, ANN202
         return None, None, None, None, None, None
     if not ctx.keep:
         raise RuntimeError("triton_moe_experts ran with keep=False: nothing saved for backward")
-    dx_TD, dw1, dw2, dweights_TK = torch.ops.moestack.triton_moe_experts_bwd(
+    ops = torch.ops.moestack
+    bwd = ops.triton_moe_experts_bwd if _traced(dy_TD) else ops.triton_moe_experts_bwd_
+    dx_TD, dw1, dw2, dweights_TK = bwd(
         dy_TD, *ctx.saved_tensors, ctx.top_k, [need_x, need_w1, need_w2, need_w]
     )
     return (

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from moestack.kernels import grouped_gemm, moe_experts  # noqa: E402
+from moestack.kernels import _launch, grouped_gemm, moe_experts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -42,7 +42,14 @@ def gemm_inputs(seed: int = 1):
 
 def test_moe_experts_ops_pass_opcheck():
     x, w1, w2, experts, weights = experts_inputs()
-    torch.library.opcheck(ops.triton_moe_experts, (x, w1, w2, experts, weights, True))
+    # With gradients, opcheck's AOT check compares the op's outputs after a backward, and
+    # eager autograd's backward writes dz over the saved z (an output of the op; the
+    # functional backward that traced code runs does not): every other check here, and
+    # test_compiles_in_one_graph_and_matches_eager compares compiled and eager y and grads.
+    for check in ("test_schema", "test_autograd_registration", "test_faketensor"):
+        torch.library.opcheck(
+            ops.triton_moe_experts, (x, w1, w2, experts, weights, True), test_utils=check
+        )
     plain = [t.detach() for t in (x, w1, w2, weights)]
     torch.library.opcheck(ops.triton_moe_experts, (*plain[:3], experts, plain[3], False))
     _, z, pair, token, offsets, weight = ops.triton_moe_experts(*plain[:3], experts, plain[3], True)
@@ -50,6 +57,12 @@ def test_moe_experts_ops_pass_opcheck():
     for needs in ([True, True, True, True], [True, False, True, False]):
         args = (dy, *plain[:3], z, pair, token, offsets, weight, 2, needs)
         torch.library.opcheck(ops.triton_moe_experts_bwd, args)
+        # The in-place twin (eager autograd's) overwrites z, so a second call on the same
+        # arguments computes something else: each check gets a fresh copy of z.
+        for check in ("test_schema", "test_autograd_registration", "test_faketensor",
+                      "test_aot_dispatch_dynamic"):  # fmt: skip
+            args = (dy, *plain[:3], z.clone(), pair, token, offsets, weight, 2, needs)
+            torch.library.opcheck(ops.triton_moe_experts_bwd_, args, test_utils=check)
 
 
 def test_grouped_gemm_ops_pass_opcheck():
@@ -109,3 +122,20 @@ def test_top_level_kernels_name_is_moestack_kernels():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_eager_backward_is_in_place_and_compiled_is_functional(monkeypatch):
+    """Eager autograd writes dz over the saved z; a compiled graph runs the functional twin
+    (AOT autograd cannot partition a backward that mutates a saved tensor)."""
+    in_place = []
+    real = _launch.swiglu_bwd
+
+    def spy(z, g, scale, dz, dscale, h):
+        in_place.append(dz.data_ptr() == z.data_ptr())
+        return real(z, g, scale, dz, dscale, h)
+
+    monkeypatch.setattr(_launch, "swiglu_bwd", spy)
+    forward_backward(moe_experts, *experts_inputs())
+    torch._dynamo.reset()
+    forward_backward(torch.compile(moe_experts, backend="aot_eager"), *experts_inputs())
+    assert in_place == [True, False]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -162,3 +163,60 @@ def test_expanded_upstream_gradient():
     moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3]).sum().backward()
     for name, a, b in zip(NAMES[1:], ins, refs, strict=True):
         assert_close(a.grad.cpu(), b.grad, TOL[torch.float32], name)
+
+
+@pytest.mark.parametrize("wanted", [(0,), (1,), (2,), (3,), (0, 3), (1, 2)])
+def test_gradients_of_some_inputs(wanted):
+    """Only some inputs need a gradient (the backward skips the others' GEMMs): the ones
+    asked for still match the float64 reference."""
+    x, w1, w2, experts, weights, dy = make_inputs(13, 20, 9, 4, 2, seed=9)
+    ins = [
+        t.float().to(DEVICE).requires_grad_(i in wanted) for i, t in enumerate((x, w1, w2, weights))
+    ]
+    moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3]).backward(dy.float().to(DEVICE))
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
+    moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3]).backward(dy)
+    for i, (name, a, b) in enumerate(zip(NAMES[1:], ins, refs, strict=True)):
+        if i in wanted:
+            assert_close(a.grad.cpu(), b.grad, TOL[torch.float32], name)
+        else:
+            assert a.grad is None, name
+
+
+def test_second_backward_through_a_retained_graph_raises():
+    """The backward writes dz over the saved z: a second backward must fail, not read dz."""
+    x, w1, w2, experts, weights, dy = make_inputs(9, 12, 7, 3, 2, seed=10)
+    ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
+    y = moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3])
+    y.backward(dy.float().to(DEVICE), retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy.float().to(DEVICE))
+
+
+def test_backward_intermediates_stay_small(monkeypatch):
+    """The backward's own buffers (not the gradients it returns) peak at one [R, F] G plus
+    the [R, D] per-slot dx rows and two [R] fp32 vectors: dz is written over the saved z,
+    and weight * h over G. Counted by wrapping the kernels' allocator."""
+    T, D, F, E, k = 16, 24, 40, 4, 3
+    R = T * k
+    live, peak, sizes = {}, [0], []
+    real = _launch.new_empty
+
+    def counting(shape, dtype, device):
+        t = real(shape, dtype, device)
+        nbytes = t.numel() * t.element_size()
+        sizes.append(tuple(shape))
+        if tuple(shape) not in ((E, D, 2 * F), (E, F, D), (T, D)):  # returned gradients
+            live[id(t)] = nbytes
+            weakref.finalize(t, live.pop, id(t), None)
+            peak[0] = max(peak[0], sum(live.values()))
+        return t
+
+    x, w1, w2, experts, weights, dy = make_inputs(T, D, F, E, k, seed=11)
+    ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
+    y = moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3])
+    monkeypatch.setattr(_launch, "new_empty", counting)
+    y.backward(dy.float().to(DEVICE))
+    assert (R, 2 * F) not in sizes  # no dz buffer beside z
+    assert sizes.count((R, F)) == 1  # G only; weight * h is written over it
+    assert peak[0] <= 4 * (R * F + R * D + 2 * R)
