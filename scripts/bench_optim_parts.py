@@ -163,6 +163,8 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         out[f"{name}_loss_first_last"] = [losses[0], losses[-1]]
         if device.type == "cuda":
             out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        if isinstance(opt, OffloadAdamW):
+            out.update(offload_step_parts(opt, step, device, reps, prefix=f"{name}_part_"))
         _release(opt)
         del model, opt, step  # step holds both through its defaults
     for name in contenders[1:]:
@@ -172,6 +174,48 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
                 out[f"{name}_peak_device_MiB"] / out["adamw_peak_device_MiB"]
             )
     return out
+
+
+def offload_step_parts(
+    opt: OffloadAdamW, step: Any, device: torch.device, reps: int, prefix: str
+) -> dict[str, float]:
+    """Where an OffloadAdamW training step's time goes, in extra steps after the timed ones:
+    waiting for the gradients' copies to the host, the host update, the weights' return (to
+    the end of its copies: a device synchronise is added there), and the rest of the step
+    (forward, backward, clipping). Median milliseconds per step over ``reps`` steps."""
+    parts = {"wait_grads": "_sync_grads", "host_update": "_step_group", "return_weights":
+             "_return_weights"}  # fmt: skip
+    per_step: dict[str, float] = {}
+
+    def timed(fn: Any, part: str) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            result = fn(*args, **kw)
+            if device.type == "cuda" and part == "return_weights":
+                torch.cuda.synchronize()
+            per_step[part] = per_step.get(part, 0.0) + time.perf_counter() - t0
+            return result
+
+        return run
+
+    for part, attr in parts.items():
+        setattr(opt, attr, timed(getattr(opt, attr), part))
+    rows: dict[str, list[float]] = {part: [] for part in (*parts, "rest")}
+    try:
+        for _ in range(reps):
+            per_step.clear()
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            total = time.perf_counter() - t0
+            for part in parts:
+                rows[part].append(per_step.get(part, 0.0))
+            rows["rest"].append(total - sum(per_step.values()))
+    finally:
+        for attr in parts.values():
+            delattr(opt, attr)  # the class's methods again
+    return {f"{prefix}{part}_ms": 1e3 * statistics.median(v) for part, v in rows.items()}
 
 
 def _torchao_offload() -> Any:

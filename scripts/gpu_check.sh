@@ -32,7 +32,8 @@ BUDGET=${GPU_CHECK_SECONDS:-525}
 PLAN=(
     "env|15|log.txt|default|GPU, driver, torch/triton versions; the staged package imports"
     "kernel_tests|200|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
-    "bench_moe|120|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
+    "bench_moe|100|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
+    "profile_moe|45|profile_moe.json|default|the Triton layer's time launch by launch (fwd and bwd GEMMs, SwiGLU bwd, the rest) at three shapes"
     "optim_tests|40|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
     "bench_optim|50|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
     "memory|20|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
@@ -192,6 +193,9 @@ MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/ke
 # winners into the table after every shape.
 phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
     --save-tuned "$OUT/tuned_configs.json"
+# Which launch of the Triton layer takes the time (the backward lost to torch on 2026-11-30).
+MOESTACK_AUTOTUNE=0 phase profile_moe "$PY" scripts/profile_moe.py \
+    --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --json "$OUT/profile_moe.json"
 MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_tests.xml" \
     tests/optim/test_offload_devices.py
 phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step --json "$OUT/bench_optim.json"
@@ -247,10 +251,14 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         echo "contenders checked ok: $(grep -cE " vs moestack-torch: .*: ok$" "$LOG")"
         grep -E "^  (met   |MISSED) " "$LOG" | head -18
     fi
+    if ran profile_moe; then
+        echo "--- profile_moe (the Triton layer launch by launch)"
+        sed -n '/^===== profile_moe/,/^=====/p' "$LOG" | grep -vE "^(=====|$)" | head -36
+    fi
     if ran bench_optim; then
-        echo "--- bench_optim (GPU optimizer step, training step)"
+        echo "--- bench_optim (GPU optimizer step, training step and its parts)"
         sed -n '/^\[gpu\]/,/^=====/p;/^\[train_step\]/,/^=====/p' "$LOG" |
-            grep -vE "^(=====|$)" | head -10
+            grep -E "step_ms|_part_|vs_adamw" | head -16
     fi
     if ran bench_memory; then
         echo "--- bench_memory (m137 per checkpointing mode and compiled: MiB, step s)"

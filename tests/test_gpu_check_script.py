@@ -77,7 +77,9 @@ def test_dry_run_plan_fits_one_call_of_560_seconds(tmp_path):
     names = [name for name, _, _ in phases]
     # The order the issue asks for: kernel correctness, the issue-3 table, the optimizer
     # step, the memory rows; every default phase with a cap and the files it writes.
-    assert names[:6] == ["env", "kernel_tests", "bench_moe", "optim_tests", "bench_optim", "memory"]
+    assert names[:7] == [
+        "env", "kernel_tests", "bench_moe", "profile_moe", "optim_tests", "bench_optim", "memory"
+    ]  # fmt: skip
     assert all(cap >= 10 and files for _, cap, files in phases)
     assert "bench_moe.json" in dict((n, f) for n, _, f in phases)["bench_moe"]
     budget = int(re.search(r"budget (\d+) s", out).group(1))

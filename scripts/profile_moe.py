@@ -1,0 +1,227 @@
+"""Where the time of the Triton MoE layer's forward+backward goes, launch by launch.
+
+bench_moe.py says how fast each path is; this says why. Every kernel launch of the Triton
+experts is timed on its own (CUDA events around it; on the CPU, the wall clock around the
+interpreter) and labelled by its role: the forward's gate/up GEMM (gather + SwiGLU epilogue)
+and down GEMM (router weight + scatter), the backward's G = dy @ W2^T, the elementwise SwiGLU
+backward, dW2, dx and dW1. Each GEMM row gives its useful TFLOP/s and the fraction of the
+dense bf16 matmul rate measured in the same run; "other" is the rest of the step (router,
+sort, gathers, the sum over the k slots, allocations). The torch path's whole step is timed
+beside it, for the ratio bench_moe reports. Prints a table per shape; --json writes them.
+
+    python scripts/profile_moe.py                          # GPU: every bench_moe shape
+    python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
+    TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run (the tests')
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_moe  # noqa: E402  (the shapes, the dense rate, the layer set-up)
+
+from moestack import MoE, MoEConfig, RouterConfig  # noqa: E402
+from moestack.kernels import _launch  # noqa: E402
+
+TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, tokens
+
+
+def grouped_mm_role(kw: dict) -> str:
+    """The role of a ``grouped_mm`` launch in the fused experts (kernels/moe.py)."""
+    if kw.get("swiglu"):
+        return "fwd x@W1 +SwiGLU"
+    if kw.get("c_rows") is not None:
+        return "fwd h@W2 +combine" if kw.get("scale") is not None else "bwd dx=dz@W1^T"
+    return "bwd G=dy@W2^T" if kw.get("a_rows") is not None else "grouped_mm"
+
+
+def wgrad_role(kw: dict) -> str:
+    return "bwd dW2=(wh)^T dy" if kw.get("b_rows") is not None else "bwd dW1=x^T dz"
+
+
+def gemm_flops(role: str, R: int, D: int, F: int) -> float:
+    """Useful FLOPs of one launch (R = tokens x top_k rows)."""
+    two_f = {"fwd x@W1 +SwiGLU", "bwd dx=dz@W1^T", "bwd dW1=x^T dz"}
+    one_f = {"fwd h@W2 +combine", "bwd G=dy@W2^T", "bwd dW2=(wh)^T dy"}
+    if role in two_f:
+        return 2.0 * R * D * 2 * F
+    return 2.0 * R * D * F if role in one_f else 0.0
+
+
+class LaunchTimer:
+    """Wraps the launchers of moestack.kernels._launch; sums each role's time per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ms: dict[str, float] = defaultdict(float)
+        self.pending: list[tuple[str, object, object]] = []
+        self.active = False
+
+    def wrap(self, fn: Callable, role_of: Callable[[dict], str]) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kw):
+            if not self.active:
+                return fn(*args, **kw)
+            role = role_of(kw)
+            if self.device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                out = fn(*args, **kw)
+                end.record()
+                self.pending.append((role, start, end))
+            else:
+                t0 = time.perf_counter()
+                out = fn(*args, **kw)
+                self.ms[role] += (time.perf_counter() - t0) * 1e3
+            return out
+
+        return timed
+
+    def collect(self) -> None:
+        """Fold the CUDA events in (after a synchronise)."""
+        for role, start, end in self.pending:
+            self.ms[role] += start.elapsed_time(end)
+        self.pending.clear()
+
+
+def install(timer: LaunchTimer) -> None:
+    _launch.grouped_mm = timer.wrap(_launch.grouped_mm, grouped_mm_role)
+    _launch.grouped_wgrad = timer.wrap(_launch.grouped_wgrad, wgrad_role)
+    _launch.swiglu_bwd = timer.wrap(_launch.swiglu_bwd, lambda kw: "bwd SwiGLU' (elementwise)")
+
+
+def step_ms(step: Callable[[], None], device: torch.device, steps: int) -> float:
+    """Mean milliseconds of ``step`` over ``steps`` calls (after the caller's warm-up)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def profile_shape(
+    shape: tuple,
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: LaunchTimer,
+    dense_tflops: float,
+    steps: int,
+) -> dict:
+    """One shape: the Triton step's launches by role, the rest, and the torch step."""
+    name, E, k, D, F, T = shape
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=E, top_k=k, d_ff=F, impl="torch")
+    with torch.device(device):
+        torch_moe = MoE(D, cfg, RouterConfig(load_balance=0.0, z_loss=0.0)).to(dtype)
+    triton_moe = bench_moe._sharing_weights(torch_moe, "triton")
+    x = torch.randn(1, T, D, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(1, T, D, device=device, dtype=dtype)
+    triton_step = bench_moe.fwd_bwd(triton_moe, x, grad)
+    torch_step = bench_moe.fwd_bwd(torch_moe, x, grad)
+    for step in (triton_step, torch_step, triton_step):  # compile, tune, warm the allocator
+        step()
+    torch_ms = step_ms(torch_step, device, steps)
+    triton_total = step_ms(triton_step, device, steps)  # untimed launches: no event overhead
+    timer.ms.clear()
+    timer.active = True
+    try:
+        step_ms(triton_step, device, steps)
+    finally:
+        timer.active = False
+    timer.collect()
+    rows, R = [], T * k
+    for role, total in sorted(timer.ms.items(), key=lambda kv: -kv[1]):
+        ms = total / steps
+        flops = gemm_flops(role, R, D, F)
+        tflops = flops / ms / 1e9 if flops and ms > 0 else 0.0
+        rows.append(
+            {
+                "role": role,
+                "ms": ms,
+                "tflops": tflops,
+                "dense_fraction": tflops / dense_tflops if dense_tflops else 0.0,
+            }
+        )
+    launched = sum(r["ms"] for r in rows)
+    rows.append(
+        {
+            "role": "other",
+            "ms": max(triton_total - launched, 0.0),
+            "tflops": 0.0,
+            "dense_fraction": 0.0,
+        }
+    )
+    return {
+        "shape": name,
+        "triton_ms": triton_total,
+        "torch_ms": torch_ms,
+        "speedup_over_torch": torch_ms / triton_total,
+        "rows": rows,
+    }
+
+
+def print_profile(p: dict) -> None:
+    print(
+        f"\n{p['shape']}: triton {p['triton_ms']:.3f} ms fwd+bwd, torch {p['torch_ms']:.3f} "
+        f"ms (x{p['speedup_over_torch']:.2f})"
+    )
+    print(f"  {'launch':<28} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'of dense':>8}")
+    for r in p["rows"]:
+        share = 100 * r["ms"] / p["triton_ms"] if p["triton_ms"] else 0.0
+        dense = f"{100 * r['dense_fraction']:7.1f}%" if r["tflops"] else f"{'':>8}"
+        tf = f"{r['tflops']:8.1f}" if r["tflops"] else f"{'':>8}"
+        print(f"  {r['role']:<28} {r['ms']:9.3f} {share:6.1f}% {tf} {dense}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shapes", default="", help="comma-separated bench_moe shape names")
+    parser.add_argument("--tiny", action="store_true", help="one tiny fp32 shape (CPU tests)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--json", default="", help="write the profiles here (after each shape)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
+        sys.exit("profile_moe.py: without a GPU only --tiny runs, under TRITON_INTERPRET=1")
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
+    shapes = [TINY_SHAPE] if args.tiny else bench_moe.GPU_SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in set(args.shapes.split(","))]
+    dense = bench_moe.dense_matmul_tflops(device, dtype, argparse.Namespace(warmup=2, repeats=5))
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    print(f"device: {machine}, {dtype}, dense matmul {dense:.2f} TFLOP/s")
+    timer = LaunchTimer(device)
+    install(timer)
+    profiles = []
+    for shape in shapes:
+        profiles.append(profile_shape(shape, device, dtype, timer, dense, args.steps))
+        print_profile(profiles[-1])
+        if args.json:
+            out = {
+                "device": machine,
+                "dtype": str(dtype),
+                "torch": torch.__version__,
+                "dense_tflops": dense,
+                "profiles": profiles,
+            }
+            tmp = Path(args.json).with_suffix(".tmp")
+            tmp.write_text(json.dumps(out, indent=2))
+            tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
