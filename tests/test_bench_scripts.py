@@ -36,7 +36,7 @@ def test_bench_optim_sections_at_toy_size(tmp_path):
     for part in ("pack", "update", "copy_back"):
         assert throughput[f"offload_master_copy_{part}_ms"] > 0
     step = results["train_step"]
-    parts = ("wait_grads", "host_update", "return_weights", "rest")
+    parts = ("clip", "wait_grads", "host_update", "return_weights", "rest")
     assert all(step[f"offload_adamw_part_{p}_ms"] >= 0 for p in parts)
     assert step["offload_adamw_part_host_update_ms"] > 0 and step["offload_adamw_part_rest_ms"] > 0
     # Same seed, same data, same AdamW arithmetic: the two optimizers train identically.
