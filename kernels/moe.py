@@ -15,9 +15,9 @@ elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after f
 That kernel works in place: ``dz`` overwrites the saved ``z`` and ``weight * h`` overwrites
 ``G``, so the backward's largest live buffers are ``z`` and one [R, F] (2F + F elements a
 row, against 2F + F + 2F + F had each its own buffer: 1.3 GiB less at Mixtral's shape and 8k
-tokens). The in-place backward op declares ``z`` as mutated, so autograd counts the write: a
-second backward through the same graph (``retain_graph=True``) raises instead of reading dz
-as z. Traced code (torch.compile) runs a functional twin of that op, with buffers of its own.
+tokens). Only a backward that frees the graph when it ends works in place; with
+``retain_graph``/``create_graph``, and in traced code (torch.compile), a functional twin of
+the op gives dz and weight * h buffers of their own, so z is still z for a later backward.
 
 Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dweight[pair] = <dy[tok], h @ W2[e]> = <G, h>``; ``dz = SwiGLU'(z, weight * G)``;
@@ -26,7 +26,8 @@ Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dW1[e] = x[tok]_e^T @ dz_e``.
 
 Forward and backward are the torch custom ops ``moestack::triton_moe_experts`` and
-``moestack::triton_moe_experts_bwd_`` (in place; ``..._bwd`` when traced) (fake
+``moestack::triton_moe_experts_bwd_`` (in place; ``..._bwd`` when traced or the graph is
+retained) (fake
 implementations for tracing; the backward is the
 forward's registered autograd formula, not differentiable itself), so torch.compile keeps
 the experts in its graph as opaque calls instead of breaking it at the kernel launches.
@@ -160,7 +161,7 @@ def _backward_kernels(
     _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
     dz_RF2 = z_RF2 if in_place else _launch.new_empty((R, F2), dt, dev)
-    hw_RF = g_RF if in_place else _launch.new_empty((R, F), dt, dev)
+    hw_RF = g_RF if in_place or not need_w2 else _launch.new_empty((R, F), dt, dev)
     _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF if need_w2 else None)
     del g_RF
 
@@ -206,11 +207,11 @@ def _backward_fake(
     )
 
 
-# The backward as two ops over the same kernels. Eager autograd calls the in-place one (its
-# schema declares z mutated, so autograd bumps z's version). Traced code (torch.compile, AOT
-# autograd) calls the functional one: AOT autograd cannot partition a backward that mutates
-# a tensor the forward saved (torch.library.opcheck fails on it), so compiled graphs keep the
-# dz buffer of their own.
+# The backward as two ops over the same kernels. Eager autograd that frees the graph after
+# this backward calls the in-place one (its schema declares z mutated). A retained graph
+# (``retain_graph``, ``create_graph``) and traced code (torch.compile, AOT autograd) call the
+# functional one: a later backward may read z again, and AOT autograd cannot partition a
+# backward that mutates a tensor the forward saved (torch.library.opcheck fails on it).
 
 
 @torch.library.custom_op("moestack::triton_moe_experts_bwd", mutates_args=())
@@ -255,9 +256,16 @@ _experts_bwd_op.register_fake(_backward_fake)
 _experts_bwd_inplace_op.register_fake(_backward_fake)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """Whether autograd's formula is being traced (dynamo, AOT autograd, opcheck)."""
-    return torch.compiler.is_compiling() or is_fake(t)
+def _may_overwrite_saved(dy_TD: torch.Tensor) -> bool:
+    """Whether this backward may write dz over the saved z: eager autograd (not traced by
+    dynamo, AOT autograd or opcheck) that frees the graph's saved tensors when it ends. With
+    ``retain_graph`` (or ``create_graph``) a later backward reads them again, and a
+    saved-tensors hook that unpacks the very tensor it packed (an identity hook,
+    ``save_on_cpu`` on CPU tensors) skips autograd's version check: z must stay z."""
+    if torch.compiler.is_compiling() or is_fake(dy_TD):
+        return False
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep_graph is not None and not keep_graph()
 
 
 def _experts_setup(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library's signature)
@@ -277,7 +285,7 @@ def _experts_backward(ctx, dy_TD, *_):  # noqa: ANN001, ANN202
     if not ctx.keep:
         raise RuntimeError("triton_moe_experts ran with keep=False: nothing saved for backward")
     ops = torch.ops.moestack
-    bwd = ops.triton_moe_experts_bwd if _traced(dy_TD) else ops.triton_moe_experts_bwd_
+    bwd = ops.triton_moe_experts_bwd_ if _may_overwrite_saved(dy_TD) else ops.triton_moe_experts_bwd
     dx_TD, dw1, dw2, dweights_TK = bwd(
         dy_TD, *ctx.saved_tensors, ctx.top_k, [need_x, need_w1, need_w2, need_w]
     )

@@ -257,8 +257,8 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
     fi
     if ran bench_optim; then
         echo "--- bench_optim (GPU optimizer step, training step and its parts)"
-        sed -n '/^\[gpu\]/,/^=====/p;/^\[train_step\]/,/^=====/p' "$LOG" |
-            grep -E "step_ms|_part_|vs_adamw" | head -16
+        sed -n '/^===== bench_optim/,/^=====/p' "$LOG" |
+            grep -E "step_ms|_part_|vs_adamw" | head -20
     fi
     if ran bench_memory; then
         echo "--- bench_memory (m137 per checkpointing mode and compiled: MiB, step s)"

@@ -6,8 +6,11 @@ interpreter) and labelled by its role: the forward's gate/up GEMM (gather + SwiG
 and down GEMM (router weight + scatter), the backward's G = dy @ W2^T, the elementwise SwiGLU
 backward, dW2, dx and dW1. Each GEMM row gives its useful TFLOP/s and the fraction of the
 dense bf16 matmul rate measured in the same run; "other" is the rest of the step (router,
-sort, gathers, the sum over the k slots, allocations). The torch path's whole step is timed
-beside it, for the ratio bench_moe reports. Prints a table per shape; --json writes them.
+sort, gathers, the sum over the k slots, allocations), from an untimed pass of the same
+step. A launch's time runs from its start event, recorded before the Python launcher, to its
+end event: while the GPU waits for the host (small shapes), launcher overhead lands in the
+launch's row rather than in "other". The torch path's whole step is timed beside it, for the
+ratio bench_moe reports. Prints a table per shape; --json writes them.
 
     python scripts/profile_moe.py                          # GPU: every bench_moe shape
     python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
@@ -200,7 +203,11 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
     shapes = [TINY_SHAPE] if args.tiny else bench_moe.GPU_SHAPES
     if args.shapes:
-        shapes = [s for s in shapes if s[0] in set(args.shapes.split(","))]
+        wanted = args.shapes.split(",")
+        unknown = sorted(set(wanted) - {s[0] for s in shapes})
+        if unknown:
+            parser.error(f"--shapes: unknown {unknown}; choose from {[s[0] for s in shapes]}")
+        shapes = [s for s in shapes if s[0] in wanted]
     dense = bench_moe.dense_matmul_tflops(device, dtype, argparse.Namespace(warmup=2, repeats=5))
     machine = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"device: {machine}, {dtype}, dense matmul {dense:.2f} TFLOP/s")

@@ -125,8 +125,9 @@ def test_top_level_kernels_name_is_moestack_kernels():
 
 
 def test_eager_backward_is_in_place_and_compiled_is_functional(monkeypatch):
-    """Eager autograd writes dz over the saved z; a compiled graph runs the functional twin
-    (AOT autograd cannot partition a backward that mutates a saved tensor)."""
+    """Eager autograd that frees the graph writes dz over the saved z; a retained graph and
+    a compiled one run the functional twin (AOT autograd cannot partition a backward that
+    mutates a saved tensor)."""
     in_place = []
     real = _launch.swiglu_bwd
 
@@ -136,6 +137,8 @@ def test_eager_backward_is_in_place_and_compiled_is_functional(monkeypatch):
 
     monkeypatch.setattr(_launch, "swiglu_bwd", spy)
     forward_backward(moe_experts, *experts_inputs())
+    y = moe_experts(*experts_inputs())
+    y.sum().backward(retain_graph=True)
     torch._dynamo.reset()
     forward_backward(torch.compile(moe_experts, backend="aot_eager"), *experts_inputs())
-    assert in_place == [True, False]
+    assert in_place == [True, False, False]
