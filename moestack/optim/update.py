@@ -166,9 +166,24 @@ def norm_of(grads: Sequence[Tensor]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
+# Elements a chunk of :func:`sum_of_squares` squares at a time (16 MB of fp32).
+NORM_CHUNK = 1 << 22
+
+
 def sum_of_squares(t: Tensor) -> Tensor:
-    """``(t * t).sum()`` as a 0-d tensor (zero for an empty ``t``)."""
-    return t.square().sum() if t.numel() else torch.zeros(())
+    """``(t * t).sum()`` as a 0-d fp32 tensor (zero for an empty ``t``), chunk by chunk.
+
+    Why chunks: ``t.square()`` whole is a temporary as large as the gradients (0.5 GB at
+    137M parameters, allocated and faulted in every step); a 16 MB chunk's is reused from
+    the allocator's cache. Each chunk sums as torch sums, the chunks add in fp64. Measured
+    on 30M fp32 elements, 2 threads: 23 ms against 115 ms for ``t.square().sum()``, equal
+    to 1e-8 relative."""
+    if not t.numel():
+        return torch.zeros(())
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in t.reshape(-1).split(NORM_CHUNK):
+        total += chunk.square().sum()
+    return total.to(torch.float32)
 
 
 def check_group(group: dict[str, Any], defaults: dict[str, Any]) -> None:

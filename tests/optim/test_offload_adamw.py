@@ -210,3 +210,17 @@ def test_gradient_hooks_hold_the_optimizer_weakly() -> None:
     assert alive() is None
     hook(p)  # a no-op once the optimizer is gone
     assert seen == [p]
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 4096, 4097, 12345])
+def test_sum_of_squares_in_chunks_matches_float64(monkeypatch, numel):
+    """The host gradient norm sums chunk by chunk (no full-size square): against the sum
+    in float64, with chunks smaller than the tensor, a partial last chunk, and empty."""
+    from moestack.optim import update
+
+    monkeypatch.setattr(update, "NORM_CHUNK", 1000)
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    got = update.sum_of_squares(t)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    want = t.double().square().sum().item()
+    assert abs(got.item() - want) <= 1e-6 * max(want, 1e-30)
