@@ -26,10 +26,9 @@ Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
   ``dW1[e] = x[tok]_e^T @ dz_e``.
 
 Forward and backward are the torch custom ops ``moestack::triton_moe_experts`` and
-``moestack::triton_moe_experts_bwd_`` (in place; ``..._bwd`` when traced or the graph is
-retained) (fake
-implementations for tracing; the backward is the
-forward's registered autograd formula, not differentiable itself), so torch.compile keeps
+``moestack::triton_moe_experts_bwd_`` (in place; ``moestack::triton_moe_experts_bwd`` when
+traced or the graph is retained), with fake implementations for tracing; the backward is
+the forward's registered autograd formula, not differentiable itself. So torch.compile keeps
 the experts in its graph as opaque calls instead of breaking it at the kernel launches.
 Eager calls go through the same ops and run the same kernels.
 """
