@@ -33,6 +33,28 @@ class ModelOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached, flat keys
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` run in its input's dtype, outside autocast.
+
+    Why: CUDA autocast (torch 2.11) runs ``rms_norm`` under its fp32 policy, which casts the
+    input but not the (optional) weight. With bf16 weights (``optim=offload_adamw``) the
+    fused kernel then sees an fp32 input and a bf16 weight, warns "Mismatch dtype between
+    input and weight", and falls back to a composite of several kernels over an fp32 copy of
+    the activations (seen on an H200, 2026-11-30). The fused kernel accumulates in fp32
+    itself: with the weight cast to the input's dtype it stays fused. Without autocast and
+    with matching dtypes this is ``nn.RMSNorm`` exactly.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        if not torch.is_autocast_enabled(x.device.type):
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def rotary_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [S, head_dim/2] for rotary position embeddings."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -73,9 +95,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.moe_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.moe_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.moe = MoE(cfg.d_model, cfg.moe, cfg.router)
         self.checkpointing = cfg.checkpointing
         self.moe.recompute = cfg.checkpointing
@@ -185,7 +207,7 @@ class MoETransformer(RoutedLM):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
