@@ -339,8 +339,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)
     torch.manual_seed(cfg.seed)
-    model = cfg.model.build().to(device)
-    if cfg.compile:
+    model = cfg.model.build()  # on the host: with parallel.ep > 1 only this rank's experts
+    if cfg.compile:  # ever reach the device (sharded below, before the move)
         model.compile_blocks()
     start_step = 0
     if resume_from is not None:
@@ -349,11 +349,12 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
         trained = model.set_trainable(cfg.trainable)
         log.info("trainable=%s: %.2fM parameters train, the rest is frozen", cfg.trainable,
                  trained / 1e6)  # fmt: skip
+    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
+                                              cfg.parallel.ep)  # fmt: skip
+    model.to(device)
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
-    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
-                                              cfg.parallel.ep)  # fmt: skip
     # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it (or, with
     # experts sharded, train_step's parallel.average_gradients).
     ddp = dist_info.active and cfg.optim.name == "adamw" and mesh is None
