@@ -56,13 +56,15 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
         state = _state(item.run_dir)
         arms[item.arm][state] += 1
         total[state] += 1
-        if state == "finished" and (wall := _wall_s(item.run_dir)) is not None:
+        if state != "finished":
+            continue
+        if (wall := _wall_s(item.run_dir)) is not None:
             walls.append(wall)
-        if state == "finished":  # its evaluation exists (``prereg evaluate``); none is shown
-            cached = cached_evaluation(item.run_dir, key)
-            evaluated += cached is not None
-            if cached is not None and isinstance(cached.get("eval_cpu_s"), (int, float)):
-                eval_cpu.append(float(cached["eval_cpu_s"]))
+        # its evaluation exists (``prereg evaluate``); none is shown
+        cached = cached_evaluation(item.run_dir, key)
+        evaluated += cached is not None
+        if cached is not None and isinstance(cached.get("eval_cpu_s"), (int, float)):
+            eval_cpu.append(float(cached["eval_cpu_s"]))
     median = statistics.median(walls) if walls else None
     left = total["running"] + total["interrupted"] + total["waiting"]
     runners = max(total["running"], 1)
