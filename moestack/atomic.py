@@ -1,11 +1,18 @@
-"""Durable, all-or-nothing file system steps shared by the writers of folders (expert stores,
-exported model folders): fsync a folder, move a finished folder into place."""
+"""Durable, all-or-nothing file system steps shared by the writers of files and folders (run
+files, expert stores, exported model folders): write a file, fsync a folder, move a finished
+folder into place; and one rule for telling a full disk from other write errors."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
+
+from moestack.errors import MoestackError
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_dir(path: Path) -> None:
@@ -22,6 +29,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` all or nothing: into a private temporary file beside it,
+    fsynced, then renamed over ``path``. A symlink at ``path`` is replaced, never followed,
+    and a reader (or a kill) sees the old file or the new one, never half of it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a run's files from its group
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def install_dir(tmp: Path, path: Path) -> None:
     """Move the finished, fsynced folder ``tmp`` to ``path``, replacing an old one there
     (renamed aside first, so ``path`` always holds a whole folder or none)."""
@@ -34,3 +58,24 @@ def install_dir(tmp: Path, path: Path) -> None:
     else:
         os.rename(tmp, path)
     fsync_dir(path.parent)
+
+
+def out_of_space(err: BaseException, folder: Path, needed: int, what: str) -> MoestackError | None:
+    """The one-line error for a write of ``what`` into ``folder`` that failed for want of
+    space, or None when ``err`` is another failure. A full disk reaches Python as an OSError
+    (ENOSPC, EDQUOT), or inside another library's own error (safetensors', torch.save's),
+    so a write error while ``folder`` has less than ``needed`` bytes free counts too."""
+    if not isinstance(err, Exception) or isinstance(err, MoestackError):
+        return None
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    full = isinstance(err, OSError) and err.errno in _FULL
+    if not full and not (free is not None and free < needed):
+        return None
+    have = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
+    return MoestackError(
+        f"no space left on the device of {folder} to write {what}: it needs about "
+        f"{needed / 2**20:.1f} MiB, {have} free; free some space and run again"
+    )

@@ -38,6 +38,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from moestack import atomic
 from moestack.config import ModelConfig
 from moestack.errors import MoestackError
 
@@ -88,12 +89,16 @@ def save_checkpoint(
 
     The digests are taken from the files as written (read back from the page cache right
     after writing, a small cost beside the write), so ``meta.json`` vouches for the bytes on
-    disk, not for the tensors in memory.
+    disk, not for the tensors in memory. A full disk is one MoestackError naming the folder
+    and the space needed; the partial checkpoint is removed, the older ones stay.
     """
     ckpt_root = Path(ckpt_root)
-    ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"{PREFIX}{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpt_root))
+    try:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpt_root))
+    except OSError as err:
+        raise _full_or(err, ckpt_root, model, train_state, final) from None
     try:
         safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
@@ -113,12 +118,36 @@ def save_checkpoint(
             _remove(final)
         os.rename(tmp, final)
         _fsync(ckpt_root)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise _full_or(err, ckpt_root, model, train_state, final) from None
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
         _remove(old)
     return final
+
+
+def _full_or(
+    err: BaseException, ckpt_root: Path, model: nn.Module, train_state: Any, final: Path
+) -> BaseException:
+    """The one-line error if ``err`` is a full disk (the space a checkpoint needs: its
+    tensors' bytes), else ``err`` itself."""
+    needed = _tensor_bytes(model.state_dict()) + _tensor_bytes(train_state)
+    full = atomic.out_of_space(err, ckpt_root, needed, f"checkpoint {final.name}")
+    if full is None:
+        return err
+    kept = latest_checkpoint(ckpt_root)
+    return MoestackError(f"{full}; the last checkpoint ({kept or 'none'}) is kept")
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a nest of dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
 
 
 def _remove(path: Path) -> None:
@@ -160,6 +189,16 @@ def list_checkpoints(ckpt_root: Path | str) -> list[Path]:
         p for p in ckpt_root.iterdir() if p.name.startswith(PREFIX) and (p / META_FILE).is_file()
     ]
     return sorted(found, key=lambda p: p.name)
+
+
+def incomplete_checkpoints(ckpt_root: Path | str) -> list[Path]:
+    """``step_*`` folders without meta.json, oldest first: a save that never finished, or a
+    checkpoint whose meta.json was deleted (:func:`list_checkpoints` leaves them out)."""
+    ckpt_root = Path(ckpt_root)
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if p.name.startswith(PREFIX) and p.is_dir()]
+    return sorted((p for p in found if not (p / META_FILE).is_file()), key=lambda p: p.name)
 
 
 def latest_checkpoint(ckpt_root: Path | str) -> Path | None:

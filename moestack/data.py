@@ -18,9 +18,10 @@ lands in exactly one of them, and the split is still the same on every machine. 
 that splits by document (the standard library does) is never chunked.
 
 Records whose text is null or not a string are skipped, with one warning per file giving
-the count; a file without one usable record is refused. Files without a text suffix whose
-content is binary (a 0 byte in the first 8 KiB, or most of it not UTF-8) are skipped with a
-warning when found in a folder and refused when named in ``data.paths``.
+the count; a file without one usable record is refused. Text files (by suffix, or without
+one) whose content is binary (a 0 byte in the first 8 KiB, or most of it not UTF-8) are
+skipped with a warning when found in a folder and refused when named in ``data.paths``: a
+``.txt`` name does not make a file text.
 
 Batches are windows of ``seq_len + 1`` tokens at random offsets drawn from a generator
 seeded by ``(seed, batch index)``: batch i is the same whatever happened before it, so the
@@ -51,7 +52,7 @@ SEPARATOR = 0  # byte that separates documents in the packed token stream
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".csv", ".html", ".tex")
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 CHUNK_BYTES = 64 * 1024  # largest chunk when documents must be cut to fill both splits
-BINARY_PROBE = 8192  # bytes of a suffix-less file inspected for binary content
+BINARY_PROBE = 8192  # bytes of a text file inspected for binary content
 
 
 @dataclass
@@ -134,7 +135,7 @@ def _file_documents(paths: list[str], text_field: str) -> Iterator[tuple[str, by
             yield from _text_records(path, _parquet_rows(path, name, text_field), text_field)
         else:
             data = path.read_bytes()
-            if suffix not in TEXT_SUFFIXES and _looks_binary(data):
+            if _looks_binary(data):  # a text suffix does not make a file text
                 if named:
                     raise MoestackError(
                         f"data.paths: {path} is binary, not text; remove it from data.paths "

@@ -15,6 +15,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from moestack import atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +44,7 @@ def truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+    atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsWriter:
@@ -81,7 +81,7 @@ class MetricsWriter:
             run_id = (
                 run_id_file.read_text().strip() if run_id_file.exists() else secrets.token_hex(4)
             )
-            run_id_file.write_text(run_id)
+            atomic.write_text(run_id_file, run_id)
             return wandb.init(
                 project=project,
                 dir=str(run_dir),

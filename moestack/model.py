@@ -193,6 +193,21 @@ class RoutedLM(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     @torch.no_grad()
+    def num_params(self) -> dict[str, int]:
+        """The whole model's parameters and those active per token (top_k of num_experts
+        routed experts; attention, embeddings and any shared expert are always active),
+        however many of the experts this process holds (under expert parallelism a rank
+        keeps num_experts / ep of them)."""
+        held = sum(p.numel() for p in self.parameters())
+        routed_held = routed = routed_active = 0
+        for moe in self.moe_layers:
+            per_expert = moe.w1[0].numel() + moe.w2[0].numel()
+            routed_held += moe.w1.numel() + moe.w2.numel()
+            routed += per_expert * moe.cfg.num_experts
+            routed_active += per_expert * moe.cfg.top_k
+        total = held - routed_held + routed
+        return {"total": total, "active": total - routed + routed_active}
+
     def discard_router_counts(self) -> None:
         """Forget the token counts of a step that was skipped (a NaN/inf loss)."""
         for moe in self.moe_layers:
@@ -278,10 +293,3 @@ class MoETransformer(RoutedLM):
             return None
         is_sep_BS = (tokens_BS == self.cfg.doc_separator).long()
         return torch.cumsum(is_sep_BS, dim=1) - is_sep_BS
-
-    def num_params(self) -> dict[str, int]:
-        """Total parameters and those active per token (top_k of num_experts experts)."""
-        total = sum(p.numel() for p in self.parameters())
-        expert = sum(m.w1.numel() + m.w2.numel() for m in self.moe_layers)
-        active_expert = expert * self.cfg.moe.top_k // self.cfg.moe.num_experts
-        return {"total": total, "active": total - expert + active_expert}

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import moestack
+from moestack import atomic
 from moestack.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,7 @@ def check_launch(launch: dict[str, Any] | None) -> None:
 
 
 def _write_starts(out_dir: Path, starts: list[dict[str, Any]]) -> None:
-    path = out_dir / PROVENANCE_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"starts": starts}, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(out_dir / PROVENANCE_FILE, json.dumps({"starts": starts}, indent=2) + "\n")
 
 
 def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:

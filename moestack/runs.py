@@ -1,17 +1,21 @@
 """A run's folder: preparing it for training, and loading a run back from it.
 
-``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run keeps its config;
-leftovers of a killed run are removed; a corrupt newest checkpoint falls back to the newest
-one that verifies). ``load_run`` serves ``moestack eval``, the pre-registered analysis and
+``check_out_dir`` refuses a folder that cannot hold a run (a file, under a file, read-only)
+before anything is written; ``holding_run_dir`` keeps a second process from training into the
+same folder at once. ``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run
+keeps its config and its transformers source; leftovers of a killed run are removed; a corrupt
+newest checkpoint falls back to the newest one that verifies). ``load_run`` serves ``moestack eval``, the pre-registered analysis and
 offloaded evaluation, so that they all rebuild a run the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from moestack import checkpoint, distributed
+from moestack import atomic, checkpoint, distributed, locks
 from moestack.config import DataConfig, ModelConfig, TrainConfig
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
@@ -37,6 +41,59 @@ RESUME_MAY_CHANGE = (
     "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
     "telemetry.", "cache.", "parallel.",
 )  # fmt: skip
+
+
+LOCK_FILE = ".moestack.lock"  # flock'ed by the process training into the folder
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse, before anything is written, an ``out_dir`` that cannot hold a run: a file, a
+    path under a file, a broken symlink, or a folder this process may not write to."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MoestackError(f"out_dir={out_dir} is a file, not a folder; pick another out_dir")
+    if out_dir.is_symlink() and not out_dir.exists():
+        raise MoestackError(f"out_dir={out_dir} is a broken symlink; remove it or pick another")
+    existing = out_dir.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise MoestackError(
+            f"out_dir={out_dir} lies under {existing}, which is a file; pick another out_dir"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise MoestackError(
+            f"out_dir={out_dir}: {existing} is read-only for this user; pick a writable out_dir"
+        )
+
+
+@contextlib.contextmanager
+def holding_run_dir(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` for this process while it trains (an exclusive ``flock`` on its
+    LOCK_FILE, dropped by the system however the process ends): a second run started into
+    the same folder is refused instead of interleaving its files with this one's."""
+    check_out_dir(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        if not locks.lock_exclusive(fd):
+            raise MoestackError(_busy(out_dir))
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def check_run_dir_free(out_dir: Path) -> None:
+    """Refuse now, without holding it, a folder another process trains into (the command
+    line asks before hydra writes its own record into the folder)."""
+    if locks.is_held(out_dir / LOCK_FILE):
+        raise MoestackError(_busy(out_dir))
+
+
+def _busy(out_dir: Path) -> str:
+    return (
+        f"out_dir={out_dir} is in use: another process trains into it now; wait for it to end, "
+        "or pick another out_dir"
+    )
 
 
 @dataclass
@@ -73,13 +130,23 @@ def load_run_config(run_dir: Path | str) -> TrainConfig:
 
 
 def resolve_checkpoint(run_dir: Path | str, checkpoint_path: Path | str | None = None) -> Path:
-    """``checkpoint_path`` if given, else the run's newest complete checkpoint."""
+    """``checkpoint_path`` if given, else the run's newest complete checkpoint; newer
+    incomplete ones (no meta.json) are named in a warning, never passed over in silence."""
     if checkpoint_path:
         return Path(checkpoint_path)
     root = Path(run_dir) / "checkpoints"
     latest = checkpoint.latest_checkpoint(root)
+    newer = [
+        p.name for p in checkpoint.incomplete_checkpoints(root) if latest is None or p > latest
+    ]
     if latest is None:
-        raise MoestackError(f"{root} holds no checkpoint")
+        held = f" (only incomplete ones, without {checkpoint.META_FILE}: {newer})" if newer else ""
+        raise MoestackError(f"{root} holds no checkpoint{held}")
+    if newer:
+        log.warning(
+            "%s: newer checkpoints %s have no %s (incomplete): using %s (step %s)",
+            root, newer, checkpoint.META_FILE, latest.name, latest.name.removeprefix(checkpoint.PREFIX),
+        )  # fmt: skip
     return latest
 
 
@@ -167,6 +234,7 @@ def prepare_out_dir(
     resume_from = None
     if cfg.resume:
         check_resume_config(cfg, out_dir)
+        check_resume_source(cfg, out_dir)
         resume_from = checkpoint.newest_verified(ckpt_root)
         if resume_from is None:
             raise MoestackError(
@@ -181,8 +249,51 @@ def prepare_out_dir(
             (out_dir / "wandb_id.txt").unlink(missing_ok=True)
     distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
     if dist_info.is_main:
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        atomic.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        if cfg.model.path and not cfg.resume:
+            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
     return resume_from
+
+
+SOURCE_FILE = "source_model.json"  # model=hf: the digests of the folder's config files
+_SOURCE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+)  # fmt: skip
+
+
+def source_record(folder: Path) -> dict[str, Any]:
+    """The transformers folder a ``model=hf`` run started from: its path and the sha256 of
+    each config and tokenizer file it has (the weights are in the run's checkpoints)."""
+    files = {name: checkpoint.sha256_file(folder / name) for name in _SOURCE_FILES
+             if (folder / name).is_file()}  # fmt: skip
+    return {"path": str(folder), "sha256": files}
+
+
+def check_resume_source(cfg: TrainConfig, out_dir: Path) -> None:
+    """Refuse to resume a ``model=hf`` run whose source folder's config or tokenizer files
+    changed since it started: the same shapes may hide another architecture or tokenizer."""
+    recorded = out_dir / SOURCE_FILE
+    if not cfg.model.path:
+        return
+    if not recorded.is_file():
+        log.warning("%s has no %s (started before it was recorded): the source folder %s is "
+                    "not compared", out_dir, SOURCE_FILE, cfg.model.path)  # fmt: skip
+        return
+    try:
+        before = json.loads(recorded.read_text())["sha256"]
+        if not isinstance(before, dict):
+            raise TypeError("sha256 is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError):
+        raise MoestackError(f"{recorded} cannot be read; start a new out_dir") from None
+    now = source_record(Path(cfg.model.path))["sha256"]
+    changed = sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+    if changed:
+        raise MoestackError(
+            f"resume=true but {', '.join(changed)} in model.path={cfg.model.path} changed since "
+            f"the run started ({recorded}); resume with the folder as it was, or start a new "
+            "out_dir"
+        )
 
 
 def check_resume_config(cfg: TrainConfig, out_dir: Path) -> None:
@@ -224,9 +335,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` atomically (temp file, then rename); NaN/inf become strings, so the
     file stays valid JSON."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_plain(data), indent=2))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(_plain(data), indent=2))
 
 
 def _plain(value: Any) -> Any:

@@ -12,9 +12,11 @@ the sweep goes on; the exit status is the number of jobs that failed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,6 +26,7 @@ from omegaconf import OmegaConf
 import moestack
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
+from moestack.runs import check_out_dir, check_run_dir_free
 from moestack.trainer import train
 
 log = logging.getLogger(__name__)
@@ -34,15 +37,52 @@ _jobs: list[tuple[str, str | None]] = []  # this process's sweep jobs: (label, e
 
 def _check_overrides(overrides: list[str]) -> None:
     """``model.router`` is filled from ``router``: an override of it would be dropped, so it
-    is refused with the override to write instead."""
+    is refused with the override to write instead. A true/false field takes only true or
+    false: the config library would read ``compile=2`` (or 0) as a bool without a word."""
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key, _, value = override.lstrip("+~").partition("=")
         if key == "model.router" or key.startswith("model.router."):
             fix = override.lstrip("+~").replace("model.router", "router", 1)
             raise MoestackError(
                 f"{override!r}: the router is configured in one place, the `router` group; "
                 f"write {fix!r}"
             )
+        if _field_type(TrainConfig, key) is bool and value.strip().lower() not in ("true", "false"):
+            raise MoestackError(f"{override!r}: {key} is true or false, not {value!r}")
+
+
+def _field_type(config: type, key: str) -> Any:
+    """The type of the config field a dotted key names (None when it names none)."""
+    head, _, rest = key.partition(".")
+    fields = (
+        {f.name: f for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else {}
+    )
+    if head not in fields:
+        return None
+    kind = typing.get_type_hints(config)[head]
+    return _field_type(kind, rest) if rest else kind
+
+
+def _command_line_out_dir(argv: list[str]) -> Path | None:
+    """The ``out_dir=`` override of the command line (None when absent or interpolated)."""
+    found = None
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == "out_dir" and value and "${" not in value:
+            found = Path(value.strip("'\""))
+    return found
+
+
+def check_out_dir_early(argv: list[str]) -> None:
+    """Refuse an ``out_dir`` that cannot hold a run, or that another process trains into,
+    before hydra writes its own record (``.hydra/``, ``train.log``) into it."""
+    out_dir = _command_line_out_dir(argv)
+    if out_dir is None:
+        return
+    check_out_dir(out_dir)
+    sweep = any(arg in ("-m", "--multirun") for arg in argv)  # its jobs hold their subfolders
+    if not sweep and os.environ.get("RANK", "0") == "0":
+        check_run_dir_free(out_dir)
 
 
 def _is_sweep(hydra_cfg: Any) -> bool:
@@ -162,6 +202,11 @@ def main() -> None:
     if "--version" in sys.argv[1:]:  # before hydra, whose own --version names hydra's
         _say(f"moestack {moestack.__version__}", sys.stdout)
         return
+    try:
+        check_out_dir_early(sys.argv[1:])
+    except MoestackError as err:
+        _say(f"error: {err}", sys.stderr)
+        sys.exit(2)
     import hydra
 
     from moestack.config import register_configs

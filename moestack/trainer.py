@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import checkpoint, distributed, memory_plan, parallel, provenance
+from moestack import atomic, checkpoint, distributed, memory_plan, parallel, provenance
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -31,7 +33,7 @@ from moestack.metrics import MetricsWriter, format_summary
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
-from moestack.runs import prepare_out_dir, run_corpus, write_json
+from moestack.runs import check_out_dir, holding_run_dir, prepare_out_dir, run_corpus, write_json
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +124,36 @@ def train(
 
     Each start (new or resumed) is recorded in ``<out_dir>/provenance.json`` with ``launch``
     (how it was started; default: the process's command line), see ``moestack.provenance``.
+    The folder is held while the run trains: a second run into it is refused.
     """
     provenance.check_launch(launch)  # on every rank, before any of them starts
+    out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    with provenance.recorded_start(Path(out_dir), cfg, launch):
-        return _train(cfg, Path(out_dir))
+    with _holding(out_dir), provenance.recorded_start(out_dir, cfg, launch):
+        try:
+            return _train(cfg, out_dir)
+        except OSError as err:  # a run file that cannot be written: one line, not a traceback
+            raise _unwritable(err, out_dir) from err
+
+
+def _unwritable(err: OSError, out_dir: Path) -> BaseException:
+    """A full disk or a folder that became read-only, as one line naming the file."""
+    full = atomic.out_of_space(err, out_dir, 0, str(err.filename or "the run's files"))
+    if full is not None:
+        return full
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return MoestackError(f"cannot write {err.filename or out_dir}: {err.strerror}")
+    return err
+
+
+def _holding(out_dir: Path) -> contextlib.AbstractContextManager:
+    """Rank 0 holds the run folder for the run (before the process group exists: torchrun's
+    RANK); the other ranks write into the folder rank 0 holds."""
+    return (
+        holding_run_dir(out_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+    )
 
 
 def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
@@ -298,6 +324,11 @@ def finish_run(run: Run, seconds: float) -> dict[str, Any]:
     if run.dist.is_main:
         write_json(run.out_dir / "summary.json", summary)
         log.info("\n%s", format_summary(summary))
+    if not math.isfinite(final_eval["loss/val"]):  # the run did not produce a usable model
+        raise MoestackError(
+            f"the final validation loss is {final_eval['loss/val']} although every checkpointed "
+            f"weight is finite; see {run.out_dir / 'metrics.jsonl'} for where the loss went bad"
+        )
     return summary
 
 

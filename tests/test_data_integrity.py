@@ -98,6 +98,7 @@ def _binary_files(folder, rng):
     (folder / "tool").write_bytes(elf)
     (folder / "blob").write_bytes(high)
     (folder / "libx.so").write_bytes(elf)
+    (folder / "model.txt").write_bytes(elf)  # a text suffix on binary content: still binary
 
 
 def test_binary_files_in_a_folder_are_skipped_with_a_warning(tmp_path, caplog):
@@ -115,11 +116,11 @@ def test_binary_files_in_a_folder_are_skipped_with_a_warning(tmp_path, caplog):
     assert np.array_equal(corpus.train, clean.train) and np.array_equal(corpus.val, clean.val)
     assert clean.train_docs + clean.val_docs == 31
     warned = " ".join(_warnings(caplog))
-    assert "tool" in warned and "blob" in warned and "binary" in warned
+    assert all(name in warned for name in ("tool", "blob", "model.txt")) and "binary" in warned
     assert "libx.so" in warned or "a.out" in warned  # the suffix summary names examples
 
 
-@pytest.mark.parametrize("name", ["tool", "blob"])
+@pytest.mark.parametrize("name", ["tool", "blob", "model.txt"])
 def test_named_binary_file_is_refused(tmp_path, name):
     rng = np.random.default_rng(16)
     folder, stray = tmp_path / "texts", tmp_path / "stray"
