@@ -14,6 +14,12 @@ def main() -> int:
     except RuntimeError as err:
         print(f"fused host step: C++ kernel not built ({err}); OffloadAdamW will fall back")
         return 0
+    if native.is_private(kernel.path):  # the cache folder was refused (the warning says why)
+        print(
+            f"fused host step: C++ kernel built in {kernel.path}, a private folder removed at "
+            f"exit: {native.cache_folder()} was refused, so each run builds it again"
+        )
+        return 0
     print(f"fused host step: C++ kernel ready at {kernel.path}")
     return 0
 

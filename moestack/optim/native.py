@@ -12,9 +12,18 @@ the compiler vectorises plain C++.
 The source below is plain C++ with OpenMP, no torch headers, so it builds in well under a
 second; it is loaded with ctypes after torch, and resolves ``libgomp.so.1`` to the copy torch
 already loaded, so it shares torch's OpenMP runtime and takes ``torch.get_num_threads()``
-threads. The library is cached under ``$MOESTACK_KERNEL_CACHE`` (default
-``~/.cache/moestack/kernels``), keyed by the source, the flags, the compiler and the CPU's
-flags (it is built with ``-march=native``); ``$CXX`` names the compiler (default ``g++``).
+threads. The library is cached in ``$MOESTACK_KERNEL_CACHE``, else in
+``moestack/kernels`` under ``$XDG_CACHE_HOME`` (when absolute) or ``~/.cache``, keyed by the
+source, the flags, the compiler and the CPU's flags (it is built with ``-march=native``);
+``$CXX`` names the compiler (default ``g++``).
+
+Only a library this user's process built is loaded (:func:`cache_dir`, :func:`_verified`):
+the cache folder must belong to this user and be writable by no one else (else the library
+is built in a private temporary folder for this process, with one warning), and the
+library, opened once and hashed through that descriptor, must be a file of ours alone with
+the sha256 recorded next to it (``<library>.sha256``) when it was built; it is loaded through
+the same descriptor. One that is not (planted, truncated, flipped, writable by others) is
+rebuilt, with one logged line, before anything of it runs.
 
 One call steps many contiguous segments: the elements of all segments, concatenated, go to
 the threads in chunks of 64K elements, each to the next free thread. :meth:`NativeKernel.prepare` turns the
@@ -25,21 +34,29 @@ stays a small fraction of a step.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import errno
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import pwd
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from moestack.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -452,21 +469,235 @@ def check_seg(s: Seg) -> int:
 def load(extra_flags: Sequence[str] = ()) -> NativeKernel:
     """Build (or find in the cache) and load the library; raise RuntimeError if impossible.
 
-    ``extra_flags`` go after :data:`FLAGS` (the tests build the portable loops, without the
-    AVX-512 ones, with ``-mno-avx512f``)."""
+    Only a library this user's process built is loaded: one that is missing, damaged, planted
+    or that others can write is rebuilt first (:func:`_verified`). ``extra_flags`` go after
+    :data:`FLAGS` (the tests build the portable loops, without the AVX-512 ones, with
+    ``-mno-avx512f``)."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
     flags = (*FLAGS, *extra_flags)
-    path = _cache_dir() / f"fused_adamw_{_key(cxx, flags)}.so"
-    if not path.exists():
+    path = cache_dir() / f"fused_adamw_{_key(cxx, flags)}.so"
+    fd, digest = _verified_or_built(cxx, path, flags)
+    return NativeKernel(_dlopen(fd, digest), path)
+
+
+def is_private(path: Path) -> bool:
+    """Whether ``path`` is in a private folder of this process, used in place of a refused
+    cache folder (it is removed when the process exits)."""
+    return path.parent in _PRIVATE.values()
+
+
+# ------------------------------------------------------------- the cache and what it holds
+# Who may have written a file decides whether it may run in this process: the cache folder
+# and each file loaded from it must belong to this user and be writable by no one else, and
+# a library's bytes must have the sha256 recorded (in ``<library>.sha256``) when it was built.
+
+_DIGEST_SUFFIX = ".sha256"
+_PRIVATE: dict[Path, Path] = {}  # refused cache folder -> this process's private folder
+_LOADED: dict[str, ctypes.CDLL] = {}  # sha256 -> the library loaded with those bytes
+
+
+class _Refused(Exception):
+    """A cache folder or file that is not loaded from; the message says why."""
+
+
+def cache_folder() -> Path:
+    """The cache folder the environment names: ``$MOESTACK_KERNEL_CACHE`` if set and not
+    empty, else ``moestack/kernels`` under ``$XDG_CACHE_HOME`` if that is absolute (the XDG
+    spec makes an empty or relative one invalid: it is ignored), else under ``~/.cache``."""
+    env = os.environ.get("MOESTACK_KERNEL_CACHE")
+    if env:
+        return Path(env).expanduser().absolute()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else _home() / ".cache"
+    return base / "moestack" / "kernels"
+
+
+def cache_dir() -> Path:
+    """The folder libraries are built in and loaded from: :func:`cache_folder` (resolved)
+    when it is safe, else a private folder of this process, with one warning naming the
+    folder refused and why (:func:`_safe_folder`)."""
+    folder = cache_folder()
+    if folder in _PRIVATE:
+        return _PRIVATE[folder]
+    try:
+        return _safe_folder(folder)
+    except _Refused as err:
+        why = str(err)
+    try:
+        private = Path(tempfile.mkdtemp(prefix="moestack-kernels-"))  # 0o700, a new name
+    except OSError as err:
+        msg = f"kernel cache {folder} refused ({why}); no private folder: {err}"
+        raise RuntimeError(msg) from None
+    atexit.register(shutil.rmtree, private, True)
+    _PRIVATE[folder] = private
+    log.warning(
+        "fused step: kernel cache %s refused (%s; set MOESTACK_KERNEL_CACHE to a folder only "
+        "this user can write); building in %s for this process",
+        folder,
+        why,
+        private,
+    )
+    return private
+
+
+def _home() -> Path:
+    """This user's home: ``$HOME`` if absolute, else the password database's entry."""
+    home = os.environ.get("HOME", "")
+    if os.path.isabs(home):
+        return Path(home)
+    try:
+        return Path(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        msg = f"no home folder for uid {os.getuid()}: set MOESTACK_KERNEL_CACHE"
+        raise RuntimeError(msg) from None
+
+
+def _safe_folder(folder: Path) -> Path:
+    """``folder``, made (mode 0o700) if missing, with its symbolic links resolved; _Refused
+    unless the folder it resolves to belongs to this user and only they can write it."""
+    try:
+        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
+        real = Path(os.path.realpath(folder))  # a link is followed: its target is judged
+        st = os.lstat(real)
+    except OSError as err:
+        raise _Refused(f"cannot create it: {err.strerror or err}") from None
+    problem = "not a folder" if not stat.S_ISDIR(st.st_mode) else _not_ours_alone(st)
+    if problem is None and not os.access(real, os.W_OK | os.X_OK):
+        problem = "not writable"
+    if problem:
+        raise _Refused(problem)
+    return real
+
+
+def _not_ours_alone(st: os.stat_result) -> str | None:
+    """Why a cache folder or file with status ``st`` may hold what another user wrote, or
+    None: it must belong to this process's (effective) user, and neither group nor others
+    may write it."""
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others, mode {stat.S_IMODE(st.st_mode):#o}"
+    return None
+
+
+def _open_own(path: Path) -> int:
+    """``path`` opened to read, not through a symbolic link; FileNotFoundError if missing,
+    _Refused unless it is a regular file that is ours alone (:func:`_not_ours_alone`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        why = "a symbolic link" if err.errno == errno.ELOOP else err.strerror
+        raise _Refused(f"cannot open {path.name}: {why}") from None
+    st = os.fstat(fd)
+    problem = "not a regular file" if not stat.S_ISREG(st.st_mode) else _not_ours_alone(st)
+    if problem:
+        os.close(fd)
+        raise _Refused(f"{path.name} is {problem}")
+    return fd
+
+
+def _sha256_of(fd: int) -> str:
+    """The sha256 of the whole file open at ``fd`` (read through it, from the start)."""
+    h = hashlib.sha256()
+    offset = 0
+    while block := os.pread(fd, 1 << 20, offset):
+        h.update(block)
+        offset += len(block)
+    return h.hexdigest()
+
+
+def _recorded_sha256(path: Path) -> str:
+    """The sha256 recorded for the library ``path`` when it was built; _Refused if none."""
+    record = path.with_name(path.name + _DIGEST_SUFFIX)
+    try:
+        fd = _open_own(record)
+    except FileNotFoundError:
+        raise _Refused(f"no sha256 recorded for it ({record.name} is missing)") from None
+    try:
+        text = os.pread(fd, 256, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise _Refused(f"{record.name} holds no sha256")
+    return text
+
+
+def _verified(path: Path) -> tuple[int, str]:
+    """The library ``path`` opened, checked and hashed through one descriptor (so what is
+    loaded is what was checked), and its sha256. FileNotFoundError if it is missing;
+    _Refused unless it is ours alone and its bytes have the sha256 recorded at build."""
+    fd = _open_own(path)
+    try:
+        recorded = _recorded_sha256(path)
+        actual = _sha256_of(fd)
+        if actual != recorded:
+            raise _Refused(f"its sha256 is not the one recorded when it was built ({recorded})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, actual
+
+
+def _verified_or_built(cxx: str, path: Path, flags: Sequence[str]) -> tuple[int, str]:
+    """:func:`_verified` of ``path``, building the library first where there is none that
+    verifies (saying why, in one line, when one is there). The build holds the folder's lock:
+    another process that finds the library missing or half-installed waits, then loads it."""
+    try:
+        return _verified(path)
+    except (FileNotFoundError, _Refused):
+        pass
+    with _locked(path.parent):
+        try:
+            return _verified(path)
+        except FileNotFoundError:
+            pass
+        except _Refused as err:
+            log.warning("fused step: not loading %s (%s); rebuilding it", path, err)
         _build(cxx, path, flags)
-    return NativeKernel(ctypes.CDLL(str(path)), path)
+        try:
+            return _verified(path)
+        except (FileNotFoundError, _Refused) as err:
+            raise RuntimeError(f"{path}: the library just built does not verify: {err}") from None
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold the cache folder's build lock (``.lock`` in it) for the ``with`` block."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _dlopen(fd: int, digest: str) -> ctypes.CDLL:
+    """Load the library open at ``fd`` (checked: :func:`_verified`) through the descriptor,
+    ``/proc/self/fd/<fd>``: the file that was checked, not what its name points to by now.
+    The descriptor stays open: the dynamic loader knows a library by the name it was loaded
+    under, and a closed descriptor's number would name another library later."""
+    if digest in _LOADED:  # the same bytes are loaded already
+        os.close(fd)
+        return _LOADED[digest]
+    name = f"/proc/self/fd/{fd}"
+    try:
+        if not os.path.exists(name):
+            raise OSError("no /proc/self/fd to load the checked library through (Linux only)")
+        lib = ctypes.CDLL(name)
+    except OSError as err:
+        os.close(fd)
+        raise RuntimeError(f"cannot load the fused step's library: {err}") from None
+    _LOADED[digest] = lib
+    return lib
 
 
 def _build(cxx: str, path: Path, flags: Sequence[str] = FLAGS) -> None:
-    """Compile SOURCE into ``path`` (atomically: concurrent processes may build it too)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Compile SOURCE into ``path`` and record its sha256 in ``<path>.sha256``, each moved
+    into place whole (mode 0o700 and 0o600); the caller holds the folder's lock."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src = Path(tmp) / "fused_adamw.cpp"
         src.write_text(SOURCE)
@@ -483,22 +714,25 @@ def _build(cxx: str, path: Path, flags: Sequence[str] = FLAGS) -> None:
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{cxx} exited with {proc.returncode}: {last}")
+        digest = _finish(lib, 0o700)
+        record = Path(tmp) / (path.name + _DIGEST_SUFFIX)
+        record.write_text(digest + "\n")
+        _finish(record, 0o600)
         os.replace(lib, path)
-    log.info("fused step: built %s", path)
+        os.replace(record, path.with_name(record.name))
+        fsync_dir(path.parent)
+    log.info("fused step: built %s (sha256 %s)", path, digest)
 
 
-def _cache_dir() -> Path:
-    """Where built libraries are kept (a temporary folder if the cache is not writable)."""
-    env = os.environ.get("MOESTACK_KERNEL_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
-    folder = base if env else base / "moestack" / "kernels"
+def _finish(path: Path, mode: int) -> str:
+    """Give the new file ``path`` its mode, fsync it and return its sha256."""
+    os.chmod(path, mode)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"moestack-kernels-{os.getuid()}"
+        os.fsync(fd)
+        return _sha256_of(fd)
+    finally:
+        os.close(fd)
 
 
 def _key(cxx: str, flags: Sequence[str] = FLAGS) -> str:
