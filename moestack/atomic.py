@@ -13,6 +13,7 @@ from pathlib import Path
 from moestack.errors import MoestackError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "StorageFull")  # in messages
 
 
 def fsync_dir(path: Path) -> None:
@@ -71,7 +72,9 @@ def out_of_space(err: BaseException, folder: Path, needed: int, what: str) -> Mo
         free = shutil.disk_usage(folder).free
     except OSError:
         free = None
-    full = isinstance(err, OSError) and err.errno in _FULL
+    full = (isinstance(err, OSError) and err.errno in _FULL) or any(
+        words in str(err) for words in _FULL_WORDS
+    )
     if not full and not (free is not None and free < needed):
         return None
     have = "unknown" if free is None else f"{free / 2**20:.1f} MiB"

@@ -1,13 +1,19 @@
 """The ``moestack eval`` and ``moestack export`` verbs: a run (or a transformers model folder)
 evaluated in memory or with its experts served from disk by the expert cache, and a
 transformers model's run written back to a transformers folder. ``moestack.cli`` registers
-them."""
+them.
+
+Both refuse weights holding NaN/inf, naming the tensors (``--allow-nonfinite`` warns and goes
+on), and ``eval`` refuses a non-finite validation loss; counts and the cache-aware bias are
+checked by the argument parser (``count_arg``, ``warmup_arg``, ``bias_arg``), naming the
+option."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +25,23 @@ from moestack.errors import MoestackError
 
 def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.data import eval_batches
-    from moestack.evaluation import evaluate, resolve_device
+    from moestack.evaluation import (
+        check_finite_loss,
+        check_finite_weights,
+        evaluate,
+        model_tensors,
+        resolve_device,
+    )
     from moestack.runs import load_run, run_corpus
 
     # offloaded, the experts are never read into memory: the store serves them, written
     # from the checkpoint's (or the folder's) safetensors one layer at a time
     run = load_run(args.run_dir, args.checkpoint, experts=not args.offload)
+    # NaN/inf weights are refused, naming them (the experts of an offloaded model as the
+    # expert store is written); --allow-nonfinite warns and goes on
+    check_finite_weights(model_tensors(run.model), _weights_name(run), allow=args.allow_nonfinite)
     cfg = run.cfg
-    if args.max_bytes >= 0:
+    if args.max_bytes is not None:
         cfg.data.max_bytes = args.max_bytes
     device = resolve_device(args.device or cfg.device)
     corpus = run_corpus(cfg)
@@ -38,9 +53,16 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     else:
         run.model.to(device)
         metrics = evaluate(run.model, batches, device, progress=True)
+    check_finite_loss(metrics, _weights_name(run))
     result = {"checkpoint": str(run.checkpoint), **metrics}
     print(json.dumps(result, indent=2))
     return result
+
+
+def _weights_name(run: Any) -> str:
+    """What the evaluated weights are, for messages: the checkpoint or the model folder."""
+    kind = "model folder" if run.checkpoint == run.run_dir else "checkpoint"
+    return f"{kind} {run.checkpoint}"
 
 
 def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
@@ -52,7 +74,7 @@ def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
         changes.update(capacity=args.capacity, capacity_bytes=0)
     if args.capacity_bytes:
         changes.update(capacity=0, capacity_bytes=args.capacity_bytes)
-    if args.warmup >= 0:
+    if args.warmup is not None:
         changes["warmup"] = args.warmup
     return dataclasses.replace(cfg, **changes)
 
@@ -60,6 +82,7 @@ def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
 def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
     """Every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
+    from moestack.evaluation import finite_expert_layers
     from moestack.meta_load import resident_bytes
     from moestack.runs import move_resident
 
@@ -80,9 +103,9 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
         from moestack.checkpoint import iter_expert_layers
 
         layers = iter_expert_layers(run.checkpoint, dtype, verify=False)  # load_run verified
-    store = open_or_write_store(
-        run.model, store_dir, run.cfg.model, source=_weights_identity(run), layers=layers
-    )
+    layers = finite_expert_layers(layers, _weights_name(run), allow=args.allow_nonfinite)
+    source = _weights_identity(run, args.allow_nonfinite)
+    store = open_or_write_store(run.model, store_dir, run.cfg.model, source=source, layers=layers)
     move_resident(run.model, device)  # released (or never read) experts stay meta
     bias = args.cache_aware_bias
     result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
@@ -98,18 +121,21 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     return _counts_as_int(result)
 
 
-def _weights_identity(run: Any) -> str:
+def _weights_identity(run: Any, allow_nonfinite: bool = False) -> str:
     """What the expert store was written from: the checkpoint (or folder) path and the
     identity of its weights (the checkpoint's sha256; a folder's weight files' names, sizes
-    and modification times), so a store of older weights at the same path is rewritten."""
+    and modification times), so a store of older weights at the same path is rewritten;
+    and whether its experts were checked finite as it was written (a store written under
+    --allow-nonfinite, or before the check, is rewritten rather than served unchecked)."""
     where = str(Path(run.checkpoint).resolve())
+    checked = "experts:nonfinite-allowed" if allow_nonfinite else "experts:finite"
     if run.checkpoint != run.run_dir:
         from moestack.checkpoint import model_sha256
 
-        return f"{where} sha256:{model_sha256(run.checkpoint)}"
+        return f"{where} sha256:{model_sha256(run.checkpoint)} {checked}"
     files = sorted(Path(run.run_dir).glob("*.safetensors*")) + [Path(run.run_dir) / "config.json"]
     stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    return f"{where} files:{stamp}"
+    return f"{where} files:{stamp} {checked}"
 
 
 def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
@@ -120,9 +146,9 @@ def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
             lambda text: torch.tensor(list(text.encode("utf-8")), dtype=torch.long),
             lambda ids: bytes(t for t in ids if 0 < t < 256).decode("utf-8", "replace"),
         )
-    from transformers import AutoTokenizer
+    from moestack.interop.hf_tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+    tokenizer = load_tokenizer(model_cfg.path)
     return (
         lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -130,6 +156,7 @@ def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> dict:
+    from moestack.checkpoint import model_sha256
     from moestack.interop.hf_export import export_hf
     from moestack.runs import load_run
 
@@ -139,8 +166,13 @@ def cmd_export(args: argparse.Namespace) -> dict:
             f"{args.run_dir} trained moestack's own model; export writes runs of transformers "
             "models (model=hf model.path=DIR) back to the transformers format"
         )
-    report = export_hf(run.model, args.out_dir, source_dir=run.cfg.model.path,
-                       overwrite=args.overwrite)  # fmt: skip
+    bare = run.checkpoint == run.run_dir  # a transformers model folder, not a run
+    report = export_hf(
+        run.model, args.out_dir, source_dir=run.cfg.model.path, overwrite=args.overwrite,
+        run_dir=run.run_dir, checkpoint=None if bare else run.checkpoint,
+        checkpoint_sha256=None if bare else model_sha256(run.checkpoint),
+        allow_nonfinite=args.allow_nonfinite,
+    )  # fmt: skip
     print(json.dumps(report, indent=2, default=str))
     return report
 
@@ -166,18 +198,66 @@ def _counts_as_int(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def count_arg(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a count of batches, bytes, tokens, requests)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give a number >= 0")
+    return value
+
+
+def bias_arg(text: str) -> float:
+    """An argparse type: a finite number >= 0 (NaN or inf would poison every router score)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number >= 0")
+    return value
+
+
+def warmup_arg(text: str) -> int:
+    """An argparse type: eval's cache warm-up, a count of requests per layer >= 0 (as the
+    cache counts it; `moestack simulate --warmup` also takes a fraction of a trace)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a count of requests (500); fractions of a trace are for "
+            "`moestack simulate`"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give a count of requests >= 0")
+    return value
+
+
+def _allow_nonfinite(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="go on (with a warning) when weights hold NaN/inf (default: refuse, naming them)",
+    )
+
+
 def eval_parser(verbs: Any) -> None:
     p = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
     p.add_argument(
         "run_dir", help="a moestack-train run folder (its out_dir), or a transformers model folder"
     )
     p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's newest)")
-    p.add_argument("--batches", type=int, default=0, help="validation batches (default: the run's)")
+    p.add_argument(
+        "--batches", type=count_arg, default=0, help="validation batches (default: the run's)"
+    )
     p.add_argument(
         "--max-bytes",
-        type=int,
-        default=-1,
-        help="read at most this much text for the split (default: the run's data.max_bytes)",
+        type=count_arg,
+        default=None,
+        help="read at most this much text for the split, 0 = all (default: the run's "
+        "data.max_bytes)",
     )
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
     p.add_argument(
@@ -189,10 +269,16 @@ def eval_parser(verbs: Any) -> None:
         help="lru, lfu, static, lru+static (default: the run's cache.policy)",
     )
     p.add_argument(
-        "--capacity", type=int, default=0, help="experts per layer, >= top_k (default: 2 x top_k)"
+        "--capacity",
+        type=count_arg,
+        default=0,
+        help="experts per layer, >= top_k (default: 2 x top_k)",
     )
     p.add_argument(
-        "--capacity-bytes", type=int, default=0, help="or a byte budget per layer (default: unset)"
+        "--capacity-bytes",
+        type=count_arg,
+        default=0,
+        help="or a byte budget per layer (default: unset)",
     )
     p.add_argument(
         "--prefetch",
@@ -201,21 +287,25 @@ def eval_parser(verbs: Any) -> None:
     )
     p.add_argument(
         "--warmup",
-        type=int,
-        default=-1,
+        type=warmup_arg,
+        default=None,
         help="static policies: requests counted before pinning (default: the run's cache.warmup)",
     )
     p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
     p.add_argument(
         "--cache-aware-bias",
-        type=float,
+        type=bias_arg,
         default=0.0,
         help="router bias toward resident experts (default: %(default)s, none)",
     )
     p.add_argument(
-        "--generate", type=int, default=0, help="also greedily generate N bytes (default: 0, none)"
+        "--generate",
+        type=count_arg,
+        default=0,
+        help="also greedily generate N tokens (default: 0, none)",
     )
     p.add_argument("--prompt", default="def ", help="prompt for --generate (default: %(default)r)")
+    _allow_nonfinite(p)
     p.set_defaults(func=cmd_eval)
 
 
@@ -229,6 +319,8 @@ def export_parser(verbs: Any) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace OUT_DIR if it is an earlier export (default: refuse an existing OUT_DIR)",
+        help="replace OUT_DIR if it is an earlier export, holding moestack_export.json "
+        "(default: refuse an existing OUT_DIR)",
     )
+    _allow_nonfinite(p)
     p.set_defaults(func=cmd_export)

@@ -4,12 +4,20 @@ pre-registered analysis and offloaded evaluation share."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from moestack.errors import MoestackError
+
+log = logging.getLogger(__name__)
+
+NONFINITE_LISTED = 5  # tensors named in a non-finite refusal; the rest are counted
+FINITE_CHUNK = 1 << 24  # elements checked for NaN/inf at a time
+ALLOW_NONFINITE = "--allow-nonfinite"  # the option of `eval` and `export` that skips the check
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -57,3 +65,80 @@ def evaluate(
     model.train(was_training)
     loss = total / max(1, len(batches))
     return {"loss/val": loss, "eval/perplexity": perplexity(loss)}
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of ``t`` is finite, checked ``FINITE_CHUNK`` elements at a time (the mask
+    of a whole expert stack would be as large as the stack)."""
+    if not t.is_contiguous():
+        return all(_finite(row) for row in t)
+    return all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(FINITE_CHUNK))
+
+
+def non_finite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf, in order (meta tensors,
+    which hold no values, are skipped); a stack of experts (an MoE layer's ``w1``/``w2``,
+    ``[E, ...]``) also names the experts affected."""
+    found = []
+    for name, t in named:
+        if not t.is_floating_point() or t.is_meta or _finite(t):
+            continue
+        if name.rpartition(".")[2] in ("w1", "w2") and t.ndim == 3:
+            name = f"{name} (experts {[e for e in range(t.shape[0]) if not _finite(t[e])]})"
+        found.append(name)
+    return found
+
+
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model`` by name (a tied tensor once)."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _listing(names: list[str]) -> str:
+    """The first ``NONFINITE_LISTED`` names, then how many more."""
+    shown = ", ".join(names[:NONFINITE_LISTED])
+    rest = len(names) - NONFINITE_LISTED
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+def check_finite_weights(
+    named: Iterable[tuple[str, torch.Tensor]], where: str, *, allow: bool = False
+) -> None:
+    """Refuse weights holding NaN/inf, naming the tensors (the first few, then a count):
+    a model with them evaluates to NaN, or exports a folder that does. ``allow`` (the
+    ``--allow-nonfinite`` option) logs the same as a warning and goes on."""
+    bad = non_finite_tensors(named)
+    if not bad:
+        return
+    what = f"{where} holds NaN/inf values in {len(bad)} tensor(s): {_listing(bad)}"
+    if allow:
+        log.warning("%s; going on as %s asks", what, ALLOW_NONFINITE)
+        return
+    raise MoestackError(
+        f"{what}; use an earlier checkpoint or repaired weights, or pass {ALLOW_NONFINITE} "
+        "to go on anyway"
+    )
+
+
+def finite_expert_layers(
+    layers: Iterable[tuple[torch.Tensor, torch.Tensor]], where: str, *, allow: bool = False
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``layers`` (``(w1 [E, D, 2F], w2 [E, F, D])`` per MoE layer, as an expert store is
+    written from) passed through ``check_finite_weights`` one layer at a time, named
+    ``moe_layers.<i>.w1`` / ``.w2`` (the model's MoE layer i)."""
+    for i, (w1, w2) in enumerate(layers):
+        named = [(f"moe_layers.{i}.w1", w1), (f"moe_layers.{i}.w2", w2)]
+        check_finite_weights(named, where, allow=allow)
+        yield w1, w2
+
+
+def check_finite_loss(metrics: dict[str, float], where: str) -> None:
+    """Refuse a validation loss that is NaN or inf: the weights or the data are broken, and
+    the number must not pass for a result."""
+    loss = metrics.get("loss/val")
+    if loss is not None and not math.isfinite(loss):
+        raise MoestackError(
+            f"{where}: the validation loss is {loss} (not finite); the weights hold NaN/inf or "
+            "overflow in this dtype: check the checkpoint or evaluate an earlier one"
+        )

@@ -12,13 +12,16 @@ A family is supported when its MoE block is exactly what moestack's ``MoE`` comp
 bias-free SwiGLU experts), with at most a gated shared expert kept beside it. Anything
 else (a missing folder, no config.json, another family, a family whose routing moestack
 cannot represent, a missing key) is one ``MoestackError`` line naming the file or family.
+``weight_files`` and ``shard_map`` read the shard index, whose every file name must stay
+inside the folder (``shard_path``): the index is read from disk, and neither the loader nor
+the expert-store writer may be led to a file elsewhere.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from moestack.errors import MoestackError
@@ -108,20 +111,62 @@ def check_model_dir(path: str | Path) -> Path:
     return folder
 
 
+def shard_path(folder: Path, name: Any, index: Path) -> Path:
+    """``folder / name`` for a file name read from the shard index ``index``, once it stays
+    inside ``folder``: a relative path without ``..`` whose folder resolves inside
+    ``folder`` (the shard itself may be a symlink, as in a downloaded hub snapshot).
+    MoestackError naming the index and the entry otherwise: the index is read from disk and
+    must not lead the loader, or the expert-store writer, to files elsewhere."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise MoestackError(
+            f"{index}: weight_map names {name!r}, not a file name; re-save the model"
+        )
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or ".." in pure.parts:
+        raise MoestackError(
+            f"{index}: weight_map names {name!r}, a path outside {folder}; shard files must "
+            "lie in the model folder (re-save the model)"
+        )
+    path = folder / name
+    if not path.parent.resolve().is_relative_to(folder.resolve()):
+        raise MoestackError(
+            f"{index}: weight_map names {name!r}, whose folder resolves to "
+            f"{path.parent.resolve()}, outside {folder}; shard files must lie in the model "
+            "folder (re-save the model)"
+        )
+    return path
+
+
+def shard_map(folder: Path) -> dict[str, Path] | None:
+    """{tensor name: shard file} from ``folder``'s shard index (every path checked by
+    ``shard_path``), None when the folder has no index (one ``model.safetensors``)."""
+    index = folder / SAFETENSORS_INDEX
+    if not index.is_file():
+        return None
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise MoestackError(f"{index} has no weight_map; re-save the model")
+    checked: dict[str, Path] = {}
+    paths: dict[str, Path] = {}  # each file name checked once
+    for key, name in weight_map.items():
+        if not (isinstance(name, str) and name in paths):
+            paths[name] = shard_path(folder, name, index)  # refuses a name that is no str
+        checked[key] = paths[name]
+    return checked
+
+
 def weight_files(path: str | Path) -> list[Path]:
     """The safetensors files of a model folder (from the shard index when there is one).
 
     MoestackError naming the folder when it holds no safetensors weights, or the index
-    when it names a file that is missing.
+    when it names a file that is missing or lies outside the folder.
     """
     folder = check_model_dir(path)
     index = folder / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise MoestackError(f"{index} has no weight_map; re-save the model")
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
+    shards = shard_map(folder)
+    if shards is not None:
+        files = sorted(set(shards.values()))
+        missing = [str(f.relative_to(folder)) for f in files if not f.is_file()]
         if missing:
             raise MoestackError(f"{index} names missing shard files {missing}; re-save the model")
         return files

@@ -12,22 +12,27 @@ per-expert ``...layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` (what transf
 4.x and 5.x write for Qwen2/3-MoE and OLMoE), Mixtral's ``...block_sparse_moe.experts.E.
 {w1,w3,w2}.weight``, and the fused 5.x in-memory layout ``...experts.gate_up_proj [E, 2F,
 D]`` / ``experts.down_proj [E, D, F]``.
+
+``check_weights(DIR)`` runs before any tensor is read (by ``iter_hf_experts`` and by
+``load_hf_moe``): the safetensors headers must be whole (``hf_weights.folder_tensors``: a
+truncated shard names its file and tensor; the shard index may not leave the folder) and
+each routed-expert tensor must have the shape config.json implies, else one MoestackError
+naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from moestack.errors import MoestackError
-from moestack.interop.hf_config import SAFETENSORS_INDEX, read_hf_config, weight_files
+from moestack.interop.hf_config import read_hf_config
+from moestack.interop.hf_weights import TensorHeader, folder_tensors
 from moestack.meta_load import TensorReader
 
 _EXPERT_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.[A-Za-z_]+\.experts\.(.+)$")
@@ -44,14 +49,53 @@ _ROLE = {
 
 
 def key_files(folder: Path) -> dict[str, Path]:
-    """Every tensor name of the checkpoint and the file holding it."""
-    files = weight_files(folder)
-    index = folder / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: folder / name for key, name in weight_map.items()}
-    with safe_open(files[0], framework="pt", device="cpu") as f:
-        return dict.fromkeys(f.keys(), files[0])  # safe_open is no dict
+    """Every tensor name of the checkpoint and the file holding it (the headers checked:
+    ``hf_weights.folder_tensors``)."""
+    return {key: header.file for key, header in folder_tensors(folder).items()}
+
+
+def _expected_shape(
+    suffix: str, num_experts: int, d_model: int, d_ff: int
+) -> tuple[int, ...] | None:
+    """The shape config.json implies for an expert tensor (its key after ``experts.``)."""
+    fused = {"gate_up_proj": (num_experts, 2 * d_ff, d_model),
+             "down_proj": (num_experts, d_model, d_ff)}  # fmt: skip
+    name = suffix.removesuffix(".weight")
+    if name in fused:
+        return fused[name]
+    match = _PER_EXPERT.match(suffix)
+    if match is None:
+        return None
+    return (d_model, d_ff) if _ROLE[match.group(2)] == "down" else (d_ff, d_model)
+
+
+def check_expert_shapes(info: dict[str, Any], tensors: dict[str, TensorHeader]) -> None:
+    """Refuse a routed-expert tensor whose shape is not the one config.json implies, naming
+    its file and key, before any of it is read (per-expert gate/up ``[F, D]``, down ``[D,
+    F]``; fused gate_up ``[E, 2F, D]``, down ``[E, D, F]``)."""
+    moe = info["moe"]
+    for key, header in tensors.items():
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            continue
+        want = _expected_shape(match.group(2), moe["num_experts"], info["d_model"], moe["d_ff"])
+        if want is not None and header.shape != want:
+            raise MoestackError(
+                f"{header.file}: expert tensor {key} has shape {header.shape}, config.json "
+                f"(hidden_size={info['d_model']}, expert width {moe['d_ff']}, "
+                f"{moe['num_experts']} experts) implies {want}; the weights do not match the "
+                "config (re-save the model)"
+            )
+
+
+def check_weights(path: str | Path) -> dict[str, Path]:
+    """The model folder's {tensor name: file}, once its safetensors headers are whole and
+    its expert tensors have the shapes config.json implies (MoestackError naming the file
+    and the tensor otherwise). Reads headers only: run before any weight is read."""
+    info = read_hf_config(path)
+    tensors = folder_tensors(Path(info["path"]))
+    check_expert_shapes(info, tensors)
+    return {key: header.file for key, header in tensors.items()}
 
 
 def is_expert_key(key: str) -> bool:
@@ -118,7 +162,7 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
     ``path``, layer by layer, expert by expert (see the module docstring)."""
     info = read_hf_config(path)
     folder = Path(info["path"])
-    keys = key_files(folder)
+    keys = check_weights(folder)
     layers = _expert_keys(keys)
     want = info["moe_layer_ids"]
     if sorted(layers) != want:

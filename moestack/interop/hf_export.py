@@ -11,11 +11,20 @@ The aux-loss-free ``expert_bias`` of a router has no transformers equivalent in 
 supported families (their routers have no selection bias), so it cannot be folded: every
 layer with a nonzero bias is listed in the report (max |bias|), in ``moestack_export.json``
 beside the weights, and in a logged warning; never dropped silently.
+
+``moestack_export.json`` is also the export record (format ``moestack-export``: the run,
+the checkpoint and its sha256): ``overwrite`` replaces only a folder carrying one, never
+the source model folder, the run or a folder above either, and the old export is swapped
+out only once the new one is complete. Weights holding NaN/inf are refused, naming the
+tensors (``allow_nonfinite`` warns instead); a disk without room for the export (its size
+is the tensors' bytes plus the tokenizer files) is one line naming the folder, the bytes
+needed and free, before or while writing, the partial folder removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -28,15 +37,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack.atomic import fsync_dir, install_dir
+from moestack.atomic import fsync_dir, install_dir, out_of_space
 from moestack.errors import MoestackError
+from moestack.evaluation import check_finite_weights, model_tensors
 from moestack.interop.hf_config import check_model_dir
 from moestack.interop.hf_model import HFMoEModel, release_routed_weights
 from moestack.moe import MoE
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "moestack_export.json"
+REPORT_FILE = "moestack_export.json"  # the export record: what was exported, from where
+EXPORT_FORMAT = "moestack-export"  # its format key: --overwrite replaces only such a folder
 _TOKENIZER_PATTERNS = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -96,18 +107,53 @@ def expert_bias_report(model: HFMoEModel) -> dict[int, float]:
     return out
 
 
-def _check_target(out: Path, source: Path, overwrite: bool) -> None:
-    """``out`` may be missing or empty; an existing model folder only with ``overwrite``."""
-    if out.resolve() == source.resolve():
-        raise MoestackError(f"export folder {out} is the source model folder; choose another")
+def is_export(folder: Path) -> bool:
+    """``folder`` carries moestack's export record (``moestack_export.json``, a JSON object
+    of format ``EXPORT_FORMAT``; records written before the format key have the report's
+    ``family`` and ``expert_bias_dropped``): it is an earlier export."""
+    try:
+        record = json.loads((folder / REPORT_FILE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(record, dict):
+        return False
+    if "format" in record:
+        return record["format"] == EXPORT_FORMAT
+    return {"family", "expert_bias_dropped"} <= set(record)
+
+
+def _check_not_kept(out: Path, keep: dict[str, Path]) -> None:
+    """Refuse an ``out`` that is one of the folders in ``keep`` ({what: folder}: the
+    source model folder, the run) or a folder above one: replacing it would delete it."""
+    target = out.resolve()
+    for what, folder in keep.items():
+        held = folder.resolve()
+        if held == target or held.is_relative_to(target):
+            where = "" if held == target else "a folder above "
+            raise MoestackError(
+                f"export folder {out} is {where}the {what} {folder}; choose another folder"
+            )
+
+
+def _check_target(out: Path, keep: dict[str, Path], overwrite: bool) -> None:
+    """``out`` may be missing or empty; an existing export only with ``overwrite``. Never
+    the source model folder, the run, or a folder above either."""
+    _check_not_kept(out, keep)
     if not out.exists():
         return
     if not out.is_dir():
         raise MoestackError(f"export folder {out} is a file; choose a folder path")
-    if any(out.iterdir()) and not (overwrite and (out / "config.json").is_file()):
+    if not any(out.iterdir()):
+        return
+    if not overwrite:
         raise MoestackError(
             f"export folder {out} exists and is not empty; choose a new folder, or pass "
-            "overwrite=True to replace an earlier export (only a model folder is replaced)"
+            "--overwrite (overwrite=True) to replace an earlier export"
+        )
+    if not is_export(out):
+        raise MoestackError(
+            f"export folder {out} exists and is not empty, and holds no {REPORT_FILE}: it is "
+            "not an earlier moestack export, so it is not replaced; choose a new folder"
         )
 
 
@@ -122,9 +168,7 @@ def _check_in_memory(model: HFMoEModel) -> None:
 
 def _copy_tokenizer(source: Path, into: Path) -> list[str]:
     """Copy the tokenizer files of ``source`` into ``into``; the names copied."""
-    names = sorted(
-        {f.name for pattern in _TOKENIZER_PATTERNS for f in source.glob(pattern) if f.is_file()}
-    )
+    names = _tokenizer_names(source)
     if not names:
         log.warning("%s has no tokenizer files; the export has none either", source)
     for name in names:
@@ -155,6 +199,22 @@ def _warn_dropped(dropped: dict[int, float]) -> None:
         )
 
 
+def _export_bytes(hf: nn.Module, source: Path, tokenizer_files: list[str]) -> int:
+    """Bytes the export writes, known before writing: every tensor of ``hf``'s state dict
+    (a tensor shared under two names once) and the tokenizer files copied."""
+    tensors = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape): t
+               for t in hf.state_dict().values()}  # fmt: skip
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    return weights + sum((source / name).stat().st_size for name in tokenizer_files)
+
+
+def _tokenizer_names(source: Path) -> list[str]:
+    """The tokenizer files of ``source`` that the export copies."""
+    return sorted(
+        {f.name for pattern in _TOKENIZER_PATTERNS for f in source.glob(pattern) if f.is_file()}
+    )
+
+
 def export_hf(
     model: HFMoEModel,
     out_dir: str | Path,
@@ -162,37 +222,66 @@ def export_hf(
     source_dir: str | Path,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    run_dir: str | Path | None = None,
+    checkpoint: str | Path | None = None,
+    checkpoint_sha256: str | None = None,
+    allow_nonfinite: bool = False,
 ) -> dict[str, Any]:
     """Write ``model`` as a transformers model folder ``out_dir`` (see the module docstring),
-    with the tokenizer files of ``source_dir``. Returns the report: ``out_dir``, ``family``,
-    ``files`` (what the folder holds), ``tokenizer_files``, ``expert_bias_dropped``
-    ({MoE layer: max |bias|}) and ``expert_bias_folded`` (empty: no supported family has a
-    place for it)."""
+    with the tokenizer files of ``source_dir``. Returns the report, also written as the
+    export record ``moestack_export.json``: ``format``, ``out_dir``, ``family``,
+    ``source_dir``, ``run_dir``, ``checkpoint`` and ``checkpoint_sha256`` (what was
+    exported, None when not given), ``files`` (what the folder holds), ``tokenizer_files``,
+    ``expert_bias_dropped`` ({MoE layer: max |bias|}) and ``expert_bias_folded`` (empty: no
+    supported family has a place for it).
+
+    Refused, in one MoestackError line, before anything is written: an ``out_dir`` that is
+    the source folder, ``run_dir`` or a folder above either; an existing non-empty
+    ``out_dir`` unless ``overwrite`` and it carries an export record (it is then replaced
+    whole, only once the new export is complete); weights holding NaN/inf, naming them,
+    unless ``allow_nonfinite``; a disk without room for the export (the bytes needed and
+    free), also when it fills up while writing (the partial folder removed)."""
     source = check_model_dir(source_dir)
     out = Path(out_dir).expanduser()
-    _check_target(out, source, overwrite)
+    keep = {"source model folder": source}
+    if run_dir is not None:
+        keep["run folder"] = Path(run_dir)
+    _check_target(out, keep, overwrite)
     _check_in_memory(model)
+    what = f"checkpoint {checkpoint}" if checkpoint is not None else f"the model to export to {out}"
+    check_finite_weights(model_tensors(model), what, allow=allow_nonfinite)
     dropped = expert_bias_report(model)
     report: dict[str, Any] = {
+        "format": EXPORT_FORMAT,
         "out_dir": str(out),
         "family": model.info["family"],
         "source_dir": str(source),
+        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
+        "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
+        "checkpoint_sha256": checkpoint_sha256,
         "expert_bias_dropped": dropped,
         "expert_bias_folded": {},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
+    needed = 0
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would make the export private
         with torch.no_grad(), original_blocks(model) as hf:
+            needed = _export_bytes(hf, source, _tokenizer_names(source))
+            if shutil.disk_usage(tmp).free < needed:  # known to fail: refused before writing
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
             hf.save_pretrained(tmp, max_shard_size=max_shard_size)
         report["tokenizer_files"] = _copy_tokenizer(source, tmp)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         report["files"] = sorted(f.name for f in tmp.iterdir())
         _fsync_tree(tmp)
         install_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
+        full = out_of_space(err, out.parent, needed, f"the export {out} (partial files removed)")
+        if full is not None:
+            raise full from None
         raise
     _warn_dropped(dropped)
     log.info("exported %s model to %s", model.info["family"], out)

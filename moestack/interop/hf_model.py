@@ -28,7 +28,8 @@ from torch import nn
 from moestack.config import ModelConfig, MoEConfig, RouterConfig
 from moestack.errors import MoestackError
 from moestack.interop.hf import family_router_config, moe_from_hf
-from moestack.interop.hf_config import read_hf_config, weight_files
+from moestack.interop.hf_config import read_hf_config
+from moestack.interop.hf_experts import check_weights
 from moestack.interop.hf_without_experts import from_pretrained_without_experts
 from moestack.model import ModelOutput, RoutedLM
 from moestack.moe import MoE
@@ -132,17 +133,6 @@ class HFMoEModel(RoutedLM):
         out = self.hf(input_ids=tokens, use_cache=False, output_router_logits=False)
         return self.lm_output(out.logits, targets)
 
-    def num_params(self) -> dict[str, int]:
-        """Total parameters and those active per token (top_k of num_experts routed experts;
-        attention, embeddings and any shared expert are always active)."""
-        total = sum(p.numel() for p in self.parameters())
-        routed = active = 0
-        for moe in self.moe_layers:
-            n = moe.w1.numel() + moe.w2.numel()
-            routed += n
-            active += n * moe.cfg.top_k // moe.cfg.num_experts
-        return {"total": total, "active": total - routed + active}
-
 
 def _is_sparse_block(module: nn.Module) -> bool:
     """A transformers sparse-MoE block: a ``gate`` (router) and ``experts`` submodule."""
@@ -235,10 +225,14 @@ def load_hf_moe(
 
     ``experts=False`` reads every weight but the routed experts, whose MoE ``w1``/``w2``
     stay meta tensors (no memory): for serving them from an expert store
-    (``moestack.interop.hf_without_experts``); such a model only runs offloaded."""
+    (``moestack.interop.hf_without_experts``); such a model only runs offloaded.
+
+    The folder's weights are checked from their headers first (``check_weights``): a
+    truncated shard, a wrongly shaped expert tensor or a shard index leaving the folder is
+    one MoestackError naming the file and the tensor, whichever way the model is read."""
     info = read_hf_config(path)
     folder = Path(info["path"])
-    weight_files(folder)
+    check_weights(folder)  # headers whole, experts shaped as config.json says: one line if not
     if info["router_jitter_noise"] > 0:
         log.warning(
             "%s: router_jitter_noise=%s is not applied by moestack's MoE; training differs "

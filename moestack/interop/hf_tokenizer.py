@@ -1,16 +1,43 @@
-"""A transformers model folder's own tokenizer, in the form moestack's corpus packing uses."""
+"""A transformers model folder's own tokenizer, in the form moestack's corpus packing uses.
+
+The tokenizer is probed as it is loaded: a folder without tokenizer files still loads (as an
+empty tokenizer that encodes every text to no tokens), and training on it would train on
+nothing. So ``load_tokenizer`` encodes a short fixed text and refuses, naming the folder, a
+tokenizer that gives no tokens for it or whose decoding loses all of it. Training (the
+corpus) and ``moestack eval`` (the corpus, ``--generate``) both load it here.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from moestack.data import Tokenizer
 from moestack.errors import MoestackError
 
+PROBE = "The quick brown fox jumps over the lazy dog. 0123456789"
 
-def hf_tokenizer(path: str | Path, separator: int) -> Tokenizer:
-    """The tokenizer saved in ``path`` (offline), encoding without special tokens; documents
-    are separated by ``separator`` (the model's EOS)."""
+
+def _refuse(path: str | Path, what: str) -> MoestackError:
+    return MoestackError(
+        f"{path}: its tokenizer {what} the probe text {PROBE!r}: the folder has no usable "
+        "tokenizer; save the model's tokenizer files (tokenizer.json, tokenizer_config.json) "
+        "into it"
+    )
+
+
+def check_tokenizer(tokenizer: Any, path: str | Path) -> None:
+    """Refuse a tokenizer that encodes ``PROBE`` to no tokens, or whose decoding of them
+    (special tokens skipped) keeps none of it."""
+    ids = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise _refuse(path, "encodes to no tokens")
+    if not tokenizer.decode(ids, skip_special_tokens=True).strip():
+        raise _refuse(path, "decodes to nothing")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The transformers tokenizer saved in ``path`` (offline), probed (``check_tokenizer``)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -24,6 +51,14 @@ def hf_tokenizer(path: str | Path, separator: int) -> Tokenizer:
             f"{path}: no tokenizer could be loaded ({str(err).splitlines()[0]}); save the "
             "model's tokenizer files (tokenizer.json, tokenizer_config.json) into the folder"
         ) from None
+    check_tokenizer(tokenizer, path)
+    return tokenizer
+
+
+def hf_tokenizer(path: str | Path, separator: int) -> Tokenizer:
+    """The tokenizer saved in ``path`` (offline, probed), encoding without special tokens;
+    documents are separated by ``separator`` (the model's EOS)."""
+    tokenizer = load_tokenizer(path)
 
     def encode(texts: list[str]) -> list[list[int]]:
         return tokenizer(texts, add_special_tokens=False)["input_ids"]

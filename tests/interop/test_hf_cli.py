@@ -3,6 +3,7 @@ folder in memory and with its experts served from disk (store read from its safe
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -27,6 +28,14 @@ def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, c
     out = tmp_path / "exported"
     report = run_cli(capsys, "export", str(tmp_path / "run"), str(out))
     assert report["family"] == "olmoe" and (out / "config.json").is_file()
+    # the export record: what was exported, from which run and checkpoint (its weights' digest)
+    record = json.loads((out / "moestack_export.json").read_text())
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
+    assert record["format"] == "moestack-export"
+    assert record["run_dir"] == str((tmp_path / "run").resolve())
+    assert record["checkpoint"] == str(ckpt.resolve())
+    digest = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    assert record["checkpoint_sha256"] == digest
     small = ["--batches", "2", "--max-bytes", "200000"]
     in_memory = run_cli(capsys, "eval", str(out), *small)
     offloaded = run_cli(capsys, "eval", str(out), *small, "--offload", "--capacity", "3",

@@ -119,7 +119,7 @@ def test_failed_export_leaves_nothing_and_the_model_intact(hf_dir, tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(model.hf, "save_pretrained", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(MoestackError, match="no space left"):
         export_hf(model, tmp_path / "out", source_dir=source)
     assert list(tmp_path.iterdir()) == []
     with torch.no_grad():
