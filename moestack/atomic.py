@@ -45,6 +45,7 @@ def write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
 
 
 def install_dir(tmp: Path, path: Path) -> None:

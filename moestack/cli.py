@@ -122,11 +122,19 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     for policy, capacity in tqdm(jobs, desc="simulate", unit="cache"):
         results += sweep(trace, policies=[policy], capacities=[capacity], warmup=args.warmup)
     print(_warmup_note(args.warmup))
-    print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13}")
+    layers = trace.num_layers
+    print(
+        f"misses/token: the misses of all {layers} MoE layers per token (loads a token costs); "
+        "per layer: their mean over the layers"
+    )
+    print(
+        f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13} "
+        f"{'per layer':>10}"
+    )
     for stats in results:
         print(
             f"{stats.policy:<12} {stats.capacity:>8} {stats.hit_rate:>9.4f} {stats.misses:>10} "
-            f"{stats.misses_per_token:>13.3f}"
+            f"{stats.misses_per_token:>13.3f} {stats.misses_per_token / max(layers, 1):>10.3f}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2))
@@ -148,6 +156,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
     if args.action != "analyze" and args.interim:
         raise MoestackError(f"--interim belongs to `prereg analyze`, not `{args.action}`")
+    if args.action != "analyze" and args.recheck != 1:
+        raise MoestackError(f"--recheck belongs to `prereg analyze`, not `{args.action}`")
+    if args.recheck < 0:
+        raise MoestackError(f"--recheck {args.recheck}: give 0 or more runs per arm")
     if args.action not in ("run", "evaluate", "analyze") and args.jobs != 1:
         raise MoestackError(
             f"--jobs belongs to `prereg run`, `evaluate` and `analyze`, not `{args.action}`"
@@ -184,7 +196,7 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     else:
         report = prereg.analyze(
             args.file, out_dir=args.out or None, report_dir=args.report or None,
-            interim=args.interim, jobs=args.jobs,
+            interim=args.interim, jobs=args.jobs, recheck=args.recheck,
         )  # fmt: skip
         print(Path(report).read_text())
         print(f"report: {report}")
@@ -312,6 +324,14 @@ def _prereg_parser(verbs: Any) -> None:
         "verdict (default: refused)",
     )
     p.add_argument(
+        "--recheck",
+        type=int,
+        default=1,
+        metavar="N",
+        help="analyze: evaluate again N runs per arm whose evaluation is cached, picked at "
+        "random, and refuse a difference; 0: none (default: 1)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="lock: re-lock before any run exists (default: off)"
     )
     p.add_argument(
@@ -345,7 +365,8 @@ def _prereg_parser(verbs: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from moestack import __version__
 
-    parser = argparse.ArgumentParser(prog="moestack", description=__doc__.split("\n")[0])
+    description = __doc__.split("\n")[0].replace("``", "")  # plain text, not reST
+    parser = argparse.ArgumentParser(prog="moestack", description=description)
     parser.add_argument("--version", action="version", version=f"moestack {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for add in (

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -196,11 +197,34 @@ def test_changed_file_is_refused(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ runner
+def fake_checkpoint(run_dir: Path, step: int) -> Path:
+    """A real checkpoint (``save_checkpoint``) of a tiny module whose weights depend on the
+    run folder's name, so that different runs hold different weights, as trained runs do."""
+    import torch
+
+    from moestack import checkpoint
+    from moestack.config import ModelConfig
+
+    gen = torch.Generator().manual_seed(zlib.crc32(Path(run_dir).name.encode()))
+    module = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(4, 4, generator=gen))
+    root = Path(run_dir) / "checkpoints"
+    return checkpoint.save_checkpoint(root, step, module, ModelConfig(), {}, keep_last=1)
+
+
+def fake_finish(cfg, out_dir: Path) -> None:
+    """What a finished training leaves that the runner reads: the final checkpoint and
+    summary.json."""
+    fake_checkpoint(Path(out_dir), cfg.steps)
+    (Path(out_dir) / "summary.json").write_text("{}")
+
+
 def _fake_train(calls: list[tuple[str, bool]]):
     def train(cfg, out_dir: Path) -> dict[str, Any]:
         calls.append((Path(out_dir).name, cfg.resume))
         assert Path(cfg.out_dir) == Path(out_dir)
-        (Path(out_dir) / "summary.json").write_text("{}")
+        fake_finish(cfg, out_dir)
         return {}
 
     return train
@@ -303,7 +327,7 @@ def test_concurrent_runners_train_every_run_once(tmp_path: Path) -> None:
         time.sleep(0.2)  # long enough that the two runners overlap
         with open(trained, "a") as f:
             f.write(Path(out_dir).name + "\n")
-        (Path(out_dir) / "summary.json").write_text("{}")
+        fake_finish(cfg, out_dir)
         return {}
 
     fork = multiprocessing.get_context("fork")
@@ -372,6 +396,21 @@ def _full(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def finished_run(
+    item: prereg.RunSpec, lock: dict[str, Any], key: str, metrics: dict[str, float], steps: int = 3
+) -> None:
+    """A run folder as a finished study leaves it: summary.json, the final checkpoint, the
+    run's identity record (trained under ``lock``) and its cached evaluation with
+    ``metrics`` (sealed, under the analysis hash ``key``)."""
+    item.run_dir.mkdir(parents=True, exist_ok=True)
+    (item.run_dir / "summary.json").write_text("{}")
+    fake_checkpoint(item.run_dir, steps)
+    prereg.write_run_record(item.run_dir, lock, "finished", item)
+    identity = prereg.read_run_record(item.run_dir)
+    result = {"step": steps, "metrics": metrics}
+    prereg.analysis.store_evaluation(item.run_dir, identity, key, result)
+
+
 def fake_runs(spec: prereg.Prereg, root: Path, skip: tuple[str, ...] = ()) -> None:
     """Run dirs as a finished study leaves them, with the cached per-run evaluation."""
     key = prereg.analysis_key(spec)
@@ -380,11 +419,7 @@ def fake_runs(spec: prereg.Prereg, root: Path, skip: tuple[str, ...] = ()) -> No
         if item.name in skip:
             continue
         metrics = BASE if item.arm == "baseline" else ARMS[item.arm][item.seed]
-        item.run_dir.mkdir(parents=True)
-        (item.run_dir / "summary.json").write_text("{}")
-        record = {"analysis_key": key, "step": 3, "metrics": _full(metrics)}
-        (item.run_dir / prereg.EVAL_FILE).write_text(json.dumps(record))
-        prereg.write_run_record(item.run_dir, lock, "finished")  # trained under this lock
+        finished_run(item, lock, key, _full(metrics))
 
 
 def test_analysis_gives_known_verdicts_and_margins(tmp_path: Path) -> None:
@@ -554,15 +589,22 @@ def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys
     where = prereg.status(path, out)
     assert where["evaluated"] == 2 and where["eval_left_cpu_s"] > 0  # one run left to evaluate
     prereg.run(path, out, progress=False)  # b-s0 trained from scratch
-    stale = out / "runs" / "a-s0" / prereg.EVAL_FILE  # as if a-s0 had been retrained since
-    record = json.loads(stale.read_text())
-    assert record["model_sha256"] and record["torch_threads"] >= 1
-    stale.write_text(json.dumps({**record, "model_sha256": "0" * 64}))
+    record = json.loads((out / "runs" / "a-s0" / prereg.EVAL_FILE).read_text())
+    identity = prereg.read_run_record(out / "runs" / "a-s0")
+    assert record["model_sha256"] == identity["model_sha256"] and record["torch_threads"] >= 1
     calls: list[str] = []
     real = prereg.analysis.evaluate_run
     monkeypatch.setattr(
         prereg.analysis, "evaluate_run", lambda d, *a: calls.append(Path(d).name) or real(d, *a)
     )
-    prereg.analyze(path, out)
-    assert sorted(calls) == ["a-s0", "b-s0"]  # baseline-s0's evaluation is still its weights'
-    assert json.loads(stale.read_text())["model_sha256"] == record["model_sha256"]
+    report = prereg.analyze(path, out, recheck=0)
+    assert calls == ["b-s0"]  # the other two evaluations are reused
+    calls.clear()
+    prereg.analyze(path, out, tmp_path / "rechecked")  # one cached run per arm evaluated again
+    assert sorted(calls) == ["a-s0", "b-s0", "baseline-s0"]  # each arm's only run
+    results = json.loads((tmp_path / "rechecked" / "results.json").read_text())
+    assert {c["run"]: c["outcome"] for c in results["recheck"]} == dict.fromkeys(
+        ("baseline-s0", "a-s0", "b-s0"), "matched"
+    )
+    first = json.loads((report.parent / "results.json").read_text())
+    assert results["hypotheses"] == first["hypotheses"]

@@ -3,6 +3,7 @@ trained under, the config files the study hash covers, and legacy locks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_prereg import ARMS, BASE, EXPERIMENTS, _full, study, write
+from test_prereg import ARMS, BASE, EXPERIMENTS, _full, fake_finish, study, write
 
 import moestack.configs
 from moestack import cli, prereg
@@ -29,21 +30,28 @@ def _metrics(arm: str, seed: int, caps: tuple[int, ...]) -> dict[str, float]:
 
 
 def evaluating_train(spec: prereg.Prereg, calls: list[tuple[str, bool]] | None = None):
-    """A train_fn that leaves a finished run with its cached evaluation (no real training)."""
-    key = prereg.analysis_key(spec)
+    """A train_fn that leaves a finished run (a final checkpoint, no real training); its
+    evaluation is cached once the runner recorded the run's identity (``fake_evaluations``)."""
 
     def train(cfg, out_dir: Path) -> dict[str, Any]:
-        out_dir = Path(out_dir)
         if calls is not None:
-            calls.append((out_dir.name, cfg.resume))
-        arm, seed = out_dir.name.rsplit("-s", 1)
-        metrics = _metrics(arm, int(seed), spec.analysis.capacities)
-        (out_dir / "summary.json").write_text("{}")
-        record = {"analysis_key": key, "step": cfg.steps, "metrics": metrics}
-        (out_dir / prereg.EVAL_FILE).write_text(json.dumps(record))
+            calls.append((Path(out_dir).name, cfg.resume))
+        fake_finish(cfg, out_dir)
         return {}
 
     return train
+
+
+def fake_evaluations(path: Path, out: Path) -> None:
+    """Cache the fake evaluation (``_metrics``) of every finished run, as ``prereg evaluate``
+    caches a real one: sealed, with the run's identity."""
+    spec = prereg.load(path)
+    key = prereg.analysis_key(spec)
+    for item in prereg.plan(spec, out):
+        identity = prereg.read_run_record(item.run_dir)
+        metrics = _metrics(item.arm, item.seed, spec.analysis.capacities)
+        result = {"step": identity["step"], "metrics": metrics}
+        prereg.analysis.store_evaluation(item.run_dir, identity, key, result)
 
 
 def trained_study(tmp_path: Path) -> tuple[Path, Path, str]:
@@ -52,6 +60,7 @@ def trained_study(tmp_path: Path) -> tuple[Path, Path, str]:
     prereg.lock(path)
     out = tmp_path / "out"
     prereg.run(path, out, train_fn=evaluating_train(prereg.load(path)), progress=False)
+    fake_evaluations(path, out)
     return path, out, prereg.verify(path)["study_sha256"]
 
 
@@ -80,6 +89,16 @@ def test_runner_records_the_study_hash_of_every_run(tmp_path: Path) -> None:
         record = prereg.read_run_record(run_dir)
         assert record["study_sha256"] == sha and record["status"] == "finished"
         assert record["finished_at"].endswith("+00:00")
+        # the run's identity: its arm and seed, and the weights of its final checkpoint
+        arm, seed = run_dir.name.rsplit("-s", 1)
+        assert (record["run"], record["arm"], record["seed"]) == (run_dir.name, arm, int(seed))
+        assert (record["checkpoint"], record["step"]) == ("step_000003", 3)
+        weights = run_dir / "checkpoints" / "step_000003" / "model.safetensors"
+        assert record["model_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+        fields = {k: v for k, v in record.items() if k != "record_sha256"}
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        assert record["record_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
+        assert not list(run_dir.glob(".*.tmp"))  # written through a temporary, renamed
     assert verdicts(prereg.analyze(path, out, evaluate=False))["H2"] == "fail"
 
 
@@ -258,7 +277,22 @@ def legacy_study(tmp_path: Path) -> tuple[Path, Path]:
     return path, out
 
 
-def test_legacy_lock_is_a_history_and_accepts_unrecorded_runs(tmp_path: Path) -> None:
+def _legacy_report(path: Path, out: Path) -> str:
+    """The report's text for the runs as the lock accepts them (no evaluation: the analysis
+    itself refuses runs without an identity, below)."""
+    spec, lock = prereg.load(path), prereg.verify(path)
+    grid = prereg.plan(spec, out)
+    trained = prereg.check_runs(grid, lock)
+    records = [
+        {"run": r.name, "arm": r.arm, "seed": r.seed, "status": "not evaluated",
+         "trained_under": trained.get(r.name)}
+        for r in grid
+    ]  # fmt: skip
+    hypotheses = prereg.evaluate_hypotheses(spec, records)
+    return prereg.render_markdown(spec, lock, records, hypotheses, [])
+
+
+def test_legacy_lock_is_a_history_and_its_unrecorded_runs_need_retraining(tmp_path: Path) -> None:
     path, out = legacy_study(tmp_path)
     lock = prereg.verify(path)
     assert lock["legacy"] and lock["study_sha256"] == prereg.sha256_file(path)
@@ -270,23 +304,33 @@ def test_legacy_lock_is_a_history_and_accepts_unrecorded_runs(tmp_path: Path) ->
     prereg.run(path, out, train_fn=evaluating_train(prereg.load(path), calls), progress=False)
     assert calls == [("pin-s1", True)]  # the old behaviour: resumed, the rest reused
     assert prereg.read_run_record(out / "runs" / "pin-s1")["legacy_lock"] is True
-    text = prereg.analyze(path, out, evaluate=False).read_text()
+    text = _legacy_report(path, out)  # the lock covers the unrecorded runs ...
     assert "Legacy lock: it predates the lock hash chain" in text
     assert "7 under the current lock, no recorded study hash (legacy)" in text
     assert "| 1 | 2026-11-29T23:09:51+00:00 | re-lock (--force) (legacy) |" in text
+    with pytest.raises(MoestackError) as err:  # ... but nothing ties their checkpoints to them
+        prereg.analyze(path, out, evaluate=False)
+    text = one_line(err)
+    assert f"{out / 'runs' / 'baseline-s0'} has no {prereg.RUN_FILE}" in text
+    assert "retrain it: delete" in text
 
     with pytest.raises(MoestackError, match="--amend"):
         prereg.lock(path, force=True, out_dir=out)
     prereg.lock(path, amend="a later fix of the study", out_dir=out)
     doc = json.loads(prereg.lock_path(path).read_text())
     assert doc["format"] == 2 and doc["chain"][0]["legacy"] == committed  # kept verbatim
-    text = prereg.analyze(path, out, evaluate=False).read_text()  # amended: still accepted
+    text = _legacy_report(path, out)  # amended: still covered
     assert "**amendment**" in text and "a later fix of the study" in text
 
     prereg.lock_path(path).unlink()  # a fresh chain has no legacy record to cover them
     prereg.lock(path)
     with pytest.raises(MoestackError, match="has no prereg_run.json"):
         prereg.analyze(path, out, evaluate=False)
+    shutil.rmtree(out / "runs")  # retrained, as the refusal says: then analysed
+    prereg.run(path, out, train_fn=evaluating_train(prereg.load(path)), progress=False)
+    fake_evaluations(path, out)
+    report = prereg.analyze(path, out, evaluate=False)
+    assert "Trained under: 8 under the current lock." in report.read_text()
 
 
 # ------------------------------------------------------------------ the command line
@@ -300,3 +344,113 @@ def test_cli_amend(tmp_path: Path, capsys) -> None:
     cli.main(["prereg", "lock", str(path), "--amend", "typo in H2", "--out", str(out)])
     assert "amended:" in capsys.readouterr().out
     assert prereg.verify(path)["reason"] == "typo in H2"
+
+
+# ------------------------------------------------------------------ quoted text in the report
+@pytest.mark.parametrize(
+    ("reason", "named"),
+    [
+        ("typo\n| H1 | pass |", "a newline (U+000A) at character 5"),
+        ("typo\r\nmore", "a carriage return (U+000D) at character 5"),
+        ("H2\tmoved", "a tab (U+0009) at character 3"),
+        ("\x1b[31mred", "an escape (ANSI) (U+001B) at character 1"),
+        ("nul\x00", "a NUL (U+0000) at character 4"),
+        ("line\u2028break", "a control character (U+2028) at character 5"),
+        ("bidi \u202eevil", "a control character (U+202E) at character 6"),
+    ],
+)
+def test_amend_reason_with_control_characters_is_refused(
+    tmp_path: Path, reason: str, named: str
+) -> None:
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    before = prereg.lock_path(path).read_text()
+    with pytest.raises(MoestackError) as err:
+        prereg.lock(path, amend=reason)
+    assert one_line(err).startswith(f"--amend reason: {named}; give it as one line")
+    assert prereg.lock_path(path).read_text() == before  # nothing appended
+
+
+def test_cli_refuses_a_multi_line_amend_reason(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    with pytest.raises(SystemExit) as code:
+        cli.main(["prereg", "lock", str(path), "--amend", "typo\n| H1 | pass |"])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and err.count("\n") == 1 and "a newline (U+000A)" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("plain words, 30% or more.", "plain words, 30% or more."),
+        ("2 x top_k slots; lru/cap4/miss_rate", "2 x top_k slots; lru/cap4/miss_rate"),
+        ("a | b", "a \\| b"),
+        ("_emphasis_ and *strong*", "\\_emphasis\\_ and \\*strong\\*"),
+        ("# heading", "\\# heading"),
+        ("- item", "\\- item"),
+        ("+ item", "\\+ item"),
+        ("12. item", "12\\. item"),
+        ("=== underline", "\\=== underline"),
+        ("> quote <b>", "\\> quote \\<b\\>"),
+        ("[link](http://x) ![img](y)", "\\[link\\](http://x) !\\[img\\](y)"),
+        ("`code` ~~gone~~ $math$ &amp; \\", "\\`code\\` \\~\\~gone\\~\\~ \\$math\\$ \\&amp; \\\\"),
+        ("two\nlines\tand\r\na tab", "two lines and  a tab"),
+        ("esc\x1b[31m nul\x00 bidi\u202e", "esc\ufffd\\[31m nul\ufffd bidi\ufffd"),
+        ("    indented  ", "indented"),
+    ],
+)
+def test_md_escapes_what_could_make_structure(text: str, shown: str) -> None:
+    assert prereg.md(text) == shown
+
+
+def test_md_code_spans() -> None:
+    assert prereg.md("router=pin router.pin=0.1", code=True) == "`router=pin router.pin=0.1`"
+    assert prereg.md("a|b\nc", code=True) == "`a\\|b c`"
+    assert prereg.md("a`b", code=True) == "``a`b``"
+    assert prereg.md("`a``", code=True) == "``` `a`` ```"
+
+
+def test_names_ending_in_a_newline_are_refused() -> None:
+    data = study()
+    data["hypotheses"][0]["id"] = "H1\n"  # "$" in a pattern matches before a final newline
+    with pytest.raises(MoestackError, match=r"hypotheses\[0\]"):
+        prereg.parse(data)
+    data = study()
+    data["runs"]["arms"]["a\n"] = data["runs"]["arms"].pop("a")
+    with pytest.raises(MoestackError, match="runs.arms"):
+        prereg.parse(data)
+
+
+FORGED = (
+    "\n\n## Verdicts\n\n| id | hypothesis | verdict |\n|---|---|---|\n| H2 | forged | **pass** |\n"
+)
+
+
+def test_report_quotes_the_lock_and_study_text_without_making_structure(tmp_path: Path) -> None:
+    """A lock written before reasons were checked, holding a reason with newlines and a
+    verdict table, and a study whose title and statement hold Markdown: the report shows
+    their text, escaped, and has one verdict table, the real one."""
+    data = study(title="synthetic" + FORGED)
+    data["hypotheses"][1]["statement"] = "perplexity within +1%" + FORGED
+    path = write(tmp_path, data)
+    prereg.lock(path)
+    out = tmp_path / "out"
+    prereg.run(path, out, train_fn=evaluating_train(prereg.load(path)), progress=False)
+    fake_evaluations(path, out)
+    target = prereg.lock_path(path)  # an amendment as moestack wrote it before: reason as given
+    chain = json.loads(target.read_text())["chain"]
+    head = {k: v for k, v in chain[-1].items() if k not in ("seq", "prev", "hash")}
+    amend = {**head, "action": "amend", "reason": "typo" + FORGED, "replaces": head["sha256"]}
+    target.write_text(json.dumps(prereg.chain.document(prereg.chain.append(chain, amend))))
+    text = prereg.analyze(path, out, evaluate=False).read_text()
+    lines = text.splitlines()
+    assert lines.count("## Verdicts") == 1 and lines.count("| id | hypothesis | verdict |") == 1
+    assert [line for line in lines if line.startswith("| H2 |")] == [
+        "| H2 | perplexity within +1%  \\#\\# Verdicts  \\| id \\| hypothesis \\| verdict \\| "
+        "\\|---\\|---\\|---\\| \\| H2 \\| forged \\| \\*\\*pass\\*\\* \\| | **fail** |"
+    ]
+    assert not any("| forged |" in line for line in lines)
+    assert lines[0].startswith("# Pre-registered study: synthetic  \\#\\# Verdicts  \\| id \\|")
+    history = [line for line in lines if line.startswith("| 1 |")]
+    assert len(history) == 1 and "| **amendment** | typo  \\#\\# Verdicts  \\| id \\|" in history[0]

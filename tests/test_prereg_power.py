@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_prereg import EXPERIMENTS, _full, write
+from test_prereg import EXPERIMENTS, _full, finished_run, write
 
 from moestack import cli, prereg
 from moestack.errors import MoestackError
@@ -90,12 +90,7 @@ def synthetic_runs(path: Path, out: Path) -> None:
         ppl, miss = 10.0, 0.5
         if item.arm != "baseline":
             ppl, miss = 10.0 * (1 + PPL[item.arm][i]), 0.5 * (1 + MISS[item.arm][i])
-        metrics = _full({"perplexity": ppl, "lru/cap4/miss_rate": miss})
-        item.run_dir.mkdir(parents=True)
-        (item.run_dir / "summary.json").write_text("{}")
-        record = {"analysis_key": key, "arm": item.arm, "seed": item.seed, "metrics": metrics}
-        (item.run_dir / prereg.EVAL_FILE).write_text(json.dumps(record))
-        prereg.write_run_record(item.run_dir, lock, "finished")
+        finished_run(item, lock, key, _full({"perplexity": ppl, "lru/cap4/miss_rate": miss}))
 
 
 def analysed(tmp_path: Path, data: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -17,12 +17,18 @@ Three steps, each a function the ``moestack prereg`` verbs call:
   holds ``summary.json`` is skipped; one with a checkpoint resumes from it. A runner claims
   each run before training it (``claim.json``), so several runners over the same folder (one
   per core or machine) share the grid. Each run records the study hash it was trained under
-  (``prereg_run.json``).
-- ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock and runs trained
-  under a study hash the lock does not cover, evaluates each run's final checkpoint
-  (perplexity over the pre-registered validation batches; the routing of the same batches,
-  recorded with telemetry in eval mode, replayed through LRU and static-pin caches) and
-  writes report.md, results.json and two PNGs.
+  and, when it finishes, its identity: arm, seed and the sha256 of its final checkpoint's
+  weights (``prereg_run.json``, sealed).
+- ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock, runs trained
+  under a study hash the lock does not cover, and a run folder whose identity or final
+  checkpoint is not the run's (``provenance.check_identity``); evaluates each run's final
+  checkpoint (perplexity over the pre-registered validation batches; the routing of the same
+  batches, recorded with telemetry in eval mode, replayed through LRU and static-pin caches)
+  and writes report.md, results.json and two PNGs. Each evaluation is cached in the run's
+  folder, sealed with the run's identity and the weights it scored; a cache edited without
+  its digest is refused, and a few cached runs per arm, picked at random, are evaluated
+  again and must match (``recheck``). Every string the report quotes is escaped by one
+  function, ``md``.
 
 Seeds combine by pairing: arm and baseline with the same seed share the initialisation and
 the data order, so each hypothesis's comparison is computed per seed and the seeds give its
@@ -31,7 +37,8 @@ mean and a two-sided t confidence interval.
 Layout: ``spec`` (the file format: dataclasses, parsing, validation), ``compose`` (hydra
 composition of a run's config), ``hashing`` (the study hash: the file and its config
 files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify),
-``provenance`` (the study hash each run was trained under), ``runner`` (the grid and the
+``provenance`` (the study hash each run was trained under, and its identity), ``records``
+(sealed JSON records, written atomically), ``runner`` (the grid and the
 resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics),
 ``decision`` (the one-sided non-inferiority/superiority rules and Holm's correction),
 ``power`` (the seeds a pilot's spread needs), ``status`` (runs finished, running and left,
@@ -62,8 +69,15 @@ from moestack.prereg.jobs import run_jobs
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
 from moestack.prereg.power import half_width, load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
-from moestack.prereg.provenance import RUN_FILE, check_run, read_run_record, write_run_record
-from moestack.prereg.report import analyze, plot_capacity, plot_scatter, render_markdown
+from moestack.prereg.provenance import (
+    RUN_FILE,
+    check_identities,
+    check_identity,
+    check_run,
+    read_run_record,
+    write_run_record,
+)
+from moestack.prereg.report import analyze, md, plot_capacity, plot_scatter, render_markdown
 from moestack.prereg.runner import (
     CLAIM_FILE,
     SUMMARY_FILE,
@@ -122,6 +136,8 @@ __all__ = [
     "analysis_key",
     "analyze",
     "evaluate_finished",
+    "check_identities",
+    "check_identity",
     "check_overrides",
     "check_rules",
     "check_run",
@@ -143,6 +159,7 @@ __all__ = [
     "load_pilot",
     "lock",
     "lock_path",
+    "md",
     "mean_ci",
     "parse",
     "plan",

@@ -7,18 +7,29 @@ import hashlib
 import json
 import logging
 import math
+import os
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
 from moestack.prereg import decision as rules
+from moestack.prereg.provenance import check_identities, check_identity
+from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
-from moestack.prereg.spec import Analysis, Prereg
+from moestack.prereg.spec import CACHE_STATS, Analysis, Prereg
 
 log = logging.getLogger(__name__)
 
 EVAL_FILE = "prereg_eval.json"
+EVAL_SEAL = "eval_sha256"  # the cached evaluation's digest of its other fields
+# What a cached evaluation records of the run it scored (as its identity record names them).
+EVAL_IDENTITY = ("run", "arm", "seed", "study_sha256", "model_sha256", "step")
+# A recomputed metric matches its cached value within this (evaluation is deterministic
+# under the same torch, threads, host and device: float noise only).
+RECHECK_RTOL = 1e-6
+RECHECK_ATOL = 1e-12
 # Analysis fields that decide verdicts but do not change a run's evaluation: left out of the
 # evaluation's cache key (so adding them kept the key of every earlier study).
 _NOT_EVALUATED = ("correction", "decision_reason")
@@ -45,6 +56,7 @@ def evaluate_run(
     """
     import torch
 
+    from moestack import checkpoint
     from moestack.data import eval_batches
     from moestack.evaluation import evaluate, resolve_device
     from moestack.runs import load_run, run_corpus
@@ -88,8 +100,9 @@ def evaluate_run(
             metrics[f"{policy}/cap{cap}/misses_per_token"] = stats.misses_per_token
     return {
         "checkpoint": str(ckpt),
-        "model_sha256": _model_sha256(ckpt),  # which weights: a retrained run is evaluated anew
+        "model_sha256": checkpoint.model_sha256(ckpt),  # the weights scored (verified on load)
         "step": step,
+        "device": str(device),
         "eval_tokens": tokens,
         "router": dataclasses.asdict(cfg.router),  # as trained (config.yaml), for provenance
         "top_k": cfg.model.moe.top_k,
@@ -99,26 +112,38 @@ def evaluate_run(
 
 
 def collect(
-    spec: Prereg, out_dir: Path | str | None = None, *, evaluate: bool = True
+    spec: Prereg,
+    out_dir: Path | str | None = None,
+    *,
+    evaluate: bool = True,
+    identities: dict[str, dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per planned run: its arm, seed, status and metrics (evaluated, or cached).
 
     A finished run's evaluation is stored in ``<run>/prereg_eval.json`` with the analysis
-    hash, and reused while the analysis settings are unchanged.
+    hash, the run's identity and the sha256 of the weights it scored, sealed, and reused
+    while the analysis settings are unchanged (``cached_evaluation``). ``identities`` are
+    the finished runs' checked identity records (``provenance.check_identities``; checked
+    here when not given). ``source`` says where a run's metrics came from: "cache" or
+    "evaluated" (now).
     """
-    key = analysis_key(spec)
+    runs = plan(spec, out_dir)
+    if identities is None:
+        identities = check_identities(runs, spec.study)
+    key, names = analysis_key(spec), metric_names(spec.analysis)
     corpora: dict[str, Any] = {}
     records = []
-    for item in plan(spec, out_dir):
+    for item in runs:
         record: dict[str, Any] = {"run": item.name, "arm": item.arm, "seed": item.seed}
         record["run_dir"] = str(item.run_dir)
-        cached = cached_evaluation(item.run_dir, key)
-        if not is_finished(item.run_dir):
+        identity = identities.get(item.name)  # None: not finished when the checks ran
+        if identity is None:
             record["status"] = "missing"
-        elif cached is not None:
-            record.update(cached, status="done")
+        elif (cached := cached_evaluation(item.run_dir, key, identity, names)) is not None:
+            record.update(cached, status="done", source="cache")
         elif evaluate:
-            record.update(_evaluate(item, spec, key, corpora), status="done")
+            fresh = _evaluate(item, spec, key, corpora, identity)
+            record.update(fresh, status="done", source="evaluated")
         else:
             record["status"] = "not evaluated"
         records.append(record)
@@ -127,13 +152,11 @@ def collect(
 
 def evaluate_shard(
     path: str, out_dir: str | None, shard: int, shards: int, threads: int = 0
-) -> int:
+) -> list[str]:
     """Evaluate and cache the finished, not yet evaluated runs ``shard::shards`` of the study
     (a worker of ``analyze(jobs=N)`` and ``evaluate``; nothing is aggregated or shown), each
-    checked against the lock first, with ``threads`` torch threads (0: every core). Returns
-    how many."""
-    import os
-
+    checked against the lock and its identity first, with ``threads`` torch threads (0:
+    every core). Returns the names of the runs evaluated."""
     import torch
 
     from moestack.prereg.locking import verify
@@ -145,63 +168,200 @@ def evaluate_shard(
     spec = load(path)
     key = analysis_key(spec)
     corpora: dict[str, Any] = {}
-    done = 0
+    done = []
     for item in plan(spec, out_dir)[shard::shards]:
-        if is_finished(item.run_dir) and cached_evaluation(item.run_dir, key) is None:
-            check_run(item.run_dir, lock_info)  # a run finished since the caller checked
-            _evaluate(item, spec, key, corpora)
-            done += 1
+        if not is_finished(item.run_dir):
+            continue
+        check_run(item.run_dir, lock_info)  # a run finished since the caller checked
+        identity = check_identity(item, spec.study)
+        if cached_evaluation(item.run_dir, key, identity, metric_names(spec.analysis)) is None:
+            _evaluate(item, spec, key, corpora, identity)
+            done.append(item.name)
     return done
 
 
-def _model_sha256(ckpt: Path) -> str | None:
-    """sha256 of a checkpoint's weights file, from its meta.json (None: none recorded)."""
-    from moestack import checkpoint
+def metric_names(analysis: Analysis) -> list[str]:
+    """The metrics ``evaluate_run`` gives under ``analysis``, sorted."""
+    names = ["perplexity", "val_loss"]
+    names += [f"{p}/cap{c}/{s}" for p in analysis.policies for c in analysis.capacities
+              for s in CACHE_STATS]  # fmt: skip
+    return sorted(names)
 
+
+def cached_evaluation(
+    run_dir: Path, key: str, identity: dict[str, Any], names: Sequence[str] | None = None
+) -> dict[str, Any] | None:
+    """The run's cached evaluation under the analysis hash ``key``, or None: none, a file
+    cut short, one written before evaluations were sealed, or one of other analysis
+    settings (each evaluated again, from the checkpoint).
+
+    Refused, naming the file: one whose fields do not match its digest (``eval_sha256``:
+    edited after it was written), one that scored another run or other weights than
+    ``identity`` (the run's checked identity record) names, or (given ``names``, the
+    analysis's ``metric_names``) one whose metrics are not those names with numbers. No
+    metric is interpreted here.
+    """
+    path = Path(run_dir) / EVAL_FILE
     try:
-        return checkpoint.model_sha256(ckpt)
-    except MoestackError:
-        return None
-
-
-def _final_model_sha256(run_dir: Path) -> str | None:
-    from moestack import checkpoint
-
-    ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
-    return None if ckpt is None else _model_sha256(ckpt)
-
-
-def cached_evaluation(run_dir: Path, key: str) -> dict[str, Any] | None:
-    """The run's cached evaluation under the analysis hash ``key`` and of the weights its
-    newest checkpoint holds, or None (none, another hash, other weights: a run retrained
-    since, or a file cut short: evaluated again). No metric is interpreted here."""
-    try:
-        cached = json.loads((run_dir / EVAL_FILE).read_text())
+        cached = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cached, dict) or cached.get("analysis_key") != key:
+    if not isinstance(cached, dict) or EVAL_SEAL not in cached:
         return None
-    return cached if cached.get("model_sha256") == _final_model_sha256(run_dir) else None
+    if not is_sealed(cached, EVAL_SEAL):
+        raise MoestackError(
+            f"{path} was edited after it was written: its {EVAL_SEAL} does not match its "
+            "fields; delete it, and the run is evaluated again from its checkpoint"
+        )
+    if cached.get("analysis_key") != key:
+        return None
+    differs = [
+        f"{k} {cached.get(k)!r} (the run: {identity.get(k)!r})"
+        for k in EVAL_IDENTITY
+        if cached.get(k) != identity.get(k)
+    ]
+    if differs:
+        raise MoestackError(
+            f"{path} is not an evaluation of this run's final weights ({'; '.join(differs)}): "
+            "copied from another run, or left from before a retraining; delete it, and the "
+            "run is evaluated again from its checkpoint"
+        )
+    if names is not None and not _metrics_are(cached.get("metrics"), names):
+        raise MoestackError(
+            f"{path}: 'metrics' is not one number for each of the analysis's {len(names)} "
+            "metrics; delete it, and the run is evaluated again from its checkpoint"
+        )
+    return cached
 
 
-def _evaluate(item: Any, spec: Prereg, key: str, corpora: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate a run's final checkpoint and cache the result (atomically)."""
-    log.info("%s: evaluating the final checkpoint", item.name)
-    import os
-    import time
+def _metrics_are(metrics: Any, names: Sequence[str]) -> bool:
+    """Whether ``metrics`` maps exactly ``names`` to numbers."""
+    if not isinstance(metrics, dict) or sorted(metrics) != sorted(names):
+        return False
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values())
+
+
+def store_evaluation(
+    run_dir: Path, identity: dict[str, Any], key: str, result: dict[str, Any]
+) -> dict[str, Any]:
+    """Cache ``result`` (``evaluate_run``'s) as the evaluation of the run and weights that
+    ``identity`` names, under the analysis hash ``key``, with this process's torch version,
+    threads and host (what a recheck compares under); sealed and written atomically.
+    Returns the cached entry."""
+    import socket
 
     import torch
 
+    _check_scored(run_dir, identity, result)
+    entry = {**result, **{k: identity[k] for k in EVAL_IDENTITY}, "analysis_key": key}
+    entry.update(
+        torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        host=socket.gethostname(),
+    )
+    return write_sealed(Path(run_dir) / EVAL_FILE, entry, EVAL_SEAL)
+
+
+def _check_scored(run_dir: Path, identity: dict[str, Any], result: dict[str, Any]) -> None:
+    """Refuse an evaluation of other weights than the run's identity names (its checkpoint
+    replaced after the identity was checked)."""
+    scored = result.get("model_sha256", identity["model_sha256"])
+    if scored != identity["model_sha256"]:
+        raise MoestackError(
+            f"{run_dir}: the evaluation scored weights sha256 {str(scored)[:12]}, the run "
+            f"finished with {identity['model_sha256'][:12]}: its checkpoint changed while it "
+            "was evaluated; restore it, or retrain the run"
+        )
+
+
+def _evaluate(
+    item: Any, spec: Prereg, key: str, corpora: dict[str, Any], identity: dict[str, Any]
+) -> dict[str, Any]:
+    """Evaluate a run's final checkpoint and cache the result (``store_evaluation``)."""
+    log.info("%s: evaluating the final checkpoint", item.name)
+    import time
+
     cpu_start = time.process_time()
     result = evaluate_run(item.run_dir, spec.analysis, corpora)
-    result.update(run=item.name, arm=item.arm, seed=item.seed, analysis_key=key)
-    result.update(torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
     result["eval_cpu_s"] = time.process_time() - cpu_start  # core-seconds, for planning
-    target = item.run_dir / EVAL_FILE
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # two evaluators never share
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(target)
-    return result
+    return store_evaluation(item.run_dir, identity, key, result)
+
+
+# --------------------------------------------------------------------------- the recheck
+def recheck(
+    spec: Prereg,
+    records: list[dict[str, Any]],
+    identities: dict[str, dict[str, Any]],
+    per_arm: int,
+    *,
+    rng: random.Random | None = None,
+) -> list[dict[str, Any]]:
+    """Evaluate again ``per_arm`` runs of every arm whose metrics came from the cache,
+    picked at random (``rng``, default seeded from os.urandom: nobody knows beforehand
+    which), and refuse when a recomputed metric differs from the cached one beyond float
+    noise (relative ``RECHECK_RTOL``): a cache whose numbers were edited and its digest
+    recomputed by hand. Evaluation is deterministic under the same torch version, thread
+    count, host and device; the threads are set to the cached count, and a run cached
+    under another torch version, host or device is evaluated again instead of compared
+    (its fresh numbers replace the cached ones). Returns one entry per run rechecked:
+    ``run`` and ``outcome`` ("matched" or "re-evaluated")."""
+    if per_arm < 0:
+        raise MoestackError(f"--recheck {per_arm}: give 0 (no recheck) or more runs per arm")
+    rng = rng or random.Random(os.urandom(32))
+    picked = []
+    for arm in spec.arms:
+        cached = [r for r in records if r["arm"] == arm and r.get("source") == "cache"]
+        picked += rng.sample(cached, min(per_arm, len(cached)))
+    corpora: dict[str, Any] = {}
+    return [_recheck_one(spec, r, identities[r["run"]], corpora) for r in picked]
+
+
+def _environment(record: dict[str, Any]) -> tuple[Any, ...]:
+    return record.get("torch_version"), record.get("host"), record.get("device")
+
+
+def _recheck_one(
+    spec: Prereg, record: dict[str, Any], identity: dict[str, Any], corpora: dict[str, Any]
+) -> dict[str, Any]:
+    """Evaluate one cached run again (``recheck``) and compare, or replace its numbers."""
+    import socket
+
+    import torch
+
+    run_dir = Path(record["run_dir"])
+    log.info("%s: re-evaluating a cached evaluation, picked at random", record["run"])
+    threads = torch.get_num_threads()
+    if isinstance(record.get("torch_threads"), int) and record["torch_threads"] > 0:
+        torch.set_num_threads(record["torch_threads"])
+    try:
+        fresh = evaluate_run(run_dir, spec.analysis, corpora)
+        _check_scored(run_dir, identity, fresh)
+        now = (torch.__version__, socket.gethostname(), fresh["device"])
+        if now != _environment(record):
+            entry = store_evaluation(run_dir, identity, analysis_key(spec), fresh)
+            record.update(entry, source="evaluated")
+            return {"run": record["run"], "outcome": "re-evaluated"}
+    finally:
+        torch.set_num_threads(threads)
+    for name in sorted(set(record["metrics"]) | set(fresh["metrics"])):
+        old, new = record["metrics"].get(name), fresh["metrics"].get(name)
+        if not _same(old, new):
+            raise MoestackError(
+                f"{run_dir / EVAL_FILE}: {name} is {old!r} in the cache, {new!r} evaluated "
+                f"again from the run's checkpoint (same torch, threads, host and device): the "
+                "cached numbers were edited (its digest recomputed); delete every "
+                f"{EVAL_FILE} of the study and analyze again"
+            )
+    return {"run": record["run"], "outcome": "matched"}
+
+
+def _same(old: Any, new: Any) -> bool:
+    """Equal up to float noise (``RECHECK_RTOL``); NaN equals NaN."""
+    if not isinstance(old, (int, float)) or not isinstance(new, (int, float)):
+        return False
+    if math.isnan(old) or math.isnan(new):
+        return math.isnan(old) and math.isnan(new)
+    return math.isclose(old, new, rel_tol=RECHECK_RTOL, abs_tol=RECHECK_ATOL)
 
 
 # --------------------------------------------------------------------------- statistics

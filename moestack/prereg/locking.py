@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,8 @@ from moestack.prereg.compose import check_overrides
 from moestack.prereg.decision import check_rules
 from moestack.prereg.hashing import fingerprint, sha256_file
 from moestack.prereg.provenance import find_run
-from moestack.prereg.spec import Prereg, load
+from moestack.prereg.records import write_json
+from moestack.prereg.spec import Prereg, check_plain, load
 from moestack.provenance import run_git
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ def _previous(
     target = lock_path(path)
     if amend is not None and not amend.strip():
         raise MoestackError(f"--amend needs a reason: say why {path.name} changes after its lock")
+    if amend is not None:
+        check_plain(amend.strip(), "--amend reason")
     if not target.exists():
         if amend is not None:
             raise MoestackError(
@@ -139,10 +141,7 @@ def lock(
     if previous:
         record["replaces"] = chains.records(previous)[-1]["sha256"]
     doc = chains.document(chains.append(previous, record))
-    target = lock_path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, target)
+    target = write_json(lock_path(path), doc)  # all or nothing
     log.info(
         "locked %s (%s): study sha256 %s at commit %s", path, record["action"],
         fp.study_sha256[:12], commit[:12],

@@ -222,19 +222,3 @@ def render(result: dict[str, Any]) -> str:
         chosen = result["chosen"]
         lines.append(f"Chosen in the study file: {chosen['seeds']} seeds; why: {chosen['reason']}")
     return "\n".join(lines)
-
-
-def power_lines(spec: Prereg) -> list[str]:
-    """The report's record of the power analysis the study file states (none: no lines)."""
-    if spec.power is None:
-        return []
-    p = spec.power
-    return [
-        "## Power analysis (as registered)",
-        "",
-        f"- Pilot: `{p.pilot}`; target: {p.confidence:.0%} interval half-width <= "
-        f"{p.half_width:g}; seeds chosen: {p.seeds}.",
-        f"- Why: {p.reason}",
-        f"- Recompute: `moestack prereg power {spec.path.name} --pilot {p.pilot}`.",
-        "",
-    ]

@@ -1,27 +1,37 @@
-"""Which lock each run was trained under: ``<run>/prereg_run.json`` and the checks on it.
+"""Which lock each run was trained under and which run a folder holds: ``prereg_run.json``.
 
 The runner writes ``prereg_run.json`` into a run's folder when it starts the run and again
 when it finishes, with the study hash of the lock it ran under. ``run`` and ``analyze`` accept
 a run only when the lock covers that hash (``chain.accepted``: the current lock, or an earlier
 one that amendments lead to), so deleting the lock and locking a changed study again does not
 make runs of the old study count. A run without the file was trained before run hashes were
-recorded: it is accepted only while the lock is legacy (or amended from a legacy one).
+recorded: the lock accepts it only while it is legacy (or amended from a legacy one), and
+``analyze`` and ``evaluate`` still refuse it for want of an identity (below).
+
+The record written when a run finishes is also the run's **identity**: the study hash, the
+arm, the seed, and the name, step and weights sha256 of its final checkpoint (from the
+checkpoint's verified meta.json), sealed with a digest of its own fields (``records``).
+``check_identity`` ties a finished folder to the run the grid registered there and to the
+weights it finished with, so a record or a checkpoint copied from another run is refused.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
 from moestack.prereg.chain import accepted
-from moestack.prereg.spec import Prereg
+from moestack.prereg.records import is_sealed, write_sealed
+from moestack.prereg.spec import Prereg, RunSpec
 
 RUN_FILE = "prereg_run.json"
 SUMMARY_FILE = "summary.json"
+RUN_SEAL = "record_sha256"  # the run record's digest of its other fields
+# What a finished run's record names: the run, and the final checkpoint it finished with.
+IDENTITY = ("run", "arm", "seed", "study_sha256", "checkpoint", "step", "model_sha256")
 
 
 def default_out_dir(spec: Prereg) -> Path:
@@ -63,13 +73,20 @@ def read_run_record(run_dir: Path) -> dict[str, Any] | None:
     return record
 
 
-def write_run_record(run_dir: Path, lock_info: dict[str, Any], status: str) -> Path:
+def write_run_record(
+    run_dir: Path, lock_info: dict[str, Any], status: str, run: RunSpec | None = None
+) -> Path:
     """Record in ``run_dir`` the study hash of ``lock_info`` (``verify``'s result) the run is
-    trained under; ``status`` is ``started`` or ``finished``."""
+    trained under; ``status`` is ``started`` or ``finished``. ``run`` (the grid's point)
+    names its arm and seed; a finished record needs it and adds the final checkpoint's
+    name, step and weights sha256, which the checkpoint's files are verified against first.
+    The record is sealed (``record_sha256``) and written atomically."""
     run_dir = Path(run_dir)
+    if status == "finished" and run is None:
+        raise ValueError("a finished run record needs the run (its arm and seed)")
     old = read_run_record(run_dir) or {}
     same = old.get("study_sha256") == lock_info["study_sha256"]
-    record = {
+    record: dict[str, Any] = {
         "study": lock_info["study"],
         "file": lock_info["file"],
         "study_sha256": lock_info["study_sha256"],
@@ -79,13 +96,109 @@ def write_run_record(run_dir: Path, lock_info: dict[str, Any], status: str) -> P
         "status": status,
         "started_at": old.get("started_at", _now()) if same else _now(),
     }
+    if run is not None:
+        record.update(run=run.name, arm=run.arm, seed=run.seed)
     if status == "finished":
-        record["finished_at"] = _now()
+        ckpt, step, sha = final_checkpoint(run_dir, verify=True)
+        record.update(checkpoint=ckpt.name, step=step, model_sha256=sha, finished_at=_now())
     path = run_dir / RUN_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_sealed(path, record, RUN_SEAL)
     return path
+
+
+def final_checkpoint(run_dir: Path, *, verify: bool = False) -> tuple[Path, int, str]:
+    """The run's newest checkpoint (``runs.resolve_checkpoint``), its step and the sha256 of
+    its weights as its meta.json records them (meta.json checked: structure, its own digest,
+    the file sizes). ``verify`` hashes the weights file against meta.json first (when the
+    record is written: then the recorded sha256 is the weights' own; later checks read it
+    from meta.json, and loading the weights hashes them again)."""
+    from moestack import checkpoint
+    from moestack.runs import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(run_dir)
+    meta = checkpoint.read_meta(ckpt)
+    if verify:
+        checkpoint.verify_file(ckpt, checkpoint.MODEL_FILE, meta)
+    sha = meta.get("sha256", {}).get(checkpoint.MODEL_FILE)
+    if sha is None:
+        raise MoestackError(
+            f"{ckpt}: its {checkpoint.META_FILE} records no sha256 of {checkpoint.MODEL_FILE} "
+            "(a checkpoint older than the digests), so the run's weights cannot be identified; "
+            "retrain the run (delete its folder)"
+        )
+    return ckpt, int(meta["step"]), sha
+
+
+def _retrain(run_dir: Path) -> str:
+    return f"retrain it: delete {run_dir} and run `moestack prereg run` on the study again"
+
+
+def check_identity(item: RunSpec, study: str) -> dict[str, Any]:
+    """The identity record of the finished run ``item``, after checking that it is this
+    run's (study ``study``, its arm and seed, sealed) and that the final checkpoint holds the
+    weights it recorded. Raises, in one line naming the run folder and what differs."""
+    run_dir = item.run_dir
+    path = run_dir / RUN_FILE
+    record = read_run_record(run_dir)
+    if record is None:
+        raise MoestackError(
+            f"{run_dir} has no {RUN_FILE}, so nothing ties its checkpoint to run {item.name}; "
+            + _retrain(run_dir)
+        )
+    missing = [key for key in IDENTITY if key not in record]
+    if record.get("status") != "finished" or missing:
+        raise MoestackError(
+            f"{path} records no identity of the run (no {', '.join(missing) or 'finished'} "
+            "record): it finished before moestack recorded a run's arm, seed and final "
+            f"checkpoint (or the runner stopped before writing it), so its checkpoint cannot "
+            f"be tied to run {item.name}; " + _retrain(run_dir)
+        )
+    if not is_sealed(record, RUN_SEAL):
+        raise MoestackError(
+            f"{path} was edited after the runner wrote it ({RUN_SEAL} does not match its "
+            f"fields); restore it, or {_retrain(run_dir)}"
+        )
+    mine = {"study": study, "run": item.name, "arm": item.arm, "seed": item.seed}
+    differs = [f"{k} {record.get(k)!r} (here {v!r})" for k, v in mine.items() if record.get(k) != v]
+    if differs:
+        raise MoestackError(
+            f"{path} is the identity of another run ({', '.join(differs)}): a record copied "
+            f"from another run's folder; restore this run's own, or {_retrain(run_dir)}"
+        )
+    ckpt, step, sha = final_checkpoint(run_dir)
+    if (ckpt.name, step, sha) != (record["checkpoint"], record["step"], record["model_sha256"]):
+        raise MoestackError(
+            f"{ckpt}: the final checkpoint of {item.name} holds weights sha256 {sha[:12]} "
+            f"(step {step}), not the {record['model_sha256'][:12]} ({record['checkpoint']}) "
+            f"the run finished with ({RUN_FILE}): the checkpoint was replaced, copied from "
+            f"another run?; restore it, or {_retrain(run_dir)}"
+        )
+    return record
+
+
+def check_identities(runs: list[RunSpec], study: str) -> dict[str, dict[str, Any]]:
+    """The identity of every finished run of ``runs`` (``check_identity``), no two of them
+    holding the same weights (``check_distinct_weights``); raises at the first that fails."""
+    found = {r.name: check_identity(r, study) for r in runs if is_finished(r.run_dir)}
+    check_distinct_weights(runs, found)
+    return found
+
+
+def check_distinct_weights(runs: list[RunSpec], identities: dict[str, dict[str, Any]]) -> None:
+    """Refuse two finished runs of different overrides (arm or seed) whose final weights are
+    the same file: one folder's checkpoint and record were copied from the other."""
+    seen: dict[str, RunSpec] = {}
+    for item in runs:
+        if item.name not in identities:
+            continue
+        sha = identities[item.name]["model_sha256"]
+        other = seen.setdefault(sha, item)
+        if other is not item and other.overrides != item.overrides:
+            raise MoestackError(
+                f"{item.run_dir} and {other.run_dir} hold the same final weights (sha256 "
+                f"{sha[:12]}) though they train different runs: one folder's checkpoint was "
+                f"copied from the other; {_retrain(item.run_dir)}"
+            )
 
 
 def check_run(run_dir: Path, lock_info: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:

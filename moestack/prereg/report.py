@@ -7,19 +7,59 @@ import datetime as dt
 import json
 import logging
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import collect, evaluate_hypotheses, t_quantile
+from moestack.prereg.analysis import (
+    RECHECK_RTOL,
+    collect,
+    evaluate_hypotheses,
+    t_quantile,
+)
+from moestack.prereg.analysis import recheck as recheck_runs
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
-from moestack.prereg.power import power_lines
 from moestack.prereg.runner import is_finished
-from moestack.prereg.spec import Prereg
+from moestack.prereg.spec import Prereg, is_control
 
 log = logging.getLogger(__name__)
+
+
+# Markdown's structure characters, backslash-escaped wherever a quoted string holds them.
+_ESCAPE = frozenset("\\`*_[]<>|~$&#")
+_SPACES = frozenset("\n\r\t\v\f\x85\u2028\u2029")
+_LINE_START = re.compile(r"^(?:([-+=])|(\d+)([.)]))")  # a list item, a setext underline
+
+
+def md(value: Any, *, code: bool = False) -> str:
+    """``value`` (any string the study file or the lock holds) as Markdown text that shows it
+    and cannot make structure, wherever the report quotes it: in a line or a table cell.
+
+    Newlines, tabs and other line breaks become spaces and other control characters (NUL,
+    ANSI escapes, bidirectional controls) U+FFFD, so nothing starts a line; the ends are
+    stripped (no indented code block). Markdown's punctuation (backslash, backticks, ``*``,
+    ``_``, ``[``, ``]``, ``<``, ``>``, ``|``, ``~``, ``$``, ``&``, ``#``) is backslash-escaped,
+    but for ``_`` between letters or digits (``top_k``: no emphasis), and so is a leading
+    ``-``, ``+``, ``=`` or ``1.``. ``code``: a code span instead, its fence longer than any
+    backtick run inside and ``|`` escaped (as a table cell needs even there)."""
+    text = "".join(
+        " " if ch in _SPACES else ("\ufffd" if is_control(ch) else ch) for ch in str(value)
+    ).strip()
+    if code:
+        if not text:
+            return ""
+        text = text.replace("|", "\\|")
+        fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+        pad = " " if text.startswith("`") or text.endswith("`") else ""
+        return f"{fence}{pad}{text}{pad}{fence}"
+    out = []
+    for i, ch in enumerate(text):
+        inside_word = 0 < i < len(text) - 1 and text[i - 1].isalnum() and text[i + 1].isalnum()
+        out.append("\\" + ch if ch in _ESCAPE and not (ch == "_" and inside_word) else ch)
+    return _LINE_START.sub(lambda m: f"\\{m[1]}" if m[1] else f"{m[2]}\\{m[3]}", "".join(out), 1)
 
 
 def _fmt(value: Any, digits: int = 4, pct: bool = False, pp: bool = False) -> str:
@@ -41,11 +81,12 @@ def _verdict(ok: bool | None, inconclusive: bool = False) -> str:
 def _claim(hyp: dict[str, Any]) -> str:
     if hyp["comparison"] == "joint":
         need = "any arm" if hyp["require"] == "any" else "every arm"
-        return f"one arm passes {' and '.join(hyp['of'])} together ({need})"
+        return f"one arm passes {' and '.join(map(md, hyp['of']))} together ({need})"
+    metric = md(hyp["metric"])
     lhs = {
-        "relative_change": f"{hyp['metric']} (arm / baseline - 1)",
-        "difference": f"{hyp['metric']} (arm - baseline)",
-        "value": hyp["metric"],
+        "relative_change": f"{metric} (arm / baseline - 1)",
+        "difference": f"{metric} (arm - baseline)",
+        "value": metric,
     }[hyp["comparison"]]
     pct = hyp["comparison"] == "relative_change"
     need = "any arm passing suffices" if hyp["require"] == "any" else "every arm must pass"
@@ -58,14 +99,17 @@ def render_markdown(
     records: Sequence[dict[str, Any]],
     hypotheses: Sequence[dict[str, Any]],
     figures: Sequence[str],
+    checks: Sequence[dict[str, Any]] | None = None,
 ) -> str:
-    """The report: provenance, the verdicts, one table per hypothesis, the runs, the figures."""
-    lines = _provenance(spec, lock_record, records)
+    """The report: provenance, the verdicts, one table per hypothesis, the runs, the figures.
+    Every string from the study file or the lock is quoted through ``md``; ``checks`` are
+    the runs the analysis evaluated again (``analysis.recheck``; None: not asked for)."""
+    lines = _provenance(spec, lock_record, records, checks)
     lines += ["## Verdicts", "", "| id | hypothesis | verdict |", "|---|---|---|"]
-    lines += [f"| {h['id']} | {h['statement']} | **{h['verdict']}** |" for h in hypotheses]
+    lines += [f"| {md(h['id'])} | {md(h['statement'])} | **{h['verdict']}** |" for h in hypotheses]
     lines.append("")
     for h in hypotheses:
-        lines += [f"## {h['id']}: {h['verdict']}", "", h["statement"], ""]
+        lines += [f"## {md(h['id'])}: {h['verdict']}", "", md(h["statement"]), ""]
         lines += [f"Test: {_claim(h)}.", ""]
         lines += _joint_table(h) if h["comparison"] == "joint" else _arm_table(h)
     lines += _runs_table(spec, records)
@@ -75,18 +119,23 @@ def render_markdown(
 
 
 def _provenance(
-    spec: Prereg, lock_record: dict[str, Any], records: Sequence[dict[str, Any]]
+    spec: Prereg,
+    lock_record: dict[str, Any],
+    records: Sequence[dict[str, Any]],
+    checks: Sequence[dict[str, Any]] | None,
 ) -> list[str]:
     """The report's head: the lock, the runs and the evaluation, then the runs' overrides."""
     a = spec.analysis
     done = [r for r in records if r.get("status") == "done"]
     lines = [
-        f"# Pre-registered study: {spec.title}",
+        f"# Pre-registered study: {md(spec.title)}",
         "",
-        f"- Study `{spec.study}`, file `{spec.path.name}`, sha256 `{lock_record['sha256']}`",
-        f"- Locked at {lock_record.get('locked_at')} (git commit "
-        f"`{lock_record.get('git_commit')}`); the file matches its lock.",
+        f"- Study {md(spec.study, code=True)}, file {md(spec.path.name, code=True)}, sha256 "
+        f"{md(lock_record['sha256'], code=True)}",
+        f"- Locked at {md(lock_record.get('locked_at'))} (git commit "
+        f"{md(lock_record.get('git_commit'), code=True)}); the file matches its lock.",
         *_lock_lines(lock_record, records),
+        *_integrity_lines(records, checks),
         f"- Runs: {len(done)} of {len(records)} finished and evaluated "
         f"({len(spec.arms)} arms x {len(spec.seeds)} seeds).",
         f"- Evaluation: final checkpoint, {a.eval_batches} validation batches; cache replay "
@@ -102,13 +151,60 @@ def _provenance(
         "",
     ]
     if spec.question:
-        lines += [f"Question: {spec.question}", ""]
-    lines += power_lines(spec)
+        lines += [f"Question: {md(spec.question)}", ""]
+    lines += _power_lines(spec)
     lines += _history_lines(lock_record.get("history") or [])
-    lines += ["## Runs as registered", "", f"Shared: `{' '.join(spec.base_overrides)}`", ""]
+    shared = md(" ".join(spec.base_overrides), code=True)
+    lines += ["## Runs as registered", "", f"Shared: {shared}", ""]
     lines += ["| arm | overrides |", "|---|---|"]
-    lines += [f"| {arm} | `{' '.join(ov)}` |" for arm, ov in spec.arms.items()]
-    lines += ["", f"Seeds: {', '.join(map(str, spec.seeds))}; baseline: {spec.baseline}.", ""]
+    lines += [f"| {md(arm)} | {md(' '.join(ov), code=True)} |" for arm, ov in spec.arms.items()]
+    seeds = ", ".join(map(str, spec.seeds))
+    lines += ["", f"Seeds: {seeds}; baseline: {md(spec.baseline)}.", ""]
+    return lines
+
+
+def _power_lines(spec: Prereg) -> list[str]:
+    """The report's record of the power analysis the study file states (none: no lines)."""
+    if spec.power is None:
+        return []
+    p = spec.power
+    return [
+        "## Power analysis (as registered)",
+        "",
+        f"- Pilot: {md(p.pilot, code=True)}; target: {p.confidence:.0%} interval half-width "
+        f"<= {p.half_width:g}; seeds chosen: {p.seeds}.",
+        f"- Why: {md(p.reason)}",
+        "- Recompute: "
+        + md(f"moestack prereg power {spec.path.name} --pilot {p.pilot}", code=True)
+        + ".",
+        "",
+    ]
+
+
+def _integrity_lines(
+    records: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]] | None
+) -> list[str]:
+    """What ties the numbers to the runs: identities, sealed caches and the recheck."""
+    if not any(r.get("status") == "done" for r in records):
+        return []
+    lines = [
+        "- Integrity: each finished run's record names its study hash, arm, seed and the "
+        "sha256 of its final checkpoint's weights, and matches its folder and checkpoint; "
+        "each cached evaluation matches its digest and names that run and those weights "
+        "(edit evidence, no signature)."
+    ]
+    if checks is None:
+        lines.append("- Recheck: none (the analysis evaluated nothing).")
+    elif not checks:
+        lines.append("- Recheck: no cached evaluation was evaluated again.")
+    else:
+        outcome = {"matched": "matched its cache", "re-evaluated": "re-evaluated (cached under "
+                   "another torch, host or device: its fresh numbers are used)"}  # fmt: skip
+        said = "; ".join(f"{md(c['run'])} {outcome[c['outcome']]}" for c in checks)
+        lines.append(
+            f"- Recheck: {len(checks)} cached evaluation(s), picked at random, evaluated again "
+            f"from their checkpoints (relative tolerance {RECHECK_RTOL:g}): {said}."
+        )
     return lines
 
 
@@ -123,11 +219,11 @@ def _rule_note(spec: Prereg) -> str:
         notes.append(f"one-sided {a.confidence:.0%} bounds: mean +- {t:.2f} x sd / sqrt(n)")
     if spec.analysis.correction == "holm":
         notes.append("Holm correction across the arms of each hypothesis")
-    own = [f"{h.id}: {h.decision}" for h in spec.hypotheses if h.decision]
+    own = [f"{md(h.id)}: {h.decision}" for h in spec.hypotheses if h.decision]
     if own:
         notes.append("own rules " + ", ".join(own))
     if spec.analysis.decision_reason:
-        notes.append(f"why: {spec.analysis.decision_reason}")
+        notes.append(f"why: {md(spec.analysis.decision_reason)}")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
@@ -142,8 +238,9 @@ def _lock_lines(lock_record: dict[str, Any], records: Sequence[dict[str, Any]]) 
     else:
         configs = lock_record.get("configs") or {}
         lines.append(
-            f"- Study sha256 `{lock_record['study_sha256']}`: the file and the {len(configs)} "
-            f"config files its runs load ({', '.join(configs)}); the lock's hash chain verifies."
+            f"- Study sha256 {md(lock_record['study_sha256'], code=True)}: the file and the "
+            f"{len(configs)} config files its runs load ({', '.join(map(md, configs))}); the "
+            "lock's hash chain verifies."
         )
     head = (lock_record.get("history") or [{"n": 0}])[-1]["n"]
     counts: dict[tuple[int, bool], int] = {}
@@ -172,10 +269,11 @@ def _history_lines(history: Sequence[dict[str, Any]]) -> list[str]:
     for r in history:
         action = {"lock": "lock", "relock": "re-lock (--force)", "amend": "**amendment**"}
         what = action[r["action"]] + (" (legacy)" if r["legacy"] else "")
-        reason = r.get("reason") or ("none recorded" if r["n"] else "")
+        reason = md(r["reason"]) if r.get("reason") else ("none recorded" if r["n"] else "")
+        locked_at = md(r["locked_at"]) if r.get("locked_at") else "unknown"
         lines.append(
-            f"| {r['n']} | {r.get('locked_at') or 'unknown'} | {what} | {reason} | "
-            f"{f'`{before}`' if before else ''} | `{r['study_sha256']}` |"
+            f"| {r['n']} | {locked_at} | {what} | {reason} | "
+            f"{md(before, code=True) if before else ''} | {md(r['study_sha256'], code=True)} |"
         )
         before = r["study_sha256"]
     amended = [r for r in history if r["action"] == "amend"]
@@ -190,7 +288,7 @@ def _history_lines(history: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _joint_table(h: dict[str, Any]) -> list[str]:
-    lines = ["| arm | " + " | ".join(h["of"]) + " | min margin | pass |"]
+    lines = ["| arm | " + " | ".join(map(md, h["of"])) + " | min margin | pass |"]
     lines += ["|---|" + "---|" * len(h["of"]) + "---|---|"]
     for row in h["rows"]:
         states = row.get("part_states") or {}
@@ -198,7 +296,7 @@ def _joint_table(h: dict[str, Any]) -> list[str]:
             _verdict(row["parts"][ref], states.get(ref) == "inconclusive") for ref in h["of"]
         )
         ok = _verdict(row["pass"], bool(row.get("inconclusive")))
-        lines.append(f"| {row['arm']} | {parts} | {_fmt(row['margin'])} | {ok} |")
+        lines.append(f"| {md(row['arm'])} | {parts} | {_fmt(row['margin'])} | {ok} |")
     return lines + [""]
 
 
@@ -214,7 +312,7 @@ def _arm_table(h: dict[str, Any]) -> list[str]:
     for row in h["rows"]:
         ci = row.get("ci", [None, None])
         lines.append(
-            f"| {row['arm']} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
+            f"| {md(row['arm'])} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
             f"{_fmt(row.get('arm_mean'))} | {_fmt(row['estimate'], pct=pct)} | "
             f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
             f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
@@ -243,7 +341,7 @@ def _one_sided_table(h: dict[str, Any]) -> list[str]:
             return f"{raw[key]:.3g}" + (f" (Holm {adj[key]:.3g})" if key in adj else "")
 
         lines.append(
-            f"| {row['arm']} | {row['n']} | {_fmt(row['estimate'], pct=pct)} | "
+            f"| {md(row['arm'])} | {row['n']} | {_fmt(row['estimate'], pct=pct)} | "
             f"{_fmt(row.get('bound'), pct=pct)} | {_fmt(row.get('other_bound'), pct=pct)} | "
             f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {p('pass')} | {p('fail')} | "
             f"**{_verdict(row['pass'], bool(row.get('inconclusive')))}** |"
@@ -258,7 +356,7 @@ def _runs_table(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
     lines.append("|---|---|" + "---|" * len(metrics))
     for r in records:
         vals = [_fmt(r.get("metrics", {}).get(m)) for m in metrics]
-        lines.append(f"| {r['run']} | {r['status']} | " + " | ".join(vals) + " |")
+        lines.append(f"| {md(r['run'])} | {r['status']} | " + " | ".join(vals) + " |")
     return lines + [""]
 
 
@@ -366,6 +464,10 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+# A run's fields left out of results.json: where it lies and how its cache is keyed.
+_NOT_RESULTS = ("run_dir", "checkpoint", "analysis_key", "eval_sha256", "source", "host")
+
+
 def analyze(
     path: Path | str,
     out_dir: Path | str | None = None,
@@ -374,18 +476,25 @@ def analyze(
     evaluate: bool = True,
     interim: bool = False,
     jobs: int = 1,
+    recheck: int = 1,
 ) -> Path:
-    """Check the lock and the study hash every finished run was trained under, evaluate the
-    runs, write the report; returns report.md.
+    """Check the lock, the study hash every finished run was trained under and each run's
+    identity, evaluate the runs, recheck cached evaluations, write the report; returns
+    report.md.
 
     ``out_dir`` is the study directory given to ``run``; the report goes to ``report_dir``
     (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
     hit_rate_vs_capacity.png. A study with unfinished runs is refused unless ``interim``:
     then the report says on its first line that it is an interim look, not a verdict, and
     the missing runs make hypotheses "incomplete". ``jobs`` > 1 evaluates the runs in that
-    many processes first (each with its share of the cores).
+    many processes first (each with its share of the cores). ``recheck`` runs of each arm
+    whose numbers came from the cache are picked at random and evaluated again, and a
+    difference beyond float noise is refused (``analysis.recheck``; 0: none). With
+    ``evaluate=False`` nothing is evaluated, the recheck included (cached runs only).
     """
-    record, spec, root, grid, trained = checked_study(path, out_dir, jobs)
+    if recheck < 0:
+        raise MoestackError(f"--recheck {recheck}: give 0 (no recheck) or more runs per arm")
+    record, spec, root, grid, trained, identities = checked_study(path, out_dir, jobs)
     unfinished = [r.name for r in grid if not is_finished(r.run_dir)]
     if unfinished and not interim:
         raise MoestackError(
@@ -396,11 +505,13 @@ def analyze(
         )
     report = Path(report_dir) if report_dir else root / "report"
     report.mkdir(parents=True, exist_ok=True)
-    if evaluate and jobs > 1:
-        evaluate_in_parallel(path, root, jobs)
-    records = collect(spec, root, evaluate=evaluate)
+    fresh = set(evaluate_in_parallel(path, root, jobs)) if evaluate and jobs > 1 else set()
+    records = collect(spec, root, evaluate=evaluate, identities=identities)
     for r in records:
         r["trained_under"] = trained.get(r["run"])
+        if r["run"] in fresh:
+            r["source"] = "evaluated"
+    checks = recheck_runs(spec, records, identities, recheck) if evaluate else None
     hypotheses = evaluate_hypotheses(spec, records)
     figures = [
         p.name
@@ -416,14 +527,12 @@ def analyze(
         "analysis": dataclasses.asdict(spec.analysis),
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hypotheses": hypotheses,
-        "runs": [
-            {k: v for k, v in r.items() if k not in ("run_dir", "checkpoint", "analysis_key")}
-            for r in records
-        ],
+        "recheck": checks,
+        "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }
     (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
-    md = report / "report.md"
-    text = render_markdown(spec, record, records, hypotheses, figures)
+    md_file = report / "report.md"
+    text = render_markdown(spec, record, records, hypotheses, figures, checks)
     if unfinished:
         banner = (
             f"> **Interim look: {len(grid) - len(unfinished)} of {len(grid)} registered runs "
@@ -431,6 +540,6 @@ def analyze(
             "and stopping on what an interim look shows is optional stopping."
         )
         text = banner + "\n\n" + text
-    md.write_text(text)
-    log.info("report: %s", md)
-    return md
+    md_file.write_text(text)
+    log.info("report: %s", md_file)
+    return md_file

@@ -80,7 +80,8 @@ def run(
     A run with ``summary.json`` is skipped; one with a checkpoint resumes from it
     (``resume=true``, same out_dir). Runs are claimed one at a time (``claim``), so several
     invocations over the same folder (one per core or machine) share the grid. Each run
-    records the study hash it is trained under (``prereg_run.json``); a finished run the lock
+    records the study hash it is trained under and, once finished, its identity (arm, seed,
+    the final checkpoint's weights sha256: ``prereg_run.json``); a finished run the lock
     does not cover, or an interrupted one started under another study hash, is refused before
     anything trains.
     ``train_fn`` replaces ``moestack.trainer.train``.
@@ -225,18 +226,19 @@ def _train_one(
     train_fn: Callable[[TrainConfig, Path], dict[str, Any]],
     bar: Any,
 ) -> None:
-    """Train (or resume) one run, recording the study hash before and after."""
+    """Train (or resume) one run, recording the study hash before and, with the run's
+    identity (arm, seed, final checkpoint), after."""
     overrides = [*item.overrides, f"out_dir={item.run_dir}", f"resume={str(resume).lower()}"]
     cfg = compose_config(overrides)
     item.run_dir.mkdir(parents=True, exist_ok=True)
     (item.run_dir / "prereg_overrides.json").write_text(json.dumps(overrides, indent=2))
-    write_run_record(item.run_dir, info, "started")
+    write_run_record(item.run_dir, info, "started", item)
     log.info("%s: %s %s", item.name, "resuming" if resume else "training", item.run_dir)
     if bar is not None:
         bar.set_postfix_str(item.name)
     train_fn(cfg, item.run_dir)
     if not is_finished(item.run_dir):
         raise MoestackError(f"{item.name}: training ended without {SUMMARY_FILE}")
-    write_run_record(item.run_dir, info, "finished")
+    write_run_record(item.run_dir, info, "finished", item)  # its identity: arm, seed, weights
     if bar is not None:
         bar.update(1)

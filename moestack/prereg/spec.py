@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ REQUIRES = ("any", "all")
 CACHE_STATS = ("hit_rate", "miss_rate", "misses_per_token")
 SCALAR_METRICS = ("perplexity", "val_loss")
 RESERVED_KEYS = ("seed", "out_dir", "resume")  # set by the runner, one value per run
-_CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/([a-z_]+)$")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/([a-z_]+)\Z")  # \Z: "$" lets a newline end it
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,31 @@ class RunSpec:
     @property
     def name(self) -> str:
         return f"{self.arm}-s{self.seed}"
+
+
+# Characters that are no plain text: controls (newline, tab, NUL, ESC...), line and paragraph
+# separators, and the bidirectional controls that reorder what a reader sees.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL",
+                  "\x1b": "an escape (ANSI)"}  # fmt: skip
+
+
+def is_control(ch: str) -> bool:
+    """Whether the character ``ch`` is no plain text (a control, separator or bidi control)."""
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI
+
+
+def check_plain(text: str, where: str) -> str:
+    """``text`` when it holds no control character (``is_control``), else one line naming
+    ``where``, the character and its place."""
+    for i, ch in enumerate(text):
+        if is_control(ch):
+            name = _CONTROL_NAMES.get(ch, "a control character")
+            raise MoestackError(
+                f"{where}: {name} (U+{ord(ch):04X}) at character {i + 1}; give it as one line of "
+                "plain text (the lock history and the report quote it)"
+            )
+    return text
 
 
 def _fail(field_name: str, problem: str, fix: str) -> MoestackError:

@@ -14,7 +14,7 @@ from typing import Any
 from moestack import checkpoint
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import analysis_key, cached_evaluation
-from moestack.prereg.provenance import read_run_record
+from moestack.prereg.provenance import IDENTITY, read_run_record
 from moestack.prereg.runner import claimed, is_finished, plan
 from moestack.prereg.spec import load
 
@@ -43,6 +43,18 @@ def _wall_s(run_dir: Path) -> float | None:
     return (end - start).total_seconds()
 
 
+def _cached(run_dir: Path, key: str) -> dict[str, Any] | None:
+    """The run's cached evaluation; None also when it does not check (no identity record, an
+    edited file): counted as not evaluated here, ``evaluate`` and ``analyze`` name why."""
+    try:
+        record = read_run_record(run_dir)
+        if record is None or any(k not in record for k in IDENTITY):
+            return None
+        return cached_evaluation(run_dir, key, record)
+    except MoestackError:
+        return None
+
+
 def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any]:
     """Counts of runs by state, per arm and in all, and the median wall time of a finished
     run with the time the rest should take at the present number of runners."""
@@ -61,7 +73,7 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
         if (wall := _wall_s(item.run_dir)) is not None:
             walls.append(wall)
         # its evaluation exists (``prereg evaluate``); none is shown
-        cached = cached_evaluation(item.run_dir, key)
+        cached = _cached(item.run_dir, key)
         evaluated += cached is not None
         if cached is not None and isinstance(cached.get("eval_cpu_s"), (int, float)):
             eval_cpu.append(float(cached["eval_cpu_s"]))
