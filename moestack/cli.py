@@ -108,13 +108,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
     from moestack.cache.policies import default_capacities
-    from moestack.telemetry import RoutingTrace, sweep
+    from moestack.telemetry import load_run_trace, sweep
 
     if not Path(args.trace).is_dir():
         raise MoestackError(
-            f"trace folder {args.trace!r} not found; give a run's trace/<part> folder"
+            f"trace folder {args.trace!r} not found; give a run's trace/ folder (its parts "
+            "joined) or one trace/<part> folder"
         )
-    trace = RoutingTrace.load(args.trace)
+    run = load_run_trace(args.trace)
+    trace = run.trace
+    if len(run.parts) > 1:
+        print(
+            f"{len(run.parts)} trace parts joined in training order: "
+            + ", ".join(f"{p.name} ({p.kept} tokens, {p.cut} cut)" for p in run.parts)
+        )
     top_k = max(trace.top_k) if isinstance(trace.top_k, list | tuple) else int(trace.top_k)
     capacities = [int(c) for c in _csv(args.capacities)] or list(default_capacities(top_k))
     jobs = [(p, c) for p in _csv(args.policies) for c in capacities]

@@ -344,7 +344,7 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     steps: int = 300  # optimizer steps
-    batch_size: int = 16  # sequences per micro-batch
+    batch_size: int = 16  # sequences per micro-batch: the global batch, split over the ranks
     grad_accum: int = 1  # micro-batches per optimizer step
     eval_every: int = 100  # evaluate validation loss every N steps (0 = only at the end)
     eval_batches: int = 8  # validation batches per evaluation
@@ -357,7 +357,7 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads (0 = torch's default)
     resume: bool = False  # continue from the newest checkpoint in out_dir
     out_dir: str = ""  # run directory ("" = hydra's output dir, or ./runs/<time> from Python)
-    wandb_project: str = "moestack"  # wandb project; offline unless WANDB_MODE says otherwise
+    wandb_project: str = ""  # wandb project ("" = $WANDB_PROJECT, else "moestack")
     wandb_mode: str = ""  # "" = WANDB_MODE or offline; "disabled" turns wandb off
     progress: bool = True  # show a progress bar
     # which weights train: "all", "routers" (the MoE routers only) or "routers+experts" (and

@@ -321,12 +321,19 @@ def _activation_lines(plan: MemoryPlan, cfg: TrainConfig) -> None:
         plan.notes.append("activations on CUDA assume bf16 autocast (router math stays fp32)")
 
 
-def log_plan(cfg: TrainConfig, ranks: int, device: torch.device) -> MemoryPlan | None:
-    """Log the plan at the start of a run (none for a transformers model)."""
+def log_plan(
+    cfg: TrainConfig, ranks: int, device: torch.device, table: bool = True
+) -> MemoryPlan | None:
+    """Log the plan at the start of a run (none for a transformers model): its table, or
+    with ``table=False`` (a sweep's later jobs) its totals in one line."""
     if cfg.model.path:
         return None
     plan = plan_memory(cfg, ranks, device.type)
-    log.info("memory plan (per rank):\n%s", plan.format())
+    if table:
+        log.info("memory plan (per rank):\n%s", plan.format())
+    else:
+        log.info("memory plan (per rank): device %.2f MiB, host %.2f MiB (`moestack plan` for "
+                 "the table)", plan.total("device") / 2**20, plan.total("host") / 2**20)  # fmt: skip
     return plan
 
 

@@ -55,7 +55,7 @@ class MetricsWriter:
         run_dir: Path,
         *,
         enabled: bool = True,
-        wandb_project: str = "moestack",
+        wandb_project: str = "",
         wandb_mode: str = "",
         wandb_config: dict[str, Any] | None = None,
         resume_step: int | None = None,
@@ -69,8 +69,9 @@ class MetricsWriter:
             truncate_after(self.path, resume_step)
         self.file = self.path.open("a")
         mode = wandb_mode or os.environ.get("WANDB_MODE", "offline")
+        project = wandb_project or os.environ.get("WANDB_PROJECT") or "moestack"
         if mode != "disabled":
-            self.wandb_run = self._start_wandb(run_dir, wandb_project, mode, wandb_config or {})
+            self.wandb_run = self._start_wandb(run_dir, project, mode, wandb_config or {})
 
     @staticmethod
     def _start_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> Any:
@@ -131,23 +132,39 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def human_count(n: int) -> str:
+    """A count with three significant digits and a suffix (384, 24.8K, 3.45M, 1.20B): never
+    0.00M for a few hundred."""
+    rounded = float(f"{n:.3g}")  # 999,999 is 1.00M, not 1000K
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(rounded) >= scale:
+            return f"{rounded / scale:#.3g}".rstrip(".") + suffix
+    return str(int(n))
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """A two-column table of the run's headline numbers."""
+    """A table of the run's headline numbers, with what each one is where it is not plain."""
+    eval_s, train_s = summary.get("perf/eval_s"), summary.get("perf/train_s")
+    timing = f"training steps only ({train_s:.0f} s); evaluation {eval_s:.0f} s apart"
     rows = [
-        ("train loss", f"{summary['loss/train']:.4f}"),
-        ("val loss", f"{summary['loss/val']:.4f}"),
-        ("val perplexity", f"{summary['eval/perplexity']:.3f}"),
-        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}"),
-        ("params (total)", f"{summary['params/total'] / 1e6:.2f}M"),
-        ("params (active/token)", f"{summary['params/active'] / 1e6:.2f}M"),
-        ("skipped steps", str(summary["perf/bad_steps"])),
+        ("train loss", f"{summary['loss/train']:.4f}", "mean of the last log interval"),
+        ("val loss", f"{summary['loss/val']:.4f}", "final checkpoint, validation split"),
+        ("val perplexity", f"{summary['eval/perplexity']:.3f}", "exp(val loss)"),
+        ("tokens/s", f"{summary['perf/tokens_per_s']:.0f}", timing if eval_s is not None else ""),
+        ("params (total)", human_count(summary["params/total"]), "the whole model, every expert"),
+        ("params (active/token)", human_count(summary["params/active"]), "top_k of the experts"),
+        ("skipped steps", str(summary["perf/bad_steps"]), "non-finite loss, update skipped"),
     ]
     rows += [
-        (f"layer {key.split('/')[1][5:]} imbalance", f"{value:.2f}")
+        (f"layer {key.split('/')[1][5:]} imbalance", f"{value:.2f}", "max/mean tokens per expert")
         for key, value in summary.items()
         if key.endswith("/imbalance")
     ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{'metric':<{width}}  value", f"{'-' * width}  -----"]
-    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    width = max(len(name) for name, _, _ in rows)
+    values = max(5, *(len(value) for _, value, _ in rows))
+    lines = [
+        f"{'metric':<{width}}  {'value':<{values}}  note",
+        f"{'-' * width}  {'-' * values}  ----",
+    ]
+    lines += [f"{name:<{width}}  {value:<{values}}  {note}".rstrip() for name, value, note in rows]
     return "\n".join(lines)

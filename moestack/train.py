@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
+import re
+import shutil
 import sys
 import typing
 from collections.abc import Iterator
@@ -24,15 +27,16 @@ from typing import Any, TextIO
 from omegaconf import OmegaConf
 
 import moestack
+from moestack import sweep_summary
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
-from moestack.runs import check_out_dir, check_run_dir_free
+from moestack.runs import LOCK_FILE, check_out_dir, check_run_dir_free
 from moestack.trainer import train
 
 log = logging.getLogger(__name__)
 
 _MAX_STATUS = 125  # exit statuses above are the shell's own
-_jobs: list[tuple[str, str | None]] = []  # this process's sweep jobs: (label, error or None)
+_jobs: list[sweep_summary.SweepJob] = []  # this process's sweep jobs, as they ended
 
 
 def _check_overrides(overrides: list[str]) -> None:
@@ -73,6 +77,19 @@ def _command_line_out_dir(argv: list[str]) -> Path | None:
     return found
 
 
+def torchrun_out_dir(argv: list[str], env: dict[str, str]) -> str | None:
+    """The run folder every rank of a torchrun launch without ``out_dir`` agrees on, with no
+    message between them: ``outputs/torchrun/<run id>`` (torchrun gives each launch an id,
+    the same on every rank: a fresh one with ``--standalone``); None outside torchrun, in a
+    sweep, with ``out_dir`` given, or when the launch has no id of its own."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if int(env.get("WORLD_SIZE", "1")) <= 1 or _command_line_out_dir(argv) is not None:
+        return None
+    if any(arg in ("-m", "--multirun") for arg in argv) or run_id in ("", "none"):
+        return None
+    return f"outputs/torchrun/{run_id}"
+
+
 def check_out_dir_early(argv: list[str]) -> None:
     """Refuse an ``out_dir`` that cannot hold a run, or that another process trains into,
     before hydra writes its own record (``.hydra/``, ``train.log``) into it."""
@@ -108,19 +125,22 @@ def launch_record(hydra_cfg: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- one run
-def _run(dict_cfg: Any, hydra_cfg: Any) -> None:
-    """Check and build the config, then train in the run's folder."""
+def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
+    """Check and build the config, then train in the run's folder; returns its summary."""
     _check_overrides(list(hydra_cfg.overrides.task))
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.out_dir:
-        raise MoestackError("under torchrun, set out_dir=<run dir> so every rank writes one run")
+        raise MoestackError(
+            "under torchrun without a launch id (--rdzv-id), set out_dir=<run dir> so every "
+            "rank writes one run"
+        )
     multirun = _is_sweep(hydra_cfg)
     # hydra's folder is out_dir (or the dated default); a sweep job's is out_dir/<job>.
     out_dir = (
         Path(cfg.out_dir) if cfg.out_dir and not multirun else Path(hydra_cfg.runtime.output_dir)
     )
     cfg.out_dir = str(out_dir)  # config.yaml names the folder the run lives in
-    train(cfg, out_dir, launch=launch_record(hydra_cfg))
+    return train(cfg, out_dir, launch=launch_record(hydra_cfg))
 
 
 @contextlib.contextmanager
@@ -143,18 +163,22 @@ def _wandb_names(hydra_cfg: Any) -> Iterator[None]:
 def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
     """One job of a sweep: its failure is logged (one line for a bad value) and counted,
     never raised, so the other jobs run."""
-    label = f"#{hydra_cfg.job.num} ({' '.join(hydra_cfg.overrides.task) or 'no overrides'})"
+    overrides = list(hydra_cfg.overrides.task)
+    label = f"#{hydra_cfg.job.num} ({' '.join(overrides) or 'no overrides'})"
+    ended = functools.partial(
+        sweep_summary.SweepJob, hydra_cfg.job.num, overrides, Path(hydra_cfg.runtime.output_dir)
+    )
     try:
         with _wandb_names(hydra_cfg):
-            _run(dict_cfg, hydra_cfg)
+            summary = _run(dict_cfg, hydra_cfg)
     except (MoestackError, ValueError) as err:
         log.error("job %s failed: %s", label, err)
-        _jobs.append((label, str(err)))
+        _jobs.append(ended(str(err), None))
     except Exception as err:  # a bug or a crash: the traceback goes to the job's train.log
         log.exception("job %s failed", label)
-        _jobs.append((label, f"{type(err).__name__}: {err}"))
+        _jobs.append(ended(f"{type(err).__name__}: {err}", None))
     else:
-        _jobs.append((label, None))
+        _jobs.append(ended(None, summary))
 
 
 def _hydra_task(dict_cfg: Any) -> None:
@@ -168,7 +192,27 @@ def _hydra_task(dict_cfg: Any) -> None:
         _run(dict_cfg, hydra_cfg)
     except (MoestackError, ValueError) as err:
         log.error("error: %s", err)
+        _remove_refused_folder(Path(hydra_cfg.runtime.output_dir), dated=not dict_cfg.out_dir)
         sys.exit(2)
+
+
+_HYDRA_ONLY = re.compile(r"\.hydra|train(\.rank\d+)?\.log|" + re.escape(LOCK_FILE))
+
+
+def _remove_refused_folder(out_dir: Path, dated: bool) -> None:
+    """A refused run leaves no folder: remove ``out_dir`` when it holds nothing but what
+    hydra wrote for this start (``.hydra/``, the log); and the empty ``outputs/<date>``
+    above a dated default one."""
+    try:
+        names = [p.name for p in out_dir.iterdir()]
+    except OSError:
+        return
+    if not all(_HYDRA_ONLY.fullmatch(name) for name in names):
+        return  # a run, or the user's own files: kept
+    shutil.rmtree(out_dir, ignore_errors=True)
+    for parent in (out_dir.parent, out_dir.parent.parent) if dated else ():
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only while empty
 
 
 def _say(message: str, stream: TextIO) -> None:
@@ -186,15 +230,42 @@ def _say(message: str, stream: TextIO) -> None:
 
 
 def _sweep_status() -> int:
-    """Report a sweep's failed jobs on stderr; returns the exit status (their number)."""
-    failed = [(label, error) for label, error in _jobs if error is not None]
+    """Print the table comparing the sweep's jobs (and write it beside them), report the
+    failed jobs on stderr; returns the exit status (their number)."""
+    rows = sweep_summary.rows(_jobs)
+    sweep_dir = _jobs[0].out_dir.parent
+    written = sweep_summary.write(sweep_dir, rows)
+    _say(f"{sweep_summary.format_table(rows)}\n(also in {written})", sys.stdout)
+    failed = [job for job in _jobs if job.error is not None]
     if not failed:
         _say(f"moestack-train: all {len(_jobs)} jobs finished", sys.stdout)
         return 0
     _say(f"moestack-train: {len(failed)} of {len(_jobs)} jobs failed:", sys.stderr)
-    for label, error in failed:
-        _say(f"  job {label}: {error}", sys.stderr)
+    for job in failed:
+        _say(f"  job #{job.num} ({' '.join(job.overrides) or 'no overrides'}): {job.error}",
+             sys.stderr)  # fmt: skip
     return min(len(failed), _MAX_STATUS)
+
+
+_HYDRAS_VERSION_FLAG = "--version : Show Hydra's version and exit"
+
+
+def _hydra_help() -> None:
+    """hydra's own help, except that ``--version`` is moestack's here (``main`` takes it
+    before hydra sees it)."""
+    import io
+
+    import hydra
+
+    from moestack.config import register_configs
+
+    register_configs()
+    app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
+        app(_hydra_task)()
+    mine = f"--version : Show moestack's version and exit (hydra is {hydra.__version__})"
+    sys.stdout.write(text.getvalue().replace(_HYDRAS_VERSION_FLAG, mine))
 
 
 def main() -> None:
@@ -202,6 +273,12 @@ def main() -> None:
     if "--version" in sys.argv[1:]:  # before hydra, whose own --version names hydra's
         _say(f"moestack {moestack.__version__}", sys.stdout)
         return
+    if "--hydra-help" in sys.argv[1:]:
+        _hydra_help()
+        return
+    shared = torchrun_out_dir(sys.argv[1:], dict(os.environ))
+    if shared is not None:  # before hydra, which makes the run folder from it
+        sys.argv.append(f"out_dir={shared}")
     try:
         check_out_dir_early(sys.argv[1:])
     except MoestackError as err:

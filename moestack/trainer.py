@@ -29,7 +29,7 @@ from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
-from moestack.metrics import MetricsWriter, format_summary
+from moestack.metrics import MetricsWriter, format_summary, human_count
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
@@ -93,7 +93,9 @@ class Run:
     mesh: parallel.ExpertParallelMesh | None = None  # parallel.ep > 1: this rank's place
     exchange: parallel.ExchangeStats | None = None  # parallel.ep > 1: all-to-all counters
     last_metrics: dict[str, float] = field(default_factory=dict)
-    interval_start: float = field(default_factory=time.perf_counter)
+    interval_step_s: float = 0.0  # seconds in train_step since the last log record
+    train_s: float = 0.0  # seconds in train_step since this process started
+    eval_s: float = 0.0  # seconds in evaluation since this process started
 
     @property
     def ckpt_root(self) -> Path:
@@ -131,9 +133,10 @@ def train(
     check_out_dir(out_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    first_job = not (launch or {}).get("sweep") or launch["sweep"].get("job") == 0
     with _holding(out_dir), provenance.recorded_start(out_dir, cfg, launch):
         try:
-            return _train(cfg, out_dir)
+            return _train(cfg, out_dir, plan_table=first_job)
         except OSError as err:  # a run file that cannot be written: one line, not a traceback
             raise _unwritable(err, out_dir) from err
 
@@ -156,21 +159,25 @@ def _holding(out_dir: Path) -> contextlib.AbstractContextManager:
     )
 
 
-def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
-    """The run itself: build it, step to ``cfg.steps`` (checkpointing, logging), finish."""
+def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str, Any]:
+    """The run itself: build it, step to ``cfg.steps`` (checkpointing, logging), finish.
+    ``plan_table=False`` logs the memory plan's totals only (a sweep's later jobs)."""
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
         run = build_run(cfg, out_dir, dist_info)
         plan = (
-            memory_plan.log_plan(cfg, dist_info.world_size, run.device)
+            memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table)
             if dist_info.is_main
             else None
         )
         progress = _progress_bar(cfg, run.start_step) if dist_info.is_main else None
-        run_start = time.perf_counter()
         try:
             for step in range(run.start_step, cfg.steps):
+                started = time.perf_counter()
                 result = train_step(run)
+                seconds = time.perf_counter() - started
+                run.interval_step_s += seconds
+                run.train_s += seconds
                 run.state.step = done = step + 1
                 if step == run.start_step:
                     memory_plan.log_peak(plan, run.device)
@@ -186,7 +193,7 @@ def _train(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
         finally:
             if progress is not None:
                 progress.close()
-        summary = finish_run(run, time.perf_counter() - run_start)
+        summary = finish_run(run)
         # No rank tears its process group down while another still talks to it: gloo aborts
         # a rank whose peer closed the connection first (seen as a SIGABRT at exit).
         distributed.barrier(dist_info)
@@ -273,7 +280,7 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
     """Write one metrics record for the steps since the last one (plus an evaluation every
     ``eval_every`` steps and telemetry's interval metrics), then start a new interval."""
     cfg, state = run.cfg, run.state
-    elapsed = time.perf_counter() - run.interval_start
+    elapsed = run.interval_step_s  # training throughput: evaluation and checkpoints apart
     metrics = {
         "loss/train": state.interval_loss / state.interval_steps,
         "loss/aux": state.interval_aux / state.interval_steps,
@@ -288,8 +295,7 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
         steps = state.interval_steps
         metrics.update(parallel.exchange_metrics(run.exchange, run.dist.world_size, steps, elapsed))
     if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-        with _paused(run.telemetry):
-            metrics.update(evaluate(run.model, run.val_batches, run.device))
+        metrics.update(_evaluate(run))
         if run.exchange is not None:  # evaluation's exchanges are not training traffic
             run.exchange.reset()
     charts = None
@@ -304,15 +310,24 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
             loss=f"{metrics['loss/train']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}"
         )
     state.reset_interval()
-    run.interval_start = time.perf_counter()
+    run.interval_step_s = 0.0
 
 
-def finish_run(run: Run, seconds: float) -> dict[str, Any]:
+def _evaluate(run: Run) -> dict[str, float]:
+    """Validation loss and perplexity, out of the routing trace; its time is counted apart
+    from training's."""
+    started = time.perf_counter()
+    with _paused(run.telemetry):
+        out = evaluate(run.model, run.val_batches, run.device)
+    run.eval_s += time.perf_counter() - started
+    return out
+
+
+def finish_run(run: Run) -> dict[str, Any]:
     """Final evaluation and checkpoint, close the sinks; returns (and on rank 0 writes and
     prints) the run summary."""
     cfg = run.cfg
-    with _paused(run.telemetry):
-        final_eval = evaluate(run.model, run.val_batches, run.device)
+    final_eval = _evaluate(run)
     save(run, cfg.steps)
     run.writer.log(cfg.steps, final_eval)
     if run.telemetry is not None:
@@ -320,7 +335,7 @@ def finish_run(run: Run, seconds: float) -> dict[str, Any]:
         write_json(run.out_dir / "telemetry_summary.json", run.telemetry.summary())
     run.writer.close()
     run.last_metrics.update(final_eval)
-    summary = run_summary(run, final_eval, seconds)
+    summary = run_summary(run, final_eval)
     if run.dist.is_main:
         write_json(run.out_dir / "summary.json", summary)
         log.info("\n%s", format_summary(summary))
@@ -332,16 +347,18 @@ def finish_run(run: Run, seconds: float) -> dict[str, Any]:
     return summary
 
 
-def run_summary(run: Run, final_eval: dict[str, float], seconds: float) -> dict[str, Any]:
-    """The run's headline numbers (summary.json)."""
+def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
+    """The run's headline numbers (summary.json); the throughput is this start's training
+    steps alone (evaluation and checkpoints apart, as on the progress bar)."""
     params = run.model.num_params()
+    steps = run.cfg.steps - run.start_step
     summary = {
         "loss/train": run.last_metrics.get("loss/train", float("nan")),
         "loss/val": final_eval["loss/val"],
         "eval/perplexity": final_eval["eval/perplexity"],
-        "perf/tokens_per_s": run.tokens_per_step
-        * (run.cfg.steps - run.start_step)
-        / max(seconds, 1e-9),
+        "perf/tokens_per_s": run.tokens_per_step * steps / max(run.train_s, 1e-9),
+        "perf/train_s": run.train_s,
+        "perf/eval_s": run.eval_s,
         "params/total": params["total"],
         "params/active": params["active"],
         "perf/bad_steps": run.state.bad_steps,
@@ -373,13 +390,14 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     model = cfg.model.build()  # on the host: with parallel.ep > 1 only this rank's experts
     if cfg.compile:  # ever reach the device (sharded below, before the move)
         model.compile_blocks()
+        log.info("compile=true: the blocks compile during the first step (a minute or more)")
     start_step = 0
     if resume_from is not None:
         start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
     if cfg.trainable != "all":
         trained = model.set_trainable(cfg.trainable)
-        log.info("trainable=%s: %.2fM parameters train, the rest is frozen", cfg.trainable,
-                 trained / 1e6)  # fmt: skip
+        log.info("trainable=%s: %s parameters train, the rest is frozen",
+                 cfg.trainable, human_count(trained))  # fmt: skip
     mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
                                               cfg.parallel.ep)  # fmt: skip
     model.to(device)
@@ -419,15 +437,22 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     if resume_from is not None:
         restore(run, resume_from)
     params = model.num_params()
-    log.info(
-        "model: %.2fM parameters, %.2fM active per token",
-        params["total"] / 1e6,
-        params["active"] / 1e6,
-    )
+    log.info("model: %s parameters, %s active per token", human_count(params["total"]),
+             human_count(params["active"]))  # fmt: skip
+    log.info("batch: %s", _batch_line(cfg, dist_info.world_size))
     model.train()
     if dist_info.is_main:
         run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
     return run
+
+
+def _batch_line(cfg: TrainConfig, world_size: int) -> str:
+    """batch_size is the global batch (all ranks together), split over the ranks."""
+    per_rank = f", {cfg.batch_size // world_size} per rank over {world_size} ranks"
+    return (
+        f"{cfg.batch_size} sequences of {cfg.data.seq_len} tokens per micro-batch, the global "
+        f"batch{per_rank if world_size > 1 else ''}; x {cfg.grad_accum} micro-batches a step"
+    )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
@@ -517,22 +542,43 @@ def restore(run: Run, path: Path) -> None:
 
 # --------------------------------------------------------------------------- small helpers
 def _attach_telemetry(cfg: TrainConfig, model: RoutedLM, out_dir: Path, start_step: int):
-    """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>."""
+    """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>, its meta
+    saying where it starts and how many rows a step records. A resumed run first replays its
+    earlier parts, cut at this step, into the live caches, so that interval metrics and
+    telemetry_summary.json cover the whole run (moestack.telemetry.run_trace)."""
     if not cfg.telemetry.enabled:
         return None
-    from moestack.telemetry import attach
+    from moestack.telemetry import attach, run_trace
 
     trace_root = Path(cfg.telemetry.trace_dir) if cfg.telemetry.trace_dir else out_dir / "trace"
-    part = trace_root / f"from-{start_step:07d}"
+    for stale in run_trace.find_parts(trace_root):
+        if (run_trace.part_step(stale) or 0) >= start_step:  # this start records those steps anew
+            if run_trace.part_step(stale) != start_step:
+                log.warning("%s: a later start this run abandons; removed", stale)
+            shutil.rmtree(stale)
+    part = trace_root / run_trace.part_name(start_step)
     if part.exists():  # left by an attempt that crashed after this checkpoint: recorded anew
         shutil.rmtree(part)
-    return attach(
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    per_step = cfg.batch_size // world * cfg.grad_accum * cfg.data.seq_len  # rank 0's rows
+    telemetry = attach(
         model,
         policies=cfg.telemetry.policies,
         capacities=cfg.telemetry.capacities,
         trace_dir=str(part),
         max_memory_tokens=0,
+        meta={run_trace.META_START_STEP: start_step, run_trace.META_TOKENS_PER_STEP: per_step},
     )
+    try:
+        history = run_trace.load_history(trace_root, start_step)
+    except ValueError as err:  # a damaged earlier part must not stop the run from resuming
+        log.warning("telemetry: the earlier trace cannot be replayed (%s); "
+                    "telemetry_summary.json covers this start only", err)  # fmt: skip
+        history = None
+    if history is not None:
+        telemetry.replay_history(history, interval_tokens=cfg.log_every * per_step)
+    return telemetry
 
 
 def _paused(telemetry: Any) -> contextlib.AbstractContextManager:

@@ -3,12 +3,15 @@
 ``attach(model)`` hooks the routers, ``Telemetry.trace`` is a ``RoutingTrace``,
 ``simulate`` / ``sweep`` replay a trace through the cache policies of ``moestack.cache``,
 ``run_telemetry`` and ``render_report`` work on their own, without a training loop.
+``load_run_trace`` joins a resumed run's trace parts (``trace/from-<step>/``) in training
+order, each cut before the next part's start, as one ``RoutingTrace``.
 """
 
 from moestack.telemetry.detect import ROUTER_DETECTORS, RouterSpec, find_routers
 from moestack.telemetry.hooks import Telemetry, attach
 from moestack.telemetry.replay import CacheStats, LayerStats, simulate, sweep
 from moestack.telemetry.report import render_report
+from moestack.telemetry.run_trace import RunTrace, TracePart, load_run_trace
 from moestack.telemetry.standalone import run_telemetry, tiny_model
 from moestack.telemetry.trace import RoutingTrace, TraceChunk, TraceFormatError
 
@@ -18,11 +21,14 @@ __all__ = [
     "LayerStats",
     "RouterSpec",
     "RoutingTrace",
+    "RunTrace",
     "Telemetry",
     "TraceChunk",
     "TraceFormatError",
+    "TracePart",
     "attach",
     "find_routers",
+    "load_run_trace",
     "render_report",
     "run_telemetry",
     "simulate",

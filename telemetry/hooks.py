@@ -15,12 +15,17 @@ previous call through each configured policy and capacity, one cache per layer
 (``moestack.telemetry.live``); ``capacity_curves`` / ``wandb_charts`` are in
 ``moestack.telemetry.charts``. Without ``capacities=`` the capacities are
 ``default_capacities(top_k)`` of the routers' largest top_k: (2, 4) for top_k = 2.
+
+A resumed training run continues the whole run's numbers: ``Telemetry.replay_history`` feeds
+the earlier trace parts (``moestack.telemetry.run_trace``) through the live caches first, and
+``summary()`` lists every part (``parts``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,7 @@ from torch import nn
 from moestack.telemetry import charts
 from moestack.telemetry.detect import ROUTER_DETECTORS, RouterSpec, extract_experts, find_routers
 from moestack.telemetry.live import LiveReplay
+from moestack.telemetry.run_trace import JOINED, META_START_STEP, RunTrace, TracePart, intervals
 from moestack.telemetry.trace import RoutingTrace, TraceChunk, expert_dtype
 
 __all__ = ["ROUTER_DETECTORS", "RouterSpec", "Telemetry", "attach", "find_routers"]
@@ -98,6 +104,7 @@ class Telemetry:
         chunk_tokens: int = 1 << 18,
         max_memory_tokens: int = 1 << 20,
         entropy: bool = True,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         self._live = LiveReplay(specs, policies, capacities)  # checks policies / capacities
         self.model = model
@@ -116,7 +123,11 @@ class Telemetry:
             path=trace_dir or None,
             chunk_tokens=chunk_tokens,
             max_memory_tokens=None if trace_dir else max_memory_tokens,
-            meta={"model": type(model).__name__, "router_kinds": [s.kind for s in specs]},
+            meta={
+                "model": type(model).__name__,
+                "router_kinds": [s.kind for s in specs],
+                **(meta or {}),
+            },
         )
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._active = True
@@ -128,6 +139,7 @@ class Telemetry:
         self._last_call: tuple[int, np.ndarray] | None = None  # (batch, seq ids) of last call
         self._hook_errors = 0
         self._fallback_warned = False
+        self._history: list[TracePart] = []  # earlier parts of the run, replayed first
         self._hook()
 
     # ------------------------------------------------------------------ hooks
@@ -312,6 +324,72 @@ class Telemetry:
         chunks, self._unread = self._unread, []
         self._live.replay(chunks)
 
+    # ------------------------------------------------------------------ a resumed run
+    def replay_history(self, history: RunTrace, *, interval_tokens: int | None = None) -> int:
+        """Replay a resumed run's earlier parts through the live caches; returns their tokens.
+
+        Call it before the first recorded forward, with the parts cut at this start's step
+        (``load_history(root, start)``; the rows stream from the parts' files): the caches
+        then stand where the run stood at the resume step, and interval metrics and
+        ``summary()`` cover the whole run.
+        The tokens are not written into this Telemetry's trace (they are on disk already).
+        ``interval_tokens`` replays them in the intervals the earlier starts logged (None:
+        one interval), so that pinned policies re-pin as they did; their metrics are not
+        returned again. Routing entropy needs router probabilities, which the trace holds
+        only with ``record_probs``: without them it covers this start's tokens alone.
+        """
+        if self._raw or self._unread or self.trace.num_tokens or self._live.intervals:
+            raise ValueError(
+                "replay_history() must come before the first recorded forward and interval; "
+                "call it right after attach()"
+            )
+        self._check_history(history)
+        started = time.perf_counter()
+        rate, done = history.tokens_per_step, 0
+        first = history.parts[0].start_step or 0
+        for chunks in intervals(history.iter_chunks(), interval_tokens):
+            self._live.replay(chunks)
+            if self.compute_entropy and history.record_probs:
+                self._add_entropy(chunks)
+            done += sum(c.num_tokens for c in chunks)
+            self._live.end_interval(first + done // rate if rate else None)
+        self._history = list(history.parts)
+        log.info(
+            "telemetry: replayed the run's %d earlier tokens (%s, %s) in %.2f s",
+            done,
+            ", ".join(p.name for p in history.parts),
+            JOINED,
+            time.perf_counter() - started,
+        )
+        return done
+
+    def _check_history(self, history: RunTrace) -> None:
+        want = ([s.top_k for s in self.routers], [s.num_experts for s in self.routers])
+        if (history.top_k, history.num_experts) != want:
+            raise ValueError(
+                f"{history.root}: the earlier trace has top_k {history.top_k} and num_experts "
+                f"{history.num_experts} per layer, this model {want[0]} and {want[1]}; it is "
+                "not this run's trace"
+            )
+
+    def _add_entropy(self, chunks: list[TraceChunk]) -> None:
+        """Routing-entropy sums of recorded router probabilities (as the hook takes them)."""
+        for chunk in chunks:
+            for layer, probs in enumerate(chunk.probs or []):
+                p = probs.astype(np.float64)
+                ent = -(p * np.log(np.where(p > 0, p, 1.0))).sum()
+                self._live.add_entropy(layer, float(ent), chunk.num_tokens)
+
+    def parts(self) -> list[dict[str, Any]]:
+        """The run's trace parts this Telemetry covers: the replayed ones, then its own."""
+        own = {
+            "name": self.trace.path.name if self.trace.path is not None else None,
+            "start_step": self.trace.meta.get(META_START_STEP),
+            "tokens": self.trace.num_tokens,
+            "tokens_cut": 0,
+        }
+        return [p.to_dict() for p in self._history] + [own]
+
     # ------------------------------------------------------------------ outputs
     def interval_metrics(self, step: int | None = None) -> dict[str, float]:
         """Flat metrics over the requests since the previous call (empty dict if none).
@@ -333,7 +411,11 @@ class Telemetry:
         """Whole-run numbers: hit rates per policy and capacity, usage, switch rate, entropy."""
         self._update()
         out = self._live.summary()
-        out["trace_tokens"] = self.trace.num_tokens
+        parts = self.parts()
+        out["trace_tokens"] = sum(p["tokens"] for p in parts)
+        out["parts"] = parts
+        if self._history:
+            out["parts_joined"] = JOINED
         out["dropped_tokens"] = self.trace.dropped_tokens
         out["replay_seconds"] = self._live.replay_seconds
         out["hook_errors"] = self._hook_errors
@@ -369,6 +451,7 @@ def attach(
     chunk_tokens: int = 1 << 18,
     max_memory_tokens: int = 1 << 20,
     entropy: bool = True,
+    meta: dict[str, Any] | None = None,
 ) -> Telemetry:
     """Hook ``model``'s MoE routers; returns a Telemetry (also a context manager).
 
@@ -376,7 +459,9 @@ def attach(
     ``default_capacities(top_k)`` of the routers' largest top_k. ``trace_dir`` streams the
     trace to that directory (``chunk_tokens`` rows per file); without it the trace stays in
     memory, at most ``max_memory_tokens`` rows (0: keep none, metrics only).
-    ``entropy=False`` skips the per-token routing-entropy sum in the hook.
+    ``entropy=False`` skips the per-token routing-entropy sum in the hook. ``meta`` is added
+    to the trace header's meta (training records ``start_step`` and ``tokens_per_step``
+    there, so that ``load_run_trace`` can join a resumed run's parts).
     """
     specs = find_routers(model, routers, top_k=top_k, num_experts=num_experts)
     log.info(
@@ -395,4 +480,5 @@ def attach(
         chunk_tokens=chunk_tokens,
         max_memory_tokens=max_memory_tokens,
         entropy=entropy,
+        meta=meta,
     )

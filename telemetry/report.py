@@ -2,13 +2,18 @@
 
 ``render_report(run_dir)`` reads what a run leaves (``metrics.jsonl``, ``summary.json``,
 ``telemetry_summary.json``, ``config.yaml``, ``provenance.json``, the routing trace in
-``trace/`` or ``trace_dir=``) and writes into ``run_dir/report/``:
+``trace/`` or ``trace_dir=``: a resumed run's parts joined in training order, see
+``run_trace``) and writes into ``run_dir/report/``:
 
 - charts from the metrics (``report_plots``): ``loss.png`` (cross-entropy and perplexity),
   ``router_losses.png``, ``routing.png``, ``hit_rate.png`` (a panel per capacity),
   ``layer_hit_rate.png``;
 - charts from the trace: ``expert_usage.png`` and ``capacity_sweep.png`` + ``sweep.json``;
-- ``index.html``: the summary, hit-rate and setup tables (``report_tables``) and the charts.
+- ``index.html``: the summary, hit-rate, setup and trace tables (``report_tables``) and the
+  charts.
+
+Every chart over training steps marks each step where the run resumed (a dashed line,
+"resumed"); the progress bar's total counts the sweep's jobs from the start.
 
 It works for training runs and for ``moestack telemetry`` runs (whose rows are batches of a
 text: their charts run along the tokens routed, not training steps).
@@ -31,6 +36,8 @@ from moestack.metrics import read_metrics
 from moestack.telemetry import report_plots as plots
 from moestack.telemetry import report_tables as tables
 from moestack.telemetry.report_plots import usage_heatmap_figure
+from moestack.telemetry.run_trace import JOINED, RunTrace, find_parts, load_run_trace
+from moestack.telemetry.trace import HEADER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -52,30 +59,13 @@ def usage_heatmap_rgb(usage: np.ndarray) -> np.ndarray:
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
 
-def _find_trace(run: Path, trace_dir: str | os.PathLike[str] | None) -> Path | None:
-    """The trace directory of a run (resumed runs: trace/<part>/, the last); None if none."""
-    from moestack.telemetry.trace import HEADER_FILE
-
-    trace_path = Path(trace_dir) if trace_dir is not None else run / "trace"
-    if not (trace_path / HEADER_FILE).is_file():
-        parts = sorted(p.parent for p in trace_path.glob(f"*/{HEADER_FILE}"))
-        while len(parts) > 1 and _holds_no_tokens(parts[-1]):
-            log.warning("%s holds no tokens (stopped before its first flush); skipped", parts[-1])
-            parts.pop()
-        trace_path = parts[-1] if parts else trace_path
-    return trace_path if (trace_path / HEADER_FILE).is_file() else None
-
-
-def _holds_no_tokens(trace_path: Path) -> bool:
-    """Whether a trace part's header says it holds no tokens (a bad header: False, so that
-    loading it reports what is wrong)."""
-    from moestack.telemetry.trace import HEADER_FILE
-
-    try:
-        header = json.loads((trace_path / HEADER_FILE).read_text())
-        return isinstance(header, dict) and header.get("num_tokens") == 0
-    except (OSError, ValueError):
-        return False
+def _find_trace(run: Path, trace_dir: str | os.PathLike[str] | None) -> RunTrace | None:
+    """The run's whole routing trace: every part of ``trace/`` (or ``trace_dir``) joined in
+    training order (``run_trace.load_run_trace``); None when there is none."""
+    root = Path(trace_dir) if trace_dir is not None else run / "trace"
+    if not (root / HEADER_FILE).is_file() and not find_parts(root):
+        return None
+    return load_run_trace(root)
 
 
 def _sweep_jobs(trace: Any, policies: Sequence[str]) -> list[tuple[str, int]]:
@@ -85,21 +75,18 @@ def _sweep_jobs(trace: Any, policies: Sequence[str]) -> list[tuple[str, int]]:
 
 
 def _trace_charts(
-    trace_path: Path, out: Path, policies: Sequence[str], max_accesses: int, bar: Any
+    found: RunTrace, out: Path, jobs: list[tuple[str, int]], max_accesses: int, bar: Any
 ) -> tuple[list[tuple[str, str]], tables.Table]:
-    """Expert usage and the capacity sweep of a trace (also sweep.json): (images, table)."""
+    """Expert usage and the capacity sweep of the run's trace (also sweep.json): (images,
+    table)."""
     from moestack.telemetry.replay import sweep
-    from moestack.telemetry.trace import RoutingTrace
 
-    trace = RoutingTrace.load(trace_path)
+    trace = found.trace
     usage = np.zeros((trace.num_layers, max(trace.num_experts)), dtype=np.int64)
     for layer in range(trace.num_layers):
         n = trace.num_experts[layer]
         usage[layer, :n] = np.bincount(trace.accesses(layer), minlength=n)[:n]
     usage_heatmap_figure(usage).savefig(out / "expert_usage.png")
-    jobs = _sweep_jobs(trace, policies)
-    bar.total = (bar.total or 0) + len(jobs)
-    bar.refresh()
     sweep_rows = []
     for policy, capacity in jobs:
         for stats in sweep(trace, [policy], [capacity], max_accesses=max_accesses):
@@ -110,15 +97,9 @@ def _trace_charts(
     (out / "sweep.json").write_text(json.dumps(sweep_rows, indent=1))
     images = [
         ("expert_usage.png", "Expert usage per layer (share of each layer's requests)"),
-        plots.sweep_chart(sweep_rows).save(out),
+        plots.sweep_chart(sweep_rows, len(found.parts)).save(out),
     ]
-    table = tables.Table("Routing trace", ["trace", "value"], note=str(trace_path))
-    table.rows = [
-        [tables.Cell("tokens"), tables.Cell(str(trace.num_tokens), "num_tokens", trace.num_tokens)],
-        [tables.Cell("MoE layers"), tables.Cell(str(trace.num_layers))],
-        [tables.Cell("experts per layer"), tables.Cell(str(max(trace.num_experts)))],
-    ]
-    return images, table
+    return images, tables.trace_table(found)
 
 
 def _page(run: Path, images: list[tuple[str, str]], parts: list[tables.Table]) -> str:
@@ -136,7 +117,7 @@ def _page(run: Path, images: list[tuple[str, str]], parts: list[tables.Table]) -
         "color:#222}h1{font-size:1.5em;margin-bottom:0}.path{color:#666;margin-top:4px}"
         ".tables{display:flex;flex-wrap:wrap;gap:8px 32px;align-items:flex-start}"
         "table{border-collapse:collapse;font-size:.92em}th,td{padding:3px 10px;text-align:left;"
-        "border-bottom:1px solid #ddd}td[data-value]{text-align:right;"
+        "border-bottom:1px solid #ddd;white-space:pre-line}td[data-value]{text-align:right;"
         "font-variant-numeric:tabular-nums}th{background:#f3f3f3}.note{color:#777;font-size:.8em;"
         "margin:4px 0}figure{margin:24px 0}img{max-width:100%;border:1px solid #eee}"
         "figcaption{color:#555;font-size:.9em}"
@@ -157,8 +138,12 @@ def _page(run: Path, images: list[tuple[str, str]], parts: list[tables.Table]) -
 def _tables(run: Path) -> list[tables.Table]:
     """Summary, hit rates and setup tables of the run's files (those it has)."""
     summary = tables.read_json(run / "summary.json")
-    live = tables.read_json(run / "telemetry_summary.json").get("metrics")
+    telemetry = tables.read_json(run / "telemetry_summary.json")
+    live = telemetry.get("metrics")
     source = "telemetry_summary.json" if isinstance(live, dict) else "summary.json"
+    trace_parts = telemetry.get("parts") if isinstance(live, dict) else None
+    if isinstance(trace_parts, list) and len(trace_parts) > 1:
+        source += f", the run's {len(trace_parts)} trace {JOINED}"
     metrics = live if isinstance(live, dict) else summary.get("metrics")
     found = [
         tables.summary_table(summary),
@@ -193,20 +178,25 @@ def render_report(
     rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     if not rows:
         log.warning("%s: no metrics.jsonl rows; the report has only trace charts", run)
+    found = _find_trace(run, trace_dir)
+    jobs = _sweep_jobs(found.trace, policies) if found is not None else []
+    resumed = found.resume_steps if found is not None else []
     images: list[tuple[str, str]] = []
     parts = _tables(run)
-    with tqdm(total=len(METRIC_CHARTS), desc="report", unit="step", disable=not progress) as bar:
+    total = len(METRIC_CHARTS) + len(jobs)  # the sweep's jobs counted before the bar starts
+    with tqdm(total=total, desc="report", unit="step", disable=not progress) as bar:
         for chart in METRIC_CHARTS:
             drawn = chart(rows) if rows else None
             if drawn is not None:
+                if plots.x_axis(rows)[0] == "step":  # training steps: where the run resumed
+                    drawn = plots.mark_resumes(drawn, resumed)
                 images.append(drawn.save(out))
             bar.update(1)
-        trace_path = _find_trace(run, trace_dir)
-        if trace_path is not None:
-            trace_images, trace_table = _trace_charts(trace_path, out, policies, max_accesses, bar)
+        if found is not None:
+            trace_images, trace_table = _trace_charts(found, out, jobs, max_accesses, bar)
             images += trace_images
             parts.append(trace_table)
     index = out / "index.html"
     index.write_text(_page(run, images, parts), encoding="utf-8")
-    log.info("report written to %s", index)
+    log.debug("report written to %s", index)  # the caller says where (moestack report prints it)
     return index

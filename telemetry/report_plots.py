@@ -22,11 +22,13 @@ Rows = list[dict[str, Any]]
 
 
 class Chart(NamedTuple):
-    """A drawn chart: the PNG file it is saved as, its caption, the matplotlib Figure."""
+    """A drawn chart: the PNG file it is saved as, its caption, the matplotlib Figure, and
+    the steps where it marks that the run resumed."""
 
     name: str
     caption: str
     figure: Any
+    resumed: tuple[int, ...] = ()
 
     def save(self, out: Path) -> tuple[str, str]:
         self.figure.savefig(out / self.name)
@@ -64,6 +66,26 @@ def figure(width: float = 7.0, height: float = 4.0) -> Any:
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+RESUMED = "resumed"  # the label of a resume mark
+
+
+def mark_resumes(chart: Chart, steps: Sequence[int]) -> Chart:
+    """``chart`` with a dashed vertical line labelled "resumed" at each step where the run
+    resumed, on every panel; returns it with ``resumed`` set to the steps drawn."""
+    if not steps:
+        return chart
+    for ax in chart.figure.axes:
+        if not ax.get_visible():
+            continue
+        for step in steps:
+            ax.axvline(step, color="0.35", linestyle="--", linewidth=1.0, zorder=0.5)
+            ax.text(
+                step, 0.98, f" {RESUMED}", transform=ax.get_xaxis_transform(), rotation=90,
+                va="top", ha="left", fontsize=7, color="0.35",
+            )  # fmt: skip
+    return chart._replace(resumed=tuple(int(s) for s in steps))
 
 
 def x_axis(rows: Rows) -> tuple[str, str]:
@@ -274,8 +296,9 @@ def usage_heatmap_figure(usage: np.ndarray) -> Any:
     return fig
 
 
-def sweep_chart(rows: Sequence[dict[str, Any]]) -> Chart:
-    """capacity_sweep.png: hit rate against cache size for every policy (whole trace)."""
+def sweep_chart(rows: Sequence[dict[str, Any]], parts: int = 1) -> Chart:
+    """capacity_sweep.png: hit rate against cache size for every policy (whole trace; a
+    resumed run's ``parts`` joined in training order)."""
     fig = figure()
     ax = fig.add_subplot()
     for name in dict.fromkeys(r["policy"] for r in rows):
@@ -288,4 +311,6 @@ def sweep_chart(rows: Sequence[dict[str, Any]]) -> Chart:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8, title="policy")
     caption = "Hit rate vs cache size, every policy (trace replay after warm-up)"
+    if parts > 1:
+        caption += f"; the run's {parts} trace parts joined in training order"
     return Chart("capacity_sweep.png", caption, fig)

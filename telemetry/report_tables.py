@@ -18,7 +18,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from moestack.telemetry.run_trace import JOINED
+
+if TYPE_CHECKING:
+    from moestack.telemetry.run_trace import RunTrace
 
 HIT = re.compile(r"^telemetry/([^/]+)/cap(\d+)/hit_rate$")
 
@@ -173,18 +178,32 @@ def _setup_rows(cfg: dict[str, Any]) -> list[tuple[str, str]]:
     ]  # fmt: skip
 
 
+def _start_overrides(run: Path, starts: list[dict[str, Any]]) -> tuple[str, dict[str, str]]:
+    """The overrides of every start, one line each, and the last start's group options."""
+    if not starts:
+        overrides, choices = _overrides(run, {})
+        if overrides is None:
+            return "not recorded (no provenance.json or .hydra/ in the run folder)", choices
+        return " ".join(overrides) or "none (the defaults)", choices
+    lines = []
+    for i, start in enumerate(starts, 1):
+        overrides, choices = _overrides(run, start)
+        said = " ".join(overrides or []) or "none (the defaults)"
+        lines.append(f"start {i} ({start.get('started_at')}): {said}" if len(starts) > 1 else said)
+    return "\n".join(lines), choices
+
+
 def setup_table(run: Path) -> Table | None:
-    """What produced the run: overrides, group options, the config's essentials, versions."""
+    """What produced the run: every start's overrides, group options, the config's
+    essentials, versions."""
     cfg = read_yaml(run / "config.yaml")
-    starts = read_json(run / "provenance.json").get("starts") or []
-    start = starts[-1] if starts and isinstance(starts[-1], dict) else {}
+    starts = [
+        s for s in read_json(run / "provenance.json").get("starts") or [] if isinstance(s, dict)
+    ]
+    start = starts[-1] if starts else {}
     if not isinstance(cfg, dict) and not start:
         return None
-    overrides, choices = _overrides(run, start)
-    if overrides is None:
-        said = "not recorded (no provenance.json or .hydra/ in the run folder)"
-    else:
-        said = " ".join(overrides) or "none (the defaults)"
+    said, choices = _start_overrides(run, starts)
     rows = [
         ("overrides", said),
         ("config groups", " ".join(f"{k}={v}" for k, v in sorted(choices.items())) or "-"),
@@ -202,6 +221,27 @@ def setup_table(run: Path) -> Table | None:
         ]  # fmt: skip
     table = Table("Setup", ["setting", "value"], note="from config.yaml and provenance.json")
     table.rows = [[Cell(name), Cell(text)] for name, text in rows]
+    return table
+
+
+def trace_table(found: RunTrace) -> Table:
+    """The routing trace the charts replay: its size, and each part of a resumed run with
+    the tokens kept and those cut (recorded again by the next part)."""
+    trace = found.trace
+    note = f"{found.root}; {JOINED}, each cut before the step where the next one starts"
+    if not found.exact:
+        note += " (a part records no start step: joined whole, overlap may be counted twice)"
+    table = Table("Routing trace", ["trace", "value"], note=note)
+    table.rows = [
+        [Cell("tokens"), Cell(str(trace.num_tokens), "num_tokens", trace.num_tokens)],
+        [Cell("MoE layers"), Cell(str(trace.num_layers))],
+        [Cell("experts per layer"), Cell(str(max(trace.num_experts)))],
+        [Cell("parts"), Cell(f"{len(found.parts)}, {JOINED}", "parts", len(found.parts))],
+    ]
+    for part in found.parts:
+        step = "?" if part.start_step is None else str(part.start_step)
+        text = f"from step {step}: {part.kept} tokens kept, {part.cut} cut"
+        table.rows.append([Cell(f"part {part.name}"), Cell(text, f"parts/{part.name}", part.kept)])
     return table
 
 

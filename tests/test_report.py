@@ -1,7 +1,9 @@
 """moestack report: tables built from summary.json (not the last metrics record), one
-question per chart, readable in a real browser."""
+question per chart, readable in a real browser; a resumed run reported whole."""
 
+import functools
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import moestack.telemetry
 from moestack.config import (
     DataConfig,
     ModelConfig,
@@ -19,10 +22,37 @@ from moestack.config import (
     TelemetryConfig,
     TrainConfig,
 )
+from moestack.data import BatchLoader
 from moestack.metrics import read_metrics
 from moestack.telemetry import render_report
 from moestack.telemetry import report_plots as plots
 from moestack.trainer import train
+
+TOKENS_PER_STEP = 4 * 32  # batch_size x seq_len of test_train.small_config, one rank
+
+
+def killed_and_resumed(out: Path) -> None:
+    """A run of 10 steps (a checkpoint every 5) killed at step 8, its trace part holding
+    steps 0-7 (a chunk is written at each step's log record: 3 steps past its checkpoint),
+    then resumed from step 5 to the end; each start with its own overrides."""
+    from test_train import small_config
+
+    original_next, original_attach = BatchLoader.next, moestack.telemetry.attach
+
+    def killed_at_step_8(self):
+        if self.position == 8:
+            raise KeyboardInterrupt("simulated kill")
+        return original_next(self)
+
+    cfg = dict(steps=10, ckpt_every=5, telemetry=TelemetryConfig(enabled=True))
+    one_step = functools.partial(original_attach, chunk_tokens=TOKENS_PER_STEP)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moestack.telemetry, "attach", one_step)
+        patch.setattr(BatchLoader, "next", killed_at_step_8)
+        with pytest.raises(KeyboardInterrupt):
+            train(small_config(**cfg), out, launch={"overrides": ["steps=10", "ckpt_every=5"]})
+        patch.setattr(BatchLoader, "next", original_next)
+        train(small_config(resume=True, **cfg), out, launch={"overrides": ["resume=true"]})
 
 
 class Cells(HTMLParser):
@@ -155,3 +185,93 @@ def test_the_page_renders_in_a_headless_browser(run_dir, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", data[16:24]) == (width, height)
     assert len(data) > 50_000  # tables and charts, not a blank page
+
+
+class Bar:
+    """A tqdm stand-in that records its total at every update."""
+
+    made: list["Bar"] = []
+
+    def __init__(self, *args, total=None, **kwargs):
+        self.total, self.n, self.totals = total, 0, []
+        Bar.made.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        self.totals.append(self.total)
+        self.n += n
+
+    def refresh(self):
+        pass
+
+
+def test_the_progress_total_is_fixed_from_the_first_update(run_dir, tmp_path, monkeypatch):
+    import tqdm.auto
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    Bar.made.clear()
+    render_report(run_dir, out_dir=tmp_path, progress=True)
+    (bar,) = Bar.made
+    # 5 metric charts, then the sweep: 5 policies x 1..4 experts, lru+static from 2
+    assert bar.totals == [5 + 5 * 4 - 1] * bar.n and bar.n == 24
+
+
+@pytest.fixture(scope="module")
+def resumed_dir(tmp_path_factory):
+    """A killed-and-resumed run reported, with the charts caught before they are saved."""
+    out = tmp_path_factory.mktemp("resumed")
+    killed_and_resumed(out)
+    saved = []
+    original = plots.Chart.save
+
+    def keep(chart, folder):
+        saved.append(chart)
+        return original(chart, folder)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plots.Chart, "save", keep)
+        render_report(out)
+    return out, saved
+
+
+def test_a_resumed_run_is_reported_whole_with_both_parts(resumed_dir):
+    run, _ = resumed_dir
+    html = (run / "report" / "index.html").read_text()
+    cells = page(run).values
+    assert cells["num_tokens"] == str(10 * TOKENS_PER_STEP)  # steps 0-9, each once
+    assert cells["parts"] == "2" and "parts joined in training order" in html
+    assert cells["parts/from-0000000"] == str(5 * TOKENS_PER_STEP)
+    assert cells["parts/from-0000005"] == str(5 * TOKENS_PER_STEP)
+    kept_cut = "from step 0: 640 tokens kept, 384 cut"  # 8 steps recorded, 3 past step 5
+    assert kept_cut in html and "from step 5: 640 tokens kept, 0 cut" in html
+    assert "the run&#x27;s 2 trace parts joined in training order" in html  # hit-rate table
+    names = {p.name for p in (run / "report").glob("*.png")}
+    assert {"loss.png", "hit_rate.png", "layer_hit_rate.png", "capacity_sweep.png"} <= names
+
+
+def test_every_chart_over_steps_marks_where_the_run_resumed(resumed_dir):
+    _, saved = resumed_dir
+    by_name = {chart.name: chart for chart in saved}
+    over_steps = ["loss.png", "router_losses.png", "routing.png", "hit_rate.png"]
+    for name in [*over_steps, "layer_hit_rate.png"]:
+        chart = by_name[name]
+        assert chart.resumed == (5,), name
+        for ax in (a for a in chart.figure.axes if a.get_visible()):
+            marks = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+            assert [list(ln.get_xdata()) for ln in marks] == [[5, 5]], name
+            assert [t.get_text().strip() for t in ax.texts] == ["resumed"], name
+    assert by_name["capacity_sweep.png"].resumed == ()  # its axis is the cache size
+
+
+def test_the_overrides_row_lists_every_start(resumed_dir):
+    run, _ = resumed_dir
+    html = (run / "report" / "index.html").read_text()
+    (said,) = re.findall(r"<td>overrides</td><td>(.*?)</td>", html, flags=re.S)
+    first, second = said.split("\n")
+    assert re.fullmatch(r"start 1 \(\S+\): steps=10 ckpt_every=5", first)
+    assert re.fullmatch(r"start 2 \(\S+\): resume=true", second)
