@@ -6,21 +6,25 @@ them.
 Both refuse weights holding NaN/inf, naming the tensors (``--allow-nonfinite`` warns and goes
 on), and ``eval`` refuses a non-finite validation loss; counts and the cache-aware bias are
 checked by the argument parser (``count_arg``, ``warmup_arg``, ``bias_arg``), naming the
-option."""
+option. ``eval`` prints its metrics as JSON, then (``--generate``) the generated text as
+text; ``--help`` says which text a model folder is evaluated on (``model_folder_text``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from moestack.config import CacheConfig
+from moestack.config import CacheConfig, TrainConfig
 from moestack.errors import MoestackError
+
+log = logging.getLogger(__name__)
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
@@ -29,6 +33,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         check_finite_loss,
         check_finite_weights,
         evaluate,
+        greedy_generate,
         model_tensors,
         resolve_device,
     )
@@ -44,19 +49,38 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     if args.max_bytes is not None:
         cfg.data.max_bytes = args.max_bytes
     device = resolve_device(args.device or cfg.device)
+    codec = _text_codec(cfg.model) if args.generate else None  # the prompt refused early
+    prompt = codec[0](args.prompt) if codec else []
     corpus = run_corpus(cfg)
     batches = eval_batches(
         corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
     )
     if args.offload:
-        metrics = _eval_offloaded(args, run, batches, device)
+        metrics, new = _eval_offloaded(args, run, batches, device, prompt)
     else:
         run.model.to(device)
         metrics = evaluate(run.model, batches, device, progress=True)
+        new = greedy_generate(run.model, prompt, args.generate, device) if codec else []
     check_finite_loss(metrics, _weights_name(run))
     result = {"checkpoint": str(run.checkpoint), **metrics}
     print(json.dumps(result, indent=2))
+    if args.offload:
+        from moestack.cache.offload import COUNTER_LEGEND
+
+        log.info("%s", COUNTER_LEGEND)
+    if codec:
+        result["generation"] = _print_generation(codec[1], prompt, new)
     return result
+
+
+def _print_generation(decode: Callable[[list[int]], str], prompt: list[int], new: list[int]) -> str:
+    """Print the prompt and its continuation as text, on the lines after the metrics
+    (decoded together, so a character split between them is whole); returns the text."""
+    text = decode(prompt + new)
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    print(f"generated ({len(new)} tokens after --prompt):")
+    print(text.encode(encoding, "replace").decode(encoding))  # what the terminal can show
+    return text
 
 
 def _weights_name(run: Any) -> str:
@@ -79,8 +103,11 @@ def _cache_config(args: argparse.Namespace, cfg: CacheConfig) -> CacheConfig:
     return dataclasses.replace(cfg, **changes)
 
 
-def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: Any) -> dict:
-    """Every expert weight lives only in the safetensors store and the cache."""
+def _eval_offloaded(
+    args: argparse.Namespace, run: Any, batches: list, device: Any, prompt: list[int]
+) -> tuple[dict, list[int]]:
+    """The metrics, and the ids ``--generate`` appends to ``prompt`` (none without it);
+    every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
     from moestack.evaluation import finite_expert_layers
     from moestack.meta_load import resident_bytes
@@ -109,16 +136,14 @@ def _eval_offloaded(args: argparse.Namespace, run: Any, batches: list, device: A
     move_resident(run.model, device)  # released (or never read) experts stay meta
     bias = args.cache_aware_bias
     result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
+    new: list[int] = []
     if args.generate:
-        encode, decode = _text_codec(run.cfg.model)
-        out = generate_offloaded(
-            run.model, store, encode(args.prompt), args.generate, device, cache_cfg,
-            cache_aware_bias=bias,
-        )  # fmt: skip
-        result["generation"] = args.prompt + decode(out["tokens"])
+        new = generate_offloaded(
+            run.model, store, prompt, args.generate, device, cache_cfg, cache_aware_bias=bias
+        )["tokens"]
     result["memory/model_bytes"] = resident_bytes(run.model)  # held by the model: no expert
     result["memory/experts_bytes"] = store.expert_bytes * store.num_experts * store.num_layers
-    return _counts_as_int(result)
+    return _counts_as_int(result), new
 
 
 def _weights_identity(run: Any, allow_nonfinite: bool = False) -> str:
@@ -138,21 +163,54 @@ def _weights_identity(run: Any, allow_nonfinite: bool = False) -> str:
     return f"{where} files:{stamp} {checked}"
 
 
-def _text_codec(model_cfg: Any) -> tuple[Any, Any]:
-    """(encode, decode) between text and the model's tokens: bytes for moestack's own
-    models, the folder's tokenizer for transformers models."""
-    if not model_cfg.path:
-        return (
-            lambda text: torch.tensor(list(text.encode("utf-8")), dtype=torch.long),
-            lambda ids: bytes(t for t in ids if 0 < t < 256).decode("utf-8", "replace"),
-        )
-    from moestack.interop.hf_tokenizer import load_tokenizer
+def _prompt_bytes(text: str) -> bytes:
+    """``text`` (``--prompt``) as UTF-8; bytes of the command line that were not UTF-8 (held
+    as lone surrogates by Python) are given back as they were."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # surrogates that stand for no byte
+        return text.encode("utf-8", "replace")
 
-    tokenizer = load_tokenizer(model_cfg.path)
-    return (
-        lambda text: torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
+
+def _decode_bytes(ids: list[int]) -> str:
+    """Byte tokens as text: UTF-8, a byte sequence that is not UTF-8 shown as U+FFFD (the
+    separator and ids past a byte are skipped)."""
+    return bytes(t for t in ids if 0 < t < 256).decode("utf-8", "replace")
+
+
+Codec = tuple[Callable[[str], list[int]], Callable[[list[int]], str]]
+
+
+def _text_codec(model_cfg: Any) -> Codec:
+    """(encode, decode) between text and the model's tokens: bytes for moestack's own
+    models, the folder's tokenizer for transformers models. The decoded text is valid
+    Unicode (no lone surrogates), so it prints as text; a prompt that encodes to no token
+    is refused."""
+    if model_cfg.path:
+        from moestack.interop.hf_tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_cfg.path)
+
+        def tokens(text: str) -> list[int]:
+            valid = _prompt_bytes(text).decode("utf-8", "replace")
+            return list(tokenizer(valid, add_special_tokens=False)["input_ids"])
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+    else:
+
+        def tokens(text: str) -> list[int]:
+            return list(_prompt_bytes(text))
+
+        decode = _decode_bytes
+
+    def encode(text: str) -> list[int]:
+        ids = tokens(text)
+        if not ids:
+            raise MoestackError(f"--prompt {text!r} encodes to no tokens; give a prompt with text")
+        return ids
+
+    return encode, decode
 
 
 def cmd_export(args: argparse.Namespace) -> dict:
@@ -243,21 +301,47 @@ def _allow_nonfinite(p: argparse.ArgumentParser) -> None:
     )
 
 
+def model_folder_text() -> str:
+    """Which text ``moestack eval`` evaluates a transformers model folder on (the default
+    run config that ``runs.load_run`` gives a folder), for ``eval --help``."""
+    cfg = TrainConfig()
+    data = cfg.data
+    return (
+        f"A run is evaluated on its own data config's validation split. A transformers model "
+        f"folder DIR is evaluated on the default corpus, data.source={data.source}: the "
+        f"validation split of the running Python's standard library (its .py files; a module "
+        f"is held out when a hash of its path falls below data.val_fraction={data.val_fraction}"
+        f"), tokenised by DIR's own tokenizer with its EOS between modules, in "
+        f"{cfg.eval_batches} batches of {cfg.batch_size} windows of min({data.seq_len}, "
+        f"max_position_embeddings) tokens evenly spaced over the split. Tokenised corpora are "
+        f'cached on disk (docs/hf.md, "Token cache").'
+    )
+
+
 def eval_parser(verbs: Any) -> None:
-    p = verbs.add_parser("eval", help="validation loss and perplexity of a run's checkpoint")
+    p = verbs.add_parser(
+        "eval",
+        help="validation loss and perplexity of a run's checkpoint or a model folder",
+        description="Validation loss and perplexity, printed as JSON. " + model_folder_text(),
+    )
     p.add_argument(
         "run_dir", help="a moestack-train run folder (its out_dir), or a transformers model folder"
     )
     p.add_argument("--checkpoint", help="a checkpoint folder (default: the run's newest)")
     p.add_argument(
-        "--batches", type=count_arg, default=0, help="validation batches (default: the run's)"
+        "--batches",
+        type=count_arg,
+        default=0,
+        help="validation batches (default: the run's eval_batches; "
+        f"{TrainConfig().eval_batches} for a model folder)",
     )
     p.add_argument(
         "--max-bytes",
         type=count_arg,
         default=None,
-        help="read at most this much text for the split, 0 = all (default: the run's "
-        "data.max_bytes)",
+        help="read at most this many bytes of corpus text (the validation split holds "
+        "data.val_fraction of them); 0 = all (default: the run's data.max_bytes; all for a "
+        "model folder)",
     )
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
     p.add_argument(
@@ -291,7 +375,13 @@ def eval_parser(verbs: Any) -> None:
         default=None,
         help="static policies: requests counted before pinning (default: the run's cache.warmup)",
     )
-    p.add_argument("--store-dir", default="", help="expert store (default: RUN_DIR/experts)")
+    p.add_argument(
+        "--store-dir",
+        default="",
+        help="where --offload writes and reads the expert store (default: the run's "
+        "cache.store_dir if set, else RUN_DIR/experts for a run; DIR.experts beside a model "
+        "folder DIR)",
+    )
     p.add_argument(
         "--cache-aware-bias",
         type=bias_arg,
@@ -301,10 +391,14 @@ def eval_parser(verbs: Any) -> None:
     p.add_argument(
         "--generate",
         type=count_arg,
+        metavar="N",
         default=0,
-        help="also greedily generate N tokens (default: 0, none)",
+        help="also greedily generate N tokens (bytes for moestack's byte-level models) after "
+        "--prompt, printed as text after the metrics (default: 0, none)",
     )
-    p.add_argument("--prompt", default="def ", help="prompt for --generate (default: %(default)r)")
+    p.add_argument(
+        "--prompt", default="def ", help="the text --generate continues (default: %(default)r)"
+    )
     _allow_nonfinite(p)
     p.set_defaults(func=cmd_eval)
 

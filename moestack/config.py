@@ -9,6 +9,7 @@ structured configs (``register_configs``) and used directly from Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
@@ -165,6 +166,8 @@ class ModelConfig:
             "model=hf needs model.path=DIR: a local transformers MoE model folder (config.json, "
             "safetensors weights, tokenizer files)",
         )
+        # absolute, so that a run's config.yaml finds its source from any folder
+        self.path = str(Path(self.path).expanduser().absolute())
         for key, value in model_config_kwargs(read_hf_config(self.path)).items():
             if key == "moe":
                 value = MoEConfig(**value, impl=self.moe.impl)

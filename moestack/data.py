@@ -23,6 +23,11 @@ one) whose content is binary (a 0 byte in the first 8 KiB, or most of it not UTF
 skipped with a warning when found in a folder and refused when named in ``data.paths``: a
 ``.txt`` name does not make a file text.
 
+With a model's own tokenizer (``Tokenizer``: transformers models) each split is its token
+ids instead, the separator the model's EOS; a tokenizer with a ``digest`` has them cached on
+disk, keyed by the documents, the split and the tokenizer (``moestack.interop.token_cache``),
+so the corpus is tokenised once, not on every run.
+
 Batches are windows of ``seq_len + 1`` tokens at random offsets drawn from a generator
 seeded by ``(seed, batch index)``: batch i is the same whatever happened before it, so the
 loader's whole state is the index of the next batch, and a resumed run sees the same data.
@@ -311,20 +316,49 @@ class Tokenizer:
 
     encode: Callable[[list[str]], list[list[int]]]  # texts -> token ids, no special tokens
     separator: int  # the token that ends a document (the model's EOS)
+    # what the tokenizer computes (moestack.interop.hf_tokenizer.tokenizer_digest): with one,
+    # a split's ids are cached on disk (moestack.interop.token_cache); "" = never cached
+    digest: str = ""
 
 
-def _pack(documents: list[bytes], tokenizer: Tokenizer | None) -> np.ndarray:
+TOKENIZE_BATCH = 64  # documents encoded per call: small id lists, a progress bar that moves
+
+
+def _tokenise(documents: list[bytes], tokenizer: Tokenizer, split: str) -> np.ndarray:
+    """``documents`` as ``tokenizer``'s ids (int32), each followed by the separator, with a
+    progress bar over their bytes (shown on a terminal only)."""
+    from tqdm.auto import tqdm
+
+    pieces = []
+    total = sum(len(d) for d in documents)
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"tokenising {split}", disable=None,
+        leave=False,
+    ) as bar:  # fmt: skip
+        for start in range(0, len(documents), TOKENIZE_BATCH):
+            batch = documents[start : start + TOKENIZE_BATCH]
+            texts = [d.decode("utf-8", "replace") for d in batch]
+            for ids in tokenizer.encode(texts):
+                pieces.append(np.asarray([*ids, tokenizer.separator], dtype=np.int32))
+            bar.update(sum(len(d) for d in batch))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+def _pack(documents: list[bytes], tokenizer: Tokenizer | None, split: str) -> np.ndarray:
     """One split as one token array, each document followed by the separator: bytes
-    (uint8, separator 0) by default, the tokenizer's ids (int32) when one is given."""
+    (uint8, separator 0) by default, the tokenizer's ids (int32) when one is given, read
+    from the token cache when the tokenizer has a digest and the cache holds them."""
     if tokenizer is None:
         sep = bytes([SEPARATOR])
         return np.frombuffer(bytearray(sep.join(documents) + sep), dtype=np.uint8)
-    pieces = []
-    for start in range(0, len(documents), 256):  # batches keep the id lists small
-        texts = [d.decode("utf-8", "replace") for d in documents[start : start + 256]]
-        for ids in tokenizer.encode(texts):
-            pieces.append(np.asarray([*ids, tokenizer.separator], dtype=np.int32))
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    if not tokenizer.digest:
+        return _tokenise(documents, tokenizer, split)
+    from moestack.interop.token_cache import cached_tokens
+
+    return cached_tokens(
+        documents, tokenizer.digest, tokenizer.separator, split,
+        lambda: _tokenise(documents, tokenizer, split),
+    )  # fmt: skip
 
 
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
@@ -344,7 +378,8 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
         empty = "training" if packer.parts["val"] else "validation"
         packer = _split_chunks(pending, cfg, name, empty)
     parts = packer.parts
-    train, val = _pack(parts["train"], tokenizer), _pack(parts["val"], tokenizer)
+    train = _pack(parts["train"], tokenizer, "train")
+    val = _pack(parts["val"], tokenizer, "val")
     unit = "bytes" if tokenizer is None else "tokens"
     for split, tokens in (("training", train), ("validation", val)):
         if len(tokens) < cfg.seq_len + 1:

@@ -1,12 +1,12 @@
-"""Device choice, mixed precision and validation: what training, ``moestack eval``, the
-pre-registered analysis and offloaded evaluation share."""
+"""Device choice, mixed precision, validation and greedy generation: what training,
+``moestack eval``, the pre-registered analysis and offloaded evaluation share."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +65,46 @@ def evaluate(
     model.train(was_training)
     loss = total / max(1, len(batches))
     return {"loss/val": loss, "eval/perplexity": perplexity(loss)}
+
+
+def prompt_tokens(
+    prompt: torch.Tensor | Sequence[int], max_new_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """``prompt`` as a ``[1, P]`` long tensor on ``device``; ValueError for an empty prompt
+    or a negative ``max_new_tokens`` (checked before any generation work is set up)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    tokens = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1).to(device)
+    if tokens.numel() == 0:
+        raise ValueError("prompt is empty; give at least one token id")
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: nn.Module,
+    prompt: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    device: torch.device,
+) -> list[int]:
+    """The ``max_new_tokens`` ids that greedy decoding appends to ``prompt`` (token ids).
+    The model has no KV cache, so each step re-runs the last ``model.cfg.max_seq_len``
+    tokens (all of them for a model without one); in-memory and offloaded ``eval
+    --generate`` share it."""
+    tokens = prompt_tokens(prompt, max_new_tokens, device)
+    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    was_training = model.training
+    model.eval()
+    new: list[int] = []
+    try:
+        for _ in range(max_new_tokens):
+            window = tokens[:, -max_len:] if max_len else tokens
+            nxt = model(window).logits[:, -1].argmax(dim=-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            new.append(int(nxt))
+    finally:
+        model.train(was_training)
+    return new
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -4,7 +4,10 @@ TRITON_INTERPRET must be set before triton decorates any kernel, so it is set he
 collection time, before any test module imports moestack.kernels.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Token ids cached by the tests stay out of the user's cache (subprocesses inherit it too);
+# a test that checks the cache points it elsewhere itself.
+_TOKEN_CACHE = tempfile.mkdtemp(prefix="moestack-test-tokens-")
+atexit.register(shutil.rmtree, _TOKEN_CACHE, True)
+os.environ.setdefault("MOESTACK_DATA_CACHE", _TOKEN_CACHE)
 
 
 class FaultReport:

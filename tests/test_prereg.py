@@ -366,7 +366,7 @@ def test_status_counts_runs_by_state_and_shows_no_results(tmp_path: Path, capsys
 
     cli_main(["prereg", "status", str(path), "--out", str(tmp_path / "out")])
     out = capsys.readouterr().out
-    assert "3 of 6 runs finished" in out and "9.87" not in out
+    assert f"3 of 6 runs finished in {tmp_path / 'out'}" in out and "9.87" not in out
     assert "about 0.2 h with 1 runner(s)" in out
 
 

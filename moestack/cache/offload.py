@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,7 +36,7 @@ from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
 from moestack.config import CacheConfig
 from moestack.errors import MoestackError
-from moestack.evaluation import evaluate
+from moestack.evaluation import evaluate, greedy_generate, prompt_tokens
 from moestack.moe import MoE, run_experts
 from moestack.router import Router, Routing
 
@@ -231,7 +230,20 @@ def _as_cache(
     return cache, True
 
 
+COUNTER_LEGEND = (
+    "cache/requests: expert requests, one per token and routing slot in each MoE layer; "
+    "cache/hits, cache/misses: the requests the device tier held or did not hold (counted by "
+    "the policy, one per request, as `moestack simulate` counts them); cache/loads: experts "
+    "copied into the device tier to serve misses (from a prefetch, the host tier or the disk; "
+    "an expert missed twice in one layer call is loaded once); cache/host_hits, "
+    "cache/prefetch_hits: loads served by the host tier or by a prefetch; cache/bytes_read: "
+    "bytes read from the expert store on disk, prefetches included"
+)  # what _cache_metrics' counters count (ExpertCacheStats), one line for `eval --offload`
+
+
 def _cache_metrics(cache: ExpertCache, seconds: float, tokens: int) -> dict[str, float]:
+    """The cache's counters (``COUNTER_LEGEND`` says what each counts) as ``cache/*``
+    metrics, with its capacity, misses per token and the evaluation's time and speed."""
     stats = cache.stats.as_dict()
     out = {f"cache/{k}": float(v) for k, v in stats.items()}
     out["cache/capacity"] = float(cache.capacity)
@@ -290,32 +302,18 @@ def generate_offloaded(
     pinned: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Greedy generation of ``max_new_tokens`` after ``prompt`` (token ids) with offloaded
-    experts, the cache built as in ``evaluate_offloaded``. The model has no KV cache, so each
-    step re-runs the (last max_seq_len) tokens. Returns ``{"tokens": new ids, **cache
-    metrics}``."""
+    experts, the cache built as in ``evaluate_offloaded`` (``greedy_generate``: no KV
+    cache, each step re-runs the last max_seq_len tokens). Returns ``{"tokens": new ids,
+    **cache metrics}``."""
     device = torch.device(device)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
-    tokens = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1).to(device)
-    if tokens.numel() == 0:
-        raise ValueError("prompt is empty; give at least one token id")
+    prompt = prompt_tokens(prompt, max_new_tokens, device)  # refused before any set-up
     expert_cache, owned = _as_cache(model, store_or_cache, device, cache, pinned)
-    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", math.inf)
-    was_training = model.training
-    model.eval()
-    new: list[int] = []
     try:
         with offloaded(model, expert_cache, cache_aware_bias=cache_aware_bias):
             start = time.perf_counter()
-            for _ in range(max_new_tokens):
-                window = tokens[:, -max_len:] if math.isfinite(max_len) else tokens
-                logits = model(window).logits[:, -1]
-                nxt = logits.argmax(dim=-1, keepdim=True)
-                tokens = torch.cat([tokens, nxt], dim=1)
-                new.append(int(nxt))
+            new = greedy_generate(model, prompt, max_new_tokens, device)
             seconds = time.perf_counter() - start
         return {"tokens": new, **_cache_metrics(expert_cache, seconds, len(new))}
     finally:
-        model.train(was_training)
         if owned:
             expert_cache.close()

@@ -38,27 +38,18 @@ import torch
 from torch import nn
 
 from moestack.atomic import fsync_dir, install_dir, out_of_space
+from moestack.checkpoint import sha256_file
 from moestack.errors import MoestackError
 from moestack.evaluation import check_finite_weights, model_tensors
-from moestack.interop.hf_config import check_model_dir
+from moestack.interop.hf_config import CONFIG_FILE, check_model_dir
 from moestack.interop.hf_model import HFMoEModel, release_routed_weights
+from moestack.interop.hf_tokenizer import tokenizer_files
 from moestack.moe import MoE
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "moestack_export.json"  # the export record: what was exported, from where
 EXPORT_FORMAT = "moestack-export"  # its format key: --overwrite replaces only such a folder
-_TOKENIZER_PATTERNS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "*.model",
-    "*.tiktoken",
-    "chat_template*",
-)
 
 
 def _refill(block: nn.Module, moe: MoE) -> None:
@@ -168,7 +159,7 @@ def _check_in_memory(model: HFMoEModel) -> None:
 
 def _copy_tokenizer(source: Path, into: Path) -> list[str]:
     """Copy the tokenizer files of ``source`` into ``into``; the names copied."""
-    names = _tokenizer_names(source)
+    names = tokenizer_files(source)
     if not names:
         log.warning("%s has no tokenizer files; the export has none either", source)
     for name in names:
@@ -199,20 +190,13 @@ def _warn_dropped(dropped: dict[int, float]) -> None:
         )
 
 
-def _export_bytes(hf: nn.Module, source: Path, tokenizer_files: list[str]) -> int:
+def _export_bytes(hf: nn.Module, source: Path, names: list[str]) -> int:
     """Bytes the export writes, known before writing: every tensor of ``hf``'s state dict
     (a tensor shared under two names once) and the tokenizer files copied."""
     tensors = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape): t
                for t in hf.state_dict().values()}  # fmt: skip
     weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    return weights + sum((source / name).stat().st_size for name in tokenizer_files)
-
-
-def _tokenizer_names(source: Path) -> list[str]:
-    """The tokenizer files of ``source`` that the export copies."""
-    return sorted(
-        {f.name for pattern in _TOKENIZER_PATTERNS for f in source.glob(pattern) if f.is_file()}
-    )
+    return weights + sum((source / name).stat().st_size for name in names)
 
 
 def export_hf(
@@ -229,11 +213,13 @@ def export_hf(
 ) -> dict[str, Any]:
     """Write ``model`` as a transformers model folder ``out_dir`` (see the module docstring),
     with the tokenizer files of ``source_dir``. Returns the report, also written as the
-    export record ``moestack_export.json``: ``format``, ``out_dir``, ``family``,
-    ``source_dir``, ``run_dir``, ``checkpoint`` and ``checkpoint_sha256`` (what was
-    exported, None when not given), ``files`` (what the folder holds), ``tokenizer_files``,
-    ``expert_bias_dropped`` ({MoE layer: max |bias|}) and ``expert_bias_folded`` (empty: no
-    supported family has a place for it).
+    export record ``moestack_export.json``: ``format``, ``out_dir`` and ``source_dir``
+    (absolute), ``source_config_sha256`` (of the source's config.json), ``family``,
+    ``run_dir``, ``checkpoint`` and ``checkpoint_sha256`` (what was exported, None when not
+    given), ``tokenizer_files``, ``expert_bias_dropped`` ({MoE layer: max |bias|}) and
+    ``expert_bias_folded`` (the layers whose bias went into the exported routers: always
+    empty, no supported family has a place for it); the report alone adds ``files`` (what
+    the folder holds). docs/hf.md describes each key.
 
     Refused, in one MoestackError line, before anything is written: an ``out_dir`` that is
     the source folder, ``run_dir`` or a folder above either; an existing non-empty
@@ -253,9 +239,10 @@ def export_hf(
     dropped = expert_bias_report(model)
     report: dict[str, Any] = {
         "format": EXPORT_FORMAT,
-        "out_dir": str(out),
+        "out_dir": str(out.resolve()),
         "family": model.info["family"],
-        "source_dir": str(source),
+        "source_dir": str(source.resolve()),
+        "source_config_sha256": sha256_file(source / CONFIG_FILE),
         "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
         "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
         "checkpoint_sha256": checkpoint_sha256,
@@ -268,7 +255,7 @@ def export_hf(
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would make the export private
         with torch.no_grad(), original_blocks(model) as hf:
-            needed = _export_bytes(hf, source, _tokenizer_names(source))
+            needed = _export_bytes(hf, source, tokenizer_files(source))
             if shutil.disk_usage(tmp).free < needed:  # known to fail: refused before writing
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
             hf.save_pretrained(tmp, max_shard_size=max_shard_size)

@@ -15,7 +15,7 @@ from moestack import checkpoint
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import analysis_key, cached_evaluation
 from moestack.prereg.provenance import IDENTITY, read_run_record
-from moestack.prereg.runner import claimed, is_finished, plan
+from moestack.prereg.runner import claimed, default_out_dir, is_finished, plan
 from moestack.prereg.spec import load
 
 STATES = ("finished", "running", "interrupted", "waiting")
@@ -83,6 +83,7 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
     eta = None if median is None else left * median / runners
     return {
         "study": spec.study,
+        "folder": str(Path(out_dir) if out_dir else default_out_dir(spec)),  # the runs read
         "runs": len(runs),
         "arms": arms,
         "total": total,
@@ -100,7 +101,8 @@ def status(path: Path | str, out_dir: Path | str | None = None) -> dict[str, Any
 def render(result: dict[str, Any]) -> str:
     """The status as a table, one line per arm."""
     lines = [f"study {result['study']}: {result['total']['finished']} of {result['runs']} runs "
-             "finished (no results are shown before the study is complete)"]  # fmt: skip
+             f"finished in {result['folder']} (no results are shown before the study is "
+             "complete)"]  # fmt: skip
     lines.append(f"  {'arm':<16}" + "".join(f"{s:>12}" for s in STATES))
     for arm, counts in [*result["arms"].items(), ("all", result["total"])]:
         lines.append(f"  {arm:<16}" + "".join(f"{counts[s]:>12}" for s in STATES))

@@ -18,9 +18,13 @@ pytest.importorskip("transformers")
 
 
 def run_cli(capsys, *argv: str) -> dict:
+    """The JSON object the command prints (eval prints generated text after it, under
+    ``"_text"`` here)."""
     cli.main(list(argv))
     out = capsys.readouterr().out
-    return json.loads(out[out.index("{") :])
+    start = out.index("{")
+    result, end = json.JSONDecoder().raw_decode(out, start)
+    return {**result, "_text": out[end:].strip("\n").splitlines()}
 
 
 def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, capsys):
@@ -41,8 +45,12 @@ def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, c
     offloaded = run_cli(capsys, "eval", str(out), *small, "--offload", "--capacity", "3",
                         "--generate", "4")  # fmt: skip
     assert offloaded["loss/val"] == in_memory["loss/val"]  # exact: same function, same data
+    assert in_memory["_text"] == []  # no --generate: the metrics alone
     assert offloaded["cache/capacity"] == 3 and offloaded["cache/misses"] > 0
-    assert isinstance(offloaded["generation"], str)
+    assert "generation" not in offloaded  # the text is printed as text, after the metrics
+    header, *text = offloaded["_text"]
+    assert header == "generated (4 tokens after --prompt):"
+    assert text and text[0].startswith("def ")
     store = tmp_path / "exported.experts"  # beside the model folder, not inside it
     assert (store / "index.json").is_file() and not (out / "experts").exists()
 
@@ -88,3 +96,28 @@ def test_export_refuses_a_run_of_moestacks_own_model(tmp_path):
     with pytest.raises(MoestackError, match="moestack's own model"):
         cli_eval.cmd_export(cli.build_parser().parse_args(
             ["export", str(tmp_path / "run"), str(tmp_path / "out")]))  # fmt: skip
+
+
+def test_a_model_folder_is_evaluated_on_the_stdlib_validation_split(hf_dir, tmp_path, capsys):
+    """What `eval --help` says a model folder is evaluated on: the validation split of the
+    standard library (data.source=stdlib), tokenised by the folder's tokenizer, 8 batches of
+    16 windows of min(256, max_position_embeddings) tokens. The loss printed equals the one
+    computed on that corpus, built here from those settings."""
+    from moestack.config import DataConfig
+    from moestack.data import eval_batches, load_corpus
+    from moestack.evaluation import evaluate
+    from moestack.interop.hf_model import load_hf_moe
+    from moestack.interop.hf_tokenizer import hf_tokenizer
+
+    folder = hf_dir("olmoe")
+    text = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["eval"]
+                    .format_help().split())  # fmt: skip
+    assert "data.source=stdlib" in text and "8 batches of 16 windows of min(256," in text
+    printed = run_cli(capsys, "eval", str(folder), "--max-bytes", "200000")
+    model = load_hf_moe(folder, impl="torch")
+    tokenizer = hf_tokenizer(folder, model.cfg.doc_separator)
+    data = DataConfig(source="stdlib", val_fraction=0.05, max_bytes=200000,
+                      seq_len=min(256, model.cfg.max_seq_len))  # fmt: skip
+    val = load_corpus(data, tokenizer).val
+    want = evaluate(model, eval_batches(val, 16, data.seq_len, 8), torch.device("cpu"))
+    assert printed["loss/val"] == pytest.approx(want["loss/val"], rel=1e-6)

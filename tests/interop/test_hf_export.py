@@ -124,3 +124,34 @@ def test_failed_export_leaves_nothing_and_the_model_intact(hf_dir, tmp_path, mon
     assert list(tmp_path.iterdir()) == []
     with torch.no_grad():
         torch.testing.assert_close(model(tokens).logits, before, atol=0, rtol=0)
+
+
+def test_export_record_names_the_source_absolutely_with_its_config_digest(
+    hf_dir, tmp_path, monkeypatch
+):
+    """Run from the folder above the source, with relative paths: the record still names the
+    source (and the export) by absolute path, and the source's config.json by its sha256."""
+    import hashlib
+    import shutil
+
+    shutil.copytree(hf_dir("olmoe"), tmp_path / "src")
+    monkeypatch.chdir(tmp_path)
+    export_hf(load_hf_moe("src", impl="torch"), "out", source_dir="src")
+    record = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    assert record["source_dir"] == str((tmp_path / "src").resolve())
+    assert record["out_dir"] == str((tmp_path / "out").resolve())
+    want = hashlib.sha256((tmp_path / "src" / "config.json").read_bytes()).hexdigest()
+    assert record["source_config_sha256"] == want
+
+
+def test_every_key_of_the_export_record_is_documented(hf_dir, tmp_path):
+    """docs/hf.md names each key of moestack_export.json, and of the printed report."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
+    section = doc[doc.index("### `moestack_export.json`") :]
+    report = export_hf(load_hf_moe(hf_dir("olmoe"), impl="torch"), tmp_path / "out",
+                       source_dir=hf_dir("olmoe"))  # fmt: skip
+    record = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    missing = [key for key in {*record, *report} if f"| `{key}` |" not in section]
+    assert not missing, f"docs/hf.md does not describe {missing}"

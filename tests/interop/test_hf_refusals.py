@@ -291,3 +291,14 @@ def test_patched_model_still_runs_after_the_checks(hf_dir):
     with torch.no_grad():
         out = model(sample_tokens(model.cfg.doc_separator))
     assert torch.isfinite(out.logits).all()
+
+
+def test_a_relative_model_path_is_recorded_absolute(tmp_path, hf_dir, monkeypatch):
+    """A run's config.yaml names its source folder absolute, so export and eval find it from
+    any folder."""
+    from moestack.config import ModelConfig
+
+    source = hf_dir("qwen3_moe")
+    monkeypatch.chdir(source.parent)
+    cfg = ModelConfig(path=source.name)
+    assert cfg.path == str(source)
