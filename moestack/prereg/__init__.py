@@ -34,16 +34,18 @@ Seeds combine by pairing: arm and baseline with the same seed share the initiali
 the data order, so each hypothesis's comparison is computed per seed and the seeds give its
 mean and a two-sided t confidence interval.
 
-Layout: ``spec`` (the file format: dataclasses, parsing, validation), ``compose`` (hydra
-composition of a run's config), ``hashing`` (the study hash: the file and its config
-files), ``chain`` (the lock history's hash chain), ``locking`` (lock and verify),
-``provenance`` (the study hash each run was trained under, and its identity), ``records``
-(sealed JSON records, written atomically), ``runner`` (the grid and the
-resumable runner), ``analysis`` (per-run evaluation and the paired-seed statistics),
-``decision`` (the one-sided non-inferiority/superiority rules and Holm's correction),
-``power`` (the seeds a pilot's spread needs), ``status`` (runs finished, running and left,
-no results), ``evaluate`` (finished runs evaluated ahead of the analysis, no results) and
-``report`` (markdown, figures, ``analyze``).
+Layout: ``spec`` (the file format: one dataclass per part of the file, each checking
+itself), ``compose`` (hydra composition of a run's config), ``hashing`` (the study hash:
+the file and its config files), ``chain`` (the lock history's hash chain), ``locking``
+(lock and verify), ``provenance`` (the study hash each run was trained under, and its
+identity), ``records`` (sealed JSON records, written atomically), ``runner`` (the grid and
+the resumable runner), ``stats`` (the statistics: Student's t, seed means and intervals,
+the paired comparison, one-sided tests and bounds, Holm's correction; imports nothing of
+the package), ``analysis`` (per-run evaluation and the paired-seed verdicts), ``decision``
+(the decision rules: one-sided non-inferiority/superiority with Holm's correction,
+verdicts), ``power`` (the seeds a pilot's spread needs), ``status`` (runs finished, running
+and left, no results), ``evaluate`` (finished runs evaluated ahead of the analysis, no
+results) and ``report`` (markdown, figures, ``analyze``).
 Everything public is re-exported here.
 """
 
@@ -57,17 +59,15 @@ from moestack.prereg.analysis import (
     collect,
     evaluate_hypotheses,
     evaluate_run,
-    mean_ci,
-    t_quantile,
 )
 from moestack.prereg.compose import check_overrides, compose_config, config_choices
-from moestack.prereg.decision import ONE_SIDED, check_rules, holm, t_sf
+from moestack.prereg.decision import ONE_SIDED, check_rules
 from moestack.prereg.evaluate import evaluate_finished
 from moestack.prereg.evaluate import render as render_evaluate
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.jobs import run_jobs
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
-from moestack.prereg.power import half_width, load_pilot, power, seeds_needed
+from moestack.prereg.power import load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
 from moestack.prereg.provenance import (
     RUN_FILE,
@@ -100,13 +100,16 @@ from moestack.prereg.spec import (
     RESERVED_KEYS,
     SCALAR_METRICS,
     Analysis,
+    Budget,
     Hypothesis,
     Power,
     Prereg,
+    Runs,
     RunSpec,
     load,
     parse,
 )
+from moestack.prereg.stats import half_width, holm, mean_ci, t_quantile, t_sf
 from moestack.prereg.status import render as render_status
 from moestack.prereg.status import status
 
@@ -128,10 +131,12 @@ __all__ = [
     "SCALAR_METRICS",
     "SUMMARY_FILE",
     "Analysis",
+    "Budget",
     "Fingerprint",
     "Hypothesis",
     "Power",
     "Prereg",
+    "Runs",
     "RunSpec",
     "analysis_key",
     "analyze",

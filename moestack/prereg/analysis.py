@@ -1,4 +1,5 @@
-"""Evaluating each run's final checkpoint, and the paired-seed statistics of the hypotheses."""
+"""Evaluating each run's final checkpoint, and the paired-seed verdicts of the hypotheses
+(the statistics they compute with are ``stats``'s)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from typing import Any
 
 from moestack.errors import MoestackError
 from moestack.prereg import decision as rules
-from moestack.prereg.provenance import check_identities, check_identity
+from moestack.prereg.locking import verify
+from moestack.prereg.provenance import check_identities, check_identity, check_run
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
-from moestack.prereg.spec import CACHE_STATS, Analysis, Prereg
+from moestack.prereg.spec import CACHE_STATS, Analysis, Prereg, load
+from moestack.prereg.stats import compare, margin, mean, mean_ci, one_sided, passes
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +161,6 @@ def evaluate_shard(
     checked against the lock and its identity first, with ``threads`` torch threads (0:
     every core). Returns the names of the runs evaluated."""
     import torch
-
-    from moestack.prereg.locking import verify
-    from moestack.prereg.provenance import check_run
-    from moestack.prereg.spec import load
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     lock_info = verify(path)
@@ -364,58 +363,7 @@ def _same(old: Any, new: Any) -> bool:
     return math.isclose(old, new, rel_tol=RECHECK_RTOL, abs_tol=RECHECK_ATOL)
 
 
-# --------------------------------------------------------------------------- statistics
-def _t_cdf(x: float, df: int) -> float:
-    """Student t CDF by Simpson integration of the density from 0 (x >= 0)."""
-    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    n = 4000  # even
-    h = x / n
-    total = 0.0
-    for i in range(n + 1):
-        t = i * h
-        weight = 1 if i in (0, n) else (4 if i % 2 else 2)
-        total += weight * (1 + t * t / df) ** (-(df + 1) / 2)
-    return 0.5 + const * total * h / 3
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"df={df} must be >= 1")
-    if df == 1:
-        return math.tan(math.pi * (p - 0.5))
-    lo, hi = 0.0, 1.0
-    while _t_cdf(hi, df) < p:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def mean_ci(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
-    """Mean and two-sided t interval; with one value the interval is (nan, nan)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return mean, math.nan, math.nan
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
-
-
-def _compare(comparison: str, arm: float, base: float) -> float:
-    if comparison == "relative_change":
-        return arm / base - 1.0 if base else math.nan
-    if comparison == "difference":
-        return arm - base
-    return arm
-
-
-def _passes(value: float, op: str, threshold: float) -> bool:
-    return value <= threshold if op == "<=" else value >= threshold
-
-
+# --------------------------------------------------------------------------- hypotheses
 def evaluate_hypotheses(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per hypothesis: one row per arm (estimate, CI, margin, pass) and the verdict.
 
@@ -472,7 +420,7 @@ def _arm_row(
         if b is not None:
             base_vals.append(b[hyp.metric])
         base = b[hyp.metric] if b is not None else math.nan
-        per_seed.append(_compare(hyp.comparison, a[hyp.metric], base))
+        per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
     row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
     if not per_seed or any(math.isnan(v) for v in per_seed):
         row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
@@ -482,18 +430,18 @@ def _arm_row(
     if rule in rules.ONE_SIDED:  # decided with the hypothesis's other arms (Holm)
         ok = None
         if len(per_seed) > 1:
-            row["_test"] = rules.one_sided(per_seed, hyp.op, hyp.threshold)
+            row["_test"] = one_sided(per_seed, hyp.op, hyp.threshold)
     elif rule == "ci":
         bound = hi if hyp.op == "<=" else lo
-        ok = None if math.isnan(bound) else _passes(bound, hyp.op, hyp.threshold)
+        ok = None if math.isnan(bound) else passes(bound, hyp.op, hyp.threshold)
     else:
-        ok = _passes(est, hyp.op, hyp.threshold)
+        ok = passes(est, hyp.op, hyp.threshold)
     row.update(
-        baseline_mean=sum(base_vals) / len(base_vals) if base_vals else None,
-        arm_mean=sum(arm_vals) / len(arm_vals),
+        baseline_mean=mean(base_vals) if base_vals else None,
+        arm_mean=mean(arm_vals),
         estimate=est,
         ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-        margin=hyp.threshold - est if hyp.op == "<=" else est - hyp.threshold,
+        margin=margin(est, hyp.op, hyp.threshold),
         ci_verdict=_ci_verdict(lo, hi, hyp.op, hyp.threshold),
     )
     row["pass"] = ok
@@ -504,8 +452,8 @@ def _ci_verdict(lo: float, hi: float, op: str, threshold: float) -> str:
     """What the interval alone says: supported, refuted, inconclusive (or n/a: one seed)."""
     if math.isnan(lo):
         return "n/a"
-    if _passes(hi if op == "<=" else lo, op, threshold):
+    if passes(hi if op == "<=" else lo, op, threshold):
         return "supported"
-    if not _passes(lo if op == "<=" else hi, op, threshold):
+    if not passes(lo if op == "<=" else hi, op, threshold):
         return "refuted"
     return "inconclusive"

@@ -13,43 +13,21 @@ paired per-seed comparisons of one arm with the baseline:
 Non-inferiority (a budget: perplexity within +1%) and superiority (misses down by 30%) are
 computed the same way; the name says which claim the threshold is. With ``correction: holm``
 the arms of one hypothesis are a family: each test's p-value is Holm-adjusted over the
-hypothesis's arms (a missing arm counts, so the family is the pre-registered one).
+hypothesis's arms (a missing arm counts, so the family is the pre-registered one). The tests
+themselves (one-sided p-values, bounds, Holm) are ``stats``'s; this module applies them to a
+study's hypotheses.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.spec import SCALAR_METRICS, Hypothesis, Prereg
+from moestack.prereg.spec import ONE_SIDED, SCALAR_METRICS, Hypothesis, Prereg
+from moestack.prereg.stats import bound, holm
 
-ONE_SIDED = ("noninferiority", "superiority")
-_SIMPSON = 2000  # even; the integrand below is smooth and bounded on [0, pi/2]
-
-
-def t_sf(x: float, df: int) -> float:
-    """P(T > x) for Student's t with ``df`` degrees of freedom.
-
-    Integrates over u = arctan(t / sqrt(df)), where the density becomes c * cos(u)^(df-1)
-    on a bounded interval, so the tail is accurate for any x (the two-sided quantiles of
-    ``analysis.t_quantile`` integrate in t and are kept as they were for old reports).
-    """
-    if df < 1:
-        raise ValueError(f"df={df} must be >= 1")
-    if math.isinf(x):
-        return 0.0 if x > 0 else 1.0
-    if x < 0:
-        return 1.0 - t_sf(-x, df)
-    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
-    lo, hi = math.atan(x / math.sqrt(df)), math.pi / 2
-    h = (hi - lo) / _SIMPSON
-    total = 0.0
-    for i in range(_SIMPSON + 1):
-        weight = 1 if i in (0, _SIMPSON) else (4 if i % 2 else 2)
-        total += weight * math.cos(lo + i * h) ** (df - 1)
-    return min(1.0, max(0.0, const * total * h / 3))
+__all__ = ["ONE_SIDED", "check_rules", "decide", "is_budget", "rule", "state", "verdict"]
 
 
 def rule(spec: Prereg, hyp: Hypothesis) -> str:
@@ -81,52 +59,6 @@ def check_rules(spec: Prereg) -> None:
                 f"({hyp.metric} {hyp.op} {hyp.threshold}) by the seed mean, which noise alone "
                 "can pass; use decision: noninferiority, or say why in analysis.decision_reason"
             )
-
-
-def one_sided(per_seed: Sequence[float], op: str, threshold: float) -> dict[str, Any]:
-    """Mean, standard error and the two one-sided p-values of one arm's paired comparisons.
-
-    ``p_pass`` tests "the arm fails" (small: it passes), ``p_fail`` tests "the arm passes"
-    (small: it fails). With a zero spread the sign of the margin decides (p = 0 or 1).
-    """
-    n = len(per_seed)
-    mean = sum(per_seed) / n
-    sd = math.sqrt(sum((v - mean) ** 2 for v in per_seed) / (n - 1))
-    margin = threshold - mean if op == "<=" else mean - threshold
-    se = sd / math.sqrt(n)
-    if se == 0:
-        p_pass = 0.0 if margin >= 0 else 1.0
-        p_fail = 0.0 if margin < 0 else 1.0
-    else:
-        p_pass = t_sf(margin / se, n - 1)
-        p_fail = t_sf(-margin / se, n - 1)
-    return {"mean": mean, "sd": sd, "se": se, "df": n - 1, "p_pass": p_pass, "p_fail": p_fail}
-
-
-def bound(mean: float, se: float, df: int, level: float, op: str, side: str) -> float:
-    """The one-sided ``level`` bound: on the failing side ("upper" for op "<=") or the other."""
-    from moestack.prereg.analysis import t_quantile
-
-    upper = (op == "<=") == (side == "failing")
-    half = t_quantile(level, df) * se
-    return mean + half if upper else mean - half
-
-
-def holm(pvalues: Sequence[float | None], family: int) -> list[float | None]:
-    """Holm step-down adjusted p-values over a family of ``family`` tests (None: untested).
-
-    Sorted ascending, the i-th (0-based) becomes max over j <= i of (family - j) * p_j,
-    capped at 1; comparing it with alpha is Holm's procedure.
-    """
-    order = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
-    if len(order) > family:
-        raise ValueError(f"{len(order)} p-values in a family of {family}")
-    out: list[float | None] = [None] * len(pvalues)
-    running = 0.0
-    for rank, (p, i) in enumerate(order):
-        running = max(running, min(1.0, (family - rank) * p))
-        out[i] = running
-    return out
 
 
 def decide(rows: list[dict[str, Any]], hyp: Hypothesis, confidence: float, correct: bool) -> None:

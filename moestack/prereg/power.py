@@ -6,7 +6,9 @@ the two-sided t interval of the mean change has half-width t_{(1+c)/2, n-1} * sd
 points of perplexity change by default: half the 1% budget). The sd comes from a pilot: the
 per-run metrics of earlier seeds (a finished study's ``results.json``, or its report or study
 folder holding one; never an interim analysis, nor a study's per-run evaluations before it
-is analysed), paired seed by seed with the baseline exactly as the analysis pairs them.
+is analysed), paired seed by seed with the baseline exactly as the analysis pairs them
+(``stats.compare``; the interval's half-width is ``stats.half_width``, the one the analysis's
+intervals have).
 """
 
 from __future__ import annotations
@@ -18,18 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import _compare, t_quantile
 from moestack.prereg.spec import SCALAR_METRICS, Hypothesis, Prereg, load
+from moestack.prereg.stats import compare, half_width, sample_sd, t_quantile
 
 DEFAULT_HALF_WIDTH = 0.005  # 0.5 pp of relative change: half the 1% perplexity budget
 MAX_SEEDS = 100_000
-
-
-def half_width(sd: float, n: int, confidence: float = 0.95) -> float:
-    """Half-width of the two-sided ``confidence`` t interval of a mean of ``n`` values."""
-    if n < 2:
-        return math.inf
-    return t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
 
 
 def seeds_needed(sd: float, target: float, confidence: float = 0.95) -> int:
@@ -110,15 +105,10 @@ def _paired(
         if hyp.comparison != "value" and (base is None or hyp.metric not in base):
             continue
         base_value = base[hyp.metric] if base is not None else math.nan
-        value = _compare(hyp.comparison, metrics[hyp.metric], base_value)
+        value = compare(hyp.comparison, metrics[hyp.metric], base_value)
         if not math.isnan(value):
             out.append(value)
     return out
-
-
-def _sd(values: Sequence[float]) -> float:
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def analyse(
@@ -135,10 +125,10 @@ def analyse(
         found = {arm: v for arm, v in found.items() if len(v) >= 2}
         pooled = None
         if found:
-            pooled = math.sqrt(sum(_sd(v) ** 2 for v in found.values()) / len(found))
+            pooled = math.sqrt(sum(sample_sd(v) ** 2 for v in found.values()) / len(found))
         for arm in hyp.arms:
             values = found.get(arm)
-            sd = _sd(values) if values else pooled
+            sd = sample_sd(values) if values else pooled
             row = {
                 "hypothesis": hyp.id,
                 "arm": arm,

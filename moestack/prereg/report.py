@@ -13,17 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import (
-    RECHECK_RTOL,
-    collect,
-    evaluate_hypotheses,
-    t_quantile,
-)
+from moestack.prereg.analysis import RECHECK_RTOL, collect, evaluate_hypotheses
 from moestack.prereg.analysis import recheck as recheck_runs
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
 from moestack.prereg.runner import is_finished
 from moestack.prereg.spec import Prereg, is_control
+from moestack.prereg.stats import t_quantile
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,29 @@
-"""The pre-registration file format: the dataclasses, parsing and validation."""
+"""The pre-registration file format: one dataclass per part of a study file.
+
+Each part validates itself when it is built (``__post_init__``, as moestack.config's
+dataclasses do): it checks and normalises its own fields and raises one line naming the
+field and the fix (``hypotheses[1] (H2).op: '<'; use one of ('<=', '>=')``). The parts
+mirror the file: ``Prereg`` (the whole file) holds the overrides every run shares (``model``,
+``data``, ``train``), the ``Budget``, the ``Runs``, the ``Analysis``, the ``Hypothesis`` list and
+the optional ``Power`` block, builds each from its mapping (a key the part has no field for
+is refused) and checks what ties them together: a hypothesis's arms, metric and rule against
+the runs and the analysis, a joint hypothesis's parts, the power block's seed count.
+
+A part built from the file knows which keys the file gave (``given``): a key written is
+checked as written even where its value equals the field's default (``budget.batch_size:
+null`` and ``analysis.decision_reason: ""`` are refused; left out, they mean "not set").
+``parse`` builds a ``Prereg`` from a loaded YAML mapping, ``load`` from a file.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -17,6 +33,7 @@ from moestack.errors import MoestackError
 COMPARISONS = ("relative_change", "difference", "value", "joint")
 OPS = ("<=", ">=")
 DECISIONS = ("mean", "ci", "noninferiority", "superiority")
+ONE_SIDED = ("noninferiority", "superiority")  # the decision rules Holm's correction needs
 CORRECTIONS = ("none", "holm")
 REQUIRES = ("any", "all")
 CACHE_STATS = ("hit_rate", "miss_rate", "misses_per_token")
@@ -24,118 +41,34 @@ SCALAR_METRICS = ("perplexity", "val_loss")
 RESERVED_KEYS = ("seed", "out_dir", "resume")  # set by the runner, one value per run
 _CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/([a-z_]+)\Z")  # \Z: "$" lets a newline end it
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
+_BUDGET = ("steps", "batch_size", "grad_accum")  # each becomes the override KEY=VALUE
+_COUNTS = ("eval_batches", "eval_batch_size", "eval_seq_len", "scatter_capacity")
+_DEVICES = ("auto", "cpu", "cuda")
+
+_Part = TypeVar("_Part")
 
 
-@dataclass(frozen=True)
-class Hypothesis:
-    """One pre-registered claim: ``comparison(metric of arm, of baseline) op threshold``."""
-
-    id: str
-    statement: str
-    metric: str  # "perplexity", "val_loss" or "<policy>/cap<c>/<hit_rate|miss_rate|...>"
-    arms: tuple[str, ...]  # the arms it is tested on, one table row each
-    comparison: str  # relative_change (arm/base - 1), difference (arm - base), value, joint
-    op: str  # "<=" or ">=": the side of the threshold that passes
-    threshold: float
-    require: str  # "any" arm passing suffices, or "all" must pass
-    of: tuple[str, ...] = ()  # joint: the hypotheses one arm must pass together
-    decision: str = ""  # its own decision rule ("" = analysis.decision)
-
-
-@dataclass(frozen=True)
-class Analysis:
-    """How each run is evaluated and how seeds combine (fixed before any run)."""
-
-    checkpoint: str = "final"  # only the final checkpoint (step == steps) is evaluated
-    eval_batches: int = 16  # validation batches (moestack.data.eval_batches, fixed windows)
-    eval_batch_size: int = 0  # sequences per batch (0 = the run's batch_size)
-    eval_seq_len: int = 0  # tokens per sequence (0 = the run's data.seq_len)
-    policies: tuple[str, ...] = ("lru", "static")
-    capacities: tuple[int, ...] = (2, 4, 6)  # expert slots per layer
-    warmup: float = 0.1  # share of each layer's requests that warms the cache, not counted
-    confidence: float = 0.95  # two-sided t interval over seeds
-    decision: str = "mean"  # "mean": the seed mean meets the threshold; "ci": the whole CI does;
-    # "noninferiority"/"superiority": the one-sided bound decides, else "inconclusive"
-    correction: str = "none"  # "holm": Holm over the arms of each hypothesis (one-sided rules)
-    decision_reason: str = ""  # why a "mean" rule decides a budget (lock refuses it otherwise)
-    scatter_capacity: int = 0  # capacity of the hit-rate-vs-perplexity scatter (0 = 2nd)
-    device: str = "auto"  # where the evaluation runs
-
-
-@dataclass(frozen=True)
-class Power:
-    """The power analysis behind the seed count: the pilot, the target, the choice and why."""
-
-    pilot: str  # the pilot's results.json or study folder (relative to the study file)
-    seeds: int  # the chosen number of seeds (must be len(runs.seeds))
-    reason: str  # why that many: the pilot's sd and the seeds it needs, or the budget
-    half_width: float = 0.005  # target interval half-width (0.005 = 0.5 pp of a change)
-    confidence: float = 0.95  # of the two-sided t interval whose half-width is targeted
-
-
-@dataclass(frozen=True)
-class Prereg:
-    """A validated pre-registration file."""
-
-    path: Path
-    study: str
-    title: str
-    question: str
-    base_overrides: tuple[str, ...]  # model, data, budget and train settings, in that order
-    baseline: str
-    arms: dict[str, tuple[str, ...]]  # arm name -> its overrides
-    seeds: tuple[int, ...]
-    analysis: Analysis
-    hypotheses: tuple[Hypothesis, ...]
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    power: Power | None = None
-
-    def overrides(self, arm: str, seed: int) -> list[str]:
-        """The moestack-train overrides of one run (out_dir and resume added by the runner)."""
-        return [*self.base_overrides, *self.arms[arm], f"seed={seed}"]
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One point of the grid: an arm, a seed, its directory and overrides."""
-
-    arm: str
-    seed: int
-    run_dir: Path
-    overrides: tuple[str, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.arm}-s{self.seed}"
-
-
-# Characters that are no plain text: controls (newline, tab, NUL, ESC...), line and paragraph
-# separators, and the bidirectional controls that reorder what a reader sees.
-_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL",
-                  "\x1b": "an escape (ANSI)"}  # fmt: skip
-
-
-def is_control(ch: str) -> bool:
-    """Whether the character ``ch`` is no plain text (a control, separator or bidi control)."""
-    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI
-
-
-def check_plain(text: str, where: str) -> str:
-    """``text`` when it holds no control character (``is_control``), else one line naming
-    ``where``, the character and its place."""
-    for i, ch in enumerate(text):
-        if is_control(ch):
-            name = _CONTROL_NAMES.get(ch, "a control character")
-            raise MoestackError(
-                f"{where}: {name} (U+{ord(ch):04X}) at character {i + 1}; give it as one line of "
-                "plain text (the lock history and the report quote it)"
-            )
-    return text
-
-
+# --------------------------------------------------------------------------- checks
 def _fail(field_name: str, problem: str, fix: str) -> MoestackError:
     return MoestackError(f"{field_name}: {problem}; {fix}")
+
+
+def _set(part: Any, name: str, value: Any) -> None:
+    """Store a checked (normalised) value on a frozen part, in its ``__post_init__``."""
+    object.__setattr__(part, name, value)
+
+
+def _left_out(part: Any, name: str, given: frozenset[str] | None) -> bool:
+    """Whether the field ``name`` of ``part`` was left out: not among the keys of the file's
+    mapping (``given``), or, for a part built in Python (``given`` None), at its default."""
+    if given is not None:
+        return name not in given
+    default = next(f.default for f in dataclasses.fields(part) if f.name == name)
+    return bool(getattr(part, name) == default)
+
+
+def _is_name(value: Any) -> bool:
+    return isinstance(value, str) and _NAME.match(value) is not None
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -148,7 +81,7 @@ def _overrides(value: Any, where: str) -> tuple[str, ...]:
     """A list of hydra override strings, none of them setting a runner-owned key."""
     if value is None:
         return ()
-    if not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         raise _fail(where, f"expected a list of overrides, got {value!r}", "write [key=value, ...]")
     out = []
     for i, item in enumerate(value):
@@ -174,290 +107,489 @@ def _number(value: Any, where: str, kind: type = float) -> Any:
     return kind(value)
 
 
-def _analysis(raw: dict[str, Any]) -> Analysis:
-    known = {f.name for f in dataclasses.fields(Analysis)}
+def _share(value: Any, where: str, *, zero: bool, fix: str) -> float:
+    """A number in [0, 1) (``zero``: a share that may be none, a warm-up) or in (0, 1)."""
+    share = _number(value, where)
+    if zero and not 0 <= share < 1:
+        raise _fail(where, f"{share} not in [0, 1)", fix)
+    if not zero and not 0 < share < 1:
+        raise _fail(where, f"{share} not in (0, 1)", fix)
+    return share
+
+
+def _text(value: Any, where: str, fix: str) -> str:
+    """``value`` stripped, refused (showing it) unless it is text with something in it."""
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(where, f"{value!r}", fix)
+    return value.strip()
+
+
+def _cache_metric(metric: str) -> tuple[str, int, str] | None:
+    """(policy, capacity, statistic) of a cache metric name, or None: not of that form."""
+    match = _CACHE_METRIC.match(metric)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
+def _part(cls: type[_Part], value: Any, at: str, *, fix: str = "", **extra: Any) -> _Part:
+    """``value`` as a ``cls``: itself when it is one, else built from the file's mapping at
+    ``at`` ("" for the file itself). A key ``cls`` has no field for is refused (``fix``,
+    default: its fields); a field without a default that the file leaves out reads as None,
+    so that the field's own check names it; ``extra`` are fields that come from elsewhere
+    than the file (the file's path)."""
+    if isinstance(value, cls):
+        return value
+    raw = _mapping(value, at or "the file")
+    fields = [f for f in dataclasses.fields(cls) if f.name not in extra]
+    names = [f.name for f in fields]
     for key in raw:
-        if key not in known:
-            raise _fail(f"analysis.{key}", "unknown field", f"use fields from {sorted(known)}")
-    kw: dict[str, Any] = {}
-    if "checkpoint" in raw and raw["checkpoint"] != "final":
-        raise _fail(
-            "analysis.checkpoint",
-            f"{raw['checkpoint']!r} is not supported",
-            "use 'final' (the checkpoint at step == steps)",
-        )
-    for name in ("eval_batches", "eval_batch_size", "eval_seq_len", "scatter_capacity"):
-        if name in raw:
-            kw[name] = _number(raw[name], f"analysis.{name}", int)
+        if key not in names:
+            problem = "unknown field" if at else "unknown top-level field"
+            raise _fail(
+                f"{at}.{key}" if at else str(key),
+                problem,
+                fix or f"use fields from {sorted(names)}",
+            )
+    needed = {
+        f.name: None
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    if "given" in inspect.signature(cls).parameters:
+        extra = {**extra, "given": frozenset(raw)}
+    return cls(**{**needed, **raw}, **extra)
+
+
+# --------------------------------------------------------------------------- the parts
+@dataclass(frozen=True, kw_only=True)
+class Hypothesis:
+    """One pre-registered claim: ``comparison(metric of arm, of baseline) op threshold``.
+
+    A joint hypothesis (comparison "joint") names the hypotheses ``of`` that one arm must
+    pass together; it has no metric, op, threshold or rule of its own (set to "", "", 0.0,
+    ""). ``where`` names it in errors (``hypotheses[2]``). What the hypothesis refers to (its
+    arms, the cache metric's policy and capacity, the earlier hypotheses it joins) is
+    checked by the study it belongs to (``Prereg``).
+    """
+
+    id: str
+    statement: str
+    metric: str  # "perplexity", "val_loss" or "<policy>/cap<c>/<hit_rate|miss_rate|...>"
+    arms: tuple[str, ...]  # the arms it is tested on, one table row each
+    comparison: str  # relative_change (arm/base - 1), difference (arm - base), value, joint
+    op: str  # "<=" or ">=": the side of the threshold that passes
+    threshold: float
+    require: str = "all"  # "any" arm passing suffices, or "all" must pass
+    of: tuple[str, ...]  # joint: the hypotheses one arm must pass together (others: ())
+    decision: str = ""  # its own decision rule ("" = analysis.decision)
+    where: InitVar[str] = "hypothesis"
+
+    def __post_init__(self, where: str) -> None:
+        if not _is_name(self.id):
+            raise _fail(f"{where}.id", f"{self.id!r} is not a name", "e.g. H1")
+        at = f"{where} ({self.id})"
+        if not isinstance(self.statement, str) or not self.statement.strip():
+            raise _fail(f"{at}.statement", "missing", "state the claim in one sentence")
+        _set(self, "statement", self.statement.strip())
+        if self.comparison not in COMPARISONS:
+            raise _fail(f"{at}.comparison", f"{self.comparison!r}", f"use one of {COMPARISONS}")
+        arms = [self.arms] if isinstance(self.arms, str) else self.arms
+        if not isinstance(arms, (list, tuple)) or not arms:
+            raise _fail(f"{at}.arms", f"{arms!r}", "list the arms it is tested on")
+        _set(self, "arms", tuple(arms))
+        if self.decision and self.decision not in DECISIONS:
+            raise _fail(f"{at}.decision", f"{self.decision!r}", f"use one of {DECISIONS}")
+        if self.comparison == "joint" and self.decision:
+            raise _fail(f"{at}.decision", "a joint hypothesis has no rule", "remove it")
+        if self.require not in REQUIRES:
+            raise _fail(f"{at}.require", f"{self.require!r}", f"use one of {REQUIRES}")
+        if self.comparison == "joint":
+            self._joint(at)
+        else:
+            self._claim(at)
+
+    def _joint(self, at: str) -> None:
+        if not isinstance(self.of, (list, tuple)) or not self.of:
+            raise _fail(f"{at}.of", f"{self.of!r}", "list the ids of earlier hypotheses")
+        for name, value in (("of", tuple(self.of)), ("metric", ""), ("op", ""), ("decision", "")):
+            _set(self, name, value)
+        _set(self, "threshold", 0.0)
+
+    def _claim(self, at: str) -> None:
+        metric = self.metric
+        if not isinstance(metric, str):
+            raise _fail(
+                f"{at}.metric", f"expected a string, got {metric!r}", "e.g. lru/cap4/miss_rate"
+            )
+        if metric not in SCALAR_METRICS:
+            parts = _cache_metric(metric)
+            if parts is None:
+                raise _fail(
+                    f"{at}.metric",
+                    f"{metric!r} is not a metric",
+                    f"use one of {SCALAR_METRICS} or "
+                    f"<policy>/cap<capacity>/<{'|'.join(CACHE_STATS)}>",
+                )
+            if parts[2] not in CACHE_STATS:
+                raise _fail(
+                    f"{at}.metric",
+                    f"statistic {parts[2]!r} is unknown",
+                    f"use one of {CACHE_STATS}",
+                )
+        if self.op not in OPS:
+            raise _fail(f"{at}.op", f"{self.op!r}", f"use one of {OPS} (the side that passes)")
+        _set(self, "threshold", _number(self.threshold, f"{at}.threshold"))
+        _set(self, "of", ())
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """How each run is evaluated and how seeds combine (fixed before any run)."""
+
+    checkpoint: str = "final"  # only the final checkpoint (step == steps) is evaluated
+    eval_batches: int = 16  # validation batches (moestack.data.eval_batches, fixed windows)
+    eval_batch_size: int = 0  # sequences per batch (0 = the run's batch_size)
+    eval_seq_len: int = 0  # tokens per sequence (0 = the run's data.seq_len)
+    policies: tuple[str, ...] = ("lru", "static")
+    capacities: tuple[int, ...] = (2, 4, 6)  # expert slots per layer
+    warmup: float = 0.1  # share of each layer's requests that warms the cache, not counted
+    confidence: float = 0.95  # two-sided t interval over seeds
+    decision: str = "mean"  # "mean": the seed mean meets the threshold; "ci": the whole CI does;
+    # "noninferiority"/"superiority": the one-sided bound decides, else "inconclusive"
+    correction: str = "none"  # "holm": Holm over the arms of each hypothesis (one-sided rules)
+    decision_reason: str = ""  # why a "mean" rule decides a budget (lock refuses it otherwise)
+    scatter_capacity: int = 0  # capacity of the hit-rate-vs-perplexity scatter (0 = 2nd)
+    device: str = "auto"  # where the evaluation runs
+    given: InitVar[frozenset[str] | None] = None  # the keys the file gave (None: from Python)
+
+    def __post_init__(self, given: frozenset[str] | None) -> None:
+        if self.checkpoint != "final":
+            raise _fail(
+                "analysis.checkpoint",
+                f"{self.checkpoint!r} is not supported",
+                "use 'final' (the checkpoint at step == steps)",
+            )
+        for name in _COUNTS:
+            value = _number(getattr(self, name), f"analysis.{name}", int)
             low = 1 if name == "eval_batches" else 0
-            if kw[name] < low:
-                raise _fail(f"analysis.{name}", f"{kw[name]} must be >= {low}", "raise it")
-    if "policies" in raw:
-        policies = raw["policies"]
-        if not isinstance(policies, list) or not policies:
+            if value < low:
+                raise _fail(f"analysis.{name}", f"{value} must be >= {low}", "raise it")
+            _set(self, name, value)
+        _set(self, "policies", self._policies())
+        _set(self, "capacities", self._capacities())
+        _set(self, "warmup", _share(self.warmup, "analysis.warmup", zero=True, fix="give a share"))
+        _set(
+            self,
+            "confidence",
+            _share(self.confidence, "analysis.confidence", zero=False, fix="e.g. 0.95"),
+        )
+        self._check_rule(given)
+        if self.device not in _DEVICES:
+            raise _fail("analysis.device", f"{self.device!r}", "use auto, cpu or cuda")
+        if self.scatter_capacity and self.scatter_capacity not in self.capacities:
+            raise _fail(
+                "analysis.scatter_capacity",
+                f"{self.scatter_capacity} is not in analysis.capacities",
+                "pick one of them",
+            )
+
+    def _policies(self) -> tuple[str, ...]:
+        policies = self.policies
+        if not isinstance(policies, (list, tuple)) or not policies:
             raise _fail("analysis.policies", f"{policies!r} is not a list", "e.g. [lru, static]")
         for i, p in enumerate(policies):
             if p not in POLICIES:
                 raise _fail(
                     f"analysis.policies[{i}]", f"{p!r} is unknown", f"use one of {POLICIES}"
                 )
-        kw["policies"] = tuple(policies)
-    if "capacities" in raw:
-        caps = raw["capacities"]
-        if not isinstance(caps, list) or not caps:
+        return tuple(policies)
+
+    def _capacities(self) -> tuple[int, ...]:
+        caps = self.capacities
+        if not isinstance(caps, (list, tuple)) or not caps:
             raise _fail("analysis.capacities", f"{caps!r} is not a list", "e.g. [2, 4, 6]")
-        kw["capacities"] = tuple(
-            _number(c, f"analysis.capacities[{i}]", int) for i, c in enumerate(caps)
-        )
-        for i, c in enumerate(kw["capacities"]):
+        out = tuple(_number(c, f"analysis.capacities[{i}]", int) for i, c in enumerate(caps))
+        for i, c in enumerate(out):
             if c < 1:
                 raise _fail(f"analysis.capacities[{i}]", f"{c} < 1", "use expert slots >= 1")
-    if "warmup" in raw:
-        kw["warmup"] = _number(raw["warmup"], "analysis.warmup")
-        if not 0 <= kw["warmup"] < 1:
-            raise _fail("analysis.warmup", f"{kw['warmup']} not in [0, 1)", "give a share")
-    if "confidence" in raw:
-        kw["confidence"] = _number(raw["confidence"], "analysis.confidence")
-        if not 0 < kw["confidence"] < 1:
-            raise _fail("analysis.confidence", f"{kw['confidence']} not in (0, 1)", "e.g. 0.95")
-    if "decision" in raw:
-        if raw["decision"] not in DECISIONS:
-            raise _fail("analysis.decision", f"{raw['decision']!r}", f"use one of {DECISIONS}")
-        kw["decision"] = raw["decision"]
-    kw.update(_rule_fields(raw))
-    if "device" in raw:
-        if raw["device"] not in ("auto", "cpu", "cuda"):
-            raise _fail("analysis.device", f"{raw['device']!r}", "use auto, cpu or cuda")
-        kw["device"] = raw["device"]
-    analysis = Analysis(**kw)
-    if analysis.scatter_capacity and analysis.scatter_capacity not in analysis.capacities:
-        raise _fail(
-            "analysis.scatter_capacity",
-            f"{analysis.scatter_capacity} is not in analysis.capacities",
-            "pick one of them",
-        )
-    return analysis
+        return out
 
-
-def _rule_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """analysis.correction and analysis.decision_reason, checked against the decision rule."""
-    kw: dict[str, Any] = {}
-    if "correction" in raw:
-        if raw["correction"] not in CORRECTIONS:
-            raise _fail("analysis.correction", f"{raw['correction']!r}", f"use {CORRECTIONS}")
-        one_sided = ("noninferiority", "superiority")
-        if raw["correction"] == "holm" and raw.get("decision", "mean") not in one_sided:
+    def _check_rule(self, given: frozenset[str] | None) -> None:
+        """The decision rule, its correction (Holm needs a one-sided rule) and its reason."""
+        if self.decision not in DECISIONS:
+            raise _fail("analysis.decision", f"{self.decision!r}", f"use one of {DECISIONS}")
+        if self.correction not in CORRECTIONS:
+            raise _fail("analysis.correction", f"{self.correction!r}", f"use {CORRECTIONS}")
+        if self.correction == "holm" and self.decision not in ONE_SIDED:
             raise _fail(
                 "analysis.correction",
-                f"holm needs a one-sided decision, not {raw.get('decision', 'mean')!r}",
+                f"holm needs a one-sided decision, not {self.decision!r}",
                 "set analysis.decision: noninferiority or superiority",
             )
-        kw["correction"] = raw["correction"]
-    if "decision_reason" in raw:
-        reason = raw["decision_reason"]
-        if not isinstance(reason, str) or not reason.strip():
-            raise _fail("analysis.decision_reason", f"{reason!r}", "say why in one sentence")
-        kw["decision_reason"] = reason.strip()
-    return kw
+        if not _left_out(self, "decision_reason", given):
+            reason = _text(
+                self.decision_reason, "analysis.decision_reason", "say why in one sentence"
+            )
+            _set(self, "decision_reason", reason)
 
 
-def _power(raw: Any, seeds: tuple[int, ...]) -> Power | None:
-    """The optional ``power`` block: the pilot, the chosen seed count (= the seeds run) and
-    why, with the target half-width and confidence of the analysis that chose it."""
-    if raw is None:
-        return None
-    raw = _mapping(raw, "power")
-    known = {f.name for f in dataclasses.fields(Power)}
-    for key in raw:
-        if key not in known:
-            raise _fail(f"power.{key}", "unknown field", f"use fields from {sorted(known)}")
-    for key in ("pilot", "reason"):
-        if not isinstance(raw.get(key), str) or not raw[key].strip():
-            what = "the pilot's results.json or folder" if key == "pilot" else "why that many"
-            raise _fail(f"power.{key}", f"{raw.get(key)!r}", f"give {what}")
-    n = _number(raw.get("seeds"), "power.seeds", int)
-    if n != len(seeds):
-        raise _fail(
-            "power.seeds", f"{n} but runs.seeds lists {len(seeds)}", "make them the same count"
+@dataclass(frozen=True)
+class Power:
+    """The power analysis behind the seed count: the pilot, the target, the choice and why.
+
+    That ``seeds`` is the number of seeds the study runs is checked by the study (``Prereg``).
+    """
+
+    pilot: str  # the pilot's results.json or study folder (relative to the study file)
+    seeds: int  # the chosen number of seeds (must be len(runs.seeds))
+    reason: str  # why that many: the pilot's sd and the seeds it needs, or the budget
+    half_width: float = 0.005  # target interval half-width (0.005 = 0.5 pp of a change)
+    confidence: float = 0.95  # of the two-sided t interval whose half-width is targeted
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            "pilot",
+            _text(self.pilot, "power.pilot", "give the pilot's results.json or folder"),
         )
-    kw: dict[str, Any] = {}
-    if "half_width" in raw:
-        kw["half_width"] = _number(raw["half_width"], "power.half_width")
-        if kw["half_width"] <= 0:
-            raise _fail("power.half_width", f"{kw['half_width']} <= 0", "e.g. 0.005")
-    if "confidence" in raw:
-        kw["confidence"] = _number(raw["confidence"], "power.confidence")
-        if not 0 < kw["confidence"] < 1:
-            raise _fail("power.confidence", f"{kw['confidence']} not in (0, 1)", "e.g. 0.95")
-    return Power(raw["pilot"].strip(), n, raw["reason"].strip(), **kw)
-
-
-def _check_metric(metric: Any, analysis: Analysis, where: str) -> str:
-    if not isinstance(metric, str):
-        raise _fail(where, f"expected a string, got {metric!r}", "e.g. lru/cap4/miss_rate")
-    if metric in SCALAR_METRICS:
-        return metric
-    match = _CACHE_METRIC.match(metric)
-    if not match:
-        raise _fail(
-            where,
-            f"{metric!r} is not a metric",
-            f"use one of {SCALAR_METRICS} or <policy>/cap<capacity>/<{'|'.join(CACHE_STATS)}>",
+        _set(self, "reason", _text(self.reason, "power.reason", "give why that many"))
+        _set(self, "seeds", _number(self.seeds, "power.seeds", int))
+        half_width = _number(self.half_width, "power.half_width")
+        if half_width <= 0:
+            raise _fail("power.half_width", f"{half_width} <= 0", "e.g. 0.005")
+        _set(self, "half_width", half_width)
+        _set(
+            self,
+            "confidence",
+            _share(self.confidence, "power.confidence", zero=False, fix="e.g. 0.95"),
         )
-    policy, cap, stat = match.group(1), int(match.group(2)), match.group(3)
-    if policy not in analysis.policies:
-        raise _fail(where, f"policy {policy!r} is not in analysis.policies", "add it there")
-    if cap not in analysis.capacities:
-        raise _fail(where, f"capacity {cap} is not in analysis.capacities", "add it there")
-    if stat not in CACHE_STATS:
-        raise _fail(where, f"statistic {stat!r} is unknown", f"use one of {CACHE_STATS}")
-    return metric
 
 
-def _hypotheses(raw: Any, arms: dict[str, tuple[str, ...]], baseline: str, analysis: Analysis):
-    if not isinstance(raw, list) or not raw:
-        raise _fail("hypotheses", "expected a non-empty list", "pre-register at least one")
-    seen: dict[str, Hypothesis] = {}
-    for i, item in enumerate(raw):
-        where = f"hypotheses[{i}]"
-        item = _mapping(item, where)
-        known = {"id", "statement", "metric", "arms", "comparison", "op", "threshold"}
-        known |= {"require", "of", "decision"}
-        for key in item:
-            if key not in known:
-                raise _fail(f"{where}.{key}", "unknown field", f"use fields from {sorted(known)}")
-        hid = item.get("id")
-        if not isinstance(hid, str) or not _NAME.match(hid):
-            raise _fail(f"{where}.id", f"{hid!r} is not a name", "e.g. H1")
-        if hid in seen:
-            raise _fail(f"{where}.id", f"{hid!r} is used twice", "give each hypothesis its own id")
-        where = f"hypotheses[{i}] ({hid})"
-        statement = item.get("statement", "")
-        if not isinstance(statement, str) or not statement.strip():
-            raise _fail(f"{where}.statement", "missing", "state the claim in one sentence")
-        comparison = item.get("comparison")
-        if comparison not in COMPARISONS:
-            raise _fail(f"{where}.comparison", f"{comparison!r}", f"use one of {COMPARISONS}")
-        hyp_arms = item.get("arms")
-        if isinstance(hyp_arms, str):
-            hyp_arms = [hyp_arms]
-        if not isinstance(hyp_arms, list) or not hyp_arms:
-            raise _fail(f"{where}.arms", f"{hyp_arms!r}", "list the arms it is tested on")
-        for j, arm in enumerate(hyp_arms):
-            if arm not in arms:
-                raise _fail(f"{where}.arms[{j}]", f"{arm!r} is not an arm", f"use {sorted(arms)}")
-            if arm == baseline and comparison in ("relative_change", "difference"):
+@dataclass(frozen=True)
+class Budget:
+    """The optimizer steps of every run (required) and its batch settings (left out: the
+    training config's own); each becomes a ``KEY=VALUE`` override."""
+
+    steps: int | None = None
+    batch_size: int | None = None  # sequences per micro-batch
+    grad_accum: int | None = None  # micro-batches per optimizer step
+    given: InitVar[frozenset[str] | None] = None  # the keys the file gave (None: from Python)
+
+    def __post_init__(self, given: frozenset[str] | None) -> None:
+        if _left_out(self, "steps", given):
+            raise _fail("budget.steps", "missing", "give the optimizer steps of every run")
+        for name in _BUDGET:
+            if not _left_out(self, name, given):
+                value = _number(getattr(self, name), f"budget.{name}", int)
+                if value < 1:
+                    raise _fail(f"budget.{name}", f"{value} must be >= 1", "raise it")
+                _set(self, name, value)
+
+    def overrides(self) -> tuple[str, ...]:
+        """``steps=N`` and each batch setting given, in the order of ``_BUDGET``."""
+        return tuple(f"{n}={getattr(self, n)}" for n in _BUDGET if getattr(self, n) is not None)
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The grid: the arms (name -> its overrides), the baseline every comparison is made
+    against, and the seeds every arm runs."""
+
+    baseline: str
+    arms: dict[str, tuple[str, ...]]
+    seeds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        arms = _mapping(self.arms, "runs.arms")
+        if not arms:
+            raise _fail("runs.arms", "empty", "list the baseline and at least one other arm")
+        checked: dict[str, tuple[str, ...]] = {}
+        for name, overrides in arms.items():
+            if not _is_name(name):
+                raise _fail(f"runs.arms.{name}", "not a name", "use letters, digits, _ . -")
+            checked[name] = _overrides(overrides, f"runs.arms.{name}")
+        _set(self, "arms", checked)
+        if self.baseline not in checked:
+            raise _fail(
+                "runs.baseline", f"{self.baseline!r} is not an arm", f"use one of {sorted(checked)}"
+            )
+        seeds = self.seeds
+        if not isinstance(seeds, (list, tuple)) or not seeds:
+            raise _fail("runs.seeds", f"{seeds!r}", "give a list of integer seeds, e.g. [0, 1]")
+        numbers = tuple(_number(s, f"runs.seeds[{i}]", int) for i, s in enumerate(seeds))
+        if len(set(numbers)) != len(numbers):
+            raise _fail("runs.seeds", f"{list(numbers)} repeats a seed", "list each seed once")
+        _set(self, "seeds", numbers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prereg:
+    """A validated pre-registration file: one field per part of the file, plus its path and
+    the mapping it was read from (``raw``)."""
+
+    path: Path
+    study: str  # a name: letters, digits, _ . - (the default output is runs/prereg/<study>)
+    title: str | None = None  # free text (None: the study's name)
+    question: str = ""  # free text, shown in the report
+    model: tuple[str, ...]  # moestack-train overrides: the model (at least one) ...
+    data: tuple[str, ...] = ()  # ... the data
+    budget: Budget
+    train: tuple[str, ...] = ()  # ... the other train settings
+    runs: Runs
+    analysis: Analysis = field(default_factory=Analysis)
+    hypotheses: tuple[Hypothesis, ...]
+    power: Power | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    given: InitVar[frozenset[str] | None] = None  # the keys the file gave (None: from Python)
+
+    def __post_init__(self, given: frozenset[str] | None) -> None:
+        if not _is_name(self.study):
+            raise _fail("study", f"{self.study!r} is not a name", "use letters, digits, _ . -")
+        _set(self, "path", Path(self.path))
+        _set(self, "model", _overrides(self.model, "model"))
+        if not self.model:
+            raise _fail("model", "missing", "give the model as overrides, e.g. [model=tiny]")
+        _set(self, "data", _overrides(self.data, "data"))
+        _set(self, "budget", _part(Budget, self.budget, "budget", fix="use " + ", ".join(_BUDGET)))
+        _set(self, "train", _overrides(self.train, "train"))
+        _set(self, "runs", _part(Runs, self.runs, "runs", fix="use baseline, arms, seeds"))
+        _set(self, "analysis", _part(Analysis, self.analysis or {}, "analysis"))
+        _set(self, "hypotheses", self._hypotheses())
+        title = self.study if _left_out(self, "title", given) else self.title
+        _set(self, "title", str(title))
+        _set(self, "question", str(self.question))
+        if self.power is not None:
+            _set(self, "power", _part(Power, self.power, "power"))
+            self._check_power(self.power)
+
+    @property
+    def base_overrides(self) -> tuple[str, ...]:
+        """The overrides every run shares: model, data, budget and train, in that order."""
+        return (*self.model, *self.data, *self.budget.overrides(), *self.train)
+
+    @property
+    def baseline(self) -> str:
+        return self.runs.baseline
+
+    @property
+    def arms(self) -> dict[str, tuple[str, ...]]:
+        """Arm name -> its overrides."""
+        return self.runs.arms
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        return self.runs.seeds
+
+    def overrides(self, arm: str, seed: int) -> list[str]:
+        """The moestack-train overrides of one run (out_dir and resume added by the runner)."""
+        return [*self.base_overrides, *self.arms[arm], f"seed={seed}"]
+
+    def _hypotheses(self) -> tuple[Hypothesis, ...]:
+        """Each hypothesis built (it checks itself), then checked against the study."""
+        items = self.hypotheses
+        if not isinstance(items, (list, tuple)) or not items:
+            raise _fail("hypotheses", "expected a non-empty list", "pre-register at least one")
+        seen: dict[str, Hypothesis] = {}
+        for i, item in enumerate(items):
+            where = f"hypotheses[{i}]"
+            hyp = _part(Hypothesis, item, where, where=where)
+            if hyp.id in seen:
                 raise _fail(
-                    f"{where}.arms[{j}]",
+                    f"{where}.id", f"{hyp.id!r} is used twice", "give each hypothesis its own id"
+                )
+            self._check_hypothesis(hyp, f"{where} ({hyp.id})", seen)
+            seen[hyp.id] = hyp
+        return tuple(seen.values())
+
+    def _check_hypothesis(self, hyp: Hypothesis, at: str, earlier: dict[str, Hypothesis]) -> None:
+        """What ``hyp`` refers to: its arms (the baseline is no arm of a comparison with
+        itself), its rule under Holm, the earlier hypotheses a joint one joins, and the
+        policy and capacity of a cache metric (the analysis must replay them)."""
+        for j, arm in enumerate(hyp.arms):
+            if arm not in self.arms:
+                raise _fail(f"{at}.arms[{j}]", f"{arm!r} is not an arm", f"use {sorted(self.arms)}")
+            if arm == self.baseline and hyp.comparison in ("relative_change", "difference"):
+                raise _fail(
+                    f"{at}.arms[{j}]",
                     f"the baseline {arm!r} cannot be compared with itself",
                     "remove it or use comparison: value",
                 )
-        decision = item.get("decision", "")
-        if decision and decision not in DECISIONS:
-            raise _fail(f"{where}.decision", f"{decision!r}", f"use one of {DECISIONS}")
-        if comparison == "joint" and decision:
-            raise _fail(f"{where}.decision", "a joint hypothesis has no rule", "remove it")
-        if analysis.correction == "holm" and decision in ("mean", "ci"):
-            raise _fail(f"{where}.decision", f"{decision!r} with holm", "use a one-sided rule")
-        require = item.get("require", "all")
-        if require not in REQUIRES:
-            raise _fail(f"{where}.require", f"{require!r}", f"use one of {REQUIRES}")
-        if comparison == "joint":
-            of = item.get("of")
-            if not isinstance(of, list) or not of:
-                raise _fail(f"{where}.of", f"{of!r}", "list the ids of earlier hypotheses")
-            for j, ref in enumerate(of):
-                if ref not in seen or seen[ref].comparison == "joint":
+        if self.analysis.correction == "holm" and hyp.decision in ("mean", "ci"):
+            raise _fail(f"{at}.decision", f"{hyp.decision!r} with holm", "use a one-sided rule")
+        if hyp.comparison == "joint":
+            for j, ref in enumerate(hyp.of):
+                if ref not in earlier or earlier[ref].comparison == "joint":
                     raise _fail(
-                        f"{where}.of[{j}]",
+                        f"{at}.of[{j}]",
                         f"{ref!r} is not an earlier non-joint hypothesis",
                         "list ids defined above this one",
                     )
-                missing = [a for a in hyp_arms if a not in seen[ref].arms]
+                missing = [a for a in hyp.arms if a not in earlier[ref].arms]
                 if missing:
-                    raise _fail(f"{where}.of[{j}]", f"{ref} is not tested on {missing}", "add them")
-            seen[hid] = Hypothesis(
-                hid, statement.strip(), "", tuple(hyp_arms), "joint", "", 0.0, require, tuple(of)
+                    raise _fail(f"{at}.of[{j}]", f"{ref} is not tested on {missing}", "add them")
+        elif (parts := _cache_metric(hyp.metric)) is not None:
+            policy, cap, _ = parts
+            if policy not in self.analysis.policies:
+                raise _fail(
+                    f"{at}.metric", f"policy {policy!r} is not in analysis.policies", "add it there"
+                )
+            if cap not in self.analysis.capacities:
+                raise _fail(
+                    f"{at}.metric", f"capacity {cap} is not in analysis.capacities", "add it there"
+                )
+
+    def _check_power(self, power: Power) -> None:
+        if power.seeds != len(self.seeds):
+            raise _fail(
+                "power.seeds",
+                f"{power.seeds} but runs.seeds lists {len(self.seeds)}",
+                "make them the same count",
             )
-            continue
-        metric = _check_metric(item.get("metric"), analysis, f"{where}.metric")
-        op = item.get("op")
-        if op not in OPS:
-            raise _fail(f"{where}.op", f"{op!r}", f"use one of {OPS} (the side that passes)")
-        threshold = _number(item.get("threshold"), f"{where}.threshold")
-        seen[hid] = Hypothesis(
-            hid, statement.strip(), metric, tuple(hyp_arms), comparison, op, threshold, require,
-            decision=decision,
-        )  # fmt: skip
-    return tuple(seen.values())
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of the grid: an arm, a seed, its directory and overrides."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}-s{self.seed}"
+
+
+# --------------------------------------------------------------------------- plain text
+# Characters that are no plain text: controls (newline, tab, NUL, ESC...), line and paragraph
+# separators, and the bidirectional controls that reorder what a reader sees.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_CONTROL_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\x00": "a NUL",
+                  "\x1b": "an escape (ANSI)"}  # fmt: skip
+
+
+def is_control(ch: str) -> bool:
+    """Whether the character ``ch`` is no plain text (a control, separator or bidi control)."""
+    return unicodedata.category(ch) in ("Cc", "Zl", "Zp") or ch in _BIDI
+
+
+def check_plain(text: str, where: str) -> str:
+    """``text`` when it holds no control character (``is_control``), else one line naming
+    ``where``, the character and its place."""
+    for i, ch in enumerate(text):
+        if is_control(ch):
+            name = _CONTROL_NAMES.get(ch, "a control character")
+            raise MoestackError(
+                f"{where}: {name} (U+{ord(ch):04X}) at character {i + 1}; give it as one line of "
+                "plain text (the lock history and the report quote it)"
+            )
+    return text
+
+
+# --------------------------------------------------------------------------- reading
 def parse(data: Any, path: Path | str = "<memory>") -> Prereg:
     """Validate a loaded pre-registration mapping; errors name the field and the fix."""
-    data = _mapping(data, "the file")
-    top = {"study", "title", "question", "model", "data", "budget", "train", "runs"}
-    top |= {"analysis", "hypotheses", "power"}
-    for key in data:
-        if key not in top:
-            raise _fail(key, "unknown top-level field", f"use fields from {sorted(top)}")
-    study = data.get("study")
-    if not isinstance(study, str) or not _NAME.match(study):
-        raise _fail("study", f"{study!r} is not a name", "use letters, digits, _ . -")
-    model = _overrides(data.get("model"), "model")
-    if not model:
-        raise _fail("model", "missing", "give the model as overrides, e.g. [model=tiny]")
-    data_ov = _overrides(data.get("data"), "data")
-    budget = _mapping(data.get("budget"), "budget")
-    if "steps" not in budget:
-        raise _fail("budget.steps", "missing", "give the optimizer steps of every run")
-    budget_ov = []
-    for key in ("steps", "batch_size", "grad_accum"):
-        if key in budget:
-            value = _number(budget[key], f"budget.{key}", int)
-            if value < 1:
-                raise _fail(f"budget.{key}", f"{value} must be >= 1", "raise it")
-            budget_ov.append(f"{key}={value}")
-    for key in budget:
-        if key not in ("steps", "batch_size", "grad_accum"):
-            raise _fail(f"budget.{key}", "unknown field", "use steps, batch_size, grad_accum")
-    train_ov = _overrides(data.get("train"), "train")
-    runs = _mapping(data.get("runs"), "runs")
-    for key in runs:
-        if key not in ("baseline", "arms", "seeds"):
-            raise _fail(f"runs.{key}", "unknown field", "use baseline, arms, seeds")
-    arms_raw = _mapping(runs.get("arms"), "runs.arms")
-    if not arms_raw:
-        raise _fail("runs.arms", "empty", "list the baseline and at least one other arm")
-    arms: dict[str, tuple[str, ...]] = {}
-    for name, ov in arms_raw.items():
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise _fail(f"runs.arms.{name}", "not a name", "use letters, digits, _ . -")
-        arms[name] = _overrides(ov, f"runs.arms.{name}")
-    baseline = runs.get("baseline")
-    if baseline not in arms:
-        raise _fail("runs.baseline", f"{baseline!r} is not an arm", f"use one of {sorted(arms)}")
-    seeds = runs.get("seeds")
-    if not isinstance(seeds, list) or not seeds:
-        raise _fail("runs.seeds", f"{seeds!r}", "give a list of integer seeds, e.g. [0, 1]")
-    seeds_t = tuple(_number(s, f"runs.seeds[{i}]", int) for i, s in enumerate(seeds))
-    if len(set(seeds_t)) != len(seeds_t):
-        raise _fail("runs.seeds", f"{list(seeds_t)} repeats a seed", "list each seed once")
-    analysis = _analysis(_mapping(data.get("analysis", {}) or {}, "analysis"))
-    hypotheses = _hypotheses(data.get("hypotheses"), arms, baseline, analysis)
-    return Prereg(
-        path=Path(path),
-        study=study,
-        title=str(data.get("title", study)),
-        question=str(data.get("question", "")),
-        base_overrides=(*model, *data_ov, *budget_ov, *train_ov),
-        baseline=baseline,
-        arms=arms,
-        seeds=seeds_t,
-        analysis=analysis,
-        hypotheses=hypotheses,
-        raw=data,
-        power=_power(data.get("power"), seeds_t),
-    )
+    return _part(Prereg, data, "", path=Path(path), raw=data)
 
 
 def load(path: Path | str) -> Prereg:
