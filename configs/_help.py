@@ -1,8 +1,9 @@
 """The text of ``moestack-train --help`` that hydra's template cannot hold by itself: the
 version, the README's location and every config field with its value and its comment.
 
-The comments are read from the config dataclasses' source (``moestack/config.py``, one comment
-per field), so the help and the code cannot drift apart; values come from the composed config,
+The comments are read from the config dataclasses' source (each beside the class it configures,
+assembled in ``moestack/config.py``; one comment per field, a subclass's and its bases'), so
+the help and the code cannot drift apart; values come from the composed config,
 so ``moestack-train model=small --help`` shows model=small's.
 """
 
@@ -24,7 +25,18 @@ _FILLED = {"model.router": "filled from `router`: set router=NAME and router.FIE
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its comment in the class source (same line, else the lines above)."""
+    """Field name -> its comment in the class source (same line, else the lines above); a
+    field a base class declares has the base's comment (``ModelSchema`` extends
+    ``ModelConfig``)."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            comments.update(_own_comments(klass))
+    return comments
+
+
+def _own_comments(cls: type) -> dict[str, str]:
+    """The field comments in the source of ``cls`` itself."""
     source = textwrap.dedent(inspect.getsource(cls))
     names = {f.name for f in dataclasses.fields(cls)}
     comments: dict[str, str] = {}

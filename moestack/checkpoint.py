@@ -39,8 +39,8 @@ from safetensors import safe_open
 from torch import nn
 
 from moestack import atomic
-from moestack.config import ModelConfig
 from moestack.errors import MoestackError
+from moestack.model import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -216,10 +216,11 @@ def _text_codec(model_cfg: Any) -> Codec:
 def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.checkpoint import model_sha256
     from moestack.interop.hf_export import export_hf
+    from moestack.interop.hf_model import HFModelConfig
     from moestack.runs import load_run
 
     run = load_run(args.run_dir, args.checkpoint)
-    if not run.cfg.model.path:
+    if not isinstance(run.cfg.model, HFModelConfig):
         raise MoestackError(
             f"{args.run_dir} trained moestack's own model; export writes runs of transformers "
             "models (model=hf model.path=DIR) back to the transformers format"

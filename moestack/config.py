@@ -1,202 +1,115 @@
-"""Configuration dataclasses: one per part of the stack, every field with a default.
+"""The configuration of a run: each part's config, assembled and checked together.
 
-The defaults are the tiny CPU model and the default training run. Each dataclass checks its
-own values when it is built and raises ``ValueError`` naming the field and the fix, so a bad
-value fails at start-up, not deep inside a training step. They are registered as hydra
-structured configs (``register_configs``) and used directly from Python.
+Each part of the stack defines its config beside the class it configures, and that config
+builds its part: ``MoEConfig`` (moestack.moe), ``RouterConfig`` (moestack.router),
+``ModelConfig`` (moestack.model, moestack's own model), ``HFModelConfig``
+(moestack.interop.hf_model, a transformers model folder), ``CacheConfig``
+(moestack.cache.expert_cache). This module re-exports them, holds the sections of the
+optimizer, data, telemetry and parallelism, and assembles everything into ``TrainConfig``,
+which checks the values that depend on more than one section. Every field
+has a default (the tiny CPU model and the default training run); a bad value raises
+``ValueError`` naming the field and the fix when the config is built, so it fails at
+start-up, not deep inside a training step. Nothing here reads a file or builds a model; a
+transformers model's architecture is read from its folder by ``TrainConfig.resolve``, where a
+run is built. The dataclasses are registered as hydra structured configs
+(``register_configs``) and used directly from Python. Nothing this module imports imports it.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
-ROUTER_SCORES = ("softmax", "sigmoid")
+from moestack.cache.expert_cache import CacheConfig
+from moestack.cache.policies import check_policy, default_capacities, default_capacity
+from moestack.checks import check as _check
+from moestack.checks import coerce as _coerce
+from moestack.interop.hf_model import HF_PATH_REQUIRED, HFModelConfig
+from moestack.model import CHECKPOINTING, ModelConfig
+from moestack.moe import MOE_IMPLS, MoEConfig
+from moestack.router import ROUTER_SCORES, RouterConfig
+
+__all__ = [
+    "CHECKPOINTING",
+    "DATA_SOURCES",
+    "HF_PATH_REQUIRED",
+    "MOE_IMPLS",
+    "OPTIMIZERS",
+    "ROUTER_SCORES",
+    "CacheConfig",
+    "DataConfig",
+    "HFModelConfig",
+    "ModelConfig",
+    "ModelSchema",
+    "MoEConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RouterConfig",
+    "TelemetryConfig",
+    "TrainConfig",
+    "register_configs",
+    "to_yaml",
+]
+
 OPTIMIZERS = ("adamw", "offload_adamw")
 DATA_SOURCES = ("stdlib", "files", "hf")
-CHECKPOINTING = ("none", "moe", "block", "selective")  # model.checkpointing
-
-
-# configs/model/hf.yaml's model.path until the user sets it (OmegaConf's ??? would not
-# override the dataclass default in a merge, so it could not mark the field as required).
-HF_PATH_REQUIRED = "<model.path=DIR is required>"
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_policy(name: str, field: str) -> None:
-    """The policy names live in one registry, moestack.cache.policies (imported here, not at
-    the top, because the cache package imports this module)."""
-    from moestack.cache.policies import check_policy
-
-    check_policy(name, field)
 
 
 @dataclass
-class RouterConfig:
-    """How tokens pick experts, and the weights of the router's auxiliary losses."""
+class ModelSchema(ModelConfig):
+    """The model: moestack's own decoder-only MoE transformer, or a transformers folder (path).
 
-    score: str = "softmax"  # "softmax" or "sigmoid" over the router logits
-    renormalize: bool = True  # rescale the top-k scores to sum to 1 per token
-    load_balance: float = 0.01  # weight of the switch-style load-balance loss (0 = off)
-    z_loss: float = 1e-3  # weight of the router z-loss, mean logsumexp(logits)^2 (0 = off)
-    bias_update_rate: float = 0.0  # aux-loss-free balancing: bias step per update (0 = off)
-    temporal: float = 0.0  # weight of the temporal-consistency locality loss (0 = off)
-    window: float = 0.0  # weight of the working-set (window entropy) locality loss (0 = off)
-    window_size: int = 16  # tokens per window for the working-set loss
-    pin: float = 0.0  # weight of the pin-affinity locality loss (0 = off)
-    pin_experts: int = 2  # how many experts per layer form the pinned set (experts 0..n-1)
-    pin_share: float = 0.5  # target share of routing mass on the pinned set
-    # weight of the anchor loss: KL from the routing of the router as it was when the model
-    # was loaded (a pretrained model's) to the current one, per token (0 = off)
-    anchor: float = 0.0
+    The ``model`` node as the command line and a run's config.yaml write it: every field of
+    moestack's ``ModelConfig`` and ``path``. Hydra's config library cannot hold a union of
+    two config classes in one node, and the ``model`` group files (configs/model/*.yaml) set
+    the fields of one node, so this node is the one they fill; ``TrainConfig`` makes it the
+    explicit choice (``choose``): a ``ModelConfig``, or with ``path`` set an ``HFModelConfig``
+    (``model=hf model.path=DIR``). Its values are checked there, by the chosen config.
+    """
 
-    def __post_init__(self) -> None:
-        _check(
-            self.score in ROUTER_SCORES,
-            f"router.score={self.score!r} is unknown; use one of {ROUTER_SCORES}",
-        )
-        for name in (
-            "load_balance", "z_loss", "bias_update_rate", "temporal", "window", "pin", "anchor"
-        ):  # fmt: skip
-            value = getattr(self, name)
-            _check(value >= 0, f"router.{name}={value} must be >= 0 (0 turns it off)")
-        _check(self.window_size >= 2, f"router.window_size={self.window_size} must be >= 2")
-        _check(self.pin_experts >= 1, f"router.pin_experts={self.pin_experts} must be >= 1")
-        _check(0 < self.pin_share <= 1, f"router.pin_share={self.pin_share} must be in (0, 1]")
-
-
-@dataclass
-class MoEConfig:
-    """The expert layer: how many experts, how many per token, their width, the kernel."""
-
-    num_experts: int = 8  # experts per MoE layer (E)
-    top_k: int = 2  # experts each token is routed to (k)
-    d_ff: int = 256  # hidden width of each SwiGLU expert (F)
-    impl: str = "auto"  # "auto" (triton on CUDA, torch elsewhere), "triton", "torch", "megablocks"
-
-    def __post_init__(self) -> None:
-        _check(self.num_experts >= 1, f"moe.num_experts={self.num_experts} must be >= 1")
-        _check(self.top_k >= 1, f"moe.top_k={self.top_k} must be >= 1")
-        _check(
-            self.top_k <= self.num_experts,
-            f"moe.top_k={self.top_k} is larger than moe.num_experts={self.num_experts}; "
-            "lower top_k or add experts",
-        )
-        _check(self.d_ff >= 1, f"moe.d_ff={self.d_ff} must be >= 1")
-        _check(self.impl in MOE_IMPLS, f"moe.impl={self.impl!r} is unknown; use one of {MOE_IMPLS}")
-
-
-@dataclass
-class ModelConfig:
-    """A decoder-only transformer whose every feed-forward block is an MoE layer."""
-
-    vocab_size: int = 256  # byte-level tokens by default; byte 0 separates documents
-    d_model: int = 128  # residual stream width (D)
-    n_layers: int = 4  # transformer blocks, each with attention and an MoE layer
-    n_heads: int = 4  # attention heads; must divide d_model
-    max_seq_len: int = 256  # longest sequence the rotary tables are built for
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-    rope_theta: float = 10000.0  # rotary embedding base
-    norm_eps: float = 1e-6  # RMSNorm epsilon
-    init_std: float = 0.02  # std of the normal init of every weight matrix
-    tie_embeddings: bool = True  # share the token embedding with the output projection
-    doc_separator: int = 0  # token that ends a document in packed sequences (-1 = none)
     # a local transformers MoE model folder (config.json, safetensors, tokenizer); "" =
     # moestack's own model. When set, its config.json fills the fields above (moe.impl and
     # the router stay yours), and the model loads with transformers, MoE blocks patched.
     path: str = ""
-    # activation checkpointing: what backward recomputes instead of keeping: "none", "moe"
-    # (the experts), "block" (the whole block but its router) or "selective" (norms, rotary,
-    # SwiGLU, gathers; matmul and attention outputs kept). Routing is never recomputed.
-    checkpointing: str = "none"
 
     def __post_init__(self) -> None:
         self.moe = _coerce(self.moe, MoEConfig)
         self.router = _coerce(self.router, RouterConfig)
-        _check(
-            self.checkpointing in CHECKPOINTING,
-            f"model.checkpointing={self.checkpointing!r} is unknown; use one of {CHECKPOINTING}",
-        )
-        _check(
-            not self.path or self.checkpointing == "none",
-            f"model.checkpointing={self.checkpointing!r} applies to moestack's own model, not "
-            "to a transformers one (model.path); use none",
-        )
+
+    def choose(self) -> ModelChoice:
+        """The config this node describes: moestack's model, or (``path`` set) a
+        transformers folder, whose architecture its ``resolve`` reads from config.json."""
         if self.path:
-            self._fill_from_transformers()
-            return
-        _check(self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2")
-        _check(self.d_model >= 1, f"model.d_model={self.d_model} must be >= 1")
-        _check(self.n_layers >= 1, f"model.n_layers={self.n_layers} must be >= 1")
-        _check(self.n_heads >= 1, f"model.n_heads={self.n_heads} must be >= 1")
-        _check(
-            self.d_model % self.n_heads == 0,
-            f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}",
-        )
-        _check(
-            (self.d_model // self.n_heads) % 2 == 0,
-            f"model.d_model/n_heads={self.d_model // self.n_heads} must be even for rotary "
-            "embeddings",
-        )
-        _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len} must be >= 1")
-        _check(
-            self.rope_theta > 1, f"model.rope_theta={self.rope_theta} must be > 1 (10000 is usual)"
-        )
-        _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
-        _check(self.init_std > 0, f"model.init_std={self.init_std} must be > 0 (0.02 is usual)")
-        _check(
-            -1 <= self.doc_separator < self.vocab_size,
-            f"model.doc_separator={self.doc_separator} is outside the vocabulary "
-            f"[0, {self.vocab_size}); use a token id, or -1 for none",
-        )
-
-    def _fill_from_transformers(self) -> None:
-        """The architecture fields from ``path/config.json`` (read as JSON: no weights)."""
-        from moestack.interop.hf_config import model_config_kwargs, read_hf_config
-
-        _check(
-            self.path != HF_PATH_REQUIRED,
-            "model=hf needs model.path=DIR: a local transformers MoE model folder (config.json, "
-            "safetensors weights, tokenizer files)",
-        )
-        # absolute, so that a run's config.yaml finds its source from any folder
-        self.path = str(Path(self.path).expanduser().absolute())
-        for key, value in model_config_kwargs(read_hf_config(self.path)).items():
-            if key == "moe":
-                value = MoEConfig(**value, impl=self.moe.impl)
-            setattr(self, key, value)
-
-    def build(self, *, experts: bool = True) -> Any:
-        """The model this config describes (a ``moestack.model.RoutedLM``): moestack's
-        ``MoETransformer``, or the transformers model at ``path`` with moestack MoE layers.
-        Routers with an anchor loss take the built weights as their reference.
-
-        ``experts=False`` (transformers models only) leaves the routed experts unread, as
-        meta tensors, for serving them from an expert store."""
-        if self.path:
-            from moestack.interop.hf_model import load_hf_moe
-
-            model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router, experts=experts)
-        elif not experts:
-            raise ValueError(
-                "experts=False reads a transformers model folder without its experts; "
-                "moestack's own model without experts is loaded from a checkpoint: "
-                "moestack.runs.load_run(RUN, experts=False)"
+            return HFModelConfig(
+                path=self.path,
+                moe=MoEConfig(impl=self.moe.impl),
+                router=self.router,
+                checkpointing=self.checkpointing,
             )
-        else:
-            from moestack.model import MoETransformer
+        names = [f.name for f in dataclasses.fields(ModelConfig)]
+        return ModelConfig(**{name: getattr(self, name) for name in names})
 
-            model = MoETransformer(self)
-        for moe in model.moe_layers:
-            moe.router.reset_anchor()
-        return model
+    @classmethod
+    def of(cls, model: ModelChoice) -> ModelSchema:
+        """The node that ``choose`` turns back into ``model`` (a transformers model's
+        architecture as read, when it has been)."""
+        if isinstance(model, ModelConfig):
+            return cls(**dataclasses.asdict(model))
+        known = {k: v for k, v in dataclasses.asdict(model).items() if v is not None}
+        return cls(**known)
+
+
+ModelChoice = ModelConfig | HFModelConfig  # what TrainConfig.model holds once built
+
+
+def choose_model(value: Any) -> ModelChoice:
+    """``value`` as the explicit model config: a ModelConfig or HFModelConfig as it is, a
+    ModelSchema (or a mapping of its fields) made into one (``ModelSchema.choose``)."""
+    if isinstance(value, HFModelConfig) or type(value) is ModelConfig:
+        return value
+    return _coerce(value, ModelSchema).choose()
 
 
 @dataclass
@@ -285,29 +198,6 @@ class DataConfig:
 
 
 @dataclass
-class CacheConfig:
-    """Expert cache: capacity and policy for offloaded evaluation and for telemetry replay."""
-
-    policy: str = "lru"  # "lru", "lfu", "static", "lru+static", "belady" (replay only)
-    capacity: int = 0  # experts per layer held in fast memory, >= top_k (0 = 2 x top_k)
-    capacity_bytes: int = 0  # alternatively a byte budget per layer (0 = use capacity)
-    warmup: int = 1024  # static policies: requests per layer counted before pinning
-    prefetch: bool = False  # predict and load the next layer's experts in the background
-    store_dir: str = ""  # where the safetensors expert store lives ("" = <run dir>/experts)
-
-    def __post_init__(self) -> None:
-        _check_policy(self.policy, "cache.policy")
-        _check(self.capacity >= 0, f"cache.capacity={self.capacity} must be >= 0 (0 = 2 x top_k)")
-        _check(self.warmup >= 0, f"cache.warmup={self.warmup} must be >= 0")
-        _check(self.capacity_bytes >= 0, f"cache.capacity_bytes={self.capacity_bytes} must be >= 0")
-        _check(
-            not (self.capacity and self.capacity_bytes),
-            f"cache.capacity={self.capacity} and cache.capacity_bytes={self.capacity_bytes} are "
-            "both set; give one of them",
-        )
-
-
-@dataclass
 class TelemetryConfig:
     """Routing telemetry during training: which cache policies and sizes to replay."""
 
@@ -318,7 +208,7 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         for policy in self.policies:
-            _check_policy(policy, "telemetry.policies")
+            check_policy(policy, "telemetry.policies")
         for capacity in self.capacities:
             _check(capacity >= 1, f"telemetry.capacities has {capacity}; each must be >= 1")
 
@@ -337,7 +227,9 @@ class ParallelConfig:
 class TrainConfig:
     """One training run: model, data, optimizer, loop settings, logging."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # moestack's model (ModelConfig) or a transformers folder (HFModelConfig) once built; the
+    # command line fills a ModelSchema here (typed Any: one node cannot hold either class)
+    model: Any = field(default_factory=ModelSchema)
     # The one place the router is configured (the `router` group, `router.FIELD=...`); it
     # becomes model.router, and setting model.router to something else is an error.
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -370,7 +262,7 @@ class TrainConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        self.model = _coerce(self.model, ModelConfig)
+        self.model = choose_model(self.model)
         self.router = _coerce(self.router, RouterConfig)
         self.optim = _coerce(self.optim, OptimConfig)
         self.data = _coerce(self.data, DataConfig)
@@ -391,7 +283,7 @@ class TrainConfig:
             f"trainable={self.trainable!r} is unknown; use all, routers or routers+experts",
         )
         _check(
-            not (self.compile and self.model.path),
+            not (self.compile and isinstance(self.model, HFModelConfig)),
             "compile=true compiles moestack's own model blocks, not a transformers model "
             "(model.path); use compile=false",
         )
@@ -399,18 +291,24 @@ class TrainConfig:
             self.device in ("auto", "cpu", "cuda"),
             f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'",
         )
-        _check(
-            self.data.seq_len <= self.model.max_seq_len,
-            f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
-            f"{self.model.max_seq_len}; shorten the sequences or raise max_seq_len",
-        )
+        # A transformers model's sizes are known once it is resolved (``resolve``): the
+        # checks and defaults that need them wait until then.
+        if self.model.resolved:
+            _check(
+                self.data.seq_len <= self.model.max_seq_len,
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}; shorten the sequences or raise max_seq_len",
+            )
         _check(
             self.router.window == 0 or self.router.window_size <= self.data.seq_len,
             f"router.window_size={self.router.window_size} exceeds data.seq_len="
             f"{self.data.seq_len}; shorten the window or lengthen the sequences",
         )
-        from moestack.cache.policies import default_capacities, default_capacity
+        if self.model.resolved:
+            self._cache_sizes()
 
+    def _cache_sizes(self) -> None:
+        """The cache sizes the model's top_k sets when none are given, and their check."""
         top_k = self.model.moe.top_k
         if self.cache.capacity == 0 and self.cache.capacity_bytes == 0:
             self.cache.capacity = default_capacity(top_k)
@@ -422,14 +320,22 @@ class TrainConfig:
             f"{self.model.moe.top_k}: one token would not fit",
         )
 
+    def resolve(self) -> TrainConfig:
+        """This run's config with its model resolved: a transformers model's architecture
+        read from its folder's config.json (``HFModelConfig.resolve``), then every check
+        and default that needs the model's sizes. Called where a run is built (training,
+        loading a run); the config itself stays as it was."""
+        resolved = copy.deepcopy(self)
+        return dataclasses.replace(resolved, model=resolved.model.resolve())
 
-def _check_expert_parallel(ep: int, model: ModelConfig) -> None:
+
+def _check_expert_parallel(ep: int, model: ModelChoice) -> None:
     """``parallel.ep`` must be >= 1 and split the experts evenly (a transformers model's
     expert count is known when it is loaded, and checked then)."""
     _check(ep >= 1, f"parallel.ep={ep} must be >= 1 (1 = no expert parallelism)")
     experts = model.moe.num_experts
     _check(
-        bool(model.path) or experts % ep == 0,
+        isinstance(model, HFModelConfig) or experts % ep == 0,
         f"parallel.ep={ep} does not divide model.moe.num_experts={experts}: every rank "
         "holds the same number of whole experts; choose an ep that divides it",
     )
@@ -446,13 +352,14 @@ def _one_router(router: RouterConfig, model_router: RouterConfig) -> RouterConfi
     return router
 
 
-def _coerce(value: Any, cls: type) -> Any:
-    """Build ``cls`` from a mapping (hydra hands plain dicts to nested fields at times)."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        return cls(**value)
-    raise ValueError(f"expected a {cls.__name__} or a mapping, got {type(value).__name__}")
+def to_yaml(cfg: TrainConfig) -> str:
+    """A run's config.yaml: ``cfg`` as the command line writes it (its model as a
+    ``ModelSchema`` node), so that loading it (``ModelSchema.choose``) gives ``cfg`` back."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cfg)
+    node.model = OmegaConf.structured(ModelSchema.of(cfg.model))
+    return OmegaConf.to_yaml(node)
 
 
 def register_configs() -> None:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moestack.config import TrainConfig
+from moestack.config import HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
 from moestack.optim.factory import device_param_dtype, param_groups
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, build_plan, expert_flags
@@ -80,7 +80,7 @@ def _mib(n: float) -> str:
 def plan_memory(cfg: TrainConfig, ranks: int = 1, device: str = "") -> MemoryPlan:
     """The memory plan of ``cfg`` trained over ``ranks`` data-parallel ranks on ``device``
     ("cpu" or "cuda"; default: the run's, ``auto`` being cuda when one is present)."""
-    if cfg.model.path:
+    if isinstance(cfg.model, HFModelConfig):
         raise MoestackError("the memory plan covers moestack's own models, not model.path ones")
     if ranks < 1:
         raise MoestackError(f"--ranks {ranks} must be >= 1")
@@ -326,7 +326,7 @@ def log_plan(
 ) -> MemoryPlan | None:
     """Log the plan at the start of a run (none for a transformers model): its table, or
     with ``table=False`` (a sweep's later jobs) its totals in one line."""
-    if cfg.model.path:
+    if isinstance(cfg.model, HFModelConfig):
         return None
     plan = plan_memory(cfg, ranks, device.type)
     if table:

@@ -3,7 +3,8 @@
 tokens [B, S] -> embed -> n x Block(x + Attn(norm x); x + MoE(norm x)) -> norm -> logits.
 RMSNorm, rotary attention through scaled_dot_product_attention (causal over the packed
 sequence), SwiGLU experts. The model sums the MoE layers' aux losses into its loss and
-collects their router metrics under flat ``router/layer{i}/{name}`` keys.
+collects their router metrics under flat ``router/layer{i}/{name}`` keys. ``ModelConfig``
+sits here beside the model it configures, and builds it (``ModelConfig.build``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,95 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moestack.config import ModelConfig
-from moestack.moe import MoE, checkpoint_kwargs
+from moestack.checks import check, coerce
+from moestack.moe import MoE, MoEConfig, checkpoint_kwargs
+from moestack.router import RouterConfig
+
+CHECKPOINTING = ("none", "moe", "block", "selective")  # model.checkpointing
+
+
+def check_checkpointing(mode: str) -> None:
+    """``model.checkpointing`` must name one of ``CHECKPOINTING``."""
+    check(
+        mode in CHECKPOINTING,
+        f"model.checkpointing={mode!r} is unknown; use one of {CHECKPOINTING}",
+    )
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer whose every feed-forward block is an MoE layer."""
+
+    vocab_size: int = 256  # byte-level tokens by default; byte 0 separates documents
+    d_model: int = 128  # residual stream width (D)
+    n_layers: int = 4  # transformer blocks, each with attention and an MoE layer
+    n_heads: int = 4  # attention heads; must divide d_model
+    max_seq_len: int = 256  # longest sequence the rotary tables are built for
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal init of every weight matrix
+    tie_embeddings: bool = True  # share the token embedding with the output projection
+    doc_separator: int = 0  # token that ends a document in packed sequences (-1 = none)
+    # activation checkpointing: what backward recomputes instead of keeping: "none", "moe"
+    # (the experts), "block" (the whole block but its router) or "selective" (norms, rotary,
+    # SwiGLU, gathers; matmul and attention outputs kept). Routing is never recomputed.
+    checkpointing: str = "none"
+
+    def __post_init__(self) -> None:
+        self.moe = coerce(self.moe, MoEConfig)
+        self.router = coerce(self.router, RouterConfig)
+        check_checkpointing(self.checkpointing)
+        check(self.vocab_size >= 2, f"model.vocab_size={self.vocab_size} must be >= 2")
+        check(self.d_model >= 1, f"model.d_model={self.d_model} must be >= 1")
+        check(self.n_layers >= 1, f"model.n_layers={self.n_layers} must be >= 1")
+        check(self.n_heads >= 1, f"model.n_heads={self.n_heads} must be >= 1")
+        check(
+            self.d_model % self.n_heads == 0,
+            f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}",
+        )
+        check(
+            (self.d_model // self.n_heads) % 2 == 0,
+            f"model.d_model/n_heads={self.d_model // self.n_heads} must be even for rotary "
+            "embeddings",
+        )
+        check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len} must be >= 1")
+        check(
+            self.rope_theta > 1, f"model.rope_theta={self.rope_theta} must be > 1 (10000 is usual)"
+        )
+        check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
+        check(self.init_std > 0, f"model.init_std={self.init_std} must be > 0 (0.02 is usual)")
+        check(
+            -1 <= self.doc_separator < self.vocab_size,
+            f"model.doc_separator={self.doc_separator} is outside the vocabulary "
+            f"[0, {self.vocab_size}); use a token id, or -1 for none",
+        )
+
+    @property
+    def resolved(self) -> bool:
+        """True: every field is known when the config is built (nothing to read from disk)."""
+        return True
+
+    def resolve(self) -> ModelConfig:
+        """This config: moestack's model reads nothing to learn its architecture."""
+        return self
+
+    def build(self, *, experts: bool = True) -> MoETransformer:
+        """The ``MoETransformer`` this config describes, freshly initialised; routers with an
+        anchor loss take the built weights as their reference.
+
+        ``experts=False`` is for a transformers model folder (``HFModelConfig.build``);
+        moestack's own model without its experts is loaded from a checkpoint instead."""
+        if not experts:
+            raise ValueError(
+                "experts=False reads a transformers model folder without its experts; "
+                "moestack's own model without experts is loaded from a checkpoint: "
+                "moestack.runs.load_run(RUN, experts=False)"
+            )
+        model = MoETransformer(self)
+        model.reset_anchors()
+        return model
 
 
 @dataclass
@@ -207,6 +295,13 @@ class RoutedLM(nn.Module):
             routed_active += per_expert * moe.cfg.top_k
         total = held - routed_held + routed
         return {"total": total, "active": total - routed + routed_active}
+
+    @torch.no_grad()
+    def reset_anchors(self) -> None:
+        """Take the current router weights as the anchor loss's reference, in every layer
+        (after the model is built or loaded)."""
+        for moe in self.moe_layers:
+            moe.router.reset_anchor()
 
     def discard_router_counts(self) -> None:
         """Forget the token counts of a step that was skipped (a NaN/inf loss)."""

@@ -5,6 +5,13 @@ The expert computation has interchangeable implementations that compute the same
 ``torch`` (``torch._grouped_mm`` where dtype and alignment allow, else a loop over the
 sorted groups), ``triton`` (moestack.kernels, fused gather/scatter) and ``megablocks``
 (an optional baseline). ``auto`` picks triton on CUDA and torch elsewhere.
+
+Where the experts run is the layer's one experts back-end slot, set with ``MoE.set_experts``:
+``LocalExperts`` (the default: the stacked ``w1``/``w2`` in memory, with ``impl``),
+``moestack.parallel.ExpertParallelExperts`` (this rank's shard of the experts, tokens moved by
+all-to-all) or ``moestack.cache.CachedExperts`` (experts served by an expert cache). The
+parameters stay the layer's in every case (same names, same state_dict keys): a back-end reads
+them, it does not own them. ``MoEConfig`` sits here beside the layer it configures.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import functools
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +33,31 @@ from torch.utils.checkpoint import (
 )
 
 from moestack import router_losses
-from moestack.config import MoEConfig, RouterConfig
-from moestack.parallel.dispatch import ExpertShard, expert_parallel_experts
-from moestack.router import Router, Routing, tokens_per_expert
+from moestack.checks import check
+from moestack.router import Router, RouterConfig, Routing, tokens_per_expert
+
+MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
+
+
+@dataclass
+class MoEConfig:
+    """The expert layer: how many experts, how many per token, their width, the kernel."""
+
+    num_experts: int = 8  # experts per MoE layer (E)
+    top_k: int = 2  # experts each token is routed to (k)
+    d_ff: int = 256  # hidden width of each SwiGLU expert (F)
+    impl: str = "auto"  # "auto" (triton on CUDA, torch elsewhere), "triton", "torch", "megablocks"
+
+    def __post_init__(self) -> None:
+        check(self.num_experts >= 1, f"moe.num_experts={self.num_experts} must be >= 1")
+        check(self.top_k >= 1, f"moe.top_k={self.top_k} must be >= 1")
+        check(
+            self.top_k <= self.num_experts,
+            f"moe.top_k={self.top_k} is larger than moe.num_experts={self.num_experts}; "
+            "lower top_k or add experts",
+        )
+        check(self.d_ff >= 1, f"moe.d_ff={self.d_ff} must be >= 1")
+        check(self.impl in MOE_IMPLS, f"moe.impl={self.impl!r} is unknown; use one of {MOE_IMPLS}")
 
 
 def sort_by_expert(
@@ -253,12 +284,61 @@ def checkpoint_kwargs(mode: str) -> dict:
     return kwargs
 
 
+class ExpertsBackend(Protocol):
+    """How an MoE layer runs its experts: ``backend(moe, x [T, D], routing) -> y [T, D]``,
+    ``y[t] = sum_j routing.weights[t, j] * expert_{routing.experts[t, j]}(x[t])``. It reads the
+    layer's weights, config and ``recompute`` from ``moe``; set one with ``MoE.set_experts``."""
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor: ...
+
+
+def check_resident(moe: MoE, x_TD: torch.Tensor) -> None:
+    """Refuse to compute with expert weights that are not in memory (meta tensors: released,
+    or a model loaded with experts=False): torch would return garbage, not raise."""
+    if moe.w1.is_meta and not x_TD.is_meta:
+        raise RuntimeError(
+            "this MoE layer's expert weights are not in memory (released, or a model loaded "
+            "with experts=False): run it with its experts served from a store "
+            "(moestack.cache.offloaded / evaluate_offloaded), or load it with its experts"
+        )
+
+
+class LocalExperts:
+    """The default experts back-end: the layer's stacked ``w1``/``w2``, in memory, computed
+    by ``moe.cfg.impl`` (``run_experts``).
+
+    With ``moe.recompute`` set (``model.checkpointing``: moe, block or selective) the expert
+    computation keeps only its inputs and is run again in backward; the routing is one of
+    those inputs, so the recomputation uses this forward's expert choices, never new ones.
+    """
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        check_resident(moe, x_TD)
+        return self.run(moe, x_TD, routing.experts, routing.weights)
+
+    @staticmethod
+    def run(
+        moe: MoE, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """``run_experts`` on ``moe``'s weights for ``experts_TK`` (ids into its ``w1``/``w2``),
+        recomputed in backward when ``moe.recompute`` is set (expert parallelism runs its
+        local experts through here)."""
+        args = (x_TD, moe.w1, moe.w2, experts_TK, weights_TK, moe.cfg.impl)
+        if moe.recompute == "none" or not torch.is_grad_enabled():
+            return run_experts(*args)
+        return checkpoint(run_experts, *args, **checkpoint_kwargs(moe.recompute))
+
+
+LOCAL_EXPERTS = LocalExperts()  # stateless: every layer's default back-end
+
+
 class MoE(nn.Module):
     """Dropless top-k MoE with SwiGLU experts stored as stacked weights.
 
     ``w1 [E, D, 2F]`` holds gate (first F columns) and up projections; ``w2 [E, F, D]`` the
     down projection. After a forward pass in training mode ``aux_loss`` holds the weighted
-    router losses and ``metrics`` the detached per-layer statistics.
+    router losses and ``metrics`` the detached per-layer statistics. Where the experts run is
+    the back-end set with ``set_experts`` (local stacked weights unless told otherwise).
     """
 
     def __init__(self, d_model: int, moe: MoEConfig, router: RouterConfig) -> None:
@@ -271,55 +351,30 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, moe.d_ff, d_model))
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.metrics: dict[str, torch.Tensor] = {}
-        self.recompute = "none"  # model.checkpointing (config.CHECKPOINTING); set by the model
-        # parallel.ep > 1: w1/w2 hold this rank's experts only (moestack.parallel.shard_experts)
-        self.ep_shard: ExpertShard | None = None
+        self.recompute = "none"  # model.checkpointing (model.CHECKPOINTING); set by the model
+        self._experts_backend: ExpertsBackend = LOCAL_EXPERTS
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.w1, std=std)
         nn.init.normal_(self.w2, std=std / math.sqrt(2))
 
+    def set_experts(self, backend: ExpertsBackend | None = None) -> None:
+        """Run this layer's experts with ``backend`` from now on (None: ``LocalExperts``, the
+        stacked weights in memory). The one way to change where the experts run: expert
+        parallelism (``moestack.parallel.shard_experts``) and offloaded evaluation
+        (``moestack.cache.offloaded``) come in through here."""
+        self._experts_backend = LOCAL_EXPERTS if backend is None else backend
+
+    @property
+    def experts_backend(self) -> ExpertsBackend:
+        """The back-end this layer runs its experts with (``set_experts``)."""
+        return self._experts_backend
+
     def experts(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Apply the chosen experts to flat tokens and combine them with the router weights.
-
-        With ``recompute`` set (``model.checkpointing``: moe, block or selective) the expert
-        computation keeps only its inputs and is run again in backward; the routing is one of
-        those inputs, so the recomputation uses this forward's expert choices, never new ones.
-        """
-        if self.w1.is_meta and not x_TD.is_meta:  # torch would return garbage, not raise
-            raise RuntimeError(
-                "this MoE layer's expert weights are not in memory (released, or a model loaded "
-                "with experts=False): run it with its experts served from a store "
-                "(moestack.cache.offloaded / evaluate_offloaded), or load it with its experts"
-            )
-        if self.ep_shard is not None:
-            return self._experts_parallel(x_TD, routing)
-        return self._run_experts(x_TD, routing.experts, routing.weights)
-
-    def _run_experts(
-        self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor
-    ) -> torch.Tensor:
-        """``run_experts`` on this layer's weights, recomputed in backward when ``recompute``
-        is set."""
-        args = (x_TD, self.w1, self.w2, experts_TK, weights_TK, self.cfg.impl)
-        if self.recompute == "none" or not torch.is_grad_enabled():
-            return run_experts(*args)
-        return checkpoint(run_experts, *args, **checkpoint_kwargs(self.recompute))
-
-    def _experts_parallel(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """``experts`` with this layer's experts spread over an EP group: tokens travel to
-        the ranks owning their experts and back (moestack.parallel.dispatch). Only the local
-        expert computation is recomputed under checkpointing, never the exchanges."""
-
-        def local_experts(x_ND: torch.Tensor, local_ids_N: torch.Tensor) -> torch.Tensor:
-            ones_N1 = x_ND.new_ones(x_ND.shape[0], 1, dtype=torch.float32)
-            return self._run_experts(x_ND, local_ids_N[:, None], ones_N1)
-
-        x_TD = x_TD.to(compute_dtype(x_TD, self.w1))  # the exchanges carry what is computed
-        return expert_parallel_experts(
-            x_TD, routing.experts, routing.weights, self.ep_shard, local_experts, (self.w1, self.w2)
-        )
+        """Apply the chosen experts to flat tokens and combine them with the router weights,
+        through this layer's experts back-end."""
+        return self._experts_backend(self, x_TD, routing)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., D] -> [..., D]``; ``segment_ids [...]`` (document of each token, optional)

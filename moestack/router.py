@@ -5,18 +5,56 @@ them from one place, and an optional per-expert selection bias for aux-loss-free
 (DeepSeek-V3 style): the bias shifts which experts are selected but not the combine weights,
 and it is updated outside the gradient from token counts. Counting tokens per expert
 (``tokens_per_expert``) never waits for the host, so a training step on a GPU does not stall
-in the router.
+in the router. Its config, ``RouterConfig``, sits here beside it (moestack.config assembles
+the configs of every part).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestack.config import RouterConfig
+from moestack.checks import check
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass
+class RouterConfig:
+    """How tokens pick experts, and the weights of the router's auxiliary losses."""
+
+    score: str = "softmax"  # "softmax" or "sigmoid" over the router logits
+    renormalize: bool = True  # rescale the top-k scores to sum to 1 per token
+    load_balance: float = 0.01  # weight of the switch-style load-balance loss (0 = off)
+    z_loss: float = 1e-3  # weight of the router z-loss, mean logsumexp(logits)^2 (0 = off)
+    bias_update_rate: float = 0.0  # aux-loss-free balancing: bias step per update (0 = off)
+    temporal: float = 0.0  # weight of the temporal-consistency locality loss (0 = off)
+    window: float = 0.0  # weight of the working-set (window entropy) locality loss (0 = off)
+    window_size: int = 16  # tokens per window for the working-set loss
+    pin: float = 0.0  # weight of the pin-affinity locality loss (0 = off)
+    pin_experts: int = 2  # how many experts per layer form the pinned set (experts 0..n-1)
+    pin_share: float = 0.5  # target share of routing mass on the pinned set
+    # weight of the anchor loss: KL from the routing of the router as it was when the model
+    # was loaded (a pretrained model's) to the current one, per token (0 = off)
+    anchor: float = 0.0
+
+    def __post_init__(self) -> None:
+        check(
+            self.score in ROUTER_SCORES,
+            f"router.score={self.score!r} is unknown; use one of {ROUTER_SCORES}",
+        )
+        for name in (
+            "load_balance", "z_loss", "bias_update_rate", "temporal", "window", "pin", "anchor"
+        ):  # fmt: skip
+            value = getattr(self, name)
+            check(value >= 0, f"router.{name}={value} must be >= 0 (0 turns it off)")
+        check(self.window_size >= 2, f"router.window_size={self.window_size} must be >= 2")
+        check(self.pin_experts >= 1, f"router.pin_experts={self.pin_experts} must be >= 1")
+        check(0 < self.pin_share <= 1, f"router.pin_share={self.pin_share} must be in (0, 1]")
 
 
 def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

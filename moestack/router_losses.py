@@ -31,8 +31,7 @@ from collections.abc import Sequence
 import torch
 from einops import rearrange
 
-from moestack.config import RouterConfig
-from moestack.router import Routing, tokens_per_expert
+from moestack.router import RouterConfig, Routing, tokens_per_expert
 
 
 def _probs(routing: Routing) -> torch.Tensor:

@@ -24,10 +24,11 @@ import torch
 from omegaconf import OmegaConf
 
 from moestack import atomic, checkpoint, distributed, locks
-from moestack.config import DataConfig, ModelConfig, TrainConfig
+from moestack.config import DataConfig, TrainConfig, to_yaml
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
+from moestack.interop.hf_model import HFModelConfig
 from moestack.meta_load import parameters_on_meta
 from moestack.metrics import jsonable
 from moestack.model import RoutedLM
@@ -101,7 +102,7 @@ class LoadedRun:
     """A run rebuilt from disk: its config and the model holding one checkpoint's weights."""
 
     run_dir: Path
-    cfg: TrainConfig  # the resolved config the run wrote (config.yaml)
+    cfg: TrainConfig  # the config the run wrote (config.yaml), resolved
     model: RoutedLM  # on the CPU unless load_run was given a device
     checkpoint: Path  # the checkpoint folder whose weights the model holds
     step: int  # the optimizer step that checkpoint was written at
@@ -109,9 +110,10 @@ class LoadedRun:
 
 def run_corpus(cfg: TrainConfig) -> Corpus:
     """The run's corpus as its model reads text: bytes for moestack's models, the
-    transformers model's own tokenizer (EOS between documents) for ``model.path``."""
+    transformers model's own tokenizer (EOS between documents) for ``model.path``. ``cfg``
+    is resolved (``TrainConfig.resolve``): the separator is the folder's EOS."""
     tokenizer = None
-    if cfg.model.path:
+    if isinstance(cfg.model, HFModelConfig):
         from moestack.interop.hf_tokenizer import hf_tokenizer
 
         tokenizer = hf_tokenizer(cfg.model.path, cfg.model.doc_separator)
@@ -121,12 +123,13 @@ def run_corpus(cfg: TrainConfig) -> Corpus:
 
 
 def load_run_config(run_dir: Path | str) -> TrainConfig:
-    """The resolved config a training run wrote into ``run_dir/config.yaml``."""
+    """The config a training run wrote into ``run_dir/config.yaml``, resolved (a
+    transformers model's architecture read from its folder, ``TrainConfig.resolve``)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise MoestackError(f"{path} not found: {run_dir} is not a moestack run directory")
     merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(merged)
+    return OmegaConf.to_object(merged).resolve()
 
 
 def resolve_checkpoint(run_dir: Path | str, checkpoint_path: Path | str | None = None) -> Path:
@@ -162,7 +165,7 @@ def _load_transformers_dir(
     """A transformers MoE model folder as a run at step 0: the default run config with
     ``model.path`` set (its data, batch and evaluation settings; sequences no longer than
     the model takes), the model patched (``experts=False``: routed experts left unread)."""
-    model_cfg = ModelConfig(path=str(path))
+    model_cfg = HFModelConfig(path=str(path)).resolve()
     seq_len = min(DataConfig().seq_len, model_cfg.max_seq_len)
     cfg = TrainConfig(model=model_cfg, data=DataConfig(seq_len=seq_len))
     model = cfg.model.build(experts=experts)
@@ -202,7 +205,7 @@ def load_run(
         model = cfg.model.build()
         meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     else:
-        if cfg.model.path:  # a transformers model's run: its folder without the experts
+        if isinstance(cfg.model, HFModelConfig):  # its folder without the experts
             model = cfg.model.build(experts=False)
         else:
             with parameters_on_meta():
@@ -249,8 +252,8 @@ def prepare_out_dir(
             (out_dir / "wandb_id.txt").unlink(missing_ok=True)
     distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
     if dist_info.is_main:
-        atomic.write_text(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        if cfg.model.path and not cfg.resume:
+        atomic.write_text(out_dir / "config.yaml", to_yaml(cfg))
+        if isinstance(cfg.model, HFModelConfig) and not cfg.resume:
             write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
     return resume_from
 
@@ -274,7 +277,7 @@ def check_resume_source(cfg: TrainConfig, out_dir: Path) -> None:
     """Refuse to resume a ``model=hf`` run whose source folder's config or tokenizer files
     changed since it started: the same shapes may hide another architecture or tokenizer."""
     recorded = out_dir / SOURCE_FILE
-    if not cfg.model.path:
+    if not isinstance(cfg.model, HFModelConfig):
         return
     if not recorded.is_file():
         log.warning("%s has no %s (started before it was recorded): the source folder %s is "

@@ -56,7 +56,9 @@ def _check_overrides(overrides: list[str]) -> None:
 
 
 def _field_type(config: type, key: str) -> Any:
-    """The type of the config field a dotted key names (None when it names none)."""
+    """The type of the config field a dotted key names (None when it names none); a field
+    typed Any that holds a config node (``TrainConfig.model``) is typed by that node's
+    class, as the command line fills it."""
     head, _, rest = key.partition(".")
     fields = (
         {f.name: f for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else {}
@@ -64,6 +66,9 @@ def _field_type(config: type, key: str) -> Any:
     if head not in fields:
         return None
     kind = typing.get_type_hints(config)[head]
+    factory = fields[head].default_factory
+    if kind is Any and isinstance(factory, type) and dataclasses.is_dataclass(factory):
+        kind = factory
     return _field_type(kind, rest) if rest else kind
 
 

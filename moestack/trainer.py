@@ -126,8 +126,11 @@ def train(
 
     Each start (new or resumed) is recorded in ``<out_dir>/provenance.json`` with ``launch``
     (how it was started; default: the process's command line), see ``moestack.provenance``.
-    The folder is held while the run trains: a second run into it is refused.
+    The folder is held while the run trains: a second run into it is refused. ``cfg`` is
+    resolved first (``TrainConfig.resolve``: a transformers model's architecture read from
+    its folder), before anything is written.
     """
+    cfg = cfg.resolve()
     provenance.check_launch(launch)  # on every rank, before any of them starts
     out_dir = Path(out_dir)
     check_out_dir(out_dir)

@@ -41,7 +41,7 @@ from moestack.cache import evaluate_offloaded, open_or_write_store
 from moestack.config import (
     CacheConfig,
     DataConfig,
-    ModelConfig,
+    HFModelConfig,
     OptimConfig,
     RouterConfig,
     TelemetryConfig,
@@ -95,7 +95,7 @@ def run_config(
     path: Path, out_dir: Path, args: argparse.Namespace, **overrides: Any
 ) -> TrainConfig:
     base: dict[str, Any] = dict(
-        model=ModelConfig(path=str(path)),
+        model=HFModelConfig(path=str(path)),
         data=DataConfig(seq_len=args.seq_len, max_bytes=args.max_bytes),
         telemetry=TelemetryConfig(enabled=False),
         batch_size=args.batch_size, eval_every=0, eval_batches=args.eval_batches,
@@ -103,7 +103,7 @@ def run_config(
         out_dir=str(out_dir),
     )  # fmt: skip
     base.update(overrides)
-    return TrainConfig(**base)
+    return TrainConfig(**base).resolve()  # the folder's architecture, for run_corpus and top_k
 
 
 def train_and_export(cfg: TrainConfig, export_dir: Path, source: Path) -> Path:

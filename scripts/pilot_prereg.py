@@ -72,7 +72,7 @@ def check_pairing(spec: Prereg, seeds: list[int]) -> dict[str, Any]:
     for seed in seeds:
         ref_state, ref_batches = None, None
         for arm in spec.arms:
-            cfg = compose_config(spec.overrides(arm, seed))
+            cfg = compose_config(spec.overrides(arm, seed)).resolve()
             torch.manual_seed(cfg.seed)
             state = cfg.model.build().state_dict()
             loader = BatchLoader(run_corpus(cfg).train, cfg.batch_size, cfg.data.seq_len, cfg.seed)

@@ -1,7 +1,8 @@
 """moestack.cache: expert store on disk, expert cache, offloaded inference (docs/cache.md)."""
 
-from moestack.cache.expert_cache import ExpertCache, ExpertCacheStats  # noqa: F401
+from moestack.cache.expert_cache import CacheConfig, ExpertCache, ExpertCacheStats  # noqa: F401
 from moestack.cache.offload import (  # noqa: F401
+    CachedExperts,
     evaluate_offloaded,
     generate_offloaded,
     offloaded,

@@ -19,6 +19,9 @@ the next ``prefetch`` of that layer are dropped and counted as ``prefetch_wasted
 Thread safety: each layer has a lock around its policy, resident set and staging buffer;
 the statistics have their own lock; store reads are positional reads on shared file
 descriptors. Prefetch reads run in a thread pool without holding the layer lock.
+
+``CacheConfig`` (the ``cache`` section of a run's config) sits here beside the cache it
+configures; moestack.config assembles it into the run's config.
 """
 
 from __future__ import annotations
@@ -35,10 +38,34 @@ import torch
 
 from moestack.cache.policies import CachePolicy, check_policy, make_policy
 from moestack.cache.store import ExpertStore
+from moestack.checks import check
 
 log = logging.getLogger(__name__)
 
 Expert = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class CacheConfig:
+    """Expert cache: capacity and policy for offloaded evaluation and for telemetry replay."""
+
+    policy: str = "lru"  # "lru", "lfu", "static", "lru+static", "belady" (replay only)
+    capacity: int = 0  # experts per layer held in fast memory, >= top_k (0 = 2 x top_k)
+    capacity_bytes: int = 0  # alternatively a byte budget per layer (0 = use capacity)
+    warmup: int = 1024  # static policies: requests per layer counted before pinning
+    prefetch: bool = False  # predict and load the next layer's experts in the background
+    store_dir: str = ""  # where the safetensors expert store lives ("" = <run dir>/experts)
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy, "cache.policy")
+        check(self.capacity >= 0, f"cache.capacity={self.capacity} must be >= 0 (0 = 2 x top_k)")
+        check(self.warmup >= 0, f"cache.warmup={self.warmup} must be >= 0")
+        check(self.capacity_bytes >= 0, f"cache.capacity_bytes={self.capacity_bytes} must be >= 0")
+        check(
+            not (self.capacity and self.capacity_bytes),
+            f"cache.capacity={self.capacity} and cache.capacity_bytes={self.capacity_bytes} are "
+            "both set; give one of them",
+        )
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """Offloaded inference: run a MoETransformer whose expert weights live only in a store + cache.
 
 ``offloaded(model, cache)`` releases every MoE layer's stacked ``w1``/``w2`` (they become
-meta tensors: no memory, and any use raises) and replaces ``MoE.experts`` on each instance
-by ``OffloadedExperts``, a small callable that
+meta tensors: no memory, and any use raises) and sets each layer's experts back-end
+(``MoE.set_experts``) to ``CachedExperts``, which
 
 1. requests the layer's experts from the ``ExpertCache`` in trace replay order (the tokens
    of the flattened ``[B*S]`` batch in order, a token's k slots in router order, one layer
@@ -16,8 +16,8 @@ by ``OffloadedExperts``, a small callable that
 
 ``cache_aware_bias > 0`` adds that bias to the router scores of the experts resident in the
 cache when the layer is reached, through ``Router.select``'s extra bias (selection only;
-combine weights stay the router's scores, as in cache-conditional routing). moe.py and
-model.py are not modified.
+combine weights stay the router's scores, as in cache-conditional routing). On exit every
+layer gets its earlier back-end back.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack.cache.expert_cache import ExpertCache
+from moestack.cache.expert_cache import CacheConfig, ExpertCache
 from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
-from moestack.config import CacheConfig
 from moestack.errors import MoestackError
 from moestack.evaluation import evaluate, greedy_generate, prompt_tokens
 from moestack.moe import MoE, run_experts
@@ -54,8 +53,9 @@ def _resident_bias(
     return bias_E
 
 
-class OffloadedExperts:
-    """Stands in for ``MoE.experts`` of one layer: experts come from the cache."""
+class CachedExperts:
+    """The experts back-end of one layer whose experts come from an expert cache (set with
+    ``MoE.set_experts`` by ``offloaded``)."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class OffloadedExperts:
         order = torch.argsort(counts_E, descending=True, stable=True)
         return [int(e) for e in order.tolist() if counts_E[e] > 0][: self.prefetch_limit]
 
-    def __call__(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         if self.next_router is not None and self.cache.prefetch_enabled:
             self.cache.prefetch(self.layer + 1, self.predict_next(x_TD))
         experts_TK = routing.experts
@@ -156,7 +156,8 @@ def offloaded(
     """Run ``model`` with its experts served by ``cache`` inside the block.
 
     The in-memory expert weights are released (``release_experts``) and stay released on
-    exit; the per-instance patches and router hooks are removed on exit.
+    exit; each layer's earlier experts back-end comes back and the router hooks are removed
+    on exit.
     """
     if cache_aware_bias < 0:
         raise ValueError(f"cache_aware_bias={cache_aware_bias} must be >= 0")
@@ -165,11 +166,14 @@ def offloaded(
     release_experts(model)
     limit = prefetch_limit if prefetch_limit is not None else cache.capacity
     handles = []
+    earlier = [moe.experts_backend for moe in layers]
     try:
         for i, moe in enumerate(layers):
             nxt = layers[i + 1].router if i + 1 < len(layers) else None
-            moe.experts = OffloadedExperts(  # type: ignore[method-assign]
-                i, moe, cache, nxt, prefetch_limit=limit, cache_aware_bias=cache_aware_bias
+            moe.set_experts(
+                CachedExperts(
+                    i, moe, cache, nxt, prefetch_limit=limit, cache_aware_bias=cache_aware_bias
+                )
             )
             if cache_aware_bias:
                 handles.append(
@@ -181,8 +185,8 @@ def offloaded(
     finally:
         for handle in handles:
             handle.remove()
-        for moe in layers:
-            moe.__dict__.pop("experts", None)
+        for moe, backend in zip(layers, earlier, strict=True):
+            moe.set_experts(backend)
 
 
 def _cache_aware_hook(cache: ExpertCache, layer: int, bias: float) -> Any:

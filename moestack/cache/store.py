@@ -61,8 +61,8 @@ from moestack.cache.store_format import digest as _digest
 # to simulate a full disk).
 from moestack.cache.store_format import write_file as _write_file
 from moestack.cache.store_schema import check_index, header_matches, member_path
-from moestack.config import ModelConfig
 from moestack.errors import MoestackError
+from moestack.model import ModelConfig
 
 log = logging.getLogger(__name__)
 

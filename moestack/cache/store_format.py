@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack.config import ModelConfig
 from moestack.errors import MoestackError
+from moestack.model import ModelConfig
 
 FORMAT = "moestack-expert-store"
 VERSION = 2  # 2: files[i].blake2b checksums

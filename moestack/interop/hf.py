@@ -19,9 +19,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from moestack.config import MoEConfig, RouterConfig
-from moestack.moe import MoE
-from moestack.router import Router
+from moestack.moe import MoE, MoEConfig
+from moestack.router import Router, RouterConfig
 
 
 def _routing_settings(block: nn.Module) -> tuple[int, int, bool]:

@@ -12,12 +12,18 @@ cache and OffloadAdamW see its ``moe_layers`` as they see a ``MoETransformer``'s
 are split into documents at the EOS token, and each MoE layer gets the document ids, so
 the locality losses never pair tokens of different documents. The original blocks are
 kept outside the module tree (their routed weights released) for ``export_hf``.
+
+``HFModelConfig`` is the config of such a model (``model=hf model.path=DIR``), beside the
+model it builds: the folder, ``moe.impl``, the router's loss weights; its ``resolve`` step
+reads the architecture from the folder's config.json, called where a run is built (training,
+loading a run), never while the config itself is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +31,85 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestack.config import ModelConfig, MoEConfig, RouterConfig
+from moestack.checks import check, coerce
 from moestack.errors import MoestackError
 from moestack.interop.hf import family_router_config, moe_from_hf
-from moestack.interop.hf_config import read_hf_config
+from moestack.interop.hf_config import model_config_kwargs, read_hf_config
 from moestack.interop.hf_experts import check_weights
 from moestack.interop.hf_without_experts import from_pretrained_without_experts
-from moestack.model import ModelOutput, RoutedLM
-from moestack.moe import MoE
+from moestack.model import ModelOutput, RoutedLM, check_checkpointing
+from moestack.moe import MoE, MoEConfig
+from moestack.router import RouterConfig
 
 log = logging.getLogger(__name__)
+
+# configs/model/hf.yaml's model.path until the user sets it (OmegaConf's ??? would not
+# override the dataclass default in a merge, so it could not mark the field as required).
+HF_PATH_REQUIRED = "<model.path=DIR is required>"
+
+
+@dataclass
+class HFModelConfig:
+    """A local transformers MoE model folder, loaded with moestack MoE layers (model=hf)."""
+
+    # the folder (config.json, safetensors weights, tokenizer files), made absolute so that a
+    # run's config.yaml finds it from any folder
+    path: str = HF_PATH_REQUIRED
+    moe: MoEConfig = field(default_factory=MoEConfig)  # impl is yours, the sizes config.json's
+    router: RouterConfig = field(default_factory=RouterConfig)  # loss weights (score: family's)
+    checkpointing: str = "none"  # activation checkpointing is moestack's own model's: none
+    # The architecture, from config.json (``resolve``); None until it is read.
+    vocab_size: int | None = None
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    doc_separator: int | None = None  # the EOS token, which ends a document (-1 = none)
+
+    def __post_init__(self) -> None:
+        self.moe = coerce(self.moe, MoEConfig)
+        self.router = coerce(self.router, RouterConfig)
+        check_checkpointing(self.checkpointing)
+        check(
+            self.checkpointing == "none",
+            f"model.checkpointing={self.checkpointing!r} applies to moestack's own model, not "
+            "to a transformers one (model.path); use none",
+        )
+        check(
+            self.path not in ("", HF_PATH_REQUIRED),
+            "model=hf needs model.path=DIR: a local transformers MoE model folder (config.json, "
+            "safetensors weights, tokenizer files)",
+        )
+        self.path = str(Path(self.path).expanduser().absolute())
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the architecture has been read from config.json (``resolve``)."""
+        return self.d_model is not None
+
+    def resolve(self) -> HFModelConfig:
+        """This config with the architecture fields read from ``path/config.json`` (plain
+        JSON: no weights, no transformers); ``moe.impl`` and the router stay as they are.
+        MoestackError in one line for a folder moestack cannot load."""
+        return self.with_info(read_hf_config(self.path))
+
+    def with_info(self, info: dict[str, Any]) -> HFModelConfig:
+        """This config filled from a ``read_hf_config`` result."""
+        fields = model_config_kwargs(info)
+        moe = MoEConfig(**fields.pop("moe"), impl=self.moe.impl)
+        return dataclasses.replace(self, moe=moe, **fields)
+
+    def build(self, *, experts: bool = True) -> HFMoEModel:
+        """The transformers model at ``path`` with moestack MoE layers (``load_hf_moe``);
+        routers with an anchor loss take the loaded weights as their reference.
+        ``experts=False`` leaves the routed experts unread, as meta tensors, for serving
+        them from an expert store."""
+        model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router, experts=experts)
+        model.reset_anchors()
+        return model
 
 
 def document_ids(tokens_BS: torch.Tensor, separator: int) -> torch.Tensor | None:
@@ -96,12 +171,12 @@ class HFMoEModel(RoutedLM):
     targets=None) -> ModelOutput``.
 
     ``hf`` is the patched transformers model (save or generate with it as usual), ``cfg``
-    a ModelConfig describing it, ``info`` the ``read_hf_config`` dict, ``source_dir`` the
+    its HFModelConfig (resolved), ``info`` the ``read_hf_config`` dict, ``source_dir`` the
     folder it was loaded from.
     """
 
     def __init__(
-        self, hf: nn.Module, cfg: ModelConfig, info: dict[str, Any], patched: list[_Patched]
+        self, hf: nn.Module, cfg: HFModelConfig, info: dict[str, Any], patched: list[_Patched]
     ) -> None:
         super().__init__()
         self.hf = hf
@@ -181,11 +256,12 @@ def patch_sparse_blocks(
     return patched
 
 
-def hf_model_config(info: dict[str, Any], impl: str, router: RouterConfig) -> ModelConfig:
-    """The ModelConfig of the loaded model: ``model.path`` set (its architecture read from
-    config.json, moestack's architecture checks skipped), ``moe.impl`` and ``router`` as
-    the MoE layers run them (score and renormalisation the family's)."""
-    return ModelConfig(path=info["path"], moe=MoEConfig(**info["moe"], impl=impl), router=router)
+def hf_model_config(info: dict[str, Any], impl: str, router: RouterConfig) -> HFModelConfig:
+    """The config of the loaded model: its architecture from config.json (``info``, read
+    once), ``moe.impl`` and ``router`` as the MoE layers run them (score and renormalisation
+    the family's)."""
+    cfg = HFModelConfig(path=info["path"], moe=MoEConfig(impl=impl), router=router)
+    return cfg.with_info(info)
 
 
 def _import_transformers() -> Any:

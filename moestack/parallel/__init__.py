@@ -2,7 +2,12 @@
 MoE computation, and what sharding the experts changes for gradients and checkpoints.
 docs/parallel.md."""
 
-from moestack.parallel.dispatch import ExchangeStats, ExpertShard, expert_parallel_experts
+from moestack.parallel.dispatch import (
+    ExchangeStats,
+    ExpertParallelExperts,
+    ExpertShard,
+    expert_parallel_experts,
+)
 from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
 from moestack.parallel.metrics import exchange_metrics
 from moestack.parallel.shard import (
@@ -20,6 +25,7 @@ from moestack.parallel.shard import (
 
 __all__ = [
     "ExchangeStats",
+    "ExpertParallelExperts",
     "ExpertParallelMesh",
     "ExpertShard",
     "average_gradients",

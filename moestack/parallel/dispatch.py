@@ -14,6 +14,9 @@ Autograd flows through both exchanges (the backward of an all-to-all is the all-
 the splits swapped). A pair routed to an expert on this rank is "sent" to itself, which
 costs a local copy, no communication. A rank that receives no rows still takes part in
 every collective, so no rank waits on one that skipped.
+
+``ExpertParallelExperts`` is this computation as an MoE layer's experts back-end
+(``MoE.set_experts``; ``moestack.parallel.shard_experts`` sets it).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moestack.moe import LocalExperts, MoE, check_resident, compute_dtype
 from moestack.parallel.mesh import ExpertParallelMesh
-from moestack.router import tokens_per_expert
+from moestack.router import Routing, tokens_per_expert
 
 # (rows x [N, D], local expert id of each row [N]) -> expert outputs [N, D]
-LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LocalCompute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -72,6 +76,29 @@ class ExpertShard:
         return self.num_experts // self.mesh.ep
 
 
+class ExpertParallelExperts:
+    """The experts back-end of an MoE layer whose experts are spread over an EP group: the
+    layer's ``w1``/``w2`` hold this rank's experts only (``shard``), tokens travel to the
+    ranks owning their experts and back (``expert_parallel_experts``). Only the local expert
+    computation is recomputed under checkpointing (``LocalExperts.run``), never the
+    exchanges."""
+
+    def __init__(self, shard: ExpertShard) -> None:
+        self.shard = shard
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        check_resident(moe, x_TD)
+
+        def local_experts(x_ND: torch.Tensor, local_ids_N: torch.Tensor) -> torch.Tensor:
+            ones_N1 = x_ND.new_ones(x_ND.shape[0], 1, dtype=torch.float32)
+            return LocalExperts.run(moe, x_ND, local_ids_N[:, None], ones_N1)
+
+        x_TD = x_TD.to(compute_dtype(x_TD, moe.w1))  # the exchanges carry what is computed
+        return expert_parallel_experts(
+            x_TD, routing.experts, routing.weights, self.shard, local_experts, (moe.w1, moe.w2)
+        )
+
+
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits, differentiable; counts bytes and time."""
 
@@ -108,7 +135,7 @@ def expert_parallel_experts(
     experts_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     shard: ExpertShard,
-    local_experts: LocalExperts,
+    local_experts: LocalCompute,
     params: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """``y[t] = sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` with the experts spread

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moestack.parallel.dispatch import ExchangeStats, ExpertShard
+from moestack.parallel.dispatch import ExchangeStats, ExpertParallelExperts, ExpertShard
 from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,8 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
     Each ``w1``/``w2`` becomes a new parameter holding rows ``[lo, hi)`` of the whole one
     (same name). Expert gradients are scaled by ``1 / ep`` as they arrive, so that averaging
     them over the expert data-parallel group (``dp`` ranks) gives the mean over all ``dp x
-    ep`` ranks' tokens, as a single process over the global batch would compute.
+    ep`` ranks' tokens, as a single process over the global batch would compute. Each layer
+    then runs its experts through ``ExpertParallelExperts`` (``MoE.set_experts``).
     """
     stats = ExchangeStats()
     for moe in model.moe_layers:
@@ -60,8 +61,15 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
             if part.requires_grad and mesh.ep > 1:
                 part.register_hook(lambda g, ep=mesh.ep: g / ep)
             setattr(moe, name, part)
-        moe.ep_shard = ExpertShard(mesh=mesh, num_experts=num_experts, stats=stats)
+        shard = ExpertShard(mesh=mesh, num_experts=num_experts, stats=stats)
+        moe.set_experts(ExpertParallelExperts(shard))
     return stats
+
+
+def _shard_of(moe: nn.Module) -> ExpertShard | None:
+    """The EP shard an MoE layer runs its experts on (None: not expert-parallel)."""
+    backend = moe.experts_backend
+    return backend.shard if isinstance(backend, ExpertParallelExperts) else None
 
 
 class ExpertBlock(NamedTuple):
@@ -78,11 +86,10 @@ def expert_blocks(model: nn.Module) -> list[ExpertBlock]:
     over them that gradients, checkpoints and the optimizer pair share."""
     blocks = []
     for moe in model.moe_layers:
-        if moe.ep_shard is not None:
-            lo, hi = moe.ep_shard.mesh.expert_range(moe.ep_shard.num_experts)
-            blocks += [
-                ExpertBlock(getattr(moe, n), moe.ep_shard.mesh, lo, hi) for n in ("w1", "w2")
-            ]
+        shard = _shard_of(moe)
+        if shard is not None:
+            lo, hi = shard.mesh.expert_range(shard.num_experts)
+            blocks += [ExpertBlock(getattr(moe, n), shard.mesh, lo, hi) for n in ("w1", "w2")]
     return blocks
 
 
@@ -92,7 +99,7 @@ def expert_params(model: nn.Module) -> set[int]:
 
 
 def _mesh_of(model: nn.Module) -> ExpertParallelMesh:
-    return next(m.ep_shard.mesh for m in model.moe_layers if m.ep_shard is not None)
+    return next(shard.mesh for shard in map(_shard_of, model.moe_layers) if shard is not None)
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
+from moestack.interop.hf_model import HFModelConfig
 from moestack.prereg import decision as rules
 from moestack.prereg.locking import verify
 from moestack.prereg.provenance import check_identities, check_identity, check_run
@@ -74,7 +75,8 @@ def evaluate_run(
     device = resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
     model = run.model.to(device)
     corpora = {} if corpora is None else corpora
-    key = repr((cfg.data, cfg.model.path, cfg.model.doc_separator))
+    source = cfg.model.path if isinstance(cfg.model, HFModelConfig) else ""  # its tokenizer
+    key = repr((cfg.data, source, cfg.model.doc_separator))
     if key not in corpora:  # read as the run's model reads text (a model.path: its tokenizer)
         corpora[key] = run_corpus(cfg)
     batch_size = analysis.eval_batch_size or cfg.batch_size

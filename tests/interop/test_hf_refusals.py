@@ -296,9 +296,9 @@ def test_patched_model_still_runs_after_the_checks(hf_dir):
 def test_a_relative_model_path_is_recorded_absolute(tmp_path, hf_dir, monkeypatch):
     """A run's config.yaml names its source folder absolute, so export and eval find it from
     any folder."""
-    from moestack.config import ModelConfig
+    from moestack.config import HFModelConfig
 
     source = hf_dir("qwen3_moe")
     monkeypatch.chdir(source.parent)
-    cfg = ModelConfig(path=source.name)
+    cfg = HFModelConfig(path=source.name)
     assert cfg.path == str(source)

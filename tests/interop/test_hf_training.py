@@ -13,7 +13,7 @@ import torch
 from moestack.cache import ExpertStore, evaluate_offloaded
 from moestack.config import (
     DataConfig,
-    ModelConfig,
+    HFModelConfig,
     OptimConfig,
     RouterConfig,
     TelemetryConfig,
@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 
 def hf_config(path, tmp_path, **overrides) -> TrainConfig:
     base = dict(
-        model=ModelConfig(path=str(path), moe={"impl": "torch"}),
+        model=HFModelConfig(path=str(path), moe={"impl": "torch"}),
         router=RouterConfig(load_balance=0.0, z_loss=0.0, temporal=0.3, anchor=0.1),
         trainable="routers",
         optim=OptimConfig(lr=3e-2, warmup_steps=1, weight_decay=0.0),
@@ -50,7 +50,7 @@ def hf_config(path, tmp_path, **overrides) -> TrainConfig:
         out_dir=str(tmp_path / "run"),
     )
     base.update(overrides)
-    return TrainConfig(**base)
+    return TrainConfig(**base).resolve()  # the folder's architecture, as a run reads it
 
 
 @torch.no_grad()
