@@ -132,6 +132,13 @@ def _break(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("hypotheses.2.arms", ["baseline"], "hypotheses[2] (H3).arms[0]"),
         ("hypotheses.2.comparison", "ratio", "hypotheses[2] (H3).comparison"),
         ("hypotheses.3.of", ["H9"], "hypotheses[3] (H4).of[0]"),
+        # values a YAML file can hold that once ended in a TypeError or OverflowError
+        ("budget.steps", float("nan"), "budget.steps"),
+        ("budget.steps", float("inf"), "budget.steps"),
+        ("runs.seeds", [0, float("inf")], "runs.seeds[1]"),
+        ("runs.baseline", ["baseline"], "runs.baseline"),
+        ("hypotheses.2.arms", [["a"]], "hypotheses[2] (H3).arms[0]"),
+        ("hypotheses.3.of", [{"H1": 1}], "hypotheses[3] (H4).of[0]"),
     ],
 )
 def test_validation_errors_name_the_field(where: str, value: Any, named: str) -> None:

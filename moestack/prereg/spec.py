@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 import unicodedata
 from dataclasses import InitVar, dataclass, field
@@ -102,6 +103,8 @@ def _overrides(value: Any, where: str) -> tuple[str, ...]:
 def _number(value: Any, where: str, kind: type = float) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(where, f"expected a number, got {value!r}", "give a number")
+    if not math.isfinite(value):
+        raise _fail(where, f"expected a finite number, got {value!r}", "give a number")
     if kind is int and int(value) != value:
         raise _fail(where, f"expected a whole number, got {value!r}", "give an integer")
     return kind(value)
@@ -408,7 +411,7 @@ class Runs:
                 raise _fail(f"runs.arms.{name}", "not a name", "use letters, digits, _ . -")
             checked[name] = _overrides(overrides, f"runs.arms.{name}")
         _set(self, "arms", checked)
-        if self.baseline not in checked:
+        if not isinstance(self.baseline, str) or self.baseline not in checked:
             raise _fail(
                 "runs.baseline", f"{self.baseline!r} is not an arm", f"use one of {sorted(checked)}"
             )
@@ -505,7 +508,7 @@ class Prereg:
         itself), its rule under Holm, the earlier hypotheses a joint one joins, and the
         policy and capacity of a cache metric (the analysis must replay them)."""
         for j, arm in enumerate(hyp.arms):
-            if arm not in self.arms:
+            if not isinstance(arm, str) or arm not in self.arms:
                 raise _fail(f"{at}.arms[{j}]", f"{arm!r} is not an arm", f"use {sorted(self.arms)}")
             if arm == self.baseline and hyp.comparison in ("relative_change", "difference"):
                 raise _fail(
@@ -517,7 +520,11 @@ class Prereg:
             raise _fail(f"{at}.decision", f"{hyp.decision!r} with holm", "use a one-sided rule")
         if hyp.comparison == "joint":
             for j, ref in enumerate(hyp.of):
-                if ref not in earlier or earlier[ref].comparison == "joint":
+                if (
+                    not isinstance(ref, str)
+                    or ref not in earlier
+                    or earlier[ref].comparison == "joint"
+                ):
                     raise _fail(
                         f"{at}.of[{j}]",
                         f"{ref!r} is not an earlier non-joint hypothesis",
