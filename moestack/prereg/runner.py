@@ -7,11 +7,11 @@ import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from moestack import locks
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.prereg.compose import compose_config
@@ -132,13 +132,13 @@ def claim(run_dir: Path) -> int | None:
     for _ in range(3):
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            _lock_soon(fd)
-        except BlockingIOError:
-            os.close(fd)
-            return None
+            held = locks.lock_exclusive(fd)
         except BaseException:
             os.close(fd)
             raise
+        if not held:
+            os.close(fd)
+            return None
         try:
             if os.fstat(fd).st_ino != os.stat(path).st_ino:  # deleted under us: again
                 release(fd)
@@ -152,19 +152,6 @@ def claim(run_dir: Path) -> int | None:
     return None
 
 
-def _lock_soon(fd: int, tries: int = 3, wait_s: float = 0.02) -> None:
-    """``flock(LOCK_EX | LOCK_NB)``, tried again after a moment: a ``prereg status`` probe
-    holds a shared lock for microseconds. Raises BlockingIOError when the lock stays held."""
-    for attempt in range(tries):
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(wait_s)
-
-
 def release(fd: int) -> None:
     """Give a run claimed with :func:`claim` back (its claim.json stays, unlocked)."""
     fcntl.flock(fd, fcntl.LOCK_UN)
@@ -172,21 +159,10 @@ def release(fd: int) -> None:
 
 
 def claimed(run_dir: Path) -> bool:
-    """Whether a runner holds the run now. Asks with a shared lock, taken and dropped at
-    once: a runner that tries to claim the run in that instant skips it, and takes it on its
-    second pass (:func:`run`)."""
-    path = Path(run_dir) / CLAIM_FILE
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the shared lock if it was taken
-    return False
+    """Whether a runner holds the run now (:func:`moestack.locks.is_held`: a runner that
+    tries to claim the run in that instant waits a moment, or takes it on its second pass,
+    :func:`run`)."""
+    return locks.is_held(Path(run_dir) / CLAIM_FILE)
 
 
 def _interrupted(item: RunSpec) -> bool:
