@@ -31,13 +31,18 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` all or nothing: into a private temporary file beside it,
+    """:func:`write_bytes` of ``text`` in UTF-8."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` all or nothing: into a private temporary file beside it,
     fsynced, then renamed over ``path``. A symlink at ``path`` is replaced, never followed,
     and a reader (or a kill) sees the old file or the new one, never half of it."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a run's files from its group

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from moestack.atomic import fsync_dir
+from moestack import atomic, user_cache
 
 log = logging.getLogger(__name__)
 
@@ -43,33 +40,23 @@ _WARNED: set[str] = set()  # reasons a cache folder was refused, each warned of 
 
 
 def cache_folder() -> Path:
-    """The folder the environment names: ``$MOESTACK_DATA_CACHE`` if set and not empty,
-    else ``moestack/tokens`` under ``$XDG_CACHE_HOME`` if that is absolute (the XDG spec
-    makes an empty or relative one invalid: it is ignored), else under ``~/.cache``."""
-    env = os.environ.get(ENV)
-    if env:
-        return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "moestack" / "tokens"
+    """The folder the environment names (:func:`moestack.user_cache.cache_folder`):
+    ``$MOESTACK_DATA_CACHE``, else ``moestack/tokens`` under the user's cache."""
+    return user_cache.cache_folder(ENV, "tokens")
 
 
 def _usable_folder() -> tuple[Path | None, str]:
     """(the cache folder, "") made with mode 0o700 if missing, or (None, why not) when it
-    cannot be made, is not a folder, or is not this user's alone."""
-    folder = cache_folder()
+    cannot be made, is not a folder, or is not this user's alone
+    (:func:`moestack.user_cache.private_folder`)."""
     try:
-        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
-        st = os.stat(folder)
-    except OSError as err:
-        return None, f"cannot create {folder}: {err.strerror or err}"
-    if not stat.S_ISDIR(st.st_mode):
-        return None, f"{folder} is not a folder"
-    if st.st_uid != os.geteuid():
-        return None, f"{folder} belongs to uid {st.st_uid}, not to this user"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None, f"{folder} is writable by group or others (mode {st.st_mode & 0o777:#o})"
-    return folder, ""
+        folder = cache_folder()
+    except user_cache.NotPrivate as err:
+        return None, str(err)
+    try:
+        return user_cache.private_folder(folder), ""
+    except user_cache.NotPrivate as err:
+        return None, f"{folder}: {err}"
 
 
 def corpus_key(
@@ -118,17 +105,7 @@ def write_ids(path: Path, ids: np.ndarray) -> None:
 
     ids = np.ascontiguousarray(ids, dtype=np.int32)
     blob = save({_TENSOR: ids}, metadata={"format": str(FORMAT), "sha256": _ids_sha256(ids)})
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic.write_bytes(path, blob)
 
 
 def cached_tokens(

@@ -43,7 +43,6 @@ import hashlib
 import logging
 import os
 import platform
-import pwd
 import shlex
 import shutil
 import stat
@@ -56,6 +55,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from moestack import user_cache
 from moestack.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -498,31 +498,28 @@ _PRIVATE: dict[Path, Path] = {}  # refused cache folder -> this process's privat
 _LOADED: dict[str, ctypes.CDLL] = {}  # sha256 -> the library loaded with those bytes
 
 
-class _Refused(Exception):
-    """A cache folder or file that is not loaded from; the message says why."""
+_Refused = user_cache.NotPrivate  # a cache folder or file not loaded from; says why
+_ENV = "MOESTACK_KERNEL_CACHE"
 
 
 def cache_folder() -> Path:
-    """The cache folder the environment names: ``$MOESTACK_KERNEL_CACHE`` if set and not
-    empty, else ``moestack/kernels`` under ``$XDG_CACHE_HOME`` if that is absolute (the XDG
-    spec makes an empty or relative one invalid: it is ignored), else under ``~/.cache``."""
-    env = os.environ.get("MOESTACK_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else _home() / ".cache"
-    return base / "moestack" / "kernels"
+    """The cache folder the environment names (:func:`moestack.user_cache.cache_folder`):
+    ``$MOESTACK_KERNEL_CACHE``, else ``moestack/kernels`` under the user's cache."""
+    return user_cache.cache_folder(_ENV, "kernels")
 
 
 def cache_dir() -> Path:
     """The folder libraries are built in and loaded from: :func:`cache_folder` (resolved)
-    when it is safe, else a private folder of this process, with one warning naming the
-    folder refused and why (:func:`_safe_folder`)."""
-    folder = cache_folder()
+    when it is this user's alone (:func:`moestack.user_cache.private_folder`), else a private
+    folder of this process, with one warning naming the folder refused and why."""
+    try:
+        folder = cache_folder()
+    except _Refused as err:
+        raise RuntimeError(f"{err}: set {_ENV}") from None
     if folder in _PRIVATE:
         return _PRIVATE[folder]
     try:
-        return _safe_folder(folder)
+        return user_cache.private_folder(folder)
     except _Refused as err:
         why = str(err)
     try:
@@ -533,58 +530,19 @@ def cache_dir() -> Path:
     atexit.register(shutil.rmtree, private, True)
     _PRIVATE[folder] = private
     log.warning(
-        "fused step: kernel cache %s refused (%s; set MOESTACK_KERNEL_CACHE to a folder only "
-        "this user can write); building in %s for this process",
+        "fused step: kernel cache %s refused (%s; set %s to a folder only this user can "
+        "write); building in %s for this process",
         folder,
         why,
+        _ENV,
         private,
     )
     return private
 
 
-def _home() -> Path:
-    """This user's home: ``$HOME`` if absolute, else the password database's entry."""
-    home = os.environ.get("HOME", "")
-    if os.path.isabs(home):
-        return Path(home)
-    try:
-        return Path(pwd.getpwuid(os.getuid()).pw_dir)
-    except KeyError:
-        msg = f"no home folder for uid {os.getuid()}: set MOESTACK_KERNEL_CACHE"
-        raise RuntimeError(msg) from None
-
-
-def _safe_folder(folder: Path) -> Path:
-    """``folder``, made (mode 0o700) if missing, with its symbolic links resolved; _Refused
-    unless the folder it resolves to belongs to this user and only they can write it."""
-    try:
-        folder.mkdir(parents=True, mode=0o700, exist_ok=True)
-        real = Path(os.path.realpath(folder))  # a link is followed: its target is judged
-        st = os.lstat(real)
-    except OSError as err:
-        raise _Refused(f"cannot create it: {err.strerror or err}") from None
-    problem = "not a folder" if not stat.S_ISDIR(st.st_mode) else _not_ours_alone(st)
-    if problem is None and not os.access(real, os.W_OK | os.X_OK):
-        problem = "not writable"
-    if problem:
-        raise _Refused(problem)
-    return real
-
-
-def _not_ours_alone(st: os.stat_result) -> str | None:
-    """Why a cache folder or file with status ``st`` may hold what another user wrote, or
-    None: it must belong to this process's (effective) user, and neither group nor others
-    may write it."""
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"writable by group or others, mode {stat.S_IMODE(st.st_mode):#o}"
-    return None
-
-
 def _open_own(path: Path) -> int:
     """``path`` opened to read, not through a symbolic link; FileNotFoundError if missing,
-    _Refused unless it is a regular file that is ours alone (:func:`_not_ours_alone`)."""
+    _Refused unless it is a regular file that is ours alone (``user_cache.not_ours_alone``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -593,7 +551,9 @@ def _open_own(path: Path) -> int:
         why = "a symbolic link" if err.errno == errno.ELOOP else err.strerror
         raise _Refused(f"cannot open {path.name}: {why}") from None
     st = os.fstat(fd)
-    problem = "not a regular file" if not stat.S_ISREG(st.st_mode) else _not_ours_alone(st)
+    problem = (
+        "not a regular file" if not stat.S_ISREG(st.st_mode) else user_cache.not_ours_alone(st)
+    )
     if problem:
         os.close(fd)
         raise _Refused(f"{path.name} is {problem}")
