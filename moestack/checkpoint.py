@@ -40,6 +40,7 @@ from torch import nn
 
 from moestack import atomic
 from moestack.errors import MoestackError
+from moestack.evaluation import is_finite
 from moestack.model import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -437,7 +438,7 @@ def load_train_state(path: Path | str) -> dict[str, Any]:
 def first_non_finite(tree: Any, where: str) -> str | None:
     """Name of the first floating-point tensor in ``tree`` (nested dicts/lists) with NaN/inf."""
     if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point() and not bool(torch.isfinite(tree).all()):
+        if tree.is_floating_point() and not is_finite(tree):
             return where
         return None
     items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(

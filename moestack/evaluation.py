@@ -107,11 +107,11 @@ def greedy_generate(
     return new
 
 
-def _finite(t: torch.Tensor) -> bool:
+def is_finite(t: torch.Tensor) -> bool:
     """Every value of ``t`` is finite, checked ``FINITE_CHUNK`` elements at a time (the mask
     of a whole expert stack would be as large as the stack)."""
     if not t.is_contiguous():
-        return all(_finite(row) for row in t)
+        return all(is_finite(row) for row in t)
     return all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(FINITE_CHUNK))
 
 
@@ -121,10 +121,10 @@ def non_finite_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     ``[E, ...]``) also names the experts affected."""
     found = []
     for name, t in named:
-        if not t.is_floating_point() or t.is_meta or _finite(t):
+        if not t.is_floating_point() or t.is_meta or is_finite(t):
             continue
         if name.rpartition(".")[2] in ("w1", "w2") and t.ndim == 3:
-            name = f"{name} (experts {[e for e in range(t.shape[0]) if not _finite(t[e])]})"
+            name = f"{name} (experts {[e for e in range(t.shape[0]) if not is_finite(t[e])]})"
         found.append(name)
     return found
 
