@@ -1,11 +1,14 @@
 """The memory plan of a training run: bytes per device and per host, before anything runs.
 
-``plan_memory(cfg, ranks)`` builds the model on the meta device (no allocation) and lists,
-with the formula behind each figure: weights, gradients, optimizer state (torch AdamW on the
-device; OffloadAdamW's flat host buffers, sharded ZeRO-1 style over ``ranks``) and the
-activations one micro-batch keeps for backward under ``model.checkpointing``. With expert
-parallelism (``parallel.ep``) each rank holds ``num_experts / ep`` experts of every layer, and
-OffloadAdamW shards the experts' state over their data-parallel group (``ranks / ep``).
+``plan_memory(cfg, ranks)`` builds the model on the meta device (no allocation), or takes the
+run's model, and lists, with the formula behind each figure: weights, gradients, optimizer
+state (torch AdamW on the device; OffloadAdamW's flat host buffers, sharded ZeRO-1 style over
+``ranks``) and the activations one micro-batch keeps for backward under
+``model.checkpointing``. With expert parallelism (``parallel.ep``) each rank holds
+``num_experts / ep`` experts of every layer, and OffloadAdamW shards the experts' state over
+their data-parallel group (``ranks / ep``). The optimizer state is what the optimizers' own
+plans say they allocate (:func:`moestack.optim.offload.plan_offload`,
+:func:`moestack.optim.plan.adamw_state_bytes`): no placement rule is written here.
 ``moestack plan`` prints it; the training run logs it at start (and on CUDA the measured
 peak beside it). How the activation formulas were derived, and how well they match a real
 run, is in docs/memory.md.
@@ -15,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +29,12 @@ from torch.utils._pytree import tree_flatten
 from moestack.config import HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
 from moestack.optim.factory import device_param_dtype, param_groups
-from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, build_plan, expert_flags
-from moestack.parallel import check_layout
+from moestack.optim.offload import OffloadPlan, plan_offload
+from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
+from moestack.optim.update import parse_moment_dtype
+from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
 
 log = logging.getLogger(__name__)
-
-_XFER_CHUNK = 1 << 24  # OffloadAdamW's device scratch for dtype changes: at most this many fp32
 
 
 @dataclass
@@ -77,9 +79,13 @@ def _mib(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else str(int(n))
 
 
-def plan_memory(cfg: TrainConfig, ranks: int = 1, device: str = "") -> MemoryPlan:
+def plan_memory(
+    cfg: TrainConfig, ranks: int = 1, device: str = "", model: torch.nn.Module | None = None
+) -> MemoryPlan:
     """The memory plan of ``cfg`` trained over ``ranks`` data-parallel ranks on ``device``
-    ("cpu" or "cuda"; default: the run's, ``auto`` being cuda when one is present)."""
+    ("cpu" or "cuda"; default: the run's, ``auto`` being cuda when one is present).
+    ``model``: the run's model as built (trainable parameters set, this rank's experts under
+    ``parallel.ep``), read for its shapes only; without it one is built on the meta device."""
     if isinstance(cfg.model, HFModelConfig):
         raise MoestackError("the memory plan covers moestack's own models, not model.path ones")
     if ranks < 1:
@@ -89,22 +95,21 @@ def plan_memory(cfg: TrainConfig, ranks: int = 1, device: str = "") -> MemoryPla
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     ep = cfg.parallel.ep
     check_layout(ranks, ep, cfg.model.moe.num_experts)
-    with torch.device("meta"):
-        model = cfg.model.build()
-    model.set_trainable(cfg.trainable)
-    experts = _keep_local_experts(model, ep)
+    if model is None:
+        model = _meta_model(cfg, ranks)
+    experts = _expert_names(model)
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
     _weights_and_grads(plan, model, pdtype)
     if cfg.optim.name == "adamw":
         _adamw_lines(plan, model, pdtype, ep)
     elif ep == 1:
-        _offload_lines(plan, cfg, model, pdtype, _named(cfg, model, lambda n: True), ranks)
+        _offload_lines(plan, cfg, pdtype, _named(cfg, model, lambda n: True), ranks)
     else:
         replicated = _named(cfg, model, lambda n: n not in experts)
-        _offload_lines(plan, cfg, model, pdtype, replicated, ranks, " (replicated)")
+        _offload_lines(plan, cfg, pdtype, replicated, ranks, " (replicated)")
         sharded = _named(cfg, model, lambda n: n in experts)
-        _offload_lines(plan, cfg, model, pdtype, sharded, ranks // ep, " (experts)")
+        _offload_lines(plan, cfg, pdtype, sharded, ranks // ep, " (experts)")
     _activation_lines(plan, cfg)
     if ep > 1:
         plan.notes.append(
@@ -120,18 +125,22 @@ def plan_memory(cfg: TrainConfig, ranks: int = 1, device: str = "") -> MemoryPla
     return plan
 
 
-def _keep_local_experts(model: torch.nn.Module, ep: int) -> set[str]:
-    """Cut each MoE layer's meta ``w1``/``w2`` to one EP rank's experts; their names."""
-    names = set()
-    for i, moe in enumerate(model.moe_layers):
-        if ep > 1:
-            local = moe.w1.shape[0] // ep
-            for name in ("w1", "w2"):
-                whole = getattr(moe, name)
-                part = torch.nn.Parameter(whole[:local], requires_grad=whole.requires_grad)
-                setattr(moe, name, part)
-        names.update(f"layers.{i}.moe.{name}" for name in ("w1", "w2"))
-    return names
+def _meta_model(cfg: TrainConfig, ranks: int) -> torch.nn.Module:
+    """The run's model on the meta device (nothing allocated): trainable as ``cfg`` says and,
+    under ``parallel.ep``, cut to one rank's experts as the run cuts them."""
+    with torch.device("meta"):
+        model = cfg.model.build()
+    model.set_trainable(cfg.trainable)
+    if cfg.parallel.ep > 1:  # rank 0's place in the mesh; no process group is needed
+        mesh = ExpertParallelMesh(ranks, cfg.parallel.ep, 0, 0, None, None)
+        shard_experts(model, mesh)
+    return model
+
+
+def _expert_names(model: torch.nn.Module) -> set[str]:
+    """Names of the model's expert-parallel (sharded) expert tensors."""
+    sharded = expert_params(model)
+    return {n for n, p in model.named_parameters() if id(p) in sharded}
 
 
 def _named(cfg: TrainConfig, model: torch.nn.Module, keep: Any) -> list[tuple[int, str, Any]]:
@@ -140,7 +149,13 @@ def _named(cfg: TrainConfig, model: torch.nn.Module, keep: Any) -> list[tuple[in
     return [(gi, n, p) for gi, g in enumerate(groups) for n, p in g["params"] if keep(n)]
 
 
+def _specs(tensors: Any, device: str, dtype: torch.dtype) -> list[ParamSpec]:
+    """The specs the run's parameters of ``tensors``' shapes will have on ``device``."""
+    return [ParamSpec(tuple(p.shape), device, dtype) for p in tensors]
+
+
 def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) -> None:
+    """Every parameter in the device dtype plus the buffers; a gradient per trained one."""
     size = pdtype.itemsize
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
@@ -162,16 +177,17 @@ def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.d
 def _adamw_lines(
     plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype, ep: int = 1
 ) -> None:
-    """torch AdamW: exp_avg and exp_avg_sq in the parameter dtype, a float32 step per tensor;
-    under DDP also the gradient buckets (a second copy of the gradients); under expert
-    parallelism, whose gradients are averaged in one flat buffer per group, that buffer."""
+    """torch AdamW's state (:func:`moestack.optim.plan.adamw_state_bytes`); under DDP also
+    the gradient buckets (a second copy of the gradients); under expert parallelism, whose
+    gradients are averaged in one flat buffer per group, that buffer."""
     trained = [p for p in model.parameters() if p.requires_grad]
     numel, size = sum(p.numel() for p in trained), pdtype.itemsize
+    state = adamw_state_bytes(_specs(trained, plan.device, pdtype))
     plan.lines.append(
         Line(
             "device",
             "optimizer state (adamw)",
-            2 * numel * size + 4 * len(trained),
+            sum(state.values()),
             f"2 moments x {_mib(numel)} x {size} B + 4 B step x {len(trained)} "
             "tensors; replicated on every rank" + (" (experts: this rank's)" if ep > 1 else ""),
         )
@@ -189,84 +205,96 @@ def _adamw_lines(
 def _offload_lines(
     plan: MemoryPlan,
     cfg: TrainConfig,
-    model: torch.nn.Module,
     pdtype: torch.dtype,
     named: list[tuple[int, str, Any]],
-    ranks: int,
+    world: int,
     label: str = "",
 ) -> None:
-    """OffloadAdamW's host buffers (moestack.optim.transfer.alloc_host_buffers) for the
-    largest shard of ``named`` over ``ranks``, and its device scratch for dtype changes."""
+    """The buffers of the OffloadAdamW over ``named`` whose process group has ``world``
+    ranks, as its own plan lists them (:func:`moestack.optim.offload.plan_offload`), for
+    the rank with the largest shard; the native kernel is assumed to load."""
     if not named:
         return
-    group_of = [gi for gi, _, _ in named]
-    shapes = [tuple(p.shape) for _, _, p in named]
-    is_expert = expert_flags(
-        [p for _, _, p in named], [n for _, n, _ in named], None, DEFAULT_EXPERT_PATTERN
+    tensors = [p for _, _, p in named]
+    layout = plan_offload(
+        _specs(tensors, plan.device, pdtype),
+        [gi for gi, _, _ in named],
+        expert_flags(tensors, [n for _, n, _ in named], None, DEFAULT_EXPERT_PATTERN),
+        world_size=world,
+        rank=None,
+        shard=cfg.optim.shard,
+        fused_step=cfg.optim.fused_step,
+        moment_dtype=parse_moment_dtype(cfg.optim.moment_dtype),
+        native=lambda: True,
     )
-    shards = ranks if (cfg.optim.shard and ranks > 1) else 1
-    splan = build_plan(shapes, group_of, is_expert, shards, 0)
-    size = splan.stride if shards > 1 else splan.total
-    moment = 2 if cfg.optim.moment_dtype == "bfloat16" else 4
+    _host_lines(plan, layout, label)
+    if layout.in_place:
+        plan.notes.append(_IN_PLACE if not label else f"{label.strip(' ()')}: {_IN_PLACE_GROUP}")
+    for n in layout.device_scratch.values():
+        plan.lines.append(
+            Line(
+                "device",
+                "offload dtype scratch" + label,
+                4 * n,
+                f"min(largest param {_mib(n)}, 2^24) x 4 B",
+            )
+        )
+
+
+_IN_PLACE = (
+    "offload_adamw on one CPU process with fp32 weights steps them in "
+    "place: no master copy, no gradient buffers"
+)
+_IN_PLACE_GROUP = (
+    "their offload_adamw has one process (ep = ranks) and fp32 CPU weights, so it steps "
+    "them in place: no master copy, no gradient buffers"
+)
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _host_lines(plan: MemoryPlan, layout: OffloadPlan, label: str) -> None:
+    """One line per kind of host buffer in ``layout.host``, with its formula."""
+    host, shards = layout.host, layout.shards.num_shards
+    size, moment = host["exp_avg"][0], host["exp_avg"][1].itemsize
     where = f"sharded over {shards} ranks (largest shard)" if shards > 1 else "not sharded"
     plan.lines.append(
         Line(
             "host",
             "optimizer moments" + label,
-            2 * moment * size,
+            _bytes(host, "exp_avg", "exp_avg_sq"),
             f"2 x {_mib(size)} x {moment} B, {where}",
         )
     )
-    on_cpu = plan.device == "cpu"
-    in_place = plan.ranks == 1 and on_cpu and pdtype == torch.float32
-    if in_place:
-        plan.notes.append(
-            "offload_adamw on one CPU process with fp32 weights steps them in "
-            "place: no master copy, no gradient buffers"
-        )
-        return
-    # one process, bf16 weights, the native kernel: the master is the bf16 weights (the
-    # parameters or the staging buffer) plus 2-byte remainders (moestack.optim.split_master)
-    split = cfg.optim.fused_step in ("auto", "native") and plan.ranks == 1
-    split = split and pdtype == torch.bfloat16
-    if split:
+    if "master" in host:
+        n, dtype = host["master"]
+        what, formula = "optimizer master weights", f"{_mib(n)} x {dtype.itemsize} B"
+        if layout.split:
+            what += ", low halves"
+            formula += " (their bf16 halves are the weights; 4 B without a C++ compiler)"
+        plan.lines.append(Line("host", what + label, _bytes(host, "master"), formula))
+    if "grad_comm" in host:
+        comm = host["grad_comm"][0]
+        formula = f"{_mib(comm)} x 4 B"
+        if "grad_shard" in host:
+            stride = host["grad_shard"][0]
+            formula = f"({shards} x {_mib(stride)} + {_mib(stride)}) x 4 B"
+        pack = _bytes(host, "grad_comm", "grad_shard")
+        plan.lines.append(Line("host", "gradient pack buffers" + label, pack, formula))
+    if "weight_staging" in host:
+        n, dtype = host["weight_staging"]
         plan.lines.append(
             Line(
                 "host",
-                "optimizer master weights, low halves" + label,
-                2 * size,
-                f"{_mib(size)} x 2 B (their bf16 halves are the weights; 4 B without a C++ "
-                "compiler)",
+                f"weight staging ({_SHORT.get(dtype, dtype)})" + label,
+                _bytes(host, "weight_staging"),
+                f"{_mib(n)} x {dtype.itemsize} B",
             )
         )
-    else:
-        plan.lines.append(
-            Line("host", "optimizer master weights" + label, 4 * size, f"{_mib(size)} x 4 B")
-        )
-    fused = cfg.optim.fused_step != "off"
-    direct = fused and plan.ranks == 1 and on_cpu
-    if not direct:
-        comm = shards * splan.stride + splan.stride if shards > 1 else splan.total
-        formula = (
-            f"({shards} x {_mib(splan.stride)} + {_mib(splan.stride)}) x 4 B"
-            if shards > 1
-            else f"{_mib(splan.total)} x 4 B"
-        )
-        plan.lines.append(Line("host", "gradient pack buffers" + label, 4 * comm, formula))
-    if fused and plan.ranks == 1 and not on_cpu and pdtype == torch.bfloat16:
-        plan.lines.append(
-            Line("host", "weight staging (bf16)" + label, 2 * size, f"{_mib(size)} x 2 B")
-        )
-    if pdtype != torch.float32:
-        largest = min(max(math.prod(s) for s in shapes), _XFER_CHUNK)
-        plan.lines.append(
-            Line(
-                "device",
-                "offload dtype scratch" + label,
-                4 * largest,
-                f"min(largest param {_mib(largest)}, 2^24) x 4 B",
-            )
-        )
+
+
+def _bytes(sizes: dict[str, tuple[int, torch.dtype]], *roles: str) -> int:
+    """Bytes of the buffers ``roles`` of ``sizes`` (those it has)."""
+    return sum(n * dtype.itemsize for role, (n, dtype) in sizes.items() if role in roles)
 
 
 def activation_bytes_per_token(cfg: TrainConfig, act_bytes: int) -> tuple[int, int, str]:
@@ -322,13 +350,18 @@ def _activation_lines(plan: MemoryPlan, cfg: TrainConfig) -> None:
 
 
 def log_plan(
-    cfg: TrainConfig, ranks: int, device: torch.device, table: bool = True
+    cfg: TrainConfig,
+    ranks: int,
+    device: torch.device,
+    table: bool = True,
+    model: torch.nn.Module | None = None,
 ) -> MemoryPlan | None:
     """Log the plan at the start of a run (none for a transformers model): its table, or
-    with ``table=False`` (a sweep's later jobs) its totals in one line."""
+    with ``table=False`` (a sweep's later jobs) its totals in one line. ``model``: the
+    run's model as built (see :func:`plan_memory`), so that it is not built again."""
     if isinstance(cfg.model, HFModelConfig):
         return None
-    plan = plan_memory(cfg, ranks, device.type)
+    plan = plan_memory(cfg, ranks, device.type, model)
     if table:
         log.info("memory plan (per rank):\n%s", plan.format())
     else:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from torch import Tensor
 
 from moestack.optim import native
 from moestack.optim.native import Seg
+from moestack.optim.plan import ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +212,37 @@ def _alias(t: Tensor) -> Tensor:
 # ------------------------------------------------------------- one optimizer's fused step
 
 
-def choose_mode(params: Sequence[Tensor], distributed: bool, num_shards: int) -> str:
+def choose_mode(specs: Sequence[ParamSpec], distributed: bool, num_shards: int) -> str:
     """Where gradients come from and weights go (see the module docstring)."""
     if distributed or num_shards > 1:
         return MASTER
-    if all(
-        p.device.type == "cpu" and p.dtype in KERNEL_DTYPES and p.is_contiguous() for p in params
-    ):
+    if all(s.device == "cpu" and s.dtype in KERNEL_DTYPES and s.contiguous for s in specs):
         return DIRECT
-    if all(p.device.type != "cpu" for p in params):
+    if all(s.device != "cpu" for s in specs):
         return STAGED
     return MASTER
+
+
+def staging_dtype_of(mode: str, specs: Sequence[ParamSpec]) -> torch.dtype | None:
+    """The dtype of the weight staging buffer: staged mode narrows bf16 weights on the host
+    (the others cross as fp32 master weights); None: no staging buffer."""
+    bf16 = any(s.dtype == torch.bfloat16 for s in specs)
+    return torch.bfloat16 if mode == STAGED and bf16 else None
+
+
+def wants_split_master(requested: str, mode: str, specs: Sequence[ParamSpec]) -> bool:
+    """Whether the master weights are kept split (:mod:`moestack.optim.split_master`),
+    provided the native kernel loads (:func:`native_loads`; the layout of the host buffers
+    depends on it): every parameter bf16, one process (direct or staged mode), and a choice
+    that may run the native kernel."""
+    if requested not in ("auto", "native") or mode == MASTER:
+        return False
+    return bool(specs) and all(s.dtype == torch.bfloat16 for s in specs)
+
+
+def native_loads() -> bool:
+    """Whether the native kernel builds and loads (at the first call; then remembered)."""
+    return not isinstance(_native(), str)
 
 
 def check_choice(fused_step: str) -> None:
@@ -250,64 +271,37 @@ class FusedHostStep:
 
     Args:
         requested: a :data:`CHOICES` entry other than "off".
-        params, distributed, num_shards: the optimizer's, to choose the mode.
+        mode, split, staging_dtype: as the optimizer's plan decided them
+            (:func:`moestack.optim.offload.plan_offload`); with ``split`` the native kernel
+            is loaded now.
+        dtypes: the parameters' dtypes.
         moment_dtype: the dtype of the host moments.
     """
 
     def __init__(
         self,
         requested: str,
-        params: Sequence[Tensor],
-        distributed: bool,
-        num_shards: int,
+        mode: str,
+        split: bool,
+        staging_dtype: torch.dtype | None,
+        dtypes: Iterable[torch.dtype],
         moment_dtype: torch.dtype,
     ) -> None:
         self.requested = requested
-        self.mode = choose_mode(params, distributed, num_shards)
-        bf16 = any(p.dtype == torch.bfloat16 for p in params)
-        # staged: bf16 weights are narrowed on the host; others cross as fp32 master weights
-        self.staging_dtype = torch.bfloat16 if self.mode == STAGED and bf16 else None
+        self.mode = mode
+        self.staging_dtype = staging_dtype
+        dtypes = set(dtypes)
         if self.mode == DIRECT:
-            self._combos = {(p.dtype, moment_dtype, p.dtype) for p in params}
+            self._combos = {(dt, moment_dtype, dt) for dt in dtypes}
         else:
-            self._combos = {(torch.float32, moment_dtype, self._out_dtype(p)) for p in params}
+            self._combos = {(torch.float32, moment_dtype, self._out_dtype(dt)) for dt in dtypes}
         self.kernel: Kernel | None = None
-        self.split = self._split_master(params)
+        self.split = split
+        if split:
+            kernel = _native()
+            assert not isinstance(kernel, str), kernel
+            self.kernel = kernel
         self._prepared: dict[tuple[Any, ...], native.Prepared] = {}  # by _where: one a group
-
-    @classmethod
-    def create(
-        cls,
-        requested: str,
-        in_place: bool,
-        params: Sequence[Tensor],
-        distributed: bool,
-        num_shards: int,
-        moment_dtype: torch.dtype,
-    ) -> FusedHostStep | None:
-        """The fused step of an optimizer, or None (``"off"``, or stepping in place)."""
-        if requested == "off" or in_place:
-            return None
-        return cls(requested, params, distributed, num_shards, moment_dtype)
-
-    def _split_master(self, params: Sequence[Tensor]) -> bool:
-        """Whether the master weights are kept split (:mod:`moestack.optim.split_master`):
-        every parameter bf16, one process (direct or staged mode), and the native kernel,
-        which is loaded now for it (the layout of the host buffers depends on it)."""
-        if self.requested not in ("auto", "native") or self.mode == MASTER:
-            return False
-        if not params or any(p.dtype != torch.bfloat16 for p in params):
-            return False
-        kernel = _native()
-        if isinstance(kernel, str):
-            return False
-        self.kernel = kernel
-        return True
-
-    @property
-    def master_dtype(self) -> torch.dtype:
-        """The host master buffer's dtype: int16 remainders when split, else fp32 weights."""
-        return torch.int16 if self.split else torch.float32
 
     @property
     def per_param(self) -> bool:
@@ -320,8 +314,9 @@ class FusedHostStep:
             self.kernel = resolve(self.requested, sorted(self._combos, key=str))
         return self.kernel is not None
 
-    def _out_dtype(self, p: Tensor) -> torch.dtype | None:
-        return self.staging_dtype if p.dtype == self.staging_dtype else None
+    def _out_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype the step writes a parameter of ``dtype`` in (None: only the master)."""
+        return self.staging_dtype if dtype == self.staging_dtype else None
 
     def run(
         self,
@@ -372,7 +367,7 @@ class FusedHostStep:
                 g, out = grads[pidx][x0 : x0 + n], p.data.view(-1)[x0 : x0 + n]
             else:
                 g = host.grad[off : off + n]
-                out = host.staging[off : off + n] if self._out_dtype(p) is not None else None
+                out = host.staging[off : off + n] if self._out_dtype(p.dtype) is not None else None
             x, m, v = (buf[off : off + n] for buf in (host.master, host.exp_avg, host.exp_avg_sq))
             segs.append(Seg(x, g, m, v, out, c))
         return segs

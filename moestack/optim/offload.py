@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +59,8 @@ from torch import Tensor
 from moestack.optim import collectives, fused, split_master, state_format, transfer, update
 from moestack.optim.plan import (
     DEFAULT_EXPERT_PATTERN,
+    ParamSpec,
+    ShardPlan,
     Unit,
     build_plan,
     expert_flags,
@@ -66,6 +69,64 @@ from moestack.optim.plan import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What one OffloadAdamW decides and allocates, known from its settings and its
+    parameters' specs alone: OffloadAdamW builds itself from it, ``moestack plan`` counts
+    it (moestack.memory_plan)."""
+
+    shards: ShardPlan  # which units this rank owns, where they sit in its buffers
+    in_place: bool  # the parameters are stepped themselves: no master copy
+    mode: str | None  # the fused step's (moestack.optim.fused); None: reference path
+    split: bool  # the master weights are the bf16 weights plus int16 remainders
+    staging_dtype: torch.dtype | None  # of the staged fused step's weight buffer
+    host: transfer.Sizes  # this rank's host buffers: role -> (elements, dtype)
+    device_scratch: dict[str, int]  # device type -> elements of its fp32 dtype scratch
+
+
+def plan_offload(
+    specs: Sequence[ParamSpec],
+    group_of: Sequence[int],
+    is_expert: Sequence[bool],
+    *,
+    world_size: int = 1,
+    rank: int | None = 0,
+    shard: bool = True,
+    fused_step: str = "auto",
+    moment_dtype: torch.dtype = torch.float32,
+    in_place: bool | None = None,
+    native: Callable[[], bool] = fused.native_loads,
+) -> OffloadPlan:
+    """The plan of an OffloadAdamW over parameters ``specs`` (param group and expert flag of
+    each) on ``rank`` of a process group of ``world_size`` ranks (1: not distributed;
+    ``rank=None``: the rank holding the largest shard). Arguments as OffloadAdamW's;
+    ``native`` says whether the native kernel loads, asked only where a split master
+    depends on it (a memory plan assumes it does)."""
+    distributed = world_size > 1
+    num_shards = world_size if (distributed and shard) else 1
+    shapes = [s.shape for s in specs]
+    mine = 0 if num_shards == 1 else rank
+    shards = build_plan(shapes, group_of, is_expert, num_shards, mine or 0)
+    if mine is None:  # the first of the largest shards
+        mine = max(range(num_shards), key=lambda k: (shards.shard_sizes[k], -k))
+        shards = build_plan(shapes, group_of, is_expert, num_shards, mine)
+    steps_in_place = transfer.choose_in_place(in_place, specs, distributed)
+    mode = None
+    if fused_step != "off" and not steps_in_place:
+        mode = fused.choose_mode(specs, distributed, num_shards)
+    split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
+    staging = None if mode is None else fused.staging_dtype_of(mode, specs)
+    # gradients packed into host buffers, weights copied back: all but the direct fused step
+    # (it reads p.grad and writes p.data itself) and the in-place one
+    pack = not steps_in_place and mode != fused.DIRECT
+    host = transfer.host_buffer_sizes(
+        *(shards, moment_dtype, steps_in_place, pack, staging),
+        master_dtype=torch.int16 if split else torch.float32,
+    )
+    scratch = transfer.device_scratch_sizes(specs, copies=pack)
+    return OffloadPlan(shards, steps_in_place, mode, split, staging, host, scratch)
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -134,10 +195,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skip_idle_experts = bool(skip_idle_experts)
         self._join_process_group(process_group)
         self._collect_params(expert_params, expert_pattern)
-        self.in_place = transfer.choose_in_place(in_place, self._params, self._dist)
-        self._fused = fused.FusedHostStep.create(
-            fused_step, self.in_place, self._params, self._dist, self.num_shards, self.moment_dtype
-        )
+        self._decide(in_place, fused_step)
         self._lay_out_state()
         self._reset_step_state()
         self._setup_transfers()
@@ -163,12 +221,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         update.check_floating(self.param_groups[-1]["params"])
 
     def _join_process_group(self, process_group: Any) -> None:
-        """Find this rank's place among the data-parallel ranks, and the number of shards."""
+        """Find this rank's place among the data-parallel ranks."""
         self._ranks = collectives.join(process_group)
         self.world_size, self.rank = self._ranks.world_size, self._ranks.rank
         self._dist = self._ranks.distributed
-        self.num_shards = self.world_size if (self._dist and self.shard_state) else 1
-        self.my_shard = self.rank if self.num_shards > 1 else 0
 
     def _collect_params(
         self, expert_params: Iterable[Tensor] | None, expert_pattern: str | None
@@ -188,18 +244,34 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._is_expert = expert_flags(self._params, self._names, expert_params, expert_pattern)
 
+    def _decide(self, in_place: bool | None, fused_step: str) -> None:
+        """Decide the shards, in place or not, the fused step's mode and the buffers
+        (:func:`plan_offload`, the rules a memory plan counts with too)."""
+        self._layout = plan_offload(
+            [ParamSpec.of(p) for p in self._params],
+            *(self._group_of, self._is_expert),
+            world_size=self.world_size if self._dist else 1,
+            rank=self.rank,
+            shard=self.shard_state,
+            fused_step=fused_step,
+            moment_dtype=self.moment_dtype,
+            in_place=in_place,
+        )
+        self._plan = self._layout.shards
+        self.num_shards = self._plan.num_shards
+        self.my_shard = self._plan.my_shard
+        self.in_place = self._layout.in_place
+        self._fused = None
+        if self._layout.mode is not None:
+            self._fused = fused.FusedHostStep(
+                *(fused_step, self._layout.mode, self._layout.split, self._layout.staging_dtype),
+                dtypes={p.dtype for p in self._params},
+                moment_dtype=self.moment_dtype,
+            )
+
     def _lay_out_state(self) -> None:
-        """Plan which units each shard holds; allocate this rank's host buffers."""
-        shapes = [tuple(p.shape) for p in self._params]
-        self._plan = build_plan(
-            shapes, self._group_of, self._is_expert, self.num_shards, self.my_shard
-        )
-        self._host = transfer.alloc_host_buffers(
-            *(self._plan, self.moment_dtype, self.in_place, self._params),
-            pack=not self._direct,  # the direct fused step reads p.grad itself
-            staging_dtype=None if self._fused is None else self._fused.staging_dtype,
-            master_dtype=torch.float32 if self._fused is None else self._fused.master_dtype,
-        )
+        """Allocate this rank's host buffers, as the plan lists them."""
+        self._host = transfer.alloc_host_buffers(self._layout.host, transfer.pinned(self._params))
 
     def _reset_step_state(self) -> None:
         """Step counters and the per-step bookkeeping of gradients, all empty."""

@@ -1,6 +1,10 @@
 """The sharding plan of OffloadAdamW: which slices of which parameters each rank owns.
 
-Pure bookkeeping over shapes and indices; no tensor is allocated or moved here.
+Pure bookkeeping over shapes and indices; no tensor is allocated or moved here. What the
+optimizer's placement rules read of a parameter is a :class:`ParamSpec` (shape, device type,
+dtype), so that a memory plan can ask them about parameters it never allocates
+(:func:`moestack.optim.offload.plan_offload`); torch AdamW's state is planned here too
+(:func:`adamw_state_bytes`).
 
 Every parameter is cut into *units*: one per expert for stacked expert tensors ``[E, ...]``
 (marked by name pattern or ``expert_params``), and one per tensor (or a few row blocks of a
@@ -18,9 +22,39 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 DEFAULT_EXPERT_PATTERN = r"(^|\.)w[12]$"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the optimizers' placement rules read of one parameter: its shape, device type,
+    dtype and whether it is contiguous. :meth:`of` describes a tensor; a memory plan
+    describes the parameters a run will have (built on the meta device, or not at all)."""
+
+    shape: tuple[int, ...]
+    device: str  # device type: "cpu", "cuda", ...
+    dtype: torch.dtype
+    contiguous: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @classmethod
+    def of(cls, p: Tensor) -> ParamSpec:
+        """The spec of tensor ``p``."""
+        return cls(tuple(p.shape), p.device.type, p.dtype, p.is_contiguous())
+
+
+def adamw_state_bytes(specs: Sequence[ParamSpec]) -> dict[str, int]:
+    """Bytes of torch AdamW's state over ``specs`` (its trained parameters), by role: the
+    moments ``exp_avg`` and ``exp_avg_sq`` in each parameter's dtype, and a float32 ``step``
+    scalar per tensor."""
+    moment = sum(s.numel * s.dtype.itemsize for s in specs)
+    return {"exp_avg": moment, "exp_avg_sq": moment, "step": 4 * len(specs)}
 
 
 @dataclass

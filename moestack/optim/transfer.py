@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moestack.optim.plan import Segment, ShardPlan
+from moestack.optim.plan import ParamSpec, Segment, ShardPlan
 
 # Elements per device-side dtype conversion between 16-bit device tensors and the fp32 host
 # buffers: the device holds one fp32 scratch of at most this size (64 MiB).
@@ -61,31 +61,57 @@ class HostBuffers:
         return out
 
 
-def alloc_host_buffers(
+Sizes = dict[str, tuple[int, torch.dtype]]  # buffer role -> (elements, dtype)
+
+
+def host_buffer_sizes(
     plan: ShardPlan,
     moment_dtype: torch.dtype,
     in_place: bool,
-    params: Sequence[Tensor],
     pack: bool = True,
     staging_dtype: torch.dtype | None = None,
     master_dtype: torch.dtype = torch.float32,
-) -> HostBuffers:
-    """Zeroed host buffers: moments; unless stepping in place, master weights (fp32, or the
-    int16 remainders of a split master, :mod:`moestack.optim.split_master`) and (with
-    ``pack``) the gradient and communication buffers; a weight staging buffer of
-    ``staging_dtype`` if given. Pinned when some parameter is on a CUDA device."""
-    pin = pinned(params)
+) -> Sizes:
+    """Elements and dtype of every host buffer of one rank, by the role
+    :meth:`HostBuffers.by_role` names it: the moments; unless stepping in place, the master
+    weights (fp32, or the int16 remainders of a split master,
+    :mod:`moestack.optim.split_master`) and (with ``pack``) the gradient and communication
+    buffers; a weight staging buffer of ``staging_dtype`` if given."""
     size = plan.host_size
-    exp_avg = torch.zeros(size, dtype=moment_dtype, pin_memory=pin)
-    exp_avg_sq = torch.zeros(size, dtype=moment_dtype, pin_memory=pin)
+    sizes = {"exp_avg": (size, moment_dtype), "exp_avg_sq": (size, moment_dtype)}
     if in_place:
-        return HostBuffers(exp_avg, exp_avg_sq, master=None, grad=None, comm=None)
-    master = torch.zeros(size, dtype=master_dtype, pin_memory=pin)
-    comm, grad = alloc_pack_buffers(plan, pin) if pack else (None, None)
-    staging = None
+        return sizes
+    sizes["master"] = (size, master_dtype)
+    if pack:
+        comm, grad = pack_buffer_sizes(plan)
+        sizes["grad_comm"] = (comm, torch.float32)
+        if grad is not None:
+            sizes["grad_shard"] = (grad, torch.float32)
     if staging_dtype is not None:
-        staging = torch.zeros(size, dtype=staging_dtype, pin_memory=pin)
-    return HostBuffers(exp_avg, exp_avg_sq, master=master, grad=grad, comm=comm, staging=staging)
+        sizes["weight_staging"] = (size, staging_dtype)
+    return sizes
+
+
+def pack_buffer_sizes(plan: ShardPlan) -> tuple[int, int | None]:
+    """Elements of the fp32 communication buffer (every shard's slot) and of this rank's
+    gradient shard (None when not sharded: the communication buffer is the shard)."""
+    if plan.num_shards > 1:
+        return plan.num_shards * plan.stride, plan.stride
+    return plan.total, None
+
+
+def alloc_host_buffers(sizes: Sizes, pin: bool) -> HostBuffers:
+    """Zeroed host buffers of :func:`host_buffer_sizes`, pinned if ``pin``."""
+    bufs = {role: torch.zeros(n, dtype=dtype, pin_memory=pin) for role, (n, dtype) in sizes.items()}
+    comm = bufs.get("grad_comm")
+    return HostBuffers(
+        bufs["exp_avg"],
+        bufs["exp_avg_sq"],
+        master=bufs.get("master"),
+        grad=bufs.get("grad_shard", comm),
+        comm=comm,
+        staging=bufs.get("weight_staging"),
+    )
 
 
 def pinned(params: Sequence[Tensor]) -> bool:
@@ -96,23 +122,25 @@ def pinned(params: Sequence[Tensor]) -> bool:
 def alloc_pack_buffers(plan: ShardPlan, pin: bool) -> tuple[Tensor, Tensor]:
     """The fp32 communication buffer (every shard's slot) and this rank's gradient shard
     (the same tensor when not sharded)."""
-    if plan.num_shards > 1:
-        return (
-            torch.zeros(plan.num_shards * plan.stride, dtype=torch.float32, pin_memory=pin),
-            torch.zeros(plan.stride, dtype=torch.float32, pin_memory=pin),
-        )
-    comm = torch.zeros(plan.total, dtype=torch.float32, pin_memory=pin)
-    return comm, comm
+    comm_size, grad_size = pack_buffer_sizes(plan)
+    comm = torch.zeros(comm_size, dtype=torch.float32, pin_memory=pin)
+    if grad_size is None:
+        return comm, comm
+    return comm, torch.zeros(grad_size, dtype=torch.float32, pin_memory=pin)
 
 
-def choose_in_place(requested: bool | None, params: Sequence[Tensor], distributed: bool) -> bool:
-    """Whether to step the parameters themselves, without a master copy (see OffloadAdamW's
-    ``in_place``): possible with fp32, contiguous CPU parameters and no distributed run."""
-    possible = (
-        not distributed
-        and {p.device.type for p in params} <= {"cpu"}
-        and all(p.dtype == torch.float32 and p.is_contiguous() for p in params)
+def in_place_possible(specs: Sequence[ParamSpec], distributed: bool) -> bool:
+    """Whether the parameters themselves can be stepped, without a master copy: fp32,
+    contiguous CPU parameters and no distributed run (host and device are one memory)."""
+    return not distributed and all(
+        s.device == "cpu" and s.dtype == torch.float32 and s.contiguous for s in specs
     )
+
+
+def choose_in_place(requested: bool | None, specs: Sequence[ParamSpec], distributed: bool) -> bool:
+    """Whether to step the parameters themselves, without a master copy (see OffloadAdamW's
+    ``in_place``): when :func:`in_place_possible`, unless ``requested`` is False."""
+    possible = in_place_possible(specs, distributed)
     if requested and not possible:
         raise ValueError(
             "in_place=True needs fp32, contiguous CPU parameters and no distributed run; "
@@ -187,10 +215,31 @@ def synchronize(side: torch.cuda.Stream | None) -> None:
         side.synchronize()
 
 
+def casts_on_device(device: str, dtype: torch.dtype, host_dtype: torch.dtype) -> bool:
+    """Whether a copy between a ``dtype`` tensor on a ``device`` device (its type) and a
+    ``host_dtype`` host buffer changes dtype on the device (through the scratch)."""
+    return device == "cuda" and dtype != host_dtype
+
+
+def scratch_elements(largest: int) -> int:
+    """Elements of a device's fp32 scratch, for its largest parameter of ``largest``."""
+    return min(largest, _XFER_CHUNK)
+
+
+def device_scratch_sizes(specs: Sequence[ParamSpec], copies: bool) -> dict[str, int]:
+    """Elements of the fp32 scratch each device type will hold (allocated at the first copy
+    that changes dtype there): where ``copies`` (gradients are packed to the host and
+    weights copied back) and some parameter there is not fp32, the fp32 host buffers' dtype."""
+    if not copies:
+        return {}
+    devices = {s.device for s in specs if casts_on_device(s.device, s.dtype, torch.float32)}
+    return {d: scratch_elements(max(s.numel for s in specs if s.device == d)) for d in devices}
+
+
 class DeviceScratch:
     """The fp32 device scratch, one per device, through which 16-bit tensors change dtype.
 
-    Allocated on first use, ``min(largest parameter on the device, _XFER_CHUNK)`` elements.
+    Allocated on first use, :func:`scratch_elements` of the largest parameter on the device.
     """
 
     def __init__(self, params: Sequence[Tensor]) -> None:
@@ -202,7 +251,7 @@ class DeviceScratch:
         buf = self.buffers.get(device)
         if buf is None:
             largest = max(p.numel() for p in self._params if p.device == device)
-            buf = torch.empty(min(largest, _XFER_CHUNK), dtype=torch.float32, device=device)
+            buf = torch.empty(scratch_elements(largest), dtype=torch.float32, device=device)
             self.buffers[device] = buf
         return buf
 
@@ -327,5 +376,5 @@ def _copy_skipping(
 
 
 def _cast_on_device(device_side: Tensor, host_side: Tensor) -> bool:
-    """Whether a copy between a device tensor and an fp32 host buffer changes dtype on a GPU."""
-    return device_side.is_cuda and device_side.dtype != host_side.dtype
+    """Whether a copy between a device tensor and a host buffer changes dtype on a GPU."""
+    return casts_on_device(device_side.device.type, device_side.dtype, host_side.dtype)
