@@ -32,7 +32,7 @@ from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_
 from moestack.metrics import MetricsWriter, format_summary, human_count
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
-from moestack.optim import apply_param_dtype, build_optimizer, clip_grad_norm
+from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
 from moestack.runs import check_out_dir, holding_run_dir, prepare_out_dir, run_corpus, write_json
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,8 @@ class Run:
     dist: distributed.DistInfo
     device: torch.device
     model: RoutedLM
-    forward_model: nn.Module  # the model, or its DDP wrapper
-    optimizer: torch.optim.Optimizer
+    forward_model: nn.Module  # the model, or its DDP wrapper (optimizer.forward_model)
+    optimizer: TrainingOptimizer  # the same methods at every layout (moestack.optim)
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: BatchLoader
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -104,12 +104,6 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.grad_accum * self.cfg.data.seq_len
-
-    @property
-    def adamw_ep(self) -> bool:
-        """torch AdamW with experts sharded: the loop itself averages and clips the gradients
-        and reshapes AdamW's state for checkpoints (OffloadAdamW's pair does its own)."""
-        return self.mesh is not None and self.cfg.optim.name == "adamw"
 
     @property
     def rows(self) -> slice:
@@ -169,7 +163,7 @@ def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str
     try:
         run = build_run(cfg, out_dir, dist_info)
         plan = (
-            memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table)
+            memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table, run.model)
             if dist_info.is_main
             else None
         )
@@ -228,7 +222,7 @@ def train_step(run: Run) -> StepResult:
         state.consecutive_bad += 1
         return StepResult(loss, aux, False, 0.0, out.metrics)
     state.consecutive_bad = 0
-    grad_norm = _reduce_and_clip(run)
+    grad_norm = run.optimizer.clip_grad_norm(cfg.optim.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -239,20 +233,6 @@ def train_step(run: Run) -> StepResult:
     return StepResult(loss, aux, True, grad_norm, out.metrics)
 
 
-def _reduce_and_clip(run: Run) -> float:
-    """Average the gradients where nobody else does (torch AdamW under expert parallelism;
-    otherwise DDP or OffloadAdamW did), then clip them to ``optim.grad_clip`` (0: off);
-    returns the norm before clipping (0 when off)."""
-    max_norm = run.cfg.optim.grad_clip
-    if run.adamw_ep:
-        parallel.average_gradients(run.model)
-    if max_norm <= 0:
-        return 0.0
-    if run.adamw_ep:
-        return parallel.clip_grad_norm(run.model, max_norm)
-    return clip_grad_norm(run.model, run.optimizer, max_norm)
-
-
 def forward_backward(run: Run, last: bool) -> Any:
     """Forward and backward of the next micro-batch; returns the model output.
 
@@ -261,7 +241,8 @@ def forward_backward(run: Run, last: bool) -> Any:
     """
     inputs, targets = run.loader.next()
     inputs, targets = inputs[run.rows].to(run.device), targets[run.rows].to(run.device)
-    with autocast_context(run.device), _accumulating(run.forward_model, run.optimizer, last):
+    accumulating = contextlib.nullcontext() if last else run.optimizer.no_sync()
+    with autocast_context(run.device), accumulating:
         out = run.forward_model(inputs, targets)
         (out.loss / run.cfg.grad_accum).backward()
     return out
@@ -407,18 +388,14 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
-    # offload_adamw reduces gradients itself; torch AdamW needs DDP to do it (or, with
-    # experts sharded, train_step's parallel.average_gradients).
-    ddp = dist_info.active and cfg.optim.name == "adamw" and mesh is None
-    forward_model = nn.parallel.DistributedDataParallel(model) if ddp else model
-    optimizer = build_optimizer(model, cfg.optim, mesh)
+    optimizer = build_training_optimizer(model, cfg.optim, dist_info.world_size, mesh)
     run = Run(
         cfg=cfg,
         out_dir=out_dir,
         dist=dist_info,
         device=device,
         model=model,
-        forward_model=forward_model,
+        forward_model=optimizer.forward_model,
         optimizer=optimizer,
         scheduler=_lr_scheduler(optimizer, cfg),
         loader=BatchLoader(corpus.train, cfg.batch_size, cfg.data.seq_len, cfg.seed),
@@ -484,7 +461,7 @@ def save(run: Run, step: int) -> None:
     routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
     holds."""
     state = {
-        "optimizer": _optimizer_state(run),  # collective for a sharded optimizer
+        "optimizer": run.optimizer.state_dict(),  # collective; the same at any layout
         "scheduler": run.scheduler.state_dict(),
         "data": run.loader.state_dict(),
         "rng": checkpoint.rng_state(),
@@ -501,13 +478,6 @@ def save(run: Run, step: int) -> None:
     if run.telemetry is not None:  # the trace on disk covers what the checkpoint covers
         run.telemetry.flush()
     distributed.barrier(run.dist)
-
-
-def _optimizer_state(run: Run) -> dict[str, Any]:
-    """The optimizer's state for a checkpoint, the same at any (dp, ep) layout."""
-    if run.adamw_ep:
-        return parallel.whole_adamw_state(run.optimizer, run.model)
-    return run.optimizer.state_dict()
 
 
 def _refuse_non_finite(run: Run, step: int, optimizer_state: dict[str, Any]) -> None:
@@ -532,10 +502,7 @@ def restore(run: Run, path: Path) -> None:
     built)."""
     state = checkpoint.load_train_state(path)
     run.scheduler.load_state_dict(state["scheduler"])
-    optimizer_state = state["optimizer"]
-    if run.adamw_ep:
-        optimizer_state = parallel.local_adamw_state(optimizer_state, run.optimizer, run.model)
-    run.optimizer.load_state_dict(optimizer_state)
+    run.optimizer.load_state_dict(state["optimizer"])  # saved at any layout
     run.loader.load_state_dict(state["data"])
     checkpoint.set_rng_state(state["rng"])
     run.state.load_state_dict(state.get("train", {"bad_steps": state.get("bad_steps", 0)}))
@@ -587,19 +554,6 @@ def _attach_telemetry(cfg: TrainConfig, model: RoutedLM, out_dir: Path, start_st
 def _paused(telemetry: Any) -> contextlib.AbstractContextManager:
     """Evaluation batches are not training traffic: keep them out of the trace."""
     return telemetry.paused() if telemetry is not None else contextlib.nullcontext()
-
-
-def _accumulating(
-    model: nn.Module, optimizer: torch.optim.Optimizer, last: bool
-) -> contextlib.AbstractContextManager:
-    """On all but the last micro-batch of a step, gradients only accumulate on the device:
-    DDP skips its all-reduce and OffloadAdamW its copies to the host (their ``no_sync``)."""
-    stack = contextlib.ExitStack()
-    if not last:
-        for owner in (model, optimizer):
-            if hasattr(owner, "no_sync"):
-                stack.enter_context(owner.no_sync())
-    return stack
 
 
 def _progress_bar(cfg: TrainConfig, start_step: int) -> Any:

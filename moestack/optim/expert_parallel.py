@@ -1,12 +1,20 @@
-"""OffloadAdamW under expert parallelism: one optimizer to the loop, two inside.
+"""The optimizers of an expert-parallel run: torch AdamW's and OffloadAdamW's, each one
+:class:`~moestack.optim.container.TrainingOptimizer` to the loop.
 
 Replicated parameters (attention, embeddings, routers, norms) are shared by all ranks, so
-their OffloadAdamW averages gradients and shards its host state over the whole world; each
-rank's experts are shared only by the ranks holding the same experts (the expert
-data-parallel group), so theirs works over that group, and a rank keeps host state only for
-its own experts' shard. The pair saves and loads one state in OffloadAdamW's own format
-(name-keyed, experts one by one, with global expert ids), so a checkpoint written at any
-``(dp, ep)`` layout loads at any other, and into a plain OffloadAdamW.
+their gradients are averaged over the whole world; each rank's experts are shared only by the
+ranks holding the same experts (the expert data-parallel group), so theirs are averaged over
+that group. The global gradient norm counts each expert once. Both save one state in the
+layout-free format of their optimizer, so a checkpoint written at any ``(dp, ep)`` layout
+loads at any other, and into the same optimizer on one process:
+
+- :class:`ExpertParallelAdamW`: one torch AdamW over this rank's parameters (its own experts
+  only); it averages the gradients itself (``parallel.average_gradients``) and saves AdamW's
+  state with every expert tensor's moments whole, as one process would.
+- :class:`ExpertParallelOffload`: two OffloadAdamW, the replicated parameters' over the world
+  and the experts' over their group, so a rank keeps host state only for its own experts'
+  shard; it saves OffloadAdamW's own format (name-keyed, experts one by one, with global
+  expert ids).
 """
 
 from __future__ import annotations
@@ -20,15 +28,76 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moestack import parallel
 from moestack.optim import state_format
+from moestack.optim.container import SingleOptimizer, TrainingOptimizer
 from moestack.optim.offload import OffloadAdamW
 from moestack.parallel import ExpertParallelMesh, expert_blocks
 
 _EXPERT_KEY = re.compile(r"^(?P<name>.+)/expert(?P<e>\d+)$")
 
 
-class ExpertParallelOffload(torch.optim.Optimizer):
-    """Two OffloadAdamW behind the ``torch.optim.Optimizer`` interface the loop uses.
+class ExpertParallelAdamW(SingleOptimizer):
+    """torch AdamW over this rank's parameters under expert parallelism.
+
+    The gradients are averaged once between two ``zero_grad`` calls, at the first
+    ``clip_grad_norm`` or ``step``: backward exchanges none (so ``no_sync`` has nothing to
+    skip). ``state_dict`` is AdamW's with whole expert tensors (collective over the EP
+    group); ``load_state_dict`` takes such a state, saved at any layout.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        super().__init__(optimizer, model)
+        self._averaged = False  # the gradients since the last zero_grad are averaged
+
+    def _average_gradients(self) -> None:
+        if not self._averaged:
+            parallel.average_gradients(self.model)
+            self._averaged = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self._average_gradients()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._averaged = False
+
+    def _clip(self, max_norm: float) -> float:
+        self._average_gradients()
+        return parallel.clip_grad_norm(self.model, max_norm)
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state with every expert tensor's moments gathered whole (collective), as
+        a single process would save it."""
+        return self._map_expert_state(
+            super().state_dict(), lambda t, block: parallel.gather_rows(t, block.mesh)
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole AdamW state (saved at any layout), cut to this rank's experts."""
+        local = self._map_expert_state(state_dict, lambda t, block: t[block.lo : block.hi].clone())
+        super().load_state_dict(local)
+
+    def _map_expert_state(
+        self, state: dict[str, Any], fn: Callable[[Tensor, parallel.ExpertBlock], Tensor]
+    ) -> dict[str, Any]:
+        """``state`` with ``fn(tensor, block)`` applied to the moments of expert parameters
+        (torch keys its state by a parameter's position in ``param_groups``)."""
+        where = {id(b.param): b for b in expert_blocks(self.model)}
+        position = [id(p) for g in self.param_groups for p in g["params"]]
+        out = {"param_groups": state["param_groups"], "state": dict(state["state"])}
+        for idx, entry in state["state"].items():
+            block = where.get(position[int(idx)])
+            if block is not None:
+                out["state"][idx] = {
+                    k: v if k == "step" else fn(v, block) for k, v in entry.items()
+                }
+        return out
+
+
+class ExpertParallelOffload(TrainingOptimizer):
+    """Two OffloadAdamW behind the one interface the loop uses.
 
     ``param_groups`` are the replicated optimizer's (the LR scheduler sets them; each step
     copies their hyper-parameters to the experts' groups, so both always agree).
@@ -51,6 +120,7 @@ class ExpertParallelOffload(torch.optim.Optimizer):
         self.group_of_expert_group = [i for i, g in enumerate(expert_groups) if g["params"]]
         expert_groups = [expert_groups[i] for i in self.group_of_expert_group]
         self.experts = make(expert_groups, mesh.expert_dp_group) if expert_groups else None
+        self.forward_model = model
         self.defaults = self.replicated.defaults
         self.state: dict[Any, Any] = {}
 
@@ -89,16 +159,17 @@ class ExpertParallelOffload(torch.optim.Optimizer):
         on every rank) and the experts' norms summed over the EP group."""
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type={norm_type} is not supported; OffloadAdamW clips 2-norms")
-        squares = torch.zeros(2, dtype=torch.float64)
-        squares[0] = float(self.replicated.grad_norm()) ** 2
-        if self.experts is not None:
-            squares[1] = float(self.experts.grad_norm()) ** 2
-        dist.all_reduce(squares[1:], group=self.mesh.ep_group)
-        total = squares.sum().sqrt().to(torch.float32)
+        replicated = float(self.replicated.grad_norm()) ** 2
+        own = float(self.experts.grad_norm()) ** 2 if self.experts is not None else 0.0
+        squares = torch.tensor([replicated, own], dtype=torch.float64)
+        total = parallel.global_grad_norm(squares, self.mesh).to(torch.float32)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for part in self._parts:
             part.scale_grads(coef)
         return total
+
+    def _clip(self, max_norm: float) -> float:
+        return float(self.clip_grad_norm_(max_norm))
 
     # ------------------------------------------------------------------------ checkpoint
 

@@ -1,16 +1,23 @@
-"""Build the configured optimizer for a model, and clip gradients the way it needs."""
+"""Build the configured optimizer for a model: one optimizer over its parameters
+(``build_optimizer``), or the one the training loop holds at its parallel layout
+(``build_training_optimizer``)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from moestack.optim.expert_parallel import ExpertParallelOffload
+from moestack.optim.container import LocalOptimizer, TrainingOptimizer
+from moestack.optim.expert_parallel import ExpertParallelAdamW, ExpertParallelOffload
 from moestack.optim.offload import OffloadAdamW
 
 log = logging.getLogger(__name__)
+
+# builds an optimizer over param groups, averaging over a process group (None: the default)
+Maker = Callable[..., torch.optim.Optimizer]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -26,30 +33,44 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Any, mesh: Any = None) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     """The optimizer ``cfg`` (a ``moestack.config.OptimConfig``) names, over ``model``.
 
     ``"adamw"`` is ``torch.optim.AdamW`` (fused on the CPU when torch supports it);
-    ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings. With
-    ``offload_adamw`` under ``torch.distributed``, do not wrap the model in DDP. Under
-    expert parallelism (``mesh``, a ``moestack.parallel.ExpertParallelMesh``; the model's
-    experts already sharded) ``offload_adamw`` is a pair that keeps each rank's experts'
-    state over their own group (:class:`ExpertParallelOffload`).
+    ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings (under
+    ``torch.distributed`` it averages the gradients itself: do not wrap the model in DDP).
     """
+    return _maker(cfg)(param_groups(model, float(cfg.weight_decay)))
+
+
+def build_training_optimizer(
+    model: torch.nn.Module, cfg: Any, world_size: int = 1, mesh: Any = None
+) -> TrainingOptimizer:
+    """The optimizer a training loop holds for ``model`` (its trainable parameters; with
+    ``mesh``, a ``moestack.parallel.ExpertParallelMesh``, its experts already sharded) over
+    ``world_size`` ranks: the one place that knows which optimizer does what at which layout
+    (:mod:`moestack.optim.container`).
+
+    Without expert parallelism, one optimizer over the model: torch AdamW behind DDP on
+    several ranks, OffloadAdamW averaging its own gradients. Under expert parallelism,
+    :class:`ExpertParallelAdamW` or the OffloadAdamW pair :class:`ExpertParallelOffload`.
+    """
+    make = _maker(cfg)
     groups = param_groups(model, float(cfg.weight_decay))
+    if mesh is None:
+        optimizer = make(groups)
+        reduces_itself = isinstance(optimizer, OffloadAdamW)  # DDP would average it twice
+        return LocalOptimizer(optimizer, model, ddp=world_size > 1 and not reduces_itself)
+    if cfg.name == "offload_adamw":
+        return ExpertParallelOffload(groups, model, mesh, make)
+    return ExpertParallelAdamW(make(groups), model)
+
+
+def _maker(cfg: Any) -> Maker:
+    """``make(groups, process_group=None)`` for the optimizer ``cfg`` names."""
     kw = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
     if cfg.name == "adamw":
-        devices = {p.device.type for g in groups for _, p in g["params"]}
-        fused = devices <= {"cpu", "cuda"} and all(
-            p.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            for g in groups
-            for _, p in g["params"]
-        )
-        try:
-            return torch.optim.AdamW(groups, fused=fused, **kw)
-        except (RuntimeError, ValueError) as err:  # pragma: no cover - old torch/odd device
-            log.warning("fused AdamW unavailable (%s); using the default implementation", err)
-            return torch.optim.AdamW(groups, **kw)
+        return lambda groups, process_group=None: _adamw(groups, kw)
     if cfg.name == "offload_adamw":
 
         def make(groups: list[dict[str, Any]], process_group: Any = None) -> OffloadAdamW:
@@ -65,8 +86,21 @@ def build_optimizer(model: torch.nn.Module, cfg: Any, mesh: Any = None) -> torch
                 **kw,
             )
 
-        return make(groups) if mesh is None else ExpertParallelOffload(groups, model, mesh, make)
+        return make
     raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")
+
+
+def _adamw(groups: list[dict[str, Any]], kw: dict[str, Any]) -> torch.optim.AdamW:
+    """torch AdamW, fused where every parameter allows it (CPU/CUDA, float dtypes)."""
+    params = [p for g in groups for _, p in g["params"]]
+    fused = {p.device.type for p in params} <= {"cpu", "cuda"} and all(
+        p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params
+    )
+    try:
+        return torch.optim.AdamW(groups, fused=fused, **kw)
+    except (RuntimeError, ValueError) as err:  # pragma: no cover - old torch/odd device
+        log.warning("fused AdamW unavailable (%s); using the default implementation", err)
+        return torch.optim.AdamW(groups, **kw)
 
 
 def device_param_dtype(cfg: Any, device: torch.device) -> torch.dtype:
@@ -100,18 +134,3 @@ def apply_param_dtype(model: torch.nn.Module, cfg: Any, device: torch.device) ->
         for p in model.parameters():
             p.data = p.data.to(dtype)
     return dtype
-
-
-def clip_grad_norm(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
-) -> float:
-    """Clip gradients to a global 2-norm; the optimizer's own clip when it has one.
-
-    Returns the norm before clipping. With :class:`OffloadAdamW` the norm is taken over the
-    reduced gradients of all ranks; otherwise it is ``torch.nn.utils.clip_grad_norm_``.
-    """
-    own = getattr(optimizer, "clip_grad_norm_", None)
-    if callable(own):
-        return float(own(max_norm))
-    params = [p for p in model.parameters() if p.grad is not None]
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))

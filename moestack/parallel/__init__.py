@@ -11,20 +11,21 @@ from moestack.parallel.dispatch import (
 from moestack.parallel.mesh import ExpertParallelMesh, build_mesh, check_layout
 from moestack.parallel.metrics import exchange_metrics
 from moestack.parallel.shard import (
+    ExpertBlock,
     average_gradients,
     clip_grad_norm,
     expert_blocks,
     expert_parallel,
     expert_params,
     gather_rows,
-    local_adamw_state,
+    global_grad_norm,
     shard_experts,
-    whole_adamw_state,
     whole_experts,
 )
 
 __all__ = [
     "ExchangeStats",
+    "ExpertBlock",
     "ExpertParallelExperts",
     "ExpertParallelMesh",
     "ExpertShard",
@@ -38,8 +39,7 @@ __all__ = [
     "expert_parallel_experts",
     "expert_params",
     "gather_rows",
-    "local_adamw_state",
+    "global_grad_norm",
     "shard_experts",
-    "whole_adamw_state",
     "whole_experts",
 ]

@@ -1,10 +1,9 @@
 """Expert parallelism applied to a model: shard its experts, average and clip its gradients,
-and see its weights and optimizer state whole for a checkpoint.
+and see its weights whole for a checkpoint.
 
 Checkpoints never depend on the layout: weights are saved whole (every expert, keyed by
-parameter name) and torch AdamW's state with whole expert tensors, so a run saved at any
-``(dp, ep)`` resumes at any other. OffloadAdamW's own format is keyed per expert already
-(``moestack.optim.expert_parallel`` merges the EP ranks' parts).
+parameter name), and the optimizers of an expert-parallel run save their state whole too
+(``moestack.optim.expert_parallel``), so a run saved at any ``(dp, ep)`` resumes at any other.
 """
 
 from __future__ import annotations
@@ -104,10 +103,10 @@ def _mesh_of(model: nn.Module) -> ExpertParallelMesh:
 
 @torch.no_grad()
 def average_gradients(model: nn.Module) -> None:
-    """Average gradients over the ranks that share each parameter (for torch AdamW; the
-    OffloadAdamW pair reduces its own): replicated parameters over all ranks, experts over
-    their expert data-parallel group. A parameter that got no gradient on a rank (an expert
-    that received no tokens) takes part with zeros."""
+    """Average gradients over the ranks that share each parameter (torch AdamW's optimizer
+    under EP calls it; the OffloadAdamW pair reduces its own): replicated parameters over
+    all ranks, experts over their expert data-parallel group. A parameter that got no
+    gradient on a rank (an expert that received no tokens) takes part with zeros."""
     mesh = _mesh_of(model)
     experts = expert_params(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -144,12 +143,20 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     rep = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     own = [p.grad for p in model.parameters() if p.grad is not None and id(p) in experts]
     sq = torch.stack([_sum_of_squares(rep), _sum_of_squares(own)])  # one host sync
-    dist.all_reduce(sq[1:], group=mesh.ep_group)  # each EP rank holds other experts
-    total = float(sq.sum().sqrt())
+    total = float(global_grad_norm(sq, mesh))
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         torch._foreach_mul_(grads, coef)
     return total
+
+
+def global_grad_norm(squares: torch.Tensor, mesh: ExpertParallelMesh) -> torch.Tensor:
+    """The global gradient 2-norm from this rank's squared norms ``squares = [replicated,
+    experts]`` (float64): the replicated parameters' are equal on every rank, so counted
+    once; the experts' are summed over the EP group, whose ranks hold different experts
+    (collective over the EP group; ``squares[1]`` is summed in place)."""
+    dist.all_reduce(squares[1:], group=mesh.ep_group)
+    return squares.sum().sqrt()
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -179,33 +186,3 @@ def gather_rows(local: torch.Tensor, mesh: ExpertParallelMesh) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(mesh.ep)]
     dist.all_gather(parts, local.contiguous(), group=mesh.ep_group)
     return torch.cat(parts)
-
-
-def whole_adamw_state(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
-    """torch AdamW's ``state_dict()`` with every expert tensor's moments gathered whole
-    (collective), as a single process would save it."""
-    state = optimizer.state_dict()
-    return _map_expert_state(state, optimizer, model, lambda t, mesh, lo, hi: gather_rows(t, mesh))
-
-
-def local_adamw_state(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module
-) -> dict[str, Any]:
-    """A whole AdamW state (saved at any layout) cut to this rank's experts, for
-    ``optimizer.load_state_dict``."""
-    return _map_expert_state(state, optimizer, model, lambda t, mesh, lo, hi: t[lo:hi].clone())
-
-
-def _map_expert_state(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module, fn: Any
-) -> dict[str, Any]:
-    """``state`` with ``fn(tensor, mesh, lo, hi)`` applied to the moments of expert
-    parameters (torch keys its state by a parameter's position in ``optimizer.param_groups``)."""
-    where = {id(b.param): (b.mesh, b.lo, b.hi) for b in expert_blocks(model)}
-    position = [id(p) for g in optimizer.param_groups for p in g["params"]]
-    out = {"param_groups": state["param_groups"], "state": dict(state["state"])}
-    for idx, entry in state["state"].items():
-        owner = where.get(position[int(idx)])
-        if owner is not None:
-            out["state"][idx] = {k: v if k == "step" else fn(v, *owner) for k, v in entry.items()}
-    return out

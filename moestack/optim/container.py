@@ -1,0 +1,125 @@
+"""The optimizer a training loop holds, whatever the parallel layout.
+
+One process, data parallel or expert parallel, torch AdamW or OffloadAdamW: the loop calls the
+same methods (``moestack.optim.build_training_optimizer`` picks the implementation):
+
+- ``forward_model``: the module to run forward and backward through (the model, or its DDP
+  wrapper where DDP averages the gradients in backward);
+- ``no_sync()``: a context for every accumulation micro-batch but the last, inside which
+  backward starts no gradient exchange (nor copy to the host);
+- ``clip_grad_norm(max_norm) -> float``: the global gradient norm before clipping, over all
+  ranks with each parameter counted once (0 when ``max_norm <= 0``: clipping off);
+- ``step()`` and ``zero_grad()``: gradients are averaged over the ranks that share each
+  parameter before the update, by whichever part does it at this layout;
+- ``state_dict()`` / ``load_state_dict()``: one checkpoint format at every ``(dp, ep)``
+  layout (collective under ``torch.distributed``: call them on every rank), so a run saved at
+  one layout resumes at any other.
+
+It is a ``torch.optim.Optimizer`` so that LR schedulers drive it: ``param_groups`` are the
+groups the schedule sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class TrainingOptimizer(torch.optim.Optimizer):
+    """The interface above; subclasses hold the optimizer(s) that do the work.
+
+    ``torch.optim.Optimizer.__init__`` is not called: the parameters belong to the inner
+    optimizers, whose groups, state and defaults a subclass exposes.
+    """
+
+    forward_model: nn.Module
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward inside exchanges no gradients (accumulation); nothing to skip here."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients to the global 2-norm ``max_norm``; return the norm before
+        clipping, or 0 without measuring it when ``max_norm <= 0`` (clipping off)."""
+        if max_norm <= 0:
+            return 0.0
+        return self._clip(max_norm)
+
+    def _clip(self, max_norm: float) -> float:
+        raise NotImplementedError
+
+
+class SingleOptimizer(TrainingOptimizer):
+    """One inner optimizer over this rank's parameters, whose groups, state and defaults
+    are this one's; subclasses add what the layout needs."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.optimizer = optimizer
+        self.model = model
+        self.forward_model = model
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+class LocalOptimizer(SingleOptimizer):
+    """One optimizer over the whole model: on one process; OffloadAdamW on any number of
+    ranks (it averages the gradients itself); torch AdamW under data parallelism, behind
+    DDP (``ddp=True``), which averages the gradients in backward."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, ddp: bool) -> None:
+        super().__init__(optimizer, model)
+        self.ddp = nn.parallel.DistributedDataParallel(model) if ddp else None
+        if self.ddp is not None:
+            self.forward_model = self.ddp
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """DDP's all-reduce or OffloadAdamW's copies to the host wait for the last
+        micro-batch."""
+        for owner in (self.ddp, self.optimizer):
+            if owner is not None and hasattr(owner, "no_sync"):
+                return owner.no_sync()
+        return contextlib.nullcontext()
+
+    def _clip(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, self.optimizer, max_norm)
+
+
+def clip_grad_norm(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+) -> float:
+    """Clip gradients to a global 2-norm; the optimizer's own clip when it has one.
+
+    Returns the norm before clipping. With :class:`OffloadAdamW` the norm is taken over the
+    reduced gradients of all ranks; otherwise it is ``torch.nn.utils.clip_grad_norm_``.
+    """
+    own = getattr(optimizer, "clip_grad_norm_", None)
+    if callable(own):
+        return float(own(max_norm))
+    params = [p for p in model.parameters() if p.grad is not None]
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
