@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from moestack.config import HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
-from moestack.optim.factory import device_param_dtype, param_groups
+from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
 from moestack.optim.update import parse_moment_dtype
@@ -196,7 +196,7 @@ def _adamw_lines(
         plan.lines.append(
             Line("device", "gradient all-reduce buffer", numel * size, f"{_mib(numel)} x {size} B")
         )
-    elif plan.ranks > 1:
+    elif uses_ddp("adamw", plan.ranks, expert_parallel=False):
         plan.lines.append(
             Line("device", "DDP gradient buckets", numel * size, f"{_mib(numel)} x {size} B")
         )

@@ -43,6 +43,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     return _maker(cfg)(param_groups(model, float(cfg.weight_decay)))
 
 
+def uses_ddp(name: str, world_size: int, expert_parallel: bool) -> bool:
+    """Whether the optimizer ``name`` trains behind DDP at this layout: torch AdamW on
+    several ranks without expert parallelism (OffloadAdamW averages its own gradients, and
+    under expert parallelism the expert-parallel optimizers do)."""
+    return name == "adamw" and world_size > 1 and not expert_parallel
+
+
 def build_training_optimizer(
     model: torch.nn.Module, cfg: Any, world_size: int = 1, mesh: Any = None
 ) -> TrainingOptimizer:
@@ -58,9 +65,8 @@ def build_training_optimizer(
     make = _maker(cfg)
     groups = param_groups(model, float(cfg.weight_decay))
     if mesh is None:
-        optimizer = make(groups)
-        reduces_itself = isinstance(optimizer, OffloadAdamW)  # DDP would average it twice
-        return LocalOptimizer(optimizer, model, ddp=world_size > 1 and not reduces_itself)
+        ddp = uses_ddp(cfg.name, world_size, expert_parallel=False)
+        return LocalOptimizer(make(groups), model, ddp=ddp)
     if cfg.name == "offload_adamw":
         return ExpertParallelOffload(groups, model, mesh, make)
     return ExpertParallelAdamW(make(groups), model)
