@@ -186,7 +186,9 @@ def _text_codec(model_cfg: Any) -> Codec:
     models, the folder's tokenizer for transformers models. The decoded text is valid
     Unicode (no lone surrogates), so it prints as text; a prompt that encodes to no token
     is refused."""
-    if model_cfg.path:
+    from moestack.interop.hf_model import HFModelConfig
+
+    if isinstance(model_cfg, HFModelConfig):
         from moestack.interop.hf_tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_cfg.path)
