@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,16 @@ def all_reduce_mean(value: float, info: DistInfo, device: torch.device) -> float
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / info.world_size
+
+
+def gather_objects(value: Any, info: DistInfo) -> list[Any]:
+    """``value`` of every rank, in rank order (picklable values; a world of one: [value]).
+    Object collectives go through gloo even beside NCCL (the "cpu" backend of the group)."""
+    if not info.active:
+        return [value]
+    values: list[Any] = [None] * info.world_size
+    dist.all_gather_object(values, value)
+    return values
 
 
 def barrier(info: DistInfo) -> None:

@@ -325,6 +325,27 @@ def check_resume_config(cfg: TrainConfig, out_dir: Path) -> None:
         )
 
 
+def check_same_config_on_every_rank(cfg: TrainConfig, dist_info: distributed.DistInfo) -> None:
+    """Refuse, on every rank at once, ranks started with different configs (a different
+    ``optim.lr`` trains on silently; different shapes end in a collective's abort): the
+    first collective of a run compares every rank's resolved config with rank 0's."""
+    configs = distributed.gather_objects(_flat(dataclasses.asdict(cfg)), dist_info)
+    differ = {
+        rank: sorted(k for k in set(mine) | set(configs[0]) if mine.get(k) != configs[0].get(k))
+        for rank, mine in enumerate(configs)
+    }
+    differ = {rank: keys for rank, keys in differ.items() if keys}
+    if differ:
+        rank, keys = next(iter(differ.items()))
+        shown = "; ".join(
+            f"{k} {configs[0].get(k)!r} on rank 0, {configs[rank].get(k)!r}" for k in keys[:3]
+        )
+        raise MoestackError(
+            f"ranks {sorted(differ)} started with another config than rank 0 ({shown} on "
+            f"rank {rank}); start every rank with the same command line"
+        )
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in tree.items():

@@ -33,7 +33,14 @@ from moestack.metrics import MetricsWriter, format_summary, human_count
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
-from moestack.runs import check_out_dir, holding_run_dir, prepare_out_dir, run_corpus, write_json
+from moestack.runs import (
+    check_out_dir,
+    check_same_config_on_every_rank,
+    holding_run_dir,
+    prepare_out_dir,
+    run_corpus,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +168,7 @@ def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str
     ``plan_table=False`` logs the memory plan's totals only (a sweep's later jobs)."""
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
+        check_same_config_on_every_rank(cfg, dist_info)  # before any other collective
         run = build_run(cfg, out_dir, dist_info)
         plan = (
             memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table, run.model)

@@ -162,11 +162,16 @@ def _measure(
     return out
 
 
+# How long one collective (and the set-up, which waits for every rank to start) may wait for
+# the other ranks: a deadlock fails instead of hanging the benchmark.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
 def _worker(rank: int, world: int, init: str, cfgs: dict, args: Any, out: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group(
         "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=300),
+        timeout=COLLECTIVE_TIMEOUT,
     )  # fmt: skip
     info = distributed.DistInfo(rank=rank, world_size=world, local_rank=rank)
     try:

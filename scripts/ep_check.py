@@ -40,7 +40,10 @@ from moestack import MoE, MoEConfig, RouterConfig
 from moestack.parallel import average_gradients, build_mesh, shard_experts
 
 ATOL, RTOL = 1e-5, 1e-4  # fp32; the reference differs only in summation order
-TIMEOUT = datetime.timedelta(seconds=60)  # a deadlock fails the phase instead of hanging it
+# How long one collective (and the process-group set-up, which waits for every rank to start)
+# may wait for the other ranks: a deadlock fails instead of hanging, and gloo ranks starting
+# on a loaded 2-core machine have time to arrive (on GPUs gpu_check.sh caps the whole phase).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def case_specs(world: int) -> dict[str, dict[str, Any]]:
@@ -138,7 +141,11 @@ def _worker(rank: int, world: int, backend: str, init: str, impls: list[str], ou
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides
     dist.init_process_group(
-        backend, init_method=f"file://{init}", rank=rank, world_size=world, timeout=TIMEOUT
+        backend,
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
     )
     try:
         rows = []

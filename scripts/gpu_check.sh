@@ -188,7 +188,7 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA d
 import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__); \
 import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")))'"
 MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
-    tests/kernels/test_kernels_gpu.py tests/test_no_host_sync_gpu.py
+    tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py
 # Autotunes on first use, checks every contender against the torch path, saves the checked
 # winners into the table after every shape.
 phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
@@ -224,7 +224,7 @@ elif selected bench_memory optional; then
 fi
 phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
-    tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/test_moe.py
+    tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/model/test_moe.py
 # Issue 16: the expert-parallel layer over NCCL, one process per GPU, against one process
 # (outputs and gradients, torch and triton experts); with fewer than 2 GPUs it writes and
 # prints that it skipped, and why.

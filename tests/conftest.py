@@ -15,11 +15,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
-# Token ids cached by the tests stay out of the user's cache (subprocesses inherit it too);
-# a test that checks the cache points it elsewhere itself.
-_TOKEN_CACHE = tempfile.mkdtemp(prefix="moestack-test-tokens-")
-atexit.register(shutil.rmtree, _TOKEN_CACHE, True)
-os.environ.setdefault("MOESTACK_DATA_CACHE", _TOKEN_CACHE)
+# Caches the tests write stay out of the user's own, which other checkouts and runs share
+# (subprocesses inherit these too): token ids, and Triton's compiled kernels, so that a
+# test's cost does not depend on what another run compiled before it. A test that checks a
+# cache points it elsewhere itself.
+for _var, _prefix in (("MOESTACK_DATA_CACHE", "tokens"), ("TRITON_CACHE_DIR", "triton")):
+    if not os.environ.get(_var):
+        _folder = tempfile.mkdtemp(prefix=f"moestack-test-{_prefix}-")
+        atexit.register(shutil.rmtree, _folder, True)
+        os.environ[_var] = _folder
 
 
 class FaultReport:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import safetensors
 import torch
-from _cache_testlib import tiny_model
+from helpers.cache import tiny_model
 
 from moestack.cache import ExpertCache, ExpertStore
 from moestack.telemetry import RoutingTrace, simulate

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _cache_testlib import batches, tiny_model
+from helpers.cache import batches, tiny_model
 
 from moestack.cache import (
     ExpertCache,

@@ -10,7 +10,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from _cache_testlib import tiny_cfg, tiny_model
+from helpers.cache import tiny_cfg, tiny_model
 
 from moestack.cache import ExpertStore, open_or_write_store
 from moestack.cache import store as store_mod

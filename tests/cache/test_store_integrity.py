@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _cache_testlib import tiny_cfg, tiny_model
+from helpers.cache import tiny_cfg, tiny_model
 
 from moestack.cache import ExpertStore, open_or_write_store
 from moestack.cache import store as store_mod

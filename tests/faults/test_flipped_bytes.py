@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.faults import CLEAR, load_trace, same, verify_lock
 
 from moestack import checkpoint
 from moestack.cache import ExpertStore
-from moestack.errors import MoestackError
 from moestack.model import MoETransformer
 
 pytestmark = pytest.mark.faults
 
 FLIPS = 40  # per kind of file
-CLEAR = (MoestackError, ValueError)  # TraceFormatError is a ValueError
 
 
 def flip_bit(path: Path, rng: random.Random) -> None:
@@ -43,16 +42,6 @@ def outcome(load: Callable[[Path], object], pristine: object, copy: Path) -> str
     return "harmless" if same(loaded, pristine) else "silent"
 
 
-def same(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
-    return a == b
-
-
 def run_flips(tmp: Path, source: Path, target: str, load, fault_report, kind: str) -> dict:
     pristine = load(source)
     counts = {"refused": 0, "harmless": 0, "silent": 0, "crashed": 0}
@@ -69,7 +58,7 @@ def run_flips(tmp: Path, source: Path, target: str, load, fault_report, kind: st
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from test_train import small_config
+    from helpers.runs import small_config
 
     root = tmp_path_factory.mktemp("saved")
     cfg = small_config()
@@ -121,7 +110,7 @@ def test_flipped_expert_store_bytes_never_load_silently(saved, tmp_path, layout,
 
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory):
-    from test_train import small_config
+    from helpers.runs import small_config
 
     from moestack.telemetry import attach
 
@@ -133,13 +122,6 @@ def trace_dir(tmp_path_factory):
             model(torch.randint(0, 256, (2, 32)))
             tel.flush()  # three chunks
     return path
-
-
-def load_trace(path: Path) -> object:
-    from moestack.telemetry import RoutingTrace
-
-    trace = RoutingTrace.load(path)
-    return [torch.from_numpy(trace.accesses(layer)) for layer in range(trace.num_layers)]
 
 
 @pytest.mark.parametrize("target", ["header.json", "chunk"])
@@ -155,7 +137,7 @@ def test_flipped_trace_bytes_never_load_silently(trace_dir, tmp_path, target, fa
 
 @pytest.fixture(scope="module")
 def locked_study(tmp_path_factory):
-    from test_prereg import study, write
+    from helpers.prereg import study, write
 
     from moestack import prereg
 
@@ -164,13 +146,6 @@ def locked_study(tmp_path_factory):
     prereg.lock(path)
     prereg.lock(path, amend="a changed threshold, for the chain to have two records")
     return path
-
-
-def verify_lock(folder: Path) -> object:
-    from moestack import prereg
-
-    record = prereg.verify(next(folder.glob("*.yaml")))
-    return {k: record[k] for k in ("sha256", "study_sha256", "head", "history")}
 
 
 def test_flipped_prereg_lock_bytes_never_verify_silently(locked_study, tmp_path, fault_report):

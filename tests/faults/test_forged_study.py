@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_prereg import micro_study, write
+from helpers.prereg import micro_study, write
 
 from moestack import prereg
 from moestack.errors import MoestackError
@@ -102,7 +102,9 @@ def test_the_untouched_study_analyses(study: tuple[Path, Path]) -> None:
     assert "- Recheck: 3 cached evaluation(s), picked at random" in report.read_text()
 
 
-def test_edited_metric_without_its_digest_is_refused(study: tuple[Path, Path]) -> None:
+def test_edited_metric_without_its_digest_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
     path, out = study
     cache = run_dir(out, "a-s0") / prereg.EVAL_FILE
     record = read(cache)
@@ -111,10 +113,12 @@ def test_edited_metric_without_its_digest_is_refused(study: tuple[Path, Path]) -
     for line in refused(path, out):
         assert line.startswith(f"{cache} was edited after it was written")
         assert "eval_sha256" in line and "delete it" in line
+    fault_report.add("prereg study: edited cached metric", injected=1, refused=1)
 
 
 def test_edited_metric_with_a_recomputed_digest_is_caught_by_the_recheck(
     study: tuple[Path, Path],
+    fault_report,
 ) -> None:
     path, out = study
     cache = run_dir(out, "a-s0") / prereg.EVAL_FILE
@@ -132,6 +136,7 @@ def test_edited_metric_with_a_recomputed_digest_is_caught_by_the_recheck(
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"{cache}: perplexity is {true * 0.9!r}")
     assert f"{true!r} evaluated again" in line and "were edited" in line
+    fault_report.add("prereg study: edited cached metric, digest recomputed", injected=1, refused=1)
 
 
 @pytest.mark.parametrize(
@@ -143,7 +148,9 @@ def test_edited_metric_with_a_recomputed_digest_is_caught_by_the_recheck(
         lambda m: m.update(extra=0.5),
     ],
 )
-def test_resealed_cache_with_malformed_metrics_is_refused(study: tuple[Path, Path], forge) -> None:
+def test_resealed_cache_with_malformed_metrics_is_refused(
+    study: tuple[Path, Path], fault_report, forge
+) -> None:
     """A cache rewritten by hand, digest recomputed, whose metrics the analysis cannot read:
     refused, naming the file (not a KeyError or TypeError later)."""
     path, out = study
@@ -153,10 +160,12 @@ def test_resealed_cache_with_malformed_metrics_is_refused(study: tuple[Path, Pat
     reseal(cache, record, "eval_sha256")
     for line in refused(path, out, recheck=0):
         assert line.startswith(f"{cache}: 'metrics' is not one number for each")
+    fault_report.add("prereg study: resealed cache with malformed metrics", injected=1, refused=1)
 
 
 def test_a_cache_of_another_machine_is_evaluated_again_not_compared(
     study: tuple[Path, Path],
+    fault_report,
 ) -> None:
     """A cache written under another torch, host or device cannot be compared to float
     noise: it is evaluated again, and its fresh numbers are the ones reported."""
@@ -173,9 +182,14 @@ def test_a_cache_of_another_machine_is_evaluated_again_not_compared(
     runs = {r["run"]: r for r in results["runs"]}
     assert runs["b-s0"]["metrics"]["perplexity"] == pytest.approx(true, rel=1e-6)
     assert read(cache)["metrics"]["perplexity"] == pytest.approx(true, rel=1e-6)
+    fault_report.add(
+        "prereg study: edited cache said to be another machine's", injected=1, recovered=1
+    )
 
 
-def test_checkpoint_copied_from_another_arm_is_refused(study: tuple[Path, Path]) -> None:
+def test_checkpoint_copied_from_another_arm_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
     path, out = study
     target = run_dir(out, "a-s0") / "checkpoints" / "step_000002"
     shutil.rmtree(target)
@@ -185,9 +199,12 @@ def test_checkpoint_copied_from_another_arm_is_refused(study: tuple[Path, Path])
     for line in refused(path, out):
         assert line.startswith(f"{target}: the final checkpoint of a-s0 holds weights sha256")
         assert theirs[:12] in line and mine[:12] in line and "replaced" in line
+    fault_report.add("prereg study: checkpoint copied from another arm", injected=1, refused=1)
 
 
-def test_copied_checkpoint_with_its_record_rewritten_is_refused(study: tuple[Path, Path]) -> None:
+def test_copied_checkpoint_with_its_record_rewritten_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
     """The forger also rewrites the run's record to the copied weights' digest and reseals
     it: two runs of different arms then hold the same weights, which training never gives."""
     path, out = study
@@ -201,18 +218,22 @@ def test_copied_checkpoint_with_its_record_rewritten_is_refused(study: tuple[Pat
     for line in refused(path, out):
         assert str(run_dir(out, "a-s0")) in line and str(run_dir(out, "b-s0")) in line
         assert "hold the same final weights" in line
+    fault_report.add("prereg study: copied checkpoint, run record resealed", injected=1, refused=1)
 
 
-def test_identity_record_copied_from_another_run_is_refused(study: tuple[Path, Path]) -> None:
+def test_identity_record_copied_from_another_run_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
     path, out = study
     record_file = run_dir(out, "a-s0") / prereg.RUN_FILE
     shutil.copy(run_dir(out, "b-s0") / prereg.RUN_FILE, record_file)
     for line in refused(path, out):
         assert line.startswith(f"{record_file} is the identity of another run")
         assert "run 'b-s0' (here 'a-s0')" in line and "arm 'b' (here 'a')" in line
+    fault_report.add("prereg study: run record copied from another run", injected=1, refused=1)
 
 
-def test_edited_identity_record_is_refused(study: tuple[Path, Path]) -> None:
+def test_edited_identity_record_is_refused(study: tuple[Path, Path], fault_report) -> None:
     path, out = study
     record_file = run_dir(out, "a-s0") / prereg.RUN_FILE
     record = read(record_file)
@@ -220,18 +241,24 @@ def test_edited_identity_record_is_refused(study: tuple[Path, Path]) -> None:
     record_file.write_text(json.dumps(record))
     for line in refused(path, out):
         assert line.startswith(f"{record_file} was edited after the runner wrote it")
+    fault_report.add("prereg study: edited run record", injected=1, refused=1)
 
 
-def test_evaluation_copied_from_another_run_is_refused(study: tuple[Path, Path]) -> None:
+def test_evaluation_copied_from_another_run_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
     path, out = study
     cache = run_dir(out, "a-s0") / prereg.EVAL_FILE
     shutil.copy(run_dir(out, "b-s0") / prereg.EVAL_FILE, cache)
     for line in refused(path, out):
         assert line.startswith(f"{cache} is not an evaluation of this run's final weights")
         assert "run 'b-s0' (the run: 'a-s0')" in line and "model_sha256" in line
+    fault_report.add(
+        "prereg study: cached evaluation copied from another run", injected=1, refused=1
+    )
 
 
-def test_run_without_an_identity_record_is_refused(study: tuple[Path, Path]) -> None:
+def test_run_without_an_identity_record_is_refused(study: tuple[Path, Path], fault_report) -> None:
     """A record as runs wrote it before they recorded their identity (study hash only)."""
     path, out = study
     record_file = run_dir(out, "a-s0") / prereg.RUN_FILE
@@ -242,3 +269,4 @@ def test_run_without_an_identity_record_is_refused(study: tuple[Path, Path]) -> 
     for line in refused(path, out):
         assert line.startswith(f"{record_file} records no identity of the run")
         assert f"retrain it: delete {run_dir(out, 'a-s0')}" in line
+    fault_report.add("prereg study: run record without the run's identity", injected=1, refused=1)

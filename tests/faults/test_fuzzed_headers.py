@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_flipped_bytes import CLEAR, same
+from helpers.faults import CLEAR, same
 
 from moestack import checkpoint
 from moestack.cache import ExpertStore
@@ -78,7 +78,7 @@ def fuzz(tmp: Path, source: Path, header: str, load, fault_report, kind: str) ->
 
 
 def test_fuzzed_checkpoint_meta(tmp_path, fault_report):
-    from test_train import small_config
+    from helpers.runs import small_config
 
     cfg = small_config()
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_fuzzed_checkpoint_meta(tmp_path, fault_report):
 
 @pytest.mark.parametrize("layout", ["per_layer", "per_expert"])
 def test_fuzzed_expert_store_index(tmp_path, layout, fault_report):
-    from test_train import small_config
+    from helpers.runs import small_config
 
     torch.manual_seed(0)
     model = MoETransformer(small_config().model)
@@ -116,12 +116,12 @@ def test_fuzzed_expert_store_index(tmp_path, layout, fault_report):
 
 
 def test_fuzzed_trace_header(tmp_path, fault_report):
-    from test_flipped_bytes import load_trace
+    from helpers.faults import load_trace
 
     from moestack.telemetry import attach
 
     torch.manual_seed(0)
-    from test_train import small_config
+    from helpers.runs import small_config
 
     model = MoETransformer(small_config().model)
     source = tmp_path / "trace"
@@ -135,8 +135,8 @@ def test_fuzzed_trace_header(tmp_path, fault_report):
 
 
 def test_fuzzed_prereg_lock(tmp_path, fault_report):
-    from test_flipped_bytes import verify_lock
-    from test_prereg import study, write
+    from helpers.faults import verify_lock
+    from helpers.prereg import study, write
 
     from moestack import prereg
 

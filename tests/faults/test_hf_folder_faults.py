@@ -14,7 +14,6 @@ import errno
 import hashlib
 import json
 import shutil
-import sys
 import types
 from pathlib import Path
 
@@ -23,10 +22,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))
-from _hf_fixtures import tiny_hf_model_dir  # noqa: E402
+from helpers.hf import hf_config, tiny_hf_model_dir  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from test_hf_training import hf_config  # noqa: E402
 
 from moestack import checkpoint, cli  # noqa: E402
 from moestack.errors import MoestackError  # noqa: E402

@@ -33,6 +33,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+KIND = "host kernel library"  # the surface, in the fault report's kinds
 OTHER_UID = 12345
 HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
 PLANTED = r"""
@@ -150,7 +151,7 @@ def _child(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("record", ["none", "the real library's"])
 def test_library_planted_at_the_cached_name_is_not_loaded(
-    record, golden, home, tmp_path, monkeypatch, caplog
+    record, golden, home, tmp_path, monkeypatch, caplog, fault_report
 ) -> None:
     """A library at the cached name with no, or another file's, recorded sha256 is never
     dlopen'ed (its constructor does not run): the real kernel is built in its place."""
@@ -171,10 +172,11 @@ def test_library_planted_at_the_cached_name_is_not_loaded(
     (warning,) = _warnings(caplog)
     assert str(path) in warning and "sha256" in warning and "\n" not in warning
     _assert_steps_like_torch(kernel)
+    fault_report.add(f"{KIND}: planted at the cached name", injected=1, recovered=1)
 
 
 def test_library_swapped_between_the_check_and_the_load_is_not_loaded(
-    golden, home, tmp_path, monkeypatch
+    golden, home, tmp_path, monkeypatch, fault_report
 ) -> None:
     """What is loaded is the file that was checked: a library put at the cached name right
     after the check (the window between a check by name and a load by name) never runs."""
@@ -195,13 +197,14 @@ def test_library_swapped_between_the_check_and_the_load_is_not_loaded(
     kernel = native.load()
     assert path.read_bytes() == planted and not marker.exists()
     _assert_steps_like_torch(kernel)
+    fault_report.add(f"{KIND}: swapped between the check and the load", injected=1, harmless=1)
 
 
 @pytest.mark.parametrize(
     "how", ["mode 0o777", "another owner", "cannot be created", "a link to a mode 0o777 folder"]
 )
 def test_cache_folder_others_can_write_is_refused(
-    how, golden, home, tmp_path, monkeypatch, caplog
+    how, golden, home, tmp_path, monkeypatch, caplog, fault_report
 ) -> None:
     """A cache folder that another user owns or can write (where a library may have been
     planted), or one that cannot be made, is not used: the kernel is built in a private
@@ -251,11 +254,12 @@ def test_cache_folder_others_can_write_is_refused(
     assert again.path == kernel.path
     _assert_recorded(kernel.path)
     _assert_steps_like_torch(kernel)
+    fault_report.add(f"{KIND}: cache folder unsafe or not creatable", injected=1, recovered=1)
 
 
 @pytest.mark.parametrize("xdg", ["", "relative/cache"])
 def test_empty_or_relative_xdg_cache_home_counts_as_unset(
-    xdg, golden, home, tmp_path, monkeypatch, caplog
+    xdg, golden, home, tmp_path, monkeypatch, caplog, fault_report
 ) -> None:
     """XDG_CACHE_HOME that is empty or relative (invalid, says the XDG spec) is ignored: the
     cache is ~/.cache/moestack/kernels, and nothing is made in the working folder."""
@@ -269,6 +273,7 @@ def test_empty_or_relative_xdg_cache_home_counts_as_unset(
     assert kernel.path.parent == (home / ".cache" / "moestack" / "kernels").resolve()
     assert list(work.iterdir()) == []
     assert _warnings(caplog) == []
+    fault_report.add(f"{KIND}: empty or relative XDG_CACHE_HOME", injected=1, harmless=1)
 
 
 def _truncated(data: bytes) -> bytes:
@@ -282,7 +287,7 @@ def _flipped(data: bytes) -> bytes:
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte", "mode 0o777", "another owner"])
 def test_damaged_library_is_refused_before_loading_and_rebuilt(
-    damage, golden, home, tmp_path, monkeypatch, caplog
+    damage, golden, home, tmp_path, monkeypatch, caplog, fault_report
 ) -> None:
     """A cached library cut in half (dlopen of it dies of SIGBUS), with one flipped byte,
     that others can write or that another user owns is not loaded: a fresh process says why
@@ -314,6 +319,7 @@ def test_damaged_library_is_refused_before_loading_and_rebuilt(
         kernel = native.load()  # the rebuilt library is loaded as it is
     assert kernel.path == path and _warnings(caplog) == []
     _assert_steps_like_torch(kernel)
+    fault_report.add(f"{KIND}: damaged or unsafe cached library", injected=1, recovered=1)
 
 
 def test_cached_library_is_reused_by_a_fresh_process(home, tmp_path, monkeypatch) -> None:

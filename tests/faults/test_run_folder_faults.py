@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from test_train import small_config
+from helpers.runs import small_config
 
 from moestack import atomic, checkpoint
 from moestack.errors import MoestackError
@@ -48,7 +48,7 @@ def one_line_error(done: subprocess.CompletedProcess) -> str:
 
 
 # --------------------------------------------------------------------------- run files
-def test_a_symlinked_config_yaml_is_replaced_on_resume_not_written_through(tmp_path):
+def test_a_symlinked_config_yaml_is_replaced_on_resume_not_written_through(tmp_path, fault_report):
     run = tmp_path / "run"
     train(small_config(steps=6, ckpt_every=2), run)
     victim = tmp_path / "elsewhere.yaml"  # a file of someone else's, which the link names
@@ -60,9 +60,10 @@ def test_a_symlinked_config_yaml_is_replaced_on_resume_not_written_through(tmp_p
     assert victim.read_text() == original  # the file the link pointed at is untouched
     assert not (run / "config.yaml").is_symlink()
     assert "resume: true" in (run / "config.yaml").read_text()
+    fault_report.add("run folder: config.yaml a symbolic link", injected=1, harmless=1)
 
 
-def test_a_run_file_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
+def test_a_run_file_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch, fault_report):
     path = tmp_path / "summary.json"
     path.write_text('{"old": 1}')
 
@@ -74,16 +75,18 @@ def test_a_run_file_write_that_fails_leaves_the_old_file_whole(tmp_path, monkeyp
         atomic.write_text(path, '{"new": 2, "much": "longer than before"}')
     assert path.read_text() == '{"old": 1}'
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left
+    fault_report.add("run folder: I/O error while writing a run file", injected=1, harmless=1)
 
 
 # --------------------------------------------------------------------------- out_dir itself
-def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(tmp_path):
+def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(tmp_path, fault_report):
     (tmp_path / "afile").write_text("not a folder")
     done = moestack_train("out_dir=afile", cwd=tmp_path)
     assert "out_dir=afile is a file" in one_line_error(done)
     done = moestack_train("out_dir=afile/run", cwd=tmp_path)
     assert f"lies under {tmp_path / 'afile'}, which is a file" in one_line_error(done)
     assert (tmp_path / "afile").read_text() == "not a folder"
+    fault_report.add("run folder: out_dir a file or under a file", injected=2, refused=2)
 
 
 @pytest.fixture
@@ -108,15 +111,18 @@ def read_only_folder(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def test_a_read_only_out_dir_is_one_line_before_anything_is_written(read_only_folder, tmp_path):
+def test_a_read_only_out_dir_is_one_line_before_anything_is_written(
+    read_only_folder, tmp_path, fault_report
+):
     done = moestack_train(f"out_dir={read_only_folder / 'run'}", cwd=tmp_path)
     assert f"{read_only_folder} is read-only" in one_line_error(done)
     with pytest.raises(MoestackError, match="is read-only"):
         train(small_config(), read_only_folder)
+    fault_report.add("run folder: read-only out_dir", injected=1, refused=1)
 
 
 # --------------------------------------------------------------------------- two runs at once
-def test_a_second_run_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_path):
+def test_a_second_run_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_path, fault_report):
     run = tmp_path / "run"
     with holding_run_dir(run):  # another process's run, as far as this one can tell
         (run / "mine.txt").write_text("the first run's file")
@@ -126,9 +132,10 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_pa
             train(small_config(), run)
     assert sorted(p.name for p in run.iterdir()) == [LOCK_FILE, "mine.txt"]  # no .hydra, log
     train(small_config(steps=2, ckpt_every=0), run)  # once free, the folder takes a run
+    fault_report.add("run folder: a second run into a folder in use", injected=1, refused=1)
 
 
-def test_the_run_folder_is_free_again_after_a_run_is_killed(tmp_path):
+def test_the_run_folder_is_free_again_after_a_run_is_killed(tmp_path, fault_report):
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -145,6 +152,7 @@ def test_the_run_folder_is_free_again_after_a_run_is_killed(tmp_path):
         holder.kill()
         holder.wait()
     check_out_dir_early([f"out_dir={run}"])  # the system dropped the lock with the process
+    fault_report.add("run folder: run killed holding the folder", injected=1, recovered=1)
 
 
 # --------------------------------------------------------------------------- a full disk
@@ -161,7 +169,7 @@ def _fail_after_half(real):
 
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, fault_report
 ):
     run = tmp_path / "run"
     train(small_config(steps=6, ckpt_every=2), run)
@@ -180,9 +188,10 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoi
     monkeypatch.undo()
     train(small_config(steps=6, ckpt_every=2, resume=True), run)  # space freed: it resumes
     assert checkpoint.latest_checkpoint(run / "checkpoints").name == "step_000006"
+    fault_report.add("run folder: full disk while checkpointing", injected=1, refused=1)
 
 
-def test_a_full_disk_seen_only_as_a_library_error_is_one_line(tmp_path, monkeypatch):
+def test_a_full_disk_seen_only_as_a_library_error_is_one_line(tmp_path, monkeypatch, fault_report):
     """torch.save reports a full disk as a RuntimeError without errno: the free space says."""
     run = tmp_path / "run"
 
@@ -193,6 +202,7 @@ def test_a_full_disk_seen_only_as_a_library_error_is_one_line(tmp_path, monkeypa
     monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: type("U", (), {"free": 1000})())
     with pytest.raises(MoestackError, match=r"no space left .* 0\.0 MiB free"):
         train(small_config(steps=2, ckpt_every=0), run)
+    fault_report.add("run folder: full disk said only by a library", injected=1, refused=1)
 
 
 @pytest.fixture
@@ -211,7 +221,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def test_a_disk_that_really_fills_mid_run_is_one_line(small_tmpfs, tmp_path):
+def test_a_disk_that_really_fills_mid_run_is_one_line(small_tmpfs, tmp_path, fault_report):
     run = small_tmpfs / "run"
     filler = small_tmpfs / "filler"
     real_save = checkpoint.save_checkpoint
@@ -229,19 +239,23 @@ def test_a_disk_that_really_fills_mid_run_is_one_line(small_tmpfs, tmp_path):
     finally:
         mp.undo()
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    fault_report.add("run folder: disk really full mid-run", injected=1, refused=1)
 
 
 # --------------------------------------------------------------------------- what a run says
-def test_an_incomplete_newest_checkpoint_is_named_when_an_older_one_is_used(tmp_path, caplog):
+def test_an_incomplete_newest_checkpoint_is_named_when_an_older_one_is_used(
+    tmp_path, caplog, fault_report
+):
     run = tmp_path / "run"
     train(small_config(steps=4, ckpt_every=2, keep_last=3), run)
     (run / "checkpoints/step_000004" / checkpoint.META_FILE).unlink()
     with caplog.at_level("WARNING", logger="moestack.runs"):
         assert resolve_checkpoint(run).name == "step_000002"
     assert "step_000004" in caplog.text and "incomplete" in caplog.text
+    fault_report.add("run folder: newest checkpoint incomplete", injected=1, recovered=1)
 
 
-def test_a_non_finite_final_validation_loss_fails_the_run(tmp_path, monkeypatch):
+def test_a_non_finite_final_validation_loss_fails_the_run(tmp_path, monkeypatch, fault_report):
     from moestack import trainer
 
     real = trainer.evaluate
@@ -254,14 +268,16 @@ def test_a_non_finite_final_validation_loss_fails_the_run(tmp_path, monkeypatch)
     with pytest.raises(MoestackError, match="final validation loss is nan"):
         train(small_config(steps=2, ckpt_every=0), tmp_path / "run")
     assert json.loads((tmp_path / "run/summary.json").read_text())["loss/val"] == "nan"
+    fault_report.add("run folder: NaN final validation loss", injected=1, refused=1)
 
 
 @pytest.mark.parametrize("override", ["compile=2", "compile=0", "progress=yes", "compile=1"])
-def test_a_true_false_field_takes_only_true_or_false(override):
+def test_a_true_false_field_takes_only_true_or_false(override, fault_report):
     key, _, value = override.partition("=")
     with pytest.raises(MoestackError, match=f"{key} is true or false, not '{value}'"):
         _check_overrides([override])
     _check_overrides([f"{key}=true", f"{key}=False", "steps=2", "model.moe.top_k=2"])
+    fault_report.add("run config: true/false field given another value", injected=1, refused=1)
 
 
 def test_the_parameter_count_is_the_whole_models_on_a_rank_that_holds_half_the_experts():

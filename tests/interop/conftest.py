@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _hf_fixtures import tiny_hf_model_dir
+from helpers.hf import tiny_hf_model_dir
 
 
 @pytest.fixture

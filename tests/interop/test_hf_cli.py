@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_hf_training import hf_config
+from helpers.hf import hf_config
 
 from moestack import cli, cli_eval
 from moestack.errors import MoestackError
@@ -87,7 +87,7 @@ def test_a_transformers_run_evaluated_offloaded_without_loading_its_experts(
 
 
 def test_export_refuses_a_run_of_moestacks_own_model(tmp_path):
-    from test_train import small_config
+    from helpers.runs import small_config
 
     train(small_config(steps=2, ckpt_every=0), tmp_path / "run")
     with pytest.raises(SystemExit) as exit_info:

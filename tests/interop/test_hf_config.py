@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import FAMILIES, tiny_tokenizer  # noqa: E402
+from helpers.hf import FAMILIES, tiny_tokenizer  # noqa: E402
 
 from moestack.errors import MoestackError  # noqa: E402
 from moestack.interop.hf_config import (  # noqa: E402

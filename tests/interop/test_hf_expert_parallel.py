@@ -3,10 +3,10 @@ ranks at parallel.ep=2 train with the same losses as one process."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+from helpers.multiprocess import run_launch
 
 pytest.importorskip("transformers")
 
@@ -24,9 +24,8 @@ def train(tmp_path, model_dir, out_dir, nproc, *overrides) -> list[float]:
         "eval_batches=1", "ckpt_every=0", "progress=false", "wandb_mode=disabled", "threads=1",
         "router.load_balance=0", f"out_dir={out_dir}",
     ]  # fmt: skip
-    result = subprocess.run(
-        [*launcher, *args, *overrides], capture_output=True, text=True, cwd=tmp_path, timeout=300
-    )
+    what = f"moestack.train (model=hf) on {nproc} process(es) into {out_dir.name}"
+    result = run_launch([*launcher, *args, *overrides], what, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [r["loss/train"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss/train" in r]
 

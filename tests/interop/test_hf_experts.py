@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import FAMILIES, tiny_hf_model_dir  # noqa: E402
+from helpers.hf import FAMILIES, tiny_hf_model_dir  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 

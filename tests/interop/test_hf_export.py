@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import FAMILIES, reference_model, sample_tokens  # noqa: E402
+from helpers.hf import FAMILIES, reference_model, sample_tokens  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from moestack.config import RouterConfig  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import FAMILIES, VOCAB, reference_model, sample_tokens  # noqa: E402
+from helpers.hf import FAMILIES, VOCAB, reference_model, sample_tokens  # noqa: E402
 
 from moestack import router_losses  # noqa: E402
 from moestack.config import RouterConfig  # noqa: E402
@@ -192,7 +192,7 @@ def test_bfloat16_load_runs(hf_dir):
 
 
 def test_mixtral_jitter_noise_warns(tmp_path, caplog):
-    from _hf_fixtures import tiny_hf_model_dir
+    from helpers.hf import tiny_hf_model_dir
 
     path = tiny_hf_model_dir(tmp_path, "mixtral", router_jitter_noise=0.1)
     load_hf_moe(path, impl="torch")

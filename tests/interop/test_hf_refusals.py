@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import sample_tokens  # noqa: E402
+from helpers.hf import hf_config, sample_tokens  # noqa: E402
+from helpers.runs import killed_at  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_hf_training import hf_config  # noqa: E402
 
 from moestack import cli  # noqa: E402
 from moestack.errors import MoestackError  # noqa: E402
@@ -302,3 +302,25 @@ def test_a_relative_model_path_is_recorded_absolute(tmp_path, hf_dir, monkeypatc
     monkeypatch.chdir(source.parent)
     cfg = HFModelConfig(path=source.name)
     assert cfg.path == str(source)
+
+
+# -- resuming a run of a folder ------------------------------------------------------------
+
+
+def test_resume_refuses_a_source_folder_whose_config_changed(hf_dir, tmp_path):
+    """A field moestack does not read (attention_dropout: transformers' attention in train
+    mode) keeps every shape, so only the recorded digest of config.json can notice it."""
+    source = copy(hf_dir("mixtral"), tmp_path)
+    out = tmp_path / "run"
+    with killed_at(13):
+        train(hf_config(source, tmp_path), out)
+    original = (source / "config.json").read_bytes()
+    raw = json.loads(original)
+    raw["attention_dropout"] = 0.5
+    (source / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(MoestackError, match=r"config.json in model.path=.* changed since the run"):
+        train(hf_config(source, tmp_path, resume=True), out)
+    (source / "config.json").write_bytes(original)  # the folder as it was: the run resumes
+    train(hf_config(source, tmp_path, resume=True), out)
+    assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss/train" in r][-1] == 20  # fmt: skip

@@ -9,16 +9,11 @@ import shutil
 
 import pytest
 import torch
+from helpers.hf import hf_config
+from helpers.runs import killed_at, losses
 
 from moestack.cache import ExpertStore, evaluate_offloaded
-from moestack.config import (
-    DataConfig,
-    HFModelConfig,
-    OptimConfig,
-    RouterConfig,
-    TelemetryConfig,
-    TrainConfig,
-)
+from moestack.config import OptimConfig, TelemetryConfig
 from moestack.data import eval_batches
 from moestack.evaluation import evaluate
 from moestack.interop.hf_experts import iter_hf_expert_layers
@@ -28,29 +23,6 @@ from moestack.runs import load_run, run_corpus
 from moestack.trainer import train
 
 pytest.importorskip("transformers")
-
-
-def hf_config(path, tmp_path, **overrides) -> TrainConfig:
-    base = dict(
-        model=HFModelConfig(path=str(path), moe={"impl": "torch"}),
-        router=RouterConfig(load_balance=0.0, z_loss=0.0, temporal=0.3, anchor=0.1),
-        trainable="routers",
-        optim=OptimConfig(lr=3e-2, warmup_steps=1, weight_decay=0.0),
-        data=DataConfig(seq_len=32, max_bytes=300_000),
-        telemetry=TelemetryConfig(enabled=False),
-        steps=20,
-        batch_size=4,
-        eval_every=0,
-        eval_batches=2,
-        log_every=5,
-        ckpt_every=10,
-        progress=False,
-        wandb_mode="disabled",
-        threads=1,
-        out_dir=str(tmp_path / "run"),
-    )
-    base.update(overrides)
-    return TrainConfig(**base).resolve()  # the folder's architecture, as a run reads it
 
 
 @torch.no_grad()
@@ -117,30 +89,14 @@ def test_router_fine_tuning_of_a_transformers_model_end_to_end(hf_dir, tmp_path,
     assert math.isfinite(offloaded["eval/perplexity"]) and offloaded["cache/misses"] > 0
 
 
-def test_resume_of_a_transformers_run_is_exact(hf_dir, tmp_path, monkeypatch):
-    from moestack.data import BatchLoader
-
+def test_resume_of_a_transformers_run_is_exact(hf_dir, tmp_path):
     source = hf_dir("mixtral")
     reference = tmp_path / "reference"
     train(hf_config(source, tmp_path, trainable="all"), reference)
-    original_next = BatchLoader.next
-
-    def crash_at_step_13(self):
-        if self.position == 13:
-            raise KeyboardInterrupt("simulated kill")
-        return original_next(self)
-
     crashed = tmp_path / "crashed"
-    monkeypatch.setattr(BatchLoader, "next", crash_at_step_13)
-    with pytest.raises(KeyboardInterrupt):
+    with killed_at(13):
         train(hf_config(source, tmp_path, trainable="all"), crashed)
-    monkeypatch.setattr(BatchLoader, "next", original_next)
     train(hf_config(source, tmp_path, trainable="all", resume=True), crashed)
-
-    def losses(run):
-        rows = read_metrics(run / "metrics.jsonl")
-        return {r["step"]: r["loss/train"] for r in rows if "loss/train" in r}
-
     assert losses(crashed) == losses(reference)
     shutil.rmtree(crashed)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import FAMILIES, reference_model, sample_tokens, tiny_hf_model_dir  # noqa: E402
+from helpers.hf import FAMILIES, reference_model, sample_tokens, tiny_hf_model_dir  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save, save_file  # noqa: E402
 
@@ -218,7 +218,7 @@ def test_parameters_on_meta_acts_in_its_own_thread_only():
 
 def test_own_model_config_cannot_build_without_experts():
     """Building reads no weights: moestack's own model without experts comes from a
-    checkpoint (``load_run(experts=False)``, tests/test_meta_load.py), not from build()."""
+    checkpoint (``load_run(experts=False)``, tests/train/test_meta_load.py), not from build()."""
     with pytest.raises(ValueError, match="transformers model folder"):
         ModelConfig().build(experts=False)
 

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from _hf_fixtures import tiny_tokenizer  # noqa: E402
+from helpers.hf import tiny_tokenizer  # noqa: E402
 
 from moestack.config import DataConfig  # noqa: E402
 from moestack.data import Tokenizer, load_corpus  # noqa: E402

@@ -205,11 +205,24 @@ def test_autotune_switch(monkeypatch):
     assert tuning.autotune_enabled()
 
 
+# How long a child Python may take: compiling every candidate tile for sm90 from a cold
+# Triton cache takes about 30 s on an idle 2-core machine; several times that under load.
+CHILD_DEADLINE_S = 900
+
+
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env,
+            timeout=CHILD_DEADLINE_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(
+            f"the child Python (compiling Triton kernels, or importing without triton) did not "
+            f"finish in {CHILD_DEADLINE_S} s (CHILD_DEADLINE_S); its output so far: "
+            f"{(err.stdout or b'')[-1000:]!r} {(err.stderr or b'')[-1000:]!r}"
+        ) from None
 
 
 def test_import_without_triton():

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+from helpers.multiprocess import COLLECTIVE_TIMEOUT
 from torch import nn
 
 E, D, F = 4, 8, 12
@@ -119,7 +120,7 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, to
 DIST_CONFIGS = {"shard": {}, "replicate": {"shard": False}, "skip": {"skip_idle_experts": True}}
 
 
-def dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
     """One rank of a gloo run per DIST_CONFIGS entry: its slice of every global batch.
 
     The "shard" run also saves a checkpoint (collective state_dict) at STEPS // 2.
@@ -129,7 +130,9 @@ def dist_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from moestack.optim import OffloadAdamW
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         for config, kw in DIST_CONFIGS.items():
             model = TinyMoE()

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _optim_testlib import (
     IDLE,
     LR,
@@ -21,6 +20,7 @@ from _optim_testlib import (
     micro_step,
     reference_run,
 )
+from helpers.multiprocess import file_rendezvous, spawn_ranks
 
 from moestack.optim import OffloadAdamW
 
@@ -39,8 +39,10 @@ def ref() -> list:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every DIST_CONFIGS run on 2 gloo ranks, once for the module (a store of its own)."""
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(dist_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    what = "the 2 gloo ranks of _optim_testlib.dist_worker (shard, replicate and skip runs)"
+    spawn_ranks(dist_worker, (2, file_rendezvous(out), str(out)), 2, what)
     return out
 
 

@@ -5,19 +5,17 @@ layer on the same weights and tokens: outputs, input gradients and every paramet
 from __future__ import annotations
 
 import dataclasses
-import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.multiprocess import COLLECTIVE_TIMEOUT, file_rendezvous, spawn_ranks
 from torch import nn
 
 from moestack import MoE, MoEConfig, RouterConfig
 from moestack.parallel import average_gradients, build_mesh, shard_experts
 
 D_MODEL, D_FF = 12, 10
-TIMEOUT = datetime.timedelta(seconds=120)  # a deadlock fails the test instead of hanging it
 
 # name -> (num_experts, top_k, tokens of each rank (by world size), experts never chosen,
 # expert impl: the triton kernels run in the interpreter on the CPU, conftest.py)
@@ -58,9 +56,9 @@ def build_case(name: str, world: int) -> tuple[OneLayer, list[torch.Tensor], lis
     return model, xs, gs
 
 
-def _worker(rank: int, world: int, ep: int, init: str, out: str) -> None:
+def _worker(rank: int, world: int, ep: int, init_method: str, out: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=TIMEOUT
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
     )
     try:
         mesh = build_mesh(world, rank, ep)
@@ -93,7 +91,8 @@ def reference(name: str, world: int) -> dict:
 
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 4), (4, 2)])
 def test_ep_layer_matches_single_process(tmp_path, world, ep):
-    mp.spawn(_worker, args=(world, ep, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    what = f"{world} gloo ranks of the EP layer at ep={ep}"
+    spawn_ranks(_worker, (world, ep, file_rendezvous(tmp_path), str(tmp_path)), world, what)
     got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     for name in CASES:
         ref = reference(name, world)

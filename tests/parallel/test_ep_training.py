@@ -5,10 +5,10 @@ bad layouts refused in one line."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 
 import pytest
+from helpers.multiprocess import run_launch
 
 from moestack import checkpoint
 from moestack.config import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
@@ -48,13 +48,8 @@ def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, tuple[float, float]
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                     "--standalone", "-m", "moestack.train"]  # fmt: skip
-    result = subprocess.run(
-        [*launcher, *TINY, f"out_dir={out_dir}", *overrides],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    what = f"moestack.train on {nproc} process(es) into {out_dir.name}"
+    result = run_launch([*launcher, *TINY, f"out_dir={out_dir}", *overrides], what, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = read_metrics(out_dir / "metrics.jsonl")
     return {r["step"]: (r["loss/train"], r["loss/aux"]) for r in records if "loss/train" in r}
@@ -96,10 +91,10 @@ def test_bad_layouts_are_refused_naming_both_numbers(tmp_path):
         check_layout(2, 4)
     with pytest.raises(ValueError, match=r"parallel.ep=0 must be >= 1"):
         TrainConfig(parallel=ParallelConfig(ep=0))
-    result = subprocess.run(
+    result = run_launch(
         [sys.executable, "-m", "moestack.train", *TINY, f"out_dir={tmp_path / 'bad'}",
          "parallel.ep=2"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        "moestack.train with parallel.ep=2 on one process", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode != 0
     lines = [ln for ln in result.stderr.splitlines() if "parallel.ep=2" in ln]

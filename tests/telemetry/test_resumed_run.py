@@ -8,8 +8,7 @@ from collections import OrderedDict
 
 import numpy as np
 import pytest
-from test_report import TOKENS_PER_STEP, killed_and_resumed
-from test_train import small_config
+from helpers.runs import TOKENS_PER_STEP, killed_and_resumed, small_config
 
 from moestack.config import TelemetryConfig
 from moestack.telemetry import RoutingTrace, simulate

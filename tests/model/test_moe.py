@@ -1,0 +1,139 @@
+"""The MoE layer against a float64 loop-over-tokens reference, forward and backward."""
+
+import pytest
+import torch
+from helpers.moe import moe_layer, reference_moe
+
+from moestack import MoE, MoEConfig, RouterConfig
+from moestack.moe import grouped_mm_torch, moe_experts_torch, sort_by_expert
+
+
+def _compare(moe, x, top_k, score="softmax", renormalize=True, atol=1e-5):
+    x = x.clone().requires_grad_(True)
+    y = moe(x)
+    grad_out = torch.randn_like(y)
+    (y * grad_out).sum().backward()
+
+    ref_params = [
+        p.detach().double().clone().requires_grad_(True)
+        for p in (moe.router.weight, moe.w1, moe.w2)
+    ]
+    x64 = x.detach().double().clone().requires_grad_(True)
+    y64 = reference_moe(x64.reshape(-1, x.shape[-1]), *ref_params, top_k, score, renormalize)
+    y64 = y64.reshape(x.shape)
+    (y64 * grad_out.double()).sum().backward()
+
+    torch.testing.assert_close(y.double(), y64, atol=atol, rtol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=atol, rtol=1e-4)
+    for p, ref in zip((moe.router.weight, moe.w1, moe.w2), ref_params, strict=True):
+        torch.testing.assert_close(p.grad.double(), ref.grad, atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "d_model, num_experts, top_k, d_ff, tokens",
+    [
+        (16, 4, 2, 8, 24),  # grouped_mm-aligned sizes
+        (13, 5, 2, 7, 19),  # odd sizes: the sorted-loop path
+        (8, 3, 3, 4, 10),  # top_k = num_experts
+        (8, 6, 1, 4, 1),  # a single token: most experts get none
+    ],
+)
+def test_moe_matches_float64_reference(d_model, num_experts, top_k, d_ff, tokens):
+    moe = moe_layer(d_model, num_experts, top_k, d_ff, seed=tokens)
+    x = torch.randn(tokens, d_model)
+    _compare(moe, x, top_k)
+
+
+def test_moe_batched_input_and_sigmoid_without_renormalisation():
+    moe = moe_layer(12, 4, 2, 6, seed=3, score="sigmoid", renormalize=False)
+    x = torch.randn(2, 5, 12)
+    _compare(moe, x, 2, score="sigmoid", renormalize=False)
+
+
+def test_expert_with_no_tokens_gets_zero_gradient():
+    moe = moe_layer(8, 4, 1, 4, seed=0)
+    with torch.no_grad():  # expert 3 can never win: its router row is very negative
+        moe.router.weight[3] = -100 * moe.router.weight[:3].abs().sum(0)
+    x = torch.randn(9, 8).abs()
+    _compare(moe, x, 1)
+    assert (moe.w1.grad[3] == 0).all() and (moe.w2.grad[3] == 0).all()
+
+
+def test_empty_input():
+    moe = moe_layer(8, 4, 2, 4, seed=0)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = moe(x)
+    assert y.shape == (0, 8)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
+
+
+def test_grouped_mm_and_loop_agree_with_per_group_matmul():
+    torch.manual_seed(0)
+    x = torch.randn(20, 16)
+    w = torch.randn(4, 16, 32)
+    offsets = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 is empty
+    expected = torch.cat([x[0:5] @ w[0], x[5:12] @ w[2], x[12:20] @ w[3]])
+    torch.testing.assert_close(grouped_mm_torch(x, w, offsets), expected)
+    odd_w = torch.randn(4, 15, 33)  # not 16-byte aligned: the loop path
+    torch.testing.assert_close(
+        grouped_mm_torch(x[:, :15], odd_w, offsets),
+        torch.cat([x[0:5, :15] @ odd_w[0], x[5:12, :15] @ odd_w[2], x[12:20, :15] @ odd_w[3]]),
+    )
+
+
+def test_sort_by_expert_offsets():
+    experts = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    order, tokens, offsets = sort_by_expert(experts, 4)
+    assert offsets.tolist() == [2, 3, 6, 6]
+    assert experts.reshape(-1)[order].tolist() == [0, 0, 1, 2, 2, 2]
+    assert tokens.tolist() == (order // 2).tolist()
+
+
+def test_bf16_torch_path_close_to_fp32():
+    torch.manual_seed(1)
+    x = torch.randn(32, 16)
+    w1, w2 = torch.randn(4, 16, 16) * 0.3, torch.randn(4, 8, 16) * 0.3
+    experts = torch.randint(0, 4, (32, 2))
+    weights = torch.rand(32, 2)
+    y32 = moe_experts_torch(x, w1, w2, experts, weights)
+    y16 = moe_experts_torch(x.bfloat16(), w1.bfloat16(), w2.bfloat16(), experts, weights)
+    torch.testing.assert_close(y16.float(), y32, atol=0.1, rtol=0.05)
+
+
+def test_aux_loss_only_in_training_and_metrics_present():
+    moe = MoE(
+        8, MoEConfig(num_experts=4, top_k=2, d_ff=4), RouterConfig(load_balance=0.1, z_loss=0.01)
+    )
+    x = torch.randn(10, 8)
+    moe.train()
+    moe(x)
+    assert moe.aux_loss.item() > 0
+    assert {"imbalance", "entropy", "load_balance", "z_loss"} <= set(moe.metrics)
+    moe.eval()
+    moe(x)
+    assert moe.aux_loss.item() == 0
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 2e-2)])
+def test_triton_impl_matches_torch_impl(dtype, atol):
+    """The whole layer with impl="triton" (Triton interpreter on CPU) against impl="torch"."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(5)
+    layers = {}
+    for impl in ("torch", "triton"):
+        cfg = MoEConfig(num_experts=5, top_k=2, d_ff=12, impl=impl)
+        layers[impl] = MoE(16, cfg, RouterConfig())
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(2, 9, 16)
+    outs, grads = {}, {}
+    for impl, layer in layers.items():
+        layer.to(device, dtype)
+        xi = x.to(device, dtype).requires_grad_(True)
+        y = layer(xi)
+        y.float().square().sum().backward()
+        outs[impl] = y.float()
+        grads[impl] = [xi.grad.float()] + [p.grad.float() for p in layer.parameters()]
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=atol, rtol=atol)
+    for got, want in zip(grads["triton"], grads["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=atol * 10, rtol=atol * 10)

@@ -1,0 +1,146 @@
+"""torchrun data parallel on the CPU (gloo, 2 processes) against the single-process run."""
+
+import shutil
+import sys
+
+import pytest
+from helpers.multiprocess import COLLECTIVE_TIMEOUT, file_rendezvous, run_launch, spawn_ranks
+
+from moestack import checkpoint
+from moestack.metrics import read_metrics
+
+SMALL = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.max_seq_len=32",
+    "model.moe.num_experts=4",
+    "model.moe.d_ff=32",
+    "data.seq_len=32",
+    "data.max_bytes=1000000",
+    "telemetry=off",
+    "steps=10",
+    "batch_size=8",
+    "log_every=1",
+    "eval_every=0",
+    "eval_batches=1",
+    "ckpt_every=5",
+    "keep_last=5",
+    "progress=false",
+    "wandb_mode=disabled",
+    "threads=1",
+]
+
+
+def run(tmp_path, out_dir, nproc, *overrides):
+    launcher = [sys.executable, "-m", "moestack.train"]
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+                    "--standalone", "-m", "moestack.train"]  # fmt: skip
+    result = run_launch(
+        # load_balance off: its batch statistics are per rank, so not bit-comparable
+        [*launcher, *SMALL, f"out_dir={out_dir}", *overrides, "router.load_balance=0"],
+        f"moestack.train on {nproc} process(es) into {out_dir.name}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {
+        r["step"]: r["loss/train"]
+        for r in read_metrics(out_dir / "metrics.jsonl")
+        if "loss/train" in r
+    }
+
+
+@pytest.mark.parametrize(
+    "optim, router",
+    [("adamw", "baseline"), ("offload_adamw", "baseline"), ("offload_adamw", "aux_free")],
+)
+def test_two_gloo_ranks_match_one_process(tmp_path, optim, router):
+    overrides = [f"optim={optim}", f"router={router}"]
+    single = run(tmp_path, tmp_path / "single", 1, *overrides)
+    double = run(tmp_path, tmp_path / "double", 2, *overrides)
+    assert sorted(single) == sorted(double) == list(range(1, 11))
+    for step in single:
+        assert double[step] == pytest.approx(single[step], rel=2e-5), step
+
+    if optim == "offload_adamw" and router == "baseline":  # a 2-rank checkpoint resumes on 1 rank
+        resumed = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "double", resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step_000010")
+        assert checkpoint.latest_checkpoint(resumed / "checkpoints").name == "step_000005"
+        after = run(tmp_path, resumed, 1, *overrides, "resume=true")
+        for step in range(6, 11):
+            assert after[step] == pytest.approx(double[step], rel=2e-5), step
+
+
+def _bias_update_worker(rank: int, init_method: str, result_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from moestack import ModelConfig, MoEConfig, MoETransformer, RouterConfig
+
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT
+    )
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, moe=MoEConfig(6, 2, 8),
+                      router=RouterConfig(bias_update_rate=0.1, load_balance=0.0))  # fmt: skip
+    model = MoETransformer(cfg).train()
+    tokens = torch.randint(1, 256, (4, 16), generator=torch.Generator().manual_seed(7))
+    model(tokens[2 * rank : 2 * rank + 2])  # each rank routes its half of the batch
+    model.update_router_biases()
+    if rank == 0:
+        torch.save([m.router.expert_bias for m in model.moe_layers], result_file)
+    biases = torch.cat([m.router.expert_bias for m in model.moe_layers])
+    gathered = [torch.empty_like(biases) for _ in range(2)]
+    dist.all_gather(gathered, biases)
+    assert torch.equal(gathered[0], gathered[1]), gathered
+    dist.barrier()  # neither rank tears gloo down while the other is still connected
+    dist.destroy_process_group()
+
+
+def test_router_bias_update_uses_counts_summed_over_ranks(tmp_path):
+    import torch
+
+    from moestack import ModelConfig, MoEConfig, MoETransformer, RouterConfig
+
+    result = tmp_path / "bias.pt"
+    what = "the 2 gloo ranks of _bias_update_worker"
+    spawn_ranks(_bias_update_worker, (file_rendezvous(tmp_path), str(result)), 2, what)
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=2, moe=MoEConfig(6, 2, 8),
+                      router=RouterConfig(bias_update_rate=0.1, load_balance=0.0))  # fmt: skip
+    model = MoETransformer(cfg).train()
+    tokens = torch.randint(1, 256, (4, 16), generator=torch.Generator().manual_seed(7))
+    model(tokens)  # one process, the whole batch
+    model.update_router_biases()
+    expected = [m.router.expert_bias for m in model.moe_layers]
+    for got, want in zip(torch.load(result, weights_only=True), expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
+    """Rank 1 gets another optim.lr (and another model width): every rank stops at start,
+    naming the fields, instead of training on (lr) or aborting in a collective (shapes)."""
+    script = tmp_path / "per_rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "from moestack.train import main\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    sys.argv += ['optim.lr=0.002', 'model.moe.d_ff=64']\n"
+        "main()\n"
+    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--standalone", str(script)]  # fmt: skip
+    done = run_launch(
+        [*launcher, *SMALL, f"out_dir={tmp_path / 'run'}"],
+        "two ranks started with different configs",
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if "started with another config" in line]
+    assert lines, done.stderr[-3000:]
+    assert "ranks [1] started with another config than rank 0" in lines[0]
+    assert "model.moe.d_ff 32 on rank 0, 64" in lines[0] and "optim.lr" in lines[0]
+    assert "gloo" not in done.stderr.lower().replace("torch.distributed", "")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
