@@ -109,6 +109,7 @@ def _eval_offloaded(
     """The metrics, and the ids ``--generate`` appends to ``prompt`` (none without it);
     every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
+    from moestack.cache.offload import check_servable
     from moestack.evaluation import finite_expert_layers
     from moestack.meta_load import resident_bytes
     from moestack.runs import move_resident
@@ -117,6 +118,8 @@ def _eval_offloaded(
     if cache_cfg.policy == "belady":
         raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
     _check_capacity(cache_cfg, run.cfg.model.moe.top_k)  # before the store is written
+    for layer, moe in enumerate(run.model.moe_layers):
+        check_servable(moe, layer)
     bare = run.checkpoint == run.run_dir  # a transformers model folder itself, not a run
     default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
         run.run_dir / "experts")  # fmt: skip
@@ -217,8 +220,10 @@ def _text_codec(model_cfg: Any) -> Codec:
 
 def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.checkpoint import model_sha256
+    from moestack.evaluation import check_finite_weights, model_tensors
     from moestack.interop.hf_export import export_hf
     from moestack.interop.hf_model import HFModelConfig
+    from moestack.lora import merge_adapters
     from moestack.runs import load_run
 
     run = load_run(args.run_dir, args.checkpoint)
@@ -228,6 +233,22 @@ def cmd_export(args: argparse.Namespace) -> dict:
             "models (model=hf model.path=DIR) back to the transformers format"
         )
     bare = run.checkpoint == run.run_dir  # a transformers model folder, not a run
+    if args.adapter:
+        from moestack.interop.hf_adapter import export_adapter
+
+        check_finite_weights(model_tensors(run.model), _weights_name(run),
+                             allow=args.allow_nonfinite)  # fmt: skip
+        report = export_adapter(
+            run.model, args.out_dir, source_dir=run.cfg.model.path, rank=run.cfg.lora.rank,
+            alpha=run.cfg.lora.alpha, routers=run.cfg.trainable == "routers+lora",
+            overwrite=args.overwrite, run_dir=run.run_dir,
+            checkpoint=None if bare else run.checkpoint,
+        )  # fmt: skip
+        print(json.dumps(report, indent=2, default=str))
+        return report
+    merged = merge_adapters(run.model)  # the whole model: W + alpha / r * A @ B
+    if merged:
+        log.info("merged the LoRA adapters of %d weights into them", merged)
     report = export_hf(
         run.model, args.out_dir, source_dir=run.cfg.model.path, overwrite=args.overwrite,
         run_dir=run.run_dir, checkpoint=None if bare else run.checkpoint,
@@ -418,6 +439,12 @@ def export_parser(verbs: Any) -> None:
         action="store_true",
         help="replace OUT_DIR if it is an earlier export, holding moestack_export.json "
         "(default: refuse an existing OUT_DIR)",
+    )
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write a trainable=lora run's adapters alone, as a peft adapter folder where the "
+        "installed peft can hold them (default: the whole model, adapters merged in)",
     )
     _allow_nonfinite(p)
     p.set_defaults(func=cmd_export)

@@ -27,7 +27,8 @@ from moestack.cache.policies import check_policy, default_capacities, default_ca
 from moestack.checks import check as _check
 from moestack.checks import coerce as _coerce
 from moestack.interop.hf_model import HF_PATH_REQUIRED, HFModelConfig
-from moestack.model import CHECKPOINTING, ModelConfig
+from moestack.lora import LoRAConfig
+from moestack.model import CHECKPOINTING, TRAINABLE, ModelConfig
 from moestack.moe import MOE_IMPLS, MoEConfig
 from moestack.router import ROUTER_SCORES, RouterConfig
 
@@ -41,6 +42,7 @@ __all__ = [
     "CacheConfig",
     "DataConfig",
     "HFModelConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ModelSchema",
     "MoEConfig",
@@ -238,6 +240,7 @@ class TrainConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # the adapters of trainable=lora
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch: the global batch, split over the ranks
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -255,8 +258,9 @@ class TrainConfig:
     wandb_project: str = ""  # wandb project ("" = $WANDB_PROJECT, else "moestack")
     wandb_mode: str = ""  # "" = WANDB_MODE or offline; "disabled" turns wandb off
     progress: bool = True  # show a progress bar
-    # which weights train: "all", "routers" (the MoE routers only) or "routers+experts" (and
-    # the routed experts); frozen weights get no gradients and no optimizer state
+    # which weights train: "all", "routers" (the MoE routers only), "routers+experts" (and
+    # the routed experts), "lora" (low-rank adapters, see lora.*) or "routers+lora"; frozen
+    # weights get no gradients and no optimizer state
     trainable: str = "all"
     # compile each transformer block with torch.compile (CPU and CUDA; docs/memory.md)
     compile: bool = False
@@ -269,6 +273,7 @@ class TrainConfig:
         self.cache = _coerce(self.cache, CacheConfig)
         self.telemetry = _coerce(self.telemetry, TelemetryConfig)
         self.parallel = _coerce(self.parallel, ParallelConfig)
+        self.lora = _coerce(self.lora, LoRAConfig)
         self.model.router = _one_router(self.router, self.model.router)
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
             value = getattr(self, name)
@@ -279,8 +284,13 @@ class TrainConfig:
         _check_expert_parallel(self.parallel.ep, self.model)
         _check(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
         _check(
-            self.trainable in ("all", "routers", "routers+experts"),
-            f"trainable={self.trainable!r} is unknown; use all, routers or routers+experts",
+            self.trainable in TRAINABLE,
+            f"trainable={self.trainable!r} is unknown; use one of {', '.join(TRAINABLE)}",
+        )
+        _check(
+            not (self.trainable.endswith("lora") and self.model.moe.impl == "megablocks"),
+            "trainable=lora runs the experts' adapters with moe.impl=torch or triton; "
+            "megablocks has no low-rank term: use moe.impl=auto",
         )
         _check(
             not (self.compile and isinstance(self.model, HFModelConfig)),
@@ -306,6 +316,8 @@ class TrainConfig:
         )
         if self.model.resolved:
             self._cache_sizes()
+            if self.trainable.endswith("lora"):
+                self.lora.check_fits(self.model.d_model, self.model.moe.d_ff)
 
     def _cache_sizes(self) -> None:
         """The cache sizes the model's top_k sets when none are given, and their check."""

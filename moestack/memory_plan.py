@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from moestack.config import HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
+from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
@@ -111,6 +112,12 @@ def plan_memory(
         sharded = _named(cfg, model, lambda n: n in experts)
         _offload_lines(plan, cfg, pdtype, sharded, ranks // ep, " (experts)")
     _activation_lines(plan, cfg)
+    if cfg.trainable != "all":
+        plan.notes.append(
+            f"trainable={cfg.trainable}: weights and their optimizer state as trained; the "
+            "activations are a full fine-tune's (frozen layers keep less, selective "
+            "checkpointing with adapters a little more: docs/memory.md)"
+        )
     if ep > 1:
         plan.notes.append(
             f"parallel.ep={ep}: each rank holds {cfg.model.moe.num_experts // ep} of "
@@ -130,6 +137,7 @@ def _meta_model(cfg: TrainConfig, ranks: int) -> torch.nn.Module:
     under ``parallel.ep``, cut to one rank's experts as the run cuts them."""
     with torch.device("meta"):
         model = cfg.model.build()
+        add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
     model.set_trainable(cfg.trainable)
     if cfg.parallel.ep > 1:  # rank 0's place in the mesh; no process group is needed
         mesh = ExpertParallelMesh(ranks, cfg.parallel.ep, 0, 0, None, None)

@@ -217,7 +217,9 @@ class Block(nn.Module):
         return h_BSD, self.moe_norm(h_BSD)
 
 
-TRAINABLE = ("all", "routers", "routers+experts")  # what set_trainable may keep training
+# what set_trainable may keep training ("lora", "routers+lora": the adapters moestack.lora
+# added, and the routers too)
+TRAINABLE = ("all", "routers", "routers+experts", "lora", "routers+lora")
 
 
 class RoutedLM(nn.Module):
@@ -227,6 +229,11 @@ class RoutedLM(nn.Module):
 
     @property
     def moe_layers(self) -> list[MoE]:
+        raise NotImplementedError
+
+    def attention_projections(self) -> list[tuple[str, nn.Linear]]:
+        """The attention's projections (``nn.Linear``), by name: where attention adapters
+        go (``lora.targets``)."""
         raise NotImplementedError
 
     def lm_output(self, logits_BSV: torch.Tensor, targets: torch.Tensor | None) -> ModelOutput:
@@ -264,15 +271,21 @@ class RoutedLM(nn.Module):
             router.update_bias()
 
     def set_trainable(self, which: str) -> int:
-        """Freeze all weights but ``which`` ("all", "routers": the MoE routers, or
-        "routers+experts": also the routed experts' w1/w2); returns how many parameters
-        train. Frozen weights get no gradient, hence no gradient buffer and no optimizer
-        state."""
+        """Freeze all weights but ``which`` ("all"; "routers": the MoE routers;
+        "routers+experts": also the routed experts' w1/w2; "lora": the LoRA adapters
+        ``moestack.lora.add_adapters`` added; "routers+lora": the adapters and the routers);
+        returns how many parameters train. Frozen weights get no gradient, hence no gradient
+        buffer and no optimizer state."""
         if which not in TRAINABLE:
             raise ValueError(f"trainable={which!r} is unknown; use one of {TRAINABLE}")
-        keep = {id(p) for p in self.parameters()} if which == "all" else set()
+        named = dict(self.named_parameters())
+        adapters = {id(p) for name, p in named.items() if "lora_" in name.rpartition(".")[2]}
+        if which.endswith("lora") and not adapters:
+            raise ValueError(f"trainable={which} but the model has no adapters: add them first "
+                             "(moestack.lora.add_adapters)")  # fmt: skip
+        keep = {id(p) for p in named.values()} if which == "all" else set(adapters)
         for moe in self.moe_layers:
-            if which != "all":
+            if which.startswith("routers"):
                 keep.add(id(moe.router.weight))
             if which == "routers+experts":
                 keep.update((id(moe.w1), id(moe.w2)))
@@ -289,8 +302,9 @@ class RoutedLM(nn.Module):
         held = sum(p.numel() for p in self.parameters())
         routed_held = routed = routed_active = 0
         for moe in self.moe_layers:
-            per_expert = moe.w1[0].numel() + moe.w2[0].numel()
-            routed_held += moe.w1.numel() + moe.w2.numel()
+            stacked = [getattr(moe, name) for name in moe.expert_tensor_names()]
+            per_expert = sum(t[0].numel() for t in stacked)
+            routed_held += sum(t.numel() for t in stacked)
             routed += per_expert * moe.cfg.num_experts
             routed_active += per_expert * moe.cfg.top_k
         total = held - routed_held + routed
@@ -341,6 +355,13 @@ class MoETransformer(RoutedLM):
     @property
     def moe_layers(self) -> list[MoE]:
         return [block.moe for block in self.layers]
+
+    def attention_projections(self) -> list[tuple[str, nn.Linear]]:
+        return [
+            (f"layers.{i}.attn.{name}", getattr(block.attn, name))
+            for i, block in enumerate(self.layers)
+            for name in ("qkv", "out")
+        ]
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
         if tokens.ndim != 2:

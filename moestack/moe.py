@@ -20,8 +20,9 @@ import functools
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from moestack.checks import check
 from moestack.router import Router, RouterConfig, Routing, tokens_per_expert
 
 MOE_IMPLS = ("auto", "triton", "torch", "megablocks")
+# The low-rank adapters an MoE layer may carry (moestack.lora adds them): stacked per expert
+# like w1/w2, so they shard, checkpoint and recompute with the experts.
+EXPERT_ADAPTERS = ("lora_w1_A", "lora_w1_B", "lora_w2_A", "lora_w2_B")
 
 
 @dataclass
@@ -157,21 +161,64 @@ def _grouped_mm_backward(ctx, dy_NM):  # noqa: ANN001, ANN202
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
+class ExpertAdapters(NamedTuple):
+    """Low-rank adapters on every expert's w1 and w2: ``x @ w1[e]`` becomes
+    ``x @ w1[e] + scale * dropout(x) @ w1_A[e] @ w1_B[e]``, likewise for w2."""
+
+    w1_A_EDR: torch.Tensor
+    w1_B_ERF2: torch.Tensor
+    w2_A_EFR: torch.Tensor
+    w2_B_ERD: torch.Tensor
+    scale: float  # lora.alpha / lora.rank
+    dropout: float  # on the adapters' inputs, 0 outside training
+
+    def to(self, dtype: torch.dtype) -> ExpertAdapters:
+        return self._replace(**{f: getattr(self, f).to(dtype) for f in self._fields[:4]})
+
+
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _adapted_mm(
+    x_NK: torch.Tensor,
+    w_EKM: torch.Tensor,
+    low: tuple[torch.Tensor, torch.Tensor] | None,
+    offsets_E: torch.Tensor,
+    adapters: ExpertAdapters | None,
+    gemm: GroupedMM,
+) -> torch.Tensor:
+    """``x @ w[e]`` per group, plus the adapter's ``scale * dropout(x) @ a[e] @ b[e]`` (two
+    grouped GEMMs of rank r) when ``low = (a_EKR, b_ERM)`` is given."""
+    y_NM = gemm(x_NK, w_EKM, offsets_E)
+    if low is None or adapters is None:
+        return y_NM
+    x_NK = F.dropout(x_NK, adapters.dropout) if adapters.dropout else x_NK
+    return y_NM + adapters.scale * gemm(gemm(x_NK, low[0], offsets_E), low[1], offsets_E)
+
+
 def moe_experts_torch(
     x_TD: torch.Tensor,
     w1_EDF2: torch.Tensor,
     w2_EFD: torch.Tensor,
     experts_TK: torch.Tensor,
     weights_TK: torch.Tensor,
+    adapters: ExpertAdapters | None = None,
+    gemm: GroupedMM | None = None,
 ) -> torch.Tensor:
-    """y[t] = sum_j weights[t, j] * SwiGLU expert experts[t, j] applied to x[t]."""
+    """y[t] = sum_j weights[t, j] * SwiGLU expert experts[t, j] applied to x[t]; with
+    ``adapters``, each expert's w1/w2 product takes its low-rank term. ``gemm`` is the
+    grouped GEMM the products run on (default ``grouped_mm_torch``; Triton's for
+    ``impl=triton`` with adapters)."""
+    gemm = gemm or grouped_mm_torch
+    w1_low = (adapters.w1_A_EDR, adapters.w1_B_ERF2) if adapters is not None else None
+    w2_low = (adapters.w2_A_EFR, adapters.w2_B_ERD) if adapters is not None else None
     num_tokens, top_k = experts_TK.shape
     d_ff = w2_EFD.shape[1]
     order_N, token_N, offsets_E = sort_by_expert(experts_TK, w1_EDF2.shape[0])
-    h_NF2 = grouped_mm_torch(x_TD[token_N], w1_EDF2, offsets_E)
+    h_NF2 = _adapted_mm(x_TD[token_N], w1_EDF2, w1_low, offsets_E, adapters, gemm)
     gate_NF, up_NF = h_NF2.split(d_ff, dim=-1)  # split: its backward is one cat, not two fills
     h_NF = F.silu(gate_NF) * up_NF
-    y_ND = grouped_mm_torch(h_NF, w2_EFD, offsets_E)
+    y_ND = _adapted_mm(h_NF, w2_EFD, w2_low, offsets_E, adapters, gemm)
     # Back to (token, slot) order with a permutation (deterministic, unlike index_add).
     y_TKD = (
         y_ND.new_empty(y_ND.shape)
@@ -225,18 +272,23 @@ def run_experts(
     experts_TK: torch.Tensor,
     weights_TK: torch.Tensor,
     impl: str = "auto",
+    adapters: ExpertAdapters | None = None,
 ) -> torch.Tensor:
     """Apply the chosen SwiGLU experts to flat tokens and combine them with the weights.
 
     The one way into the expert computation, for the MoE layer and for anything that holds
     expert weights elsewhere (the expert cache): under autocast everything runs in the
     autocast dtype (the custom kernels don't autocast), otherwise ``x`` takes the weights'
-    dtype; ``impl`` is one of ``MOE_IMPLS``.
+    dtype; ``impl`` is one of ``MOE_IMPLS``. ``adapters`` (LoRA on the experts) run through
+    the same sorted dispatch as grouped GEMMs: the torch path's, or Triton's grouped GEMM
+    for ``impl=triton`` (the fused expert kernel has no low-rank term).
     """
     dtype = compute_dtype(x_TD, w1_EDF2)
     x_TD, w1_EDF2, w2_EFD = x_TD.to(dtype), w1_EDF2.to(dtype), w2_EFD.to(dtype)
     args = (x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK)
     impl = resolve_impl(impl, x_TD.device)
+    if adapters is not None:
+        return _run_adapted_experts(*args, adapters.to(dtype), impl)
     if impl == "torch":
         return moe_experts_torch(*args)
     if impl == "triton":
@@ -246,6 +298,24 @@ def run_experts(
     from moestack.kernels.megablocks_adapter import moe_experts_megablocks
 
     return moe_experts_megablocks(*args)
+
+
+def _run_adapted_experts(
+    x_TD: torch.Tensor,
+    w1_EDF2: torch.Tensor,
+    w2_EFD: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    adapters: ExpertAdapters,
+    impl: str,
+) -> torch.Tensor:
+    """The experts with their adapters, on the torch path's or Triton's grouped GEMM."""
+    if impl == "megablocks":
+        raise ValueError("LoRA on the experts runs with moe.impl=torch or triton, not megablocks")
+    gemm = None
+    if impl == "triton":
+        from moestack.kernels import grouped_gemm as gemm
+    return moe_experts_torch(x_TD, w1_EDF2, w2_EFD, experts_TK, weights_TK, adapters, gemm)
 
 
 # model.checkpointing=selective keeps the outputs of these ops (the matmuls and attention:
@@ -323,7 +393,7 @@ class LocalExperts:
         """``run_experts`` on ``moe``'s weights for ``experts_TK`` (ids into its ``w1``/``w2``),
         recomputed in backward when ``moe.recompute`` is set (expert parallelism runs its
         local experts through here)."""
-        args = (x_TD, moe.w1, moe.w2, experts_TK, weights_TK, moe.cfg.impl)
+        args = (x_TD, moe.w1, moe.w2, experts_TK, weights_TK, moe.cfg.impl, moe.expert_adapters())
         if moe.recompute == "none" or not torch.is_grad_enabled():
             return run_experts(*args)
         return checkpoint(run_experts, *args, **checkpoint_kwargs(moe.recompute))
@@ -365,6 +435,20 @@ class MoE(nn.Module):
         parallelism (``moestack.parallel.shard_experts``) and offloaded evaluation
         (``moestack.cache.offloaded``) come in through here."""
         self._experts_backend = LOCAL_EXPERTS if backend is None else backend
+
+    def expert_adapters(self) -> ExpertAdapters | None:
+        """This layer's LoRA adapters on its experts (``moestack.lora``), None without."""
+        if getattr(self, "lora_w1_A", None) is None:
+            return None
+        tensors = (getattr(self, name) for name in EXPERT_ADAPTERS)
+        return ExpertAdapters(
+            *tensors, self.lora_scale, self.lora_dropout if self.training else 0.0
+        )
+
+    def expert_tensor_names(self) -> tuple[str, ...]:
+        """The names of this layer's tensors stacked per expert ([E, ...]): w1, w2 and any
+        adapters on them. Expert parallelism keeps this rank's rows of each."""
+        return ("w1", "w2") + (EXPERT_ADAPTERS if self.expert_adapters() is not None else ())
 
     @property
     def experts_backend(self) -> ExpertsBackend:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from moestack import atomic, checkpoint, distributed, locks
+from moestack import atomic, checkpoint, distributed, locks, lora
 from moestack.config import DataConfig, TrainConfig, to_yaml
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
@@ -203,6 +203,7 @@ def load_run(
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     if experts:
         model = cfg.model.build()
+        lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     else:
         if isinstance(cfg.model, HFModelConfig):  # its folder without the experts
@@ -210,6 +211,7 @@ def load_run(
         else:
             with parameters_on_meta():
                 model = cfg.model.build()
+        lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights_without_experts(ckpt, model, cfg.model)
     if device is not None:
         move_resident(model, resolve_device(cfg.device if device == "auto" else str(device)))

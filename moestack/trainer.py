@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import atomic, checkpoint, distributed, memory_plan, parallel, provenance
+from moestack import atomic, checkpoint, distributed, lora, memory_plan, parallel, provenance
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -380,6 +380,7 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     check_impl(cfg.model.moe.impl, device)
     torch.manual_seed(cfg.seed)
     model = cfg.model.build()  # on the host: with parallel.ep > 1 only this rank's experts
+    lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
     if cfg.compile:  # ever reach the device (sharded below, before the move)
         model.compile_blocks()
         log.info("compile=true: the blocks compile during the first step (a minute or more)")

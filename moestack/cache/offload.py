@@ -53,6 +53,17 @@ def _resident_bias(
     return bias_E
 
 
+def check_servable(moe: MoE, layer: int) -> None:
+    """Refuse a layer whose experts an expert store cannot serve whole: LoRA adapters on
+    them live in the model, not in the store."""
+    if moe.expert_adapters() is not None:
+        raise MoestackError(
+            f"MoE layer {layer} carries LoRA adapters on its experts, which an expert store "
+            "does not hold: merge them first (moestack.lora.merge_adapters; moestack export "
+            "RUN OUT writes a transformers run merged) and serve the merged experts"
+        )
+
+
 class CachedExperts:
     """The experts back-end of one layer whose experts come from an expert cache (set with
     ``MoE.set_experts`` by ``offloaded``)."""
@@ -67,6 +78,7 @@ class CachedExperts:
         prefetch_limit: int,
         cache_aware_bias: float,
     ) -> None:
+        check_servable(moe, layer)
         self.layer = layer
         self.cache = cache
         self.impl = moe.cfg.impl

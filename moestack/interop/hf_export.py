@@ -44,6 +44,7 @@ from moestack.evaluation import check_finite_weights, model_tensors
 from moestack.interop.hf_config import CONFIG_FILE, check_model_dir
 from moestack.interop.hf_model import HFMoEModel, release_routed_weights
 from moestack.interop.hf_tokenizer import tokenizer_files
+from moestack.lora import has_adapters
 from moestack.moe import MoE
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ def _check_not_kept(out: Path, keep: dict[str, Path]) -> None:
             )
 
 
-def _check_target(out: Path, keep: dict[str, Path], overwrite: bool) -> None:
+def check_export_target(out: Path, keep: dict[str, Path], overwrite: bool) -> None:
     """``out`` may be missing or empty; an existing export only with ``overwrite``. Never
     the source model folder, the run, or a folder above either."""
     _check_not_kept(out, keep)
@@ -232,7 +233,13 @@ def export_hf(
     keep = {"source model folder": source}
     if run_dir is not None:
         keep["run folder"] = Path(run_dir)
-    _check_target(out, keep, overwrite)
+    check_export_target(out, keep, overwrite)
+    if has_adapters(model):
+        raise MoestackError(
+            "the model carries LoRA adapters, which a transformers folder has no place for: "
+            "merge them first (moestack.lora.merge_adapters, as `moestack export` does) or "
+            "write them alone (`moestack export --adapter`)"
+        )
     _check_in_memory(model)
     what = f"checkpoint {checkpoint}" if checkpoint is not None else f"the model to export to {out}"
     check_finite_weights(model_tensors(model), what, allow=allow_nonfinite)

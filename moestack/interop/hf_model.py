@@ -166,6 +166,9 @@ class _Patched:
     wrapper: HFMoEBlock
 
 
+_ATTENTION_MODULES = ("self_attn", "attn", "attention")  # a decoder layer's attention, by name
+
+
 class HFMoEModel(RoutedLM):
     """A transformers MoE causal LM with moestack MoE layers: ``forward(tokens [B, S],
     targets=None) -> ModelOutput``.
@@ -194,6 +197,16 @@ class HFMoEModel(RoutedLM):
     def blocks(self) -> list[HFMoEBlock]:
         """The blocks standing in for the transformers sparse-MoE blocks, in layer order."""
         return [p.wrapper for p in self._patched]
+
+    def attention_projections(self) -> list[tuple[str, nn.Linear]]:
+        """Every ``nn.Linear`` directly inside a decoder layer's attention module
+        (``self_attn``: q/k/v/o_proj, and a family's own, such as q_a_proj)."""
+        return [
+            (name, module)
+            for name, module in self.named_modules()
+            if isinstance(module, nn.Linear)
+            and name.rpartition(".")[0].rpartition(".")[2] in _ATTENTION_MODULES
+        ]
 
     def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Document index of each token (documents end at the EOS token)."""

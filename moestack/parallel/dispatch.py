@@ -94,8 +94,9 @@ class ExpertParallelExperts:
             return LocalExperts.run(moe, x_ND, local_ids_N[:, None], ones_N1)
 
         x_TD = x_TD.to(compute_dtype(x_TD, moe.w1))  # the exchanges carry what is computed
+        params = tuple(getattr(moe, name) for name in moe.expert_tensor_names())
         return expert_parallel_experts(
-            x_TD, routing.experts, routing.weights, self.shard, local_experts, (moe.w1, moe.w2)
+            x_TD, routing.experts, routing.weights, self.shard, local_experts, params
         )
 
 

@@ -43,8 +43,8 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
     """Keep only this rank's experts in every MoE layer of ``model`` (``model.moe_layers``),
     in place; returns the exchange counters the layers share.
 
-    Each ``w1``/``w2`` becomes a new parameter holding rows ``[lo, hi)`` of the whole one
-    (same name). Expert gradients are scaled by ``1 / ep`` as they arrive, so that averaging
+    Each ``w1``/``w2`` (and each LoRA adapter stacked on them) becomes a new parameter
+    holding rows ``[lo, hi)`` of the whole one (same name). Expert gradients are scaled by ``1 / ep`` as they arrive, so that averaging
     them over the expert data-parallel group (``dp`` ranks) gives the mean over all ``dp x
     ep`` ranks' tokens, as a single process over the global batch would compute. Each layer
     then runs its experts through ``ExpertParallelExperts`` (``MoE.set_experts``).
@@ -54,7 +54,7 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
         num_experts = moe.w1.shape[0]
         check_layout(mesh.world_size, mesh.ep, num_experts)
         lo, hi = mesh.expert_range(num_experts)
-        for name in ("w1", "w2"):
+        for name in moe.expert_tensor_names():  # w1, w2 and any adapters stacked on them
             whole = getattr(moe, name)
             part = nn.Parameter(whole.detach()[lo:hi].clone(), requires_grad=whole.requires_grad)
             if part.requires_grad and mesh.ep > 1:
@@ -81,14 +81,16 @@ class ExpertBlock(NamedTuple):
 
 
 def expert_blocks(model: nn.Module) -> list[ExpertBlock]:
-    """Every sharded ``w1``/``w2`` of ``model``'s MoE layers, in layer order: the one walk
-    over them that gradients, checkpoints and the optimizer pair share."""
+    """Every sharded ``w1``/``w2`` (and adapter) of ``model``'s MoE layers, in layer order:
+    the one walk over them that gradients, checkpoints and the optimizer pair share."""
     blocks = []
     for moe in model.moe_layers:
         shard = _shard_of(moe)
         if shard is not None:
             lo, hi = shard.mesh.expert_range(shard.num_experts)
-            blocks += [ExpertBlock(getattr(moe, n), shard.mesh, lo, hi) for n in ("w1", "w2")]
+            blocks += [
+                ExpertBlock(getattr(moe, n), shard.mesh, lo, hi) for n in moe.expert_tensor_names()
+            ]
     return blocks
 
 

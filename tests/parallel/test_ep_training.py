@@ -8,6 +8,8 @@ import shutil
 import sys
 
 import pytest
+import safetensors.torch
+import torch
 from helpers.multiprocess import run_launch
 
 from moestack import checkpoint
@@ -100,3 +102,28 @@ def test_bad_layouts_are_refused_naming_both_numbers(tmp_path):
     lines = [ln for ln in result.stderr.splitlines() if "parallel.ep=2" in ln]
     assert lines and "world size 1" in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_expert_parallel_lora_matches_one_process_and_resumes_on_one(tmp_path):
+    """LoRA adapters on the experts shard with their experts: an ep=2 run trains as one
+    process does, and its layout-free checkpoint (every expert's adapters) resumes there."""
+    lora = ["trainable=routers+lora", "lora.rank=4", "lora.targets=both", "optim.lr=1e-2"]
+    single = train(tmp_path, tmp_path / "single", 1, *lora)
+    ep2 = train(tmp_path, tmp_path / "ep2", 2, *lora, "parallel.ep=2")
+    assert_same_losses(ep2, single, range(1, 21))
+    tensors = {
+        name: safetensors.torch.load_file(
+            checkpoint.latest_checkpoint(tmp_path / name / "checkpoints") / checkpoint.MODEL_FILE
+        )
+        for name in ("single", "ep2")
+    }
+    adapters = [k for k in tensors["single"] if "lora" in k]
+    assert any(".moe.lora_w1_A" in k for k in adapters)
+    assert tensors["ep2"].keys() == tensors["single"].keys()  # every expert's, whole
+    for k in adapters:
+        torch.testing.assert_close(tensors["ep2"][k], tensors["single"][k], rtol=1e-4, atol=1e-6)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ep2", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000020")
+    after = train(tmp_path, resumed, 1, *lora, "resume=true")
+    assert_same_losses(after, ep2, range(11, 21))

@@ -1,0 +1,128 @@
+"""LoRA on a transformers MoE model (trainable=lora / routers+lora): the adapted model starts
+as transformers' own model, a fine-tune moves only the adapters (and routers asked for), the
+merged export gives the trained model's logits in transformers, and the adapter alone loads
+into peft onto the base model with the same logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from helpers.hf import FAMILIES, hf_config, reference_model, sample_tokens  # noqa: E402
+
+from moestack import cli  # noqa: E402
+from moestack.config import LoRAConfig, OptimConfig  # noqa: E402
+from moestack.errors import MoestackError  # noqa: E402
+from moestack.interop.hf_export import REPORT_FILE, export_hf  # noqa: E402
+from moestack.interop.hf_model import load_hf_moe  # noqa: E402
+from moestack.lora import adapter_parameters, add_adapters  # noqa: E402
+from moestack.runs import load_run  # noqa: E402
+from moestack.trainer import train  # noqa: E402
+
+
+def logits_of(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapters_start_at_transformers_own_model(hf_dir, family):
+    source = hf_dir(family)
+    tokens = sample_tokens(eos_id=1)
+    want = reference_model(source)(input_ids=tokens).logits.detach()
+    model = load_hf_moe(source, impl="torch")
+    add_adapters(model, LoRAConfig(rank=2, targets="both"), seed=0)
+    names = [name for name, _ in adapter_parameters(model)]
+    assert any(".self_attn.q_proj.lora_A" in n for n in names)
+    assert any(".moe.lora_w1_A" in n for n in names)
+    torch.testing.assert_close(logits_of(model, tokens), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def lora_run(hf_dir, tmp_path_factory):
+    """A 12-step routers+lora fine-tune of the tiny Qwen3-MoE folder (both targets)."""
+    tmp_path = tmp_path_factory.mktemp("lora")
+    cfg = hf_config(hf_dir("qwen3_moe"), tmp_path, trainable="routers+lora", steps=12,
+                    lora=LoRAConfig(rank=4, alpha=8.0, targets="both", dropout=0.1),
+                    optim=OptimConfig(lr=2e-2, warmup_steps=1, weight_decay=0.0))  # fmt: skip
+    train(cfg, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_lora_fine_tune_moves_only_the_adapters_and_routers(lora_run, hf_dir):
+    base = dict(load_hf_moe(hf_dir("qwen3_moe"), impl="torch").named_parameters())
+    trained = dict(load_run(lora_run).model.named_parameters())
+    moved = {k for k in trained if k not in base or not torch.equal(trained[k], base[k])}
+    assert moved == {k for k in trained if "lora" in k or k.endswith("router.weight")}
+    assert all(trained[k].abs().sum() > 0 for k in trained if k.endswith("lora_B"))
+
+
+def test_the_merged_export_gives_the_trained_logits_in_transformers(lora_run, tmp_path, capsys):
+    tokens = sample_tokens(eos_id=1)
+    want = logits_of(load_run(lora_run).model, tokens)
+    cli.main(["export", str(lora_run), str(tmp_path / "merged")])
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "moestack-export"
+    got = reference_model(tmp_path / "merged")(input_ids=tokens).logits.detach()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    saved = json.loads((tmp_path / "merged" / "model.safetensors.index.json").read_text()
+                       if (tmp_path / "merged" / "model.safetensors.index.json").exists()
+                       else "{}")  # fmt: skip
+    assert not any("lora" in k for k in saved.get("weight_map", {}))
+
+
+def test_export_refuses_a_model_with_adapters_left_unmerged(hf_dir, tmp_path):
+    model = load_hf_moe(hf_dir("qwen3_moe"), impl="torch")
+    add_adapters(model, LoRAConfig(rank=2), seed=0)
+    with pytest.raises(MoestackError, match="carries LoRA adapters"):
+        export_hf(model, tmp_path / "out", source_dir=hf_dir("qwen3_moe"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_adapter_alone_loads_into_peft_with_the_trained_logits(lora_run, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    tokens = sample_tokens(eos_id=1)
+    want = logits_of(load_run(lora_run).model, tokens)
+    cli.main(["export", str(lora_run), str(tmp_path / "adapter"), "--adapter"])
+    report = json.loads(capsys.readouterr().out)
+    if report["adapter_format"] != "peft":
+        pytest.skip(f"the installed peft cannot hold expert adapters: {report['peft_unavailable']}")
+    assert "adapter_config.json" in report["files"] and REPORT_FILE in report["files"]
+    source = load_run(lora_run).cfg.model.path
+    base = reference_model(source)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    got = adapted(input_ids=tokens).logits.detach()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # without the adapter: the base model, whose logits differ from the trained ones
+    assert not torch.allclose(reference_model(source)(input_ids=tokens).logits, want, atol=1e-3)
+    # an adapter export is an export: --overwrite replaces it, nothing else
+    cli.main(["export", str(lora_run), str(tmp_path / "adapter"), "--adapter", "--overwrite"])
+
+
+def test_the_adapter_alone_needs_adapters(hf_dir, tmp_path):
+    from moestack.interop.hf_adapter import export_adapter
+
+    model = load_hf_moe(hf_dir("qwen3_moe"), impl="torch")
+    with pytest.raises(MoestackError, match="has no LoRA adapters"):
+        export_adapter(model, tmp_path / "a", source_dir=hf_dir("qwen3_moe"), rank=2,
+                       alpha=4.0, routers=False)  # fmt: skip
+
+
+def test_without_peft_the_adapter_is_written_in_moestack_names(lora_run, tmp_path, monkeypatch,
+                                                               capsys):  # fmt: skip
+    import safetensors.torch
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails as if not installed
+    cli.main(["export", str(lora_run), str(tmp_path / "adapter"), "--adapter"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["adapter_format"] == "moestack"
+    assert "peft is not installed" in report["peft_unavailable"]
+    saved = safetensors.torch.load_file(tmp_path / "adapter" / "moestack_adapter.safetensors")
+    trained = dict(adapter_parameters(load_run(lora_run).model))
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[k], trained[k].detach()) for k in saved)

@@ -1,0 +1,291 @@
+"""LoRA on the experts and the attention projections (moestack.lora, trainable=lora): the
+adapted model equals the base model at step 0, the adapters' gradients equal a per-expert
+float64 reference on both expert paths, training moves only the adapters, merging gives the
+adapted model's function, and bad values are refused in one line."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from helpers.runs import killed_at, losses, small_config, small_model
+
+from moestack import checkpoint
+from moestack.config import LoRAConfig, OptimConfig, TelemetryConfig, TrainConfig
+from moestack.lora import adapter_parameters, add_adapters, merge_adapters
+from moestack.memory_plan import plan_memory
+from moestack.metrics import read_metrics
+from moestack.moe import ExpertAdapters, run_experts
+from moestack.trainer import train
+
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the triton path needs CUDA or TRITON_INTERPRET=1"))]  # fmt: skip
+
+
+def reference_experts(x, w1, w2, experts, weights, a1, b1, a2, b2, scale):
+    """y[t] = sum_j weights[t, j] * SwiGLU expert e = experts[t, j] of x[t], each product
+    ``v @ W[e] + scale * (v @ A[e]) @ B[e]``: one token and one expert at a time (float64)."""
+    d_ff = w2.shape[1]
+    rows = []
+    for t in range(x.shape[0]):
+        y = x.new_zeros(x.shape[1])
+        for j in range(experts.shape[1]):
+            e = int(experts[t, j])
+            h = x[t] @ w1[e] + scale * (x[t] @ a1[e]) @ b1[e]
+            act = F.silu(h[:d_ff]) * h[d_ff:]
+            y = y + weights[t, j] * (act @ w2[e] + scale * (act @ a2[e]) @ b2[e])
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def random_case(seed, tokens, d_model, d_ff, num_experts, top_k, rank, empty_expert=None):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).requires_grad_()
+
+    x = rand(tokens, d_model)
+    w1, w2 = (
+        rand(num_experts, d_model, 2 * d_ff, std=0.3),
+        rand(num_experts, d_ff, d_model, std=0.3),
+    )
+    adapters = [rand(num_experts, d_model, rank, std=0.3), rand(num_experts, rank, 2 * d_ff, std=0.3),
+                rand(num_experts, d_ff, rank, std=0.3), rand(num_experts, rank, d_model, std=0.3)]  # fmt: skip
+    choices = [e for e in range(num_experts) if e != empty_expert]
+    scores = torch.rand(tokens, len(choices), generator=gen)
+    experts = torch.tensor(choices)[scores.topk(top_k, dim=-1).indices]
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+    return x, w1, w2, experts, weights, adapters
+
+
+CASES = {
+    "ragged groups": dict(tokens=13, d_model=16, d_ff=24, num_experts=5, top_k=2, rank=4),
+    "an empty expert": dict(tokens=9, d_model=16, d_ff=8, num_experts=4, top_k=2, rank=3,
+                            empty_expert=2),
+    "top_k = num_experts": dict(tokens=7, d_model=8, d_ff=12, num_experts=3, top_k=3, rank=2),
+    "rank 1, one token": dict(tokens=1, d_model=16, d_ff=16, num_experts=4, top_k=2, rank=1),
+    "odd sizes": dict(tokens=11, d_model=7, d_ff=5, num_experts=3, top_k=2, rank=3),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapter_output_and_gradients_match_a_per_expert_float64_reference(impl, case):
+    x, w1, w2, experts, weights, adapters = random_case(7, **CASES[case])
+    scale = 1.7
+    want = reference_experts(x, w1, w2, experts, weights, *adapters, scale)
+    leaves = [x, w1, w2, *adapters]
+    probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want_grads = torch.autograd.grad((want * probe).sum(), leaves)
+    dtype = torch.float64 if impl == "torch" else torch.float32  # triton: fp32 kernels
+    cast = [t.detach().to(dtype).requires_grad_() for t in leaves]
+    got = run_experts(cast[0], cast[1], cast[2], experts, weights.to(dtype), impl,
+                      ExpertAdapters(*cast[3:], scale, 0.0))  # fmt: skip
+    got_grads = torch.autograd.grad((got * probe.to(dtype)).sum(), cast)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.double(), want, **tol)
+    names = ["x", "w1", "w2", "w1_A", "w1_B", "w2_A", "w2_B"]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, n=name: f"d{n}: {m}")
+    if case == "an empty expert":  # no rows: its adapters get exactly zero gradient
+        assert all(float(g[2].abs().max()) == 0.0 for g in got_grads[3:])
+
+
+def test_dropout_on_the_adapter_inputs_trains_and_vanishes_in_eval():
+    x, w1, w2, experts, weights, adapters = random_case(3, **CASES["ragged groups"])
+    torch.manual_seed(0)
+    args = (x, w1, w2, experts, weights, "torch")
+    no_drop = run_experts(*args, ExpertAdapters(*adapters, 1.0, 0.0))
+    dropped = run_experts(*args, ExpertAdapters(*adapters, 1.0, 0.5))
+    base = run_experts(*args)
+    assert not torch.allclose(dropped, no_drop)  # some adapter inputs were dropped
+    # with B = 0 the adapter adds nothing, dropped or not
+    zero_b = [
+        adapters[0],
+        torch.zeros_like(adapters[1]),
+        adapters[2],
+        torch.zeros_like(adapters[3]),
+    ]
+    torch.testing.assert_close(run_experts(*args, ExpertAdapters(*zero_b, 1.0, 0.5)), base)
+
+
+@pytest.mark.parametrize("targets", ["experts", "attention", "both"])
+def test_adapters_start_at_the_base_model_and_merge_into_its_function(targets):
+    torch.manual_seed(0)
+    model = small_model(moe={"impl": "torch"}).build()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    base = model(tokens).logits
+    base_state = {k: v.clone() for k, v in model.state_dict().items()}
+    added = add_adapters(model, LoRAConfig(rank=4, targets=targets), seed=0)
+    assert torch.equal(model(tokens).logits, base)  # B = 0: the base model exactly
+    names = [name for name, _ in adapter_parameters(model)]
+    assert names and all("lora" in name for name in names)
+    # worked by hand for small_model (D = F = 32, 4 experts, 2 layers) at rank 4: per layer
+    # the experts' 4 x (32x4 + 4x64 + 32x4 + 4x32) = 2560, attention's qkv 4x32 + 96x4 and
+    # out 4x32 + 32x4 = 768
+    want = 2 * {"experts": 2560, "attention": 768, "both": 2560 + 768}[targets]
+    assert added == want == sum(p.numel() for _, p in adapter_parameters(model))
+    with torch.no_grad():  # trained adapters: B moved away from zero
+        for name, p in adapter_parameters(model):
+            if name.endswith("_B"):
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    adapted = model(tokens).logits
+    assert not torch.allclose(adapted, base, atol=1e-4)
+    assert merge_adapters(model) > 0
+    assert not any("lora" in k for k in model.state_dict())
+    assert set(model.state_dict()) == set(base_state)  # the base model's tensors only
+    torch.testing.assert_close(model(tokens).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_do_not_depend_on_the_global_random_state():
+    def adapters_after(draws: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = small_model().build()
+        torch.rand(draws)  # whatever else drew from the global generator
+        add_adapters(model, LoRAConfig(rank=2, targets="both"), seed=3)
+        return {name: p.detach().clone() for name, p in adapter_parameters(model)}
+
+    first, second = adapters_after(1), adapters_after(1000)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def _tensors(ckpt_dir):
+    return safetensors.torch.load_file(ckpt_dir / checkpoint.MODEL_FILE)
+
+
+@pytest.mark.parametrize("trainable", ["lora", "routers+lora"])
+def test_training_moves_only_the_adapters_and_the_routers_asked_for(tmp_path, trainable):
+    cfg = small_config(trainable=trainable, lora=LoRAConfig(rank=4, targets="both"), steps=10,
+                       ckpt_every=0, optim=OptimConfig(lr=1e-2, warmup_steps=1))  # fmt: skip
+    torch.manual_seed(cfg.seed)
+    initial = cfg.model.build().state_dict()  # the run builds the same base (same seed)
+    train(cfg, tmp_path / "run")
+    final = _tensors(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    moved = sorted(k for k in final if k not in initial or not torch.equal(final[k], initial[k]))
+    adapters = sorted(k for k in final if "lora" in k)
+    routers = sorted(k for k in initial if k.endswith("router.weight"))
+    assert adapters and all(k not in initial for k in adapters)
+    assert moved == sorted(adapters + (routers if trainable == "routers+lora" else []))
+    for k in adapters:  # every adapter trained: B left zero, A its draw
+        assert final[k].abs().sum() > 0
+
+
+def test_a_killed_lora_run_with_telemetry_resumes_exactly(tmp_path):
+    def cfg(**changes):
+        return small_config(trainable="lora", lora=LoRAConfig(rank=2, dropout=0.1), steps=20,
+                            telemetry=TelemetryConfig(), log_every=5, **changes)  # fmt: skip
+
+    train(cfg(), tmp_path / "reference")
+    with killed_at(13):
+        train(cfg(), tmp_path / "crashed")
+    train(cfg(resume=True), tmp_path / "crashed")
+    assert losses(tmp_path / "crashed") == losses(tmp_path / "reference")
+    records = read_metrics(tmp_path / "crashed" / "metrics.jsonl")
+    rates = [r["telemetry/hit_rate"] for r in records if "telemetry/hit_rate" in r]
+    assert len(rates) == 4 and all(0 < rate <= 1 for rate in rates)  # every log record's replay
+
+
+@pytest.mark.parametrize("checkpointing", ["moe", "block", "selective"])
+def test_adapter_gradients_are_the_same_under_activation_checkpointing(checkpointing):
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def grads(mode: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = small_model(checkpointing=mode, moe={"impl": "torch"}).build()
+        add_adapters(model, LoRAConfig(rank=4, targets="both", dropout=0.2), seed=0)
+        model.set_trainable("lora")
+        with torch.no_grad():
+            for name, p in adapter_parameters(model):
+                if name.endswith("_B"):
+                    p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        model(tokens, tokens).loss.backward()
+        return {n: p.grad for n, p in adapter_parameters(model)}
+
+    want, got = grads("none"), grads(checkpointing)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_memory_plan_counts_the_adapters_alone_as_trained():
+    full = plan_memory(small_config(), 1, "cpu")
+    plan = plan_memory(small_config(trainable="lora", lora=LoRAConfig(rank=4)), 1, "cpu")
+    trained = 2 * 2560  # the experts' adapters of small_model at rank 4 (worked above)
+    assert plan.line("gradients").bytes == 4 * trained  # fp32 gradients of the adapters only
+    # torch AdamW: two fp32 moments, and a 4-byte step for each of the 8 adapter tensors
+    assert plan.line("optimizer state").bytes == 2 * 4 * trained + 4 * 8
+    weights = full.line("weights").bytes + 4 * trained  # the base model and its adapters
+    assert plan.line("weights").bytes == weights
+    assert plan.line("gradients").bytes < full.line("gradients").bytes / 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(lora={"rank": 0}), r"lora.rank=0 must be >= 1"),
+        (dict(lora={"rank": 33}), r"lora.rank=33 exceeds min\(in, out\)=32 of the experts"),
+        (dict(lora={"rank": 33, "targets": "attention"}), r"of the attention projections"),
+        (dict(lora={"targets": "mlp"}), r"lora.targets='mlp' is unknown"),
+        (dict(lora={"alpha": math.nan}), r"lora.alpha=nan must be a positive number"),
+        (dict(lora={"dropout": 1.0}), r"lora.dropout=1.0 must be in \[0, 1\)"),
+        (dict(model=small_model(moe={"impl": "megablocks"})), r"megablocks has no low-rank"),
+    ],
+)
+def test_bad_lora_values_are_refused_in_one_line(overrides, message):
+    fields = dict(small_config().__dict__, trainable="lora", **{"lora": {"rank": 4}})
+    fields.update(overrides)
+    with pytest.raises(ValueError, match=message) as err:
+        TrainConfig(**fields)
+    assert "\n" not in str(err.value)
+
+
+def test_an_expert_store_refuses_a_layer_with_adapters():
+    from moestack.cache.offload import check_servable
+    from moestack.errors import MoestackError
+
+    torch.manual_seed(0)
+    model = small_model().build()
+    check_servable(model.moe_layers[0], 0)  # no adapters: served as it is
+    add_adapters(model, LoRAConfig(rank=2), seed=0)
+    with pytest.raises(MoestackError, match="MoE layer 1 carries LoRA adapters"):
+        check_servable(model.moe_layers[1], 1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compiled_blocks_with_adapters_match_eager_without_graph_breaks(impl):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    tokens = torch.randint(1, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+
+    def run(backend: str | None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+        torch.manual_seed(0)
+        model = small_model(moe={"impl": impl}).build()
+        add_adapters(model, LoRAConfig(rank=4, targets="both"), seed=0)
+        model.set_trainable("routers+lora")
+        with torch.no_grad():
+            for name, p in adapter_parameters(model):
+                if name.endswith("_B"):
+                    p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+        if backend:
+            torch._dynamo.reset()
+            model.compile_blocks(backend=backend)
+        counters.clear()
+        loss = model(tokens, tokens).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss.detach(), grads, dict(counters["graph_break"])
+
+    eager_loss, eager_grads, _ = run(None)
+    loss, grads, breaks = run("aot_eager_decomp_partition")
+    assert breaks == {}, breaks
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
