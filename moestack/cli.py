@@ -9,7 +9,10 @@
     moestack telemetry MODEL TEXT OUT                         route a text through an MoE model,
                                                               write its trace and a report
     moestack simulate TRACE [--policies ..] [--capacities ..] replay a trace through caches
-                                                              (after a warm-up it announces)
+             [--expert-bytes N --link-gbps G --compute-ms C]  (after a warm-up it announces),
+                                                              with the tokens/s they allow
+    moestack trace import SRC OUT [--num-experts N]           a routing trace recorded by
+                                                              another tool, as a trace folder
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
     moestack prereg lock|run|status|evaluate|analyze|power FILE        pre-registered experiments
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
@@ -115,6 +118,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
             f"trace folder {args.trace!r} not found; give a run's trace/ folder (its parts "
             "joined) or one trace/<part> folder"
         )
+    estimate = _serving_estimate(args)
     run = load_run_trace(args.trace)
     trace = run.trace
     if len(run.parts) > 1:
@@ -128,23 +132,83 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     results = []
     for policy, capacity in tqdm(jobs, desc="simulate", unit="cache"):
         results += sweep(trace, policies=[policy], capacities=[capacity], warmup=args.warmup)
+    rows = _simulate_rows(results, estimate)
     print(_warmup_note(args.warmup))
     layers = trace.num_layers
     print(
         f"misses/token: the misses of all {layers} MoE layers per token (loads a token costs); "
         "per layer: their mean over the layers"
     )
+    if estimate is not None:
+        print(_estimate_note(estimate))
+    rate = f" {'est tok/s':>10}" if estimate is not None else ""
     print(
         f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13} "
-        f"{'per layer':>10}"
+        f"{'per layer':>10}{rate}"
     )
-    for stats in results:
+    for row in rows:
+        rate = f" {row['est_tokens_per_s']:>10.2f}" if estimate is not None else ""
         print(
-            f"{stats.policy:<12} {stats.capacity:>8} {stats.hit_rate:>9.4f} {stats.misses:>10} "
-            f"{stats.misses_per_token:>13.3f} {stats.misses_per_token / max(layers, 1):>10.3f}"
+            f"{row['policy']:<12} {row['capacity']:>8} {row['hit_rate']:>9.4f} "
+            f"{row['misses']:>10} {row['misses_per_token']:>13.3f} "
+            f"{row['misses_per_token'] / max(layers, 1):>10.3f}{rate}"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2))
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+ESTIMATE_OPTIONS = ("--expert-bytes", "--link-gbps", "--compute-ms")
+
+
+def _serving_estimate(args: argparse.Namespace) -> Any:
+    """The ServingEstimate of --expert-bytes, --link-gbps and --compute-ms (all three or
+    none: None), checked before any replay."""
+    from moestack.telemetry import ServingEstimate
+
+    values = (args.expert_bytes, args.link_gbps, args.compute_ms)
+    given = [opt for opt, v in zip(ESTIMATE_OPTIONS, values, strict=True) if v is not None]
+    if not given:
+        return None
+    if len(given) < len(ESTIMATE_OPTIONS):
+        missing = [opt for opt in ESTIMATE_OPTIONS if opt not in given]
+        raise MoestackError(
+            f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+            f"{' and '.join(missing)} too: the estimate of tokens/s takes all three of "
+            f"{', '.join(ESTIMATE_OPTIONS)}"
+        )
+    return ServingEstimate(*values)
+
+
+def _simulate_rows(results: list[Any], estimate: Any) -> list[dict[str, Any]]:
+    """The JSON rows of simulate (and its table): each CacheStats as a dict, with
+    ``est_tokens_per_s`` when an estimate is asked for."""
+    rows = []
+    for stats in results:
+        row = stats.to_dict()
+        if estimate is not None:
+            row["est_tokens_per_s"] = estimate.est_tokens_per_s(stats.misses_per_token)
+        rows.append(row)
+    return rows
+
+
+def _estimate_note(estimate: Any) -> str:
+    return (
+        f"est tok/s = 1000 / token_ms, token_ms = {estimate.compute_ms:g} ms compute + "
+        f"misses/token x {estimate.expert_bytes:.0f} B / ({estimate.link_gbps:g} GB/s x 1e6): "
+        "every load in series, none hidden behind compute"
+    )
+
+
+def cmd_trace(args: argparse.Namespace) -> None:
+    from moestack.telemetry import import_trace
+
+    trace = import_trace(args.src, args.out, num_experts=args.num_experts, progress=True)
+    k = "/".join(str(k) for k in sorted(set(trace.top_k)))
+    print(
+        f"imported {trace.num_tokens} tokens x {trace.num_layers} MoE layers "
+        f"(top-{k} of {max(trace.num_experts)} experts, {trace.meta['import_format']}) "
+        f"from {args.src} into {args.out}; replay it with: moestack simulate {args.out}"
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -292,8 +356,64 @@ def _simulate_parser(verbs: Any) -> None:
         help="requests per layer that fill the caches uncounted: a fraction or a count "
         "(default: %(default)s, the first 10%%)",
     )
+    estimate = (
+        "; with all three of --expert-bytes N, --link-gbps G and --compute-ms C each row gains "
+        "est_tokens_per_s = 1000 / token_ms, token_ms = C + misses_per_token * N / (G * 1e6) "
+        "(loads in series, none hidden behind compute)"
+    )
+    p.add_argument(
+        "--expert-bytes",
+        type=float,
+        default=None,
+        metavar="N",
+        help=f"bytes one expert load moves{estimate} (default: none, no estimate)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="GB/s (1e9 bytes/s) of the link experts load over, e.g. 25 for PCIe 4 x16, 3.5 "
+        "for an NVMe disk (default: none, no estimate)",
+    )
+    p.add_argument(
+        "--compute-ms",
+        type=float,
+        default=None,
+        metavar="C",
+        help="milliseconds of compute per token with every expert resident (default: none, "
+        "no estimate)",
+    )
     p.add_argument("--json", default="", help="also write the results to this file (default: none)")
     p.set_defaults(func=cmd_simulate)
+
+
+def _trace_parser(verbs: Any) -> None:
+    p = verbs.add_parser("trace", help="routing traces recorded by other tools")
+    actions = p.add_subparsers(
+        dest="trace_action", required=True, help="import: write a foreign trace as a trace folder"
+    )
+    imp = actions.add_parser(
+        "import",
+        help="write a routing trace recorded by another tool as a moestack trace folder",
+        description="Read SRC, a moe-routing-lab .npz (experts int16 [layers, tokens, k] and "
+        "a JSON meta with num_experts and top_k) or the llama.cpp eval-callback tracer's binary "
+        "records (int32 layer, n_tokens, k, then n_tokens*k ids; the layout is told from the "
+        "file's first bytes), check it whole and write OUT, a trace folder for moestack "
+        "simulate. The tokens are one sequence, in file order. Bad input: one line, nothing "
+        "written.",
+    )
+    imp.add_argument("src", help="the trace file: a .npz archive or a binary record stream")
+    imp.add_argument("out", help="the trace folder to write (must not exist, or be empty)")
+    imp.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="experts per MoE layer: required for a binary record stream (it does not say); "
+        "an .npz's meta says it (default: none)",
+    )
+    imp.set_defaults(func=cmd_trace)
 
 
 def _report_parser(verbs: Any) -> None:
@@ -377,8 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moestack {__version__}")
     verbs = parser.add_subparsers(dest="verb", required=True)
     for add in (
-        eval_parser, export_parser, _telemetry_parser, _simulate_parser, _report_parser,
-        _prereg_parser, _plan_parser,
+        eval_parser, export_parser, _telemetry_parser, _simulate_parser, _trace_parser,
+        _report_parser, _prereg_parser, _plan_parser,
     ):  # fmt: skip
         add(verbs)
     return parser
@@ -400,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
         with logging_redirect_tqdm():
             args.func(args)
     except (MoestackError, ValueError, OSError, ImportError) as err:
-        _error(args.verb, err)
+        _error(" ".join(filter(None, (args.verb, getattr(args, "trace_action", None)))), err)
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (runs resume where they stopped)
         print(f"moestack {args.verb}: interrupted", file=sys.stderr)
         raise SystemExit(130) from None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement (issues 3, 7, 16, 17 and 19) in ONE call of a lent machine, most
+# Every GPU check and measurement (issues 3, 7, 16, 17, 19 and 31) in ONE call of a lent machine, most
 # valuable first, inside a fixed time budget. No network: nothing is installed; the package
 # is staged the way pip would lay it out.
 #
@@ -9,12 +9,14 @@
 #
 # The caps are the times of the first H200 run (2026-11-30, BENCHMARKS.md) with headroom.
 # The plan is sized for one device call with timeout_s=560: the phases' caps plus staging
-# fit GPU_CHECK_SECONDS (default 525), and the worst case adds one phase's SIGKILL grace and
+# fit GPU_CHECK_SECONDS (default 540), and the worst case adds one phase's SIGKILL grace and
 # the summary (--dry-run prints the sum). Each phase's cap is also clipped to what is left of
 # the budget, so a slow phase costs the phases after it, never the call. Order: correctness
 # of the bf16 kernels and of every candidate tile config, then the issue-3 benchmark (whose
 # outputs are checked against the torch path before timing), then the optimizer step, then
-# the memory rows, then a short training run. Optional phases run only when named.
+# the memory rows, then serving from the expert cache (issue 31). Optional phases run only
+# when named (the 137M training runs among them: they ran on 2026-11-30, and the serving
+# benchmark took their room in the default plan).
 #
 # Output under $OUT, written as it goes: summary.txt (a line per phase as it ends, then a
 # one-screen summary), log.txt (every phase's full output) and the files of each phase
@@ -26,18 +28,19 @@ CALL_S=560   # timeout_s of the one device call this plan is sized for
 SETUP_S=10   # staging the package and carried wheels, before the first phase
 GRACE_S=10   # a phase past its cap gets SIGINT, then SIGKILL this many seconds later
 SUMMARY_S=5  # the closing summary
-BUDGET=${GPU_CHECK_SECONDS:-525}
+BUDGET=${GPU_CHECK_SECONDS:-540}
 
 # name|cap in seconds|files under $OUT|default or optional|what it shows
 PLAN=(
-    "env|15|log.txt|default|GPU, driver, torch/triton versions; the staged package imports"
+    "env|10|log.txt|default|GPU, driver, torch/triton/transformers/accelerate versions; the staged package imports"
     "kernel_tests|200|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
     "bench_moe|100|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
     "profile_moe|45|profile_moe.json|default|the Triton layer's time launch by launch (fwd and bwd GEMMs, SwiGLU bwd, the rest) at three shapes"
-    "optim_tests|40|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
+    "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
     "bench_optim|50|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
-    "memory|20|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
-    "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|default|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
+    "memory|15|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
+    "bench_serve|80|bench_serve.json|default|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel)"
+    "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
     "train_adamw|40|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
     "bench_memory|60|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
@@ -186,7 +189,9 @@ phase env bash -c "nvidia-smi; $PY -c 'import sys, torch, triton; print(sys.vers
 print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"cuda\", torch.version.cuda); \
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA device\"); \
 import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.__file__); \
-import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")))'"
+import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\"))); \
+import importlib.metadata as m; v = lambda n: m.version(n) if u.find_spec(n) else None; \
+print(\"transformers:\", v(\"transformers\"), \"accelerate:\", v(\"accelerate\"))'"
 MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
     tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py
 # Autotunes on first use, checks every contender against the torch path, saves the checked
@@ -200,6 +205,12 @@ MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_test
     tests/optim/test_offload_devices.py
 phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step --json "$OUT/bench_optim.json"
 phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim_memory.json"
+# Issue 31: a random Qwen3-30B-A3B-like model served from the expert cache (LRU and static at
+# k, 2k, 25% and 50% of a layer's experts, prefetch off and on, and over the disk tier),
+# against every expert on the GPU and against accelerate's CPU offload (the accelerate
+# wheel, docs/kernels.md). It skips the rows that would end past --budget-s, writing the
+# JSON after every row, so it ends inside its cap with what it measured.
+phase bench_serve "$PY" scripts/bench_serve.py --budget-s 55 --json "$OUT/bench_serve.json"
 # End-to-end training of the 137M model (bf16 autocast, triton experts, the table's configs):
 # the training CLI needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
 if "$PY" -c "import hydra" 2>/dev/null; then
@@ -211,7 +222,7 @@ if "$PY" -c "import hydra" 2>/dev/null; then
         [[ -f $STAGE/run_$optim/summary.json ]] && cp "$STAGE/run_$optim/summary.json" "$OUT/train_$optim.json"
         [[ -f $STAGE/run_$optim/metrics.jsonl ]] && cp "$STAGE/run_$optim/metrics.jsonl" "$OUT/train_${optim}_metrics.jsonl"
     done
-elif selected train_offload_adamw default; then
+elif selected train_offload_adamw optional; then
     echo "train: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
 fi
 # Issue 17's GPU rows: peak memory (torch.cuda.max_memory_allocated) and step time of m137 in
@@ -259,6 +270,11 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         echo "--- bench_optim (GPU optimizer step, training step and its parts)"
         sed -n '/^===== bench_optim/,/^=====/p' "$LOG" |
             grep -E "step_ms|_part_|vs_adamw" | head -20
+    fi
+    if ran bench_serve; then
+        echo "--- bench_serve (serving from the expert cache: tokens/s, memory, bytes, hit rate)"
+        sed -n '/^===== bench_serve/,/^=====/p' "$LOG" |
+            grep -E "^(bench_serve: |\| |serve (target|check): )" | head -40
     fi
     if ran bench_memory; then
         echo "--- bench_memory (m137 per checkpointing mode and compiled: MiB, step s)"

@@ -9,11 +9,19 @@ requests) go through every policy, so caches fill and ``static`` / ``lru+static`
 their pinned experts (unless ``static_experts`` gives them), but are not counted in the
 stats. ``bytes_loaded`` is misses x the expert's size in bytes (from ``expert_bytes`` or
 the trace header); 0 where the size is unknown.
+
+What a cache means on a given machine (``ServingEstimate``): a token costs ``compute_ms``
+plus its expert loads, each ``expert_bytes`` over a link of ``link_gbps`` GB/s, one after
+another: ``token_ms = compute_ms + misses_per_token * expert_bytes / (link_gbps * 1e6)`` and
+``est_tokens_per_s = 1000 / token_ms``. It assumes no load overlaps compute (prefetch would
+hide some) and that compute does not depend on the cache.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,6 +78,32 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ServingEstimate:
+    """The tokens/s a cache's misses allow on a machine: ``expert_bytes`` per expert load, a
+    link of ``link_gbps`` GB/s (10^9 bytes/s), ``compute_ms`` of compute per token."""
+
+    expert_bytes: float
+    link_gbps: float
+    compute_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("expert_bytes", "link_gbps", "compute_ms"):
+            value = getattr(self, name)
+            ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (ok and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive finite number")
+
+    def token_ms(self, misses_per_token: float) -> float:
+        """Milliseconds per token: compute plus ``misses_per_token`` serial expert loads
+        (``expert_bytes / (link_gbps * 1e9)`` s = ``expert_bytes / (link_gbps * 1e6)`` ms each)."""
+        return self.compute_ms + misses_per_token * self.expert_bytes / (self.link_gbps * 1e6)
+
+    def est_tokens_per_s(self, misses_per_token: float) -> float:
+        """``1000 / token_ms(misses_per_token)``."""
+        return 1000.0 / self.token_ms(misses_per_token)
 
 
 def _resolve_warmup(warmup: int | float, n: int) -> int:

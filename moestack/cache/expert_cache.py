@@ -381,6 +381,12 @@ class ExpertCache:
             with torch.cuda.stream(stream):
                 tensors = self._to_device(host, blocking=False)
             stream.synchronize()
+            # allocated on the side stream, used and freed on the compute stream: without
+            # this the allocator could hand the memory to the next prefetch while a kernel
+            # of the compute stream still reads it
+            compute = torch.cuda.default_stream(self.device)
+            for t in tensors.values():
+                t.record_stream(compute)
         else:
             tensors = self._to_device(host, blocking=True)
         with self._stats_lock:
