@@ -159,7 +159,7 @@ def _linear_adapter_output(linear: nn.Linear, args: tuple, out: torch.Tensor) ->
     """The projection's output plus its adapter's: ``out + s * dropout(x) @ A^T @ B^T``."""
     x = F.dropout(args[0], linear.lora_dropout, linear.training)
     low = F.linear(F.linear(x, linear.lora_A.to(out.dtype)), linear.lora_B.to(out.dtype))
-    return out + linear.lora_scale * low
+    return out.add(low, alpha=linear.lora_scale)  # one pass over the output, scale included
 
 
 def adapter_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -193,7 +193,8 @@ def _adapted_mm(
     if low is None or adapters is None:
         return y_NM
     x_NK = F.dropout(x_NK, adapters.dropout) if adapters.dropout else x_NK
-    return y_NM + adapters.scale * gemm(gemm(x_NK, low[0], offsets_E), low[1], offsets_E)
+    low_NM = gemm(gemm(x_NK, low[0], offsets_E), low[1], offsets_E)
+    return y_NM.add(low_NM, alpha=adapters.scale)  # one pass over [N, M], scale included
 
 
 def moe_experts_torch(

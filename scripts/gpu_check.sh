@@ -45,6 +45,7 @@ PLAN=(
     "bench_memory|60|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
     "more_tests|60|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
+    "bench_lora|60|bench_lora.json|optional|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16: peak memory, step time"
     "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
 )
 
@@ -236,6 +237,11 @@ fi
 phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/model/test_moe.py
+# Issue 34's targets: LoRA's peak device memory against a full fine-tune with device AdamW
+# (<= 0.5x) and its step against a router-only one (<= 1.3x), on the 137M model, 16k tokens.
+MOESTACK_AUTOTUNE=0 phase bench_lora "$PY" scripts/bench_lora.py --moestack-model m137 \
+    --device cuda --batch-size 16 --seq-len 1024 --steps 8 --warmup 3 --max-bytes 4000000 \
+    --json "$OUT/bench_lora.json"
 # Issue 16: the expert-parallel layer over NCCL, one process per GPU, against one process
 # (outputs and gradients, torch and triton experts); with fewer than 2 GPUs it writes and
 # prints that it skipped, and why.
