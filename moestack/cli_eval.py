@@ -368,6 +368,14 @@ def eval_parser(verbs: Any) -> None:
         "model folder)",
     )
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
+    _cache_options(p)
+    _generation_options(p)
+    _allow_nonfinite(p)
+    p.set_defaults(func=cmd_eval)
+
+
+def _cache_options(p: argparse.ArgumentParser) -> None:
+    """eval's options of the expert cache (--offload and how it serves)."""
     p.add_argument(
         "--offload", action="store_true", help="serve experts from the store + cache (default: off)"
     )
@@ -412,6 +420,10 @@ def eval_parser(verbs: Any) -> None:
         default=0.0,
         help="router bias toward resident experts (default: %(default)s, none)",
     )
+
+
+def _generation_options(p: argparse.ArgumentParser) -> None:
+    """eval's options of greedy generation after the metrics."""
     p.add_argument(
         "--generate",
         type=count_arg,
@@ -423,8 +435,6 @@ def eval_parser(verbs: Any) -> None:
     p.add_argument(
         "--prompt", default="def ", help="the text --generate continues (default: %(default)r)"
     )
-    _allow_nonfinite(p)
-    p.set_defaults(func=cmd_eval)
 
 
 def export_parser(verbs: Any) -> None:

@@ -36,12 +36,10 @@ import torch
 from torch import nn
 
 from moestack.atomic import fsync_dir, install_dir
-from moestack.checkpoint import sha256_file
 from moestack.errors import MoestackError
-from moestack.interop.hf_config import CONFIG_FILE, check_model_dir
-from moestack.interop.hf_export import EXPORT_FORMAT, REPORT_FILE, check_export_target
+from moestack.interop.hf_export import REPORT_FILE, export_record, export_target
 from moestack.interop.hf_model import HFMoEModel
-from moestack.lora import adapter_parameters
+from moestack.lora import adapter_parameters, has_adapters
 
 log = logging.getLogger(__name__)
 
@@ -64,27 +62,16 @@ def export_adapter(
     """Write ``model``'s adapters (rank ``rank``, scale ``alpha / rank``; ``routers``: the
     routers trained too) as a peft adapter folder, or as moestack safetensors where peft
     cannot hold them; returns the report, also written as the export record."""
-    source = check_model_dir(source_dir)
-    out = Path(out_dir).expanduser()
-    keep = {"source model folder": source}
-    if run_dir is not None:
-        keep["run folder"] = Path(run_dir)
-    check_export_target(out, keep, overwrite)
-    if next(adapter_parameters(model), None) is None:
+    source, out = export_target(out_dir, source_dir, run_dir, overwrite)
+    if not has_adapters(model):
         raise MoestackError(
             f"{run_dir or 'the model'} has no LoRA adapters (trainable=lora or routers+lora "
             "adds them); export the whole model without --adapter"
         )
     why_not = _why_peft_cannot(model)
     report: dict[str, Any] = {
-        "format": EXPORT_FORMAT,
+        **export_record(model, out, source, run_dir, checkpoint),
         "kind": "adapter",
-        "out_dir": str(out.resolve()),
-        "family": model.info["family"],
-        "source_dir": str(source.resolve()),
-        "source_config_sha256": sha256_file(source / CONFIG_FILE),
-        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
-        "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
         "adapter_format": "moestack" if why_not else "peft",
         "peft_unavailable": why_not,
     }

@@ -200,6 +200,40 @@ def _export_bytes(hf: nn.Module, source: Path, names: list[str]) -> int:
     return weights + sum((source / name).stat().st_size for name in names)
 
 
+def export_target(
+    out_dir: str | Path, source_dir: str | Path, run_dir: str | Path | None, overwrite: bool
+) -> tuple[Path, Path]:
+    """``(source, out)``: the checked source model folder and an ``out_dir`` an export may
+    write (``check_export_target``: never the source, the run or a folder above them)."""
+    source = check_model_dir(source_dir)
+    out = Path(out_dir).expanduser()
+    keep = {"source model folder": source}
+    if run_dir is not None:
+        keep["run folder"] = Path(run_dir)
+    check_export_target(out, keep, overwrite)
+    return source, out
+
+
+def export_record(
+    model: HFMoEModel,
+    out: Path,
+    source: Path,
+    run_dir: str | Path | None,
+    checkpoint: str | Path | None,
+) -> dict[str, Any]:
+    """The fields every export record holds (a model's or an adapter's): its format, where
+    it went, the family, the source folder and its config's sha256, the run and checkpoint."""
+    return {
+        "format": EXPORT_FORMAT,
+        "out_dir": str(out.resolve()),
+        "family": model.info["family"],
+        "source_dir": str(source.resolve()),
+        "source_config_sha256": sha256_file(source / CONFIG_FILE),
+        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
+        "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
+    }
+
+
 def export_hf(
     model: HFMoEModel,
     out_dir: str | Path,
@@ -228,12 +262,7 @@ def export_hf(
     whole, only once the new export is complete); weights holding NaN/inf, naming them,
     unless ``allow_nonfinite``; a disk without room for the export (the bytes needed and
     free), also when it fills up while writing (the partial folder removed)."""
-    source = check_model_dir(source_dir)
-    out = Path(out_dir).expanduser()
-    keep = {"source model folder": source}
-    if run_dir is not None:
-        keep["run folder"] = Path(run_dir)
-    check_export_target(out, keep, overwrite)
+    source, out = export_target(out_dir, source_dir, run_dir, overwrite)
     if has_adapters(model):
         raise MoestackError(
             "the model carries LoRA adapters, which a transformers folder has no place for: "
@@ -245,13 +274,7 @@ def export_hf(
     check_finite_weights(model_tensors(model), what, allow=allow_nonfinite)
     dropped = expert_bias_report(model)
     report: dict[str, Any] = {
-        "format": EXPORT_FORMAT,
-        "out_dir": str(out.resolve()),
-        "family": model.info["family"],
-        "source_dir": str(source.resolve()),
-        "source_config_sha256": sha256_file(source / CONFIG_FILE),
-        "run_dir": None if run_dir is None else str(Path(run_dir).resolve()),
-        "checkpoint": None if checkpoint is None else str(Path(checkpoint).resolve()),
+        **export_record(model, out, source, run_dir, checkpoint),
         "checkpoint_sha256": checkpoint_sha256,
         "expert_bias_dropped": dropped,
         "expert_bias_folded": {},
