@@ -6,12 +6,31 @@ process without them is a world of one and nothing here talks to anybody.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported before any process group exists, on purpose: its collectives default their group
+# to ``group.WORLD`` as it is when the module is first imported, and torch imports it lazily
+# (the first optimizer built imports torch._dynamo, which imports it). Imported after
+# init_process_group, it would hold the default group for the life of the process, and that
+# group's gloo threads would outlive it (see close_process_groups).
+import torch.distributed.nn  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+# The name gloo's worker threads run under (ProcessGroupGloo's run loop; Linux shows it in
+# /proc/self/task/*/comm). They are joined only when the group's last reference is dropped.
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+# How long the threads of a destroyed group get to leave /proc once joined.
+THREADS_GONE_WITHIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -66,5 +85,45 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
-    if info.active and dist.is_initialized():
+    """End this rank's process groups (see :func:`close_process_groups`); warn when a gloo
+    worker thread outlives them."""
+    if not info.active:
+        return
+    left = close_process_groups()
+    if left:
+        log.warning(
+            "rank %d: %d gloo worker thread(s) still run after the process groups were "
+            "destroyed: something still references a group, and the exit may abort",
+            info.rank,
+            left,
+        )
+
+
+def close_process_groups() -> int:
+    """Destroy every process group, then collect the objects that still referenced one (an
+    optimizer, a mesh, often in a reference cycle), so that gloo joins its worker threads
+    while Python runs. A worker thread left running into the interpreter's exit frees the
+    tensors of finished collectives there, and freeing a Python-owned tensor then takes the
+    GIL of a finalizing interpreter: the thread is unwound and the process aborts
+    ("terminate called without an active exception"), at random, after a successful run.
+    Returns how many gloo worker threads still run (0: every group is gone)."""
+    if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
+    deadline = time.monotonic() + THREADS_GONE_WITHIN_S
+    while (left := gloo_worker_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
+
+
+def gloo_worker_threads() -> int:
+    """How many threads of this process are gloo worker threads (0 without /proc)."""
+    count = 0
+    tasks = Path("/proc/self/task")
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:  # a thread that ended while it was listed
+            continue
+        count += name == GLOO_WORKER_THREAD
+    return count

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,46 +166,60 @@ def _holding(out_dir: Path) -> contextlib.AbstractContextManager:
 
 def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str, Any]:
     """The run itself: build it, step to ``cfg.steps`` (checkpointing, logging), finish.
-    ``plan_table=False`` logs the memory plan's totals only (a sweep's later jobs)."""
+    ``plan_table=False`` logs the memory plan's totals only (a sweep's later jobs).
+
+    The process groups are ended after the run's objects are gone (on failure too: the
+    traceback's frames are cleared), so nothing keeps a group, and gloo's threads, alive
+    into the interpreter's exit (see ``distributed.close_process_groups``)."""
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
         check_same_config_on_every_rank(cfg, dist_info)  # before any other collective
-        run = build_run(cfg, out_dir, dist_info)
-        plan = (
-            memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table, run.model)
-            if dist_info.is_main
-            else None
-        )
-        progress = _progress_bar(cfg, run.start_step) if dist_info.is_main else None
-        try:
-            for step in range(run.start_step, cfg.steps):
-                started = time.perf_counter()
-                result = train_step(run)
-                seconds = time.perf_counter() - started
-                run.interval_step_s += seconds
-                run.train_s += seconds
-                run.state.step = done = step + 1
-                if step == run.start_step:
-                    memory_plan.log_peak(plan, run.device)
-                if not result.finite:
-                    _check_bad_steps(run, step)
-                    continue
-                if progress is not None:
-                    progress.update(1)
-                if done % cfg.log_every == 0 or done == cfg.steps:
-                    log_interval(run, result, done, progress)
-                if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != cfg.steps:
-                    save(run, done)
-        finally:
-            if progress is not None:
-                progress.close()
-        summary = finish_run(run)
+        summary = _build_and_step(cfg, out_dir, dist_info, plan_table)
         # No rank tears its process group down while another still talks to it: gloo aborts
         # a rank whose peer closed the connection first (seen as a SIGABRT at exit).
         distributed.barrier(dist_info)
         return summary
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)  # the failed run's objects die here
+        raise
     finally:
         distributed.shutdown(dist_info)
+
+
+def _build_and_step(
+    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo, plan_table: bool
+) -> dict[str, Any]:
+    """Build the run, step it to ``cfg.steps`` and finish it: its summary."""
+    run = build_run(cfg, out_dir, dist_info)
+    plan = (
+        memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table, run.model)
+        if dist_info.is_main
+        else None
+    )
+    progress = _progress_bar(cfg, run.start_step) if dist_info.is_main else None
+    try:
+        for step in range(run.start_step, cfg.steps):
+            started = time.perf_counter()
+            result = train_step(run)
+            seconds = time.perf_counter() - started
+            run.interval_step_s += seconds
+            run.train_s += seconds
+            run.state.step = done = step + 1
+            if step == run.start_step:
+                memory_plan.log_peak(plan, run.device)
+            if not result.finite:
+                _check_bad_steps(run, step)
+                continue
+            if progress is not None:
+                progress.update(1)
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                log_interval(run, result, done, progress)
+            if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != cfg.steps:
+                save(run, done)
+    finally:
+        if progress is not None:
+            progress.close()
+    return finish_run(run)
 
 
 def train_step(run: Run) -> StepResult:

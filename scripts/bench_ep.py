@@ -183,7 +183,7 @@ def _worker(rank: int, world: int, init: str, cfgs: dict, args: Any, out: str) -
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
-        dist.destroy_process_group()
+        distributed.close_process_groups()
 
 
 # --------------------------------------------------------------------------- summary

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from moestack import MoE, MoEConfig, RouterConfig
+from moestack import MoE, MoEConfig, RouterConfig, distributed
 from moestack.parallel import average_gradients, build_mesh, shard_experts
 
 ATOL, RTOL = 1e-5, 1e-4  # fp32; the reference differs only in summation order
@@ -148,22 +148,26 @@ def _worker(rank: int, world: int, backend: str, init: str, impls: list[str], ou
         timeout=COLLECTIVE_TIMEOUT,
     )
     try:
-        rows = []
-        for ep in layouts(world):
-            mesh = build_mesh(world, rank, ep)
-            for impl in impls:
-                cases = {
-                    name: check_case(spec, impl, mesh, device, seed)
-                    for seed, (name, spec) in enumerate(case_specs(world).items())
-                }
-                rows.append({"ep": ep, "impl": impl, "rank": rank, "cases": cases})
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, rows)
-        if rank == 0:
-            Path(out).write_text(json.dumps([row for rank_rows in every for row in rank_rows]))
+        _check_layouts(rank, world, device, impls, out)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    finally:  # the layouts' meshes are gone: every group ends, with its threads
+        distributed.close_process_groups()
+
+
+def _check_layouts(rank: int, world: int, device: torch.device, impls: list[str], out: str) -> None:
+    rows = []
+    for ep in layouts(world):
+        mesh = build_mesh(world, rank, ep)
+        for impl in impls:
+            cases = {
+                name: check_case(spec, impl, mesh, device, seed)
+                for seed, (name, spec) in enumerate(case_specs(world).items())
+            }
+            rows.append({"ep": ep, "impl": impl, "rank": rank, "cases": cases})
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, rows)
+    if rank == 0:
+        Path(out).write_text(json.dumps([row for rank_rows in every for row in rank_rows]))
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:

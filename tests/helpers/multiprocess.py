@@ -21,14 +21,18 @@ import signal
 import subprocess
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+from moestack import distributed
 
 # How long one collective (and the process-group set-up, which waits for every rank to start)
 # may wait for the other ranks before gloo gives up: starting a rank under load (importing
@@ -94,6 +98,29 @@ def spawn_ranks(
                 raise RanksFailed(f"{what}: rank {err.error_index} failed: {err}") from err
     finally:
         end_processes(ctx.processes)
+
+
+def run_gloo_rank(
+    rank: int, world: int, init_method: str, body: Callable[..., None], *args: Any
+) -> None:
+    """``body(*args)`` as rank ``rank`` of a gloo group of ``world`` ranks, ended as moestack's
+    runs end theirs: every rank at a barrier, then ``distributed.close_process_groups``, with
+    no gloo worker thread left running (one left would free tensors while the interpreter
+    exits and may abort the process). The body runs in its own frame, so its objects (an
+    optimizer, a mesh) are gone before the groups are closed; a failing body's frames are
+    cleared for the same reason."""
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
+    try:
+        body(*args)
+        dist.barrier()  # no rank tears gloo down while a peer is still connected
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        left = distributed.close_process_groups()
+    assert left == 0, f"rank {rank}: {left} gloo worker thread(s) outlived the process groups"
 
 
 def end_processes(processes: Sequence[Any]) -> None:

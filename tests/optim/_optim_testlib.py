@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import torch
-from helpers.multiprocess import COLLECTIVE_TIMEOUT
+from helpers.multiprocess import run_gloo_rank
 from torch import nn
 
 E, D, F = 4, 8, 12
@@ -125,48 +125,40 @@ def dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
 
     The "shard" run also saves a checkpoint (collective state_dict) at STEPS // 2.
     """
-    import torch.distributed as dist
+    torch.set_num_threads(1)
+    run_gloo_rank(rank, world, init_method, _dist_runs, rank, world, out_dir)
 
+
+def _dist_runs(rank: int, world: int, out_dir: str) -> None:
     from moestack.optim import OffloadAdamW
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        for config, kw in DIST_CONFIGS.items():
-            model = TinyMoE()
-            opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-            per = BATCH // world
-            rows = slice(rank * per, (rank + 1) * per)
-            history = []
-            for step in range(STEPS):
-                if step == STEPS // 2 and config == "shard":
-                    sd = opt.state_dict()  # collective: every rank calls it
-                    if rank == 0:
-                        torch.save(
-                            {"model": model.state_dict(), "optim": sd, "sched": sched.state_dict()},
-                            f"{out_dir}/ckpt.pt",
-                        )
-                micro_step(model, step, rows)
-                norm = float(opt.clip_grad_norm_(MAX_NORM))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                snap = {n: p.detach().clone() for n, p in model.named_parameters()}
-                history.append({"params": snap, "norm": norm})
-            bufs = opt.host_buffers()
-            state_bytes = sum(
-                bufs[k].numel() * bufs[k].element_size()
-                for k in ("master", "exp_avg", "exp_avg_sq")
-            )
-            torch.save(
-                {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards},
-                f"{out_dir}/{config}{rank}.pt",
-            )
-    finally:
-        # Both ranks reach here before either tears gloo down: a rank that destroys its group
-        # while the other is still connected can abort it ("terminate called ...").
-        dist.barrier()
-        dist.destroy_process_group()
+    for config, kw in DIST_CONFIGS.items():
+        model = TinyMoE()
+        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        per = BATCH // world
+        rows = slice(rank * per, (rank + 1) * per)
+        history = []
+        for step in range(STEPS):
+            if step == STEPS // 2 and config == "shard":
+                sd = opt.state_dict()  # collective: every rank calls it
+                if rank == 0:
+                    torch.save(
+                        {"model": model.state_dict(), "optim": sd, "sched": sched.state_dict()},
+                        f"{out_dir}/ckpt.pt",
+                    )
+            micro_step(model, step, rows)
+            norm = float(opt.clip_grad_norm_(MAX_NORM))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+            history.append({"params": snap, "norm": norm})
+        bufs = opt.host_buffers()
+        state_bytes = sum(
+            bufs[k].numel() * bufs[k].element_size() for k in ("master", "exp_avg", "exp_avg_sq")
+        )
+        torch.save(
+            {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards},
+            f"{out_dir}/{config}{rank}.pt",
+        )

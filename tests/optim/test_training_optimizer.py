@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.multiprocess import COLLECTIVE_TIMEOUT, file_rendezvous, spawn_ranks
+from helpers.multiprocess import file_rendezvous, run_gloo_rank, spawn_ranks
 from torch import nn
 
 from moestack import MoE, MoEConfig, RouterConfig, parallel
@@ -130,15 +130,12 @@ def run_layout(name: str, ep: int, world: int, rank: int) -> dict:
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        results = {f"{name}_ep{ep}": run_layout(name, ep, world, rank) for name, ep in LAYOUTS}
-        torch.save(results, f"{out}/rank{rank}.pt")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
+    run_gloo_rank(rank, world, init, _run_layouts, rank, world, out)
+
+
+def _run_layouts(rank: int, world: int, out: str) -> None:
+    results = {f"{name}_ep{ep}": run_layout(name, ep, world, rank) for name, ep in LAYOUTS}
+    torch.save(results, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers.multiprocess import COLLECTIVE_TIMEOUT, file_rendezvous, spawn_ranks
+from helpers.multiprocess import file_rendezvous, run_gloo_rank, spawn_ranks
 from torch import nn
 
 from moestack import MoE, MoEConfig, RouterConfig
@@ -57,25 +56,22 @@ def build_case(name: str, world: int) -> tuple[OneLayer, list[torch.Tensor], lis
 
 
 def _worker(rank: int, world: int, ep: int, init_method: str, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-    )
-    try:
-        mesh = build_mesh(world, rank, ep)
-        results = {}
-        for name in CASES:
-            model, xs, gs = build_case(name, world)
-            shard_experts(model, mesh)
-            x = xs[rank].clone().requires_grad_()
-            y = model.moe(x)
-            (y * gs[rank]).sum().backward()
-            average_gradients(model)
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            results[name] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
-        torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    run_gloo_rank(rank, world, init_method, _run_cases, rank, world, ep, out)
+
+
+def _run_cases(rank: int, world: int, ep: int, out: str) -> None:
+    mesh = build_mesh(world, rank, ep)
+    results = {}
+    for name in CASES:
+        model, xs, gs = build_case(name, world)
+        shard_experts(model, mesh)
+        x = xs[rank].clone().requires_grad_()
+        y = model.moe(x)
+        (y * gs[rank]).sum().backward()
+        average_gradients(model)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results[name] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
+    torch.save(results, f"{out}/rank{rank}.pt")
 
 
 def reference(name: str, world: int) -> dict:
