@@ -134,6 +134,10 @@ class OptimConfig:
     # offload_adamw: the one-pass host step: "auto" (the native C++ kernel, else
     # torch.compile, else the reference), "native", "compile" or "off" (the reference path)
     fused_step: str = "auto"
+    # offload_adamw: 1 runs the host update of step t while step t+1 computes (whose forward
+    # and backward see the weights before it: one step stale; docs/optim.md), 0 is exact
+    update_delay: int = 0
+    delay_warmup: int = 1  # offload_adamw with update_delay: the first steps that run exact
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
     # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
     param_dtype: str = "auto"
@@ -166,6 +170,16 @@ class OptimConfig:
             self.param_dtype in ("auto", "float32", "bfloat16"),
             f"optim.param_dtype={self.param_dtype!r}; use 'auto', 'float32' or 'bfloat16'",
         )
+        _check(
+            self.update_delay in (0, 1),
+            f"optim.update_delay={self.update_delay}; use 0 (exact) or 1 (one step delayed)",
+        )
+        _check(
+            self.update_delay == 0 or self.name == "offload_adamw",
+            f"optim.update_delay={self.update_delay} delays the host update of "
+            f"optim=offload_adamw; optim={self.name} has none (use optim=offload_adamw)",
+        )
+        _check(self.delay_warmup >= 0, f"optim.delay_warmup={self.delay_warmup} must be >= 0")
 
 
 @dataclass

@@ -233,6 +233,7 @@ def _offload_lines(
         shard=cfg.optim.shard,
         fused_step=cfg.optim.fused_step,
         moment_dtype=parse_moment_dtype(cfg.optim.moment_dtype),
+        update_delay=cfg.optim.update_delay,
         native=lambda: True,
     )
     _host_lines(plan, layout, label)
@@ -288,6 +289,16 @@ def _host_lines(plan: MemoryPlan, layout: OffloadPlan, label: str) -> None:
             formula = f"({shards} x {_mib(stride)} + {_mib(stride)}) x 4 B"
         pack = _bytes(host, "grad_comm", "grad_shard")
         plan.lines.append(Line("host", "gradient pack buffers" + label, pack, formula))
+    if "grad_spare" in host:
+        n = host["grad_spare"][0]
+        plan.lines.append(
+            Line(
+                "host",
+                "delayed update: spare gradient buffer" + label,
+                _bytes(host, "grad_spare"),
+                f"{_mib(n)} x 4 B (optim.update_delay=1)",
+            )
+        )
     if "weight_staging" in host:
         n, dtype = host["weight_staging"]
         plan.lines.append(

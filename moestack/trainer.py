@@ -324,6 +324,7 @@ def _evaluate(run: Run) -> dict[str, float]:
     """Validation loss and perplexity, out of the routing trace; its time is counted apart
     from training's."""
     started = time.perf_counter()
+    run.optimizer.synchronize()  # a delayed update's weights are the model's
     with _paused(run.telemetry):
         out = evaluate(run.model, run.val_batches, run.device)
     run.eval_s += time.perf_counter() - started
@@ -484,6 +485,7 @@ def save(run: Run, step: int) -> None:
     them out): the run stops naming the tensor and the last checkpoint, which stays. The
     routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
     holds."""
+    run.optimizer.synchronize()  # the weights saved are those of every update made
     state = {
         "optimizer": run.optimizer.state_dict(),  # collective; the same at any layout
         "scheduler": run.scheduler.state_dict(),

@@ -41,6 +41,7 @@ from unittest import mock
 import torch
 from bench_optim_parts import (  # a sibling module: scripts/ is on sys.path when run
     _release,
+    delayed_loss,
     gpu_step_time,
     kernel_streams,
     make_params,
@@ -266,13 +267,11 @@ def step_parts(n: float, experts: int, reps: int) -> dict[str, Any]:
         t1 = time.perf_counter()
         ref._sync_grads()
         t2 = time.perf_counter()
-        for gi, group in enumerate(ref.param_groups):
-            ref._step_group(gi, group)
+        ref._step_spans(ref._jobs(), ref._host, ref._steps, ref._grad_scale)
         t3 = time.perf_counter()
-        ref._return_weights()
+        ref._return_weights(ref._active, ref._idle)
         t4 = time.perf_counter()
-        for gi, group in enumerate(staged.param_groups):
-            staged._step_group(gi, group)
+        staged._step_spans(staged._jobs(), staged._host, staged._steps, staged._grad_scale)
         t5 = time.perf_counter()
         for key, sec in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
             secs[key].append(sec)
@@ -367,9 +366,13 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated sections to run (memory,throughput,kernels,drift,gpu,train_step)",
+        help="comma-separated sections to run "
+        "(memory,throughput,kernels,drift,gpu,train_step,delay_loss)",
     )
     ap.add_argument("--train-impl", default="torch", help="MoE impl of the train-step model")
+    ap.add_argument(
+        "--delay-loss-steps", type=int, default=200, help="delay_loss: training steps per mode"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -392,6 +395,7 @@ def main() -> None:
         "drift": lambda: drift(args.drift_steps, args.experts),
         "gpu": lambda: gpu_step_time(args.params, args.experts, args.reps),
         "train_step": lambda: train_step_time(device, args.reps, args.train_impl),
+        "delay_loss": lambda: delayed_loss(device, args.delay_loss_steps, args.train_impl),
     }
     wanted = [w for w in args.only.split(",") if w] or list(sections)
     unknown = sorted(set(wanted) - set(sections))

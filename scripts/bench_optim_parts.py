@@ -1,13 +1,15 @@
 """The parts of bench_optim shared by its sections, and the ones that need a device model:
-synthetic parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, and a
-whole training step of an MoE transformer (OffloadAdamW against torch AdamW, torchao's
-CPUOffloadOptimizer when installed). ``python scripts/bench_optim.py`` runs them."""
+synthetic parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, a
+whole training step of an MoE transformer (OffloadAdamW, exact and delayed, against torch
+AdamW and torchao's CPUOffloadOptimizer when installed, clipped and unclipped) and the loss
+of the delayed update against the exact one. ``python scripts/bench_optim.py`` runs them."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -81,7 +83,11 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
 
 
 def _release(opt: Any) -> None:
-    """Unhook an OffloadAdamW from its parameters, so that dropping both frees them."""
+    """Unhook an OffloadAdamW from its parameters (its delayed update applied first), so
+    that dropping both frees them."""
+    sync = getattr(opt, "synchronize", None)
+    if callable(sync):
+        sync()
     remove = getattr(opt, "remove_hooks", None)
     if callable(remove):
         remove()
@@ -97,54 +103,85 @@ def _fresh_cuda_memory() -> int:
     return torch.cuda.memory_allocated()
 
 
-def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
-    """Whole training steps, OffloadAdamW against torch AdamW, as moestack.train runs them."""
+# The training-step contenders: name -> (optimizer, update_delay, clipped). torchao copies
+# gradients to the host inside backward, where a later clip cannot reach them: it runs
+# unclipped, beside the unclipped runs of the others (like for like), the others clipped too.
+TRAIN_CONTENDERS: dict[str, tuple[str, int, bool]] = {
+    "adamw": ("adamw", 0, True),
+    "adamw_unclipped": ("adamw", 0, False),
+    "offload_adamw": ("offload_adamw", 0, True),
+    "offload_adamw_unclipped": ("offload_adamw", 0, False),
+    "offload_adamw_delayed": ("offload_adamw", 1, True),
+    "offload_adamw_delayed_unclipped": ("offload_adamw", 1, False),
+    "torchao_cpu_offload": ("torchao", 0, False),
+}
+
+
+def _train_model(device: torch.device, impl: str) -> tuple[ModelConfig, int, int]:
+    """The benchmark's model config, batch and sequence length on ``device``."""
     if device.type == "cuda":  # configs/model/m137.yaml: 137M parameters, 64 experts top-8
-        model_cfg = ModelConfig(
+        cfg = ModelConfig(
             d_model=384, n_layers=8, n_heads=6, max_seq_len=1024, moe=MoEConfig(64, 8, 224, impl)
         )
-        batch, seq = 16, 1024
-    else:  # a dry run of the same code, small enough for a CPU
-        model_cfg = ModelConfig(
-            d_model=64, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 64, impl)
-        )
-        batch, seq = 4, 64
+        return cfg, 16, 1024
+    # a dry run of the same code, small enough for a CPU
+    cfg = ModelConfig(
+        d_model=64, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 64, impl)
+    )
+    return cfg, 4, 64
+
+
+def _build_contender(
+    name: str, model_cfg: ModelConfig, device: torch.device
+) -> tuple[torch.nn.Module, Any, bool, torch.dtype]:
+    """A fresh model (seed 0) on ``device`` and contender ``name``'s optimizer over it."""
+    kind, delay, clip = TRAIN_CONTENDERS[name]
+    cfg = OptimConfig(name="adamw" if kind == "torchao" else kind, lr=1e-3, update_delay=delay)
+    torch.manual_seed(0)
+    model = MoETransformer(model_cfg).to(device)
+    dtype = apply_param_dtype(model, cfg, device)
+    if kind == "torchao":  # its intended use: fp32 weights, state on the host
+        opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = build_optimizer(model, cfg)
+    return model, opt, clip, dtype
+
+
+def _step_fn(model: torch.nn.Module, opt: Any, clip: bool, tokens: torch.Tensor) -> Any:
+    """One training step of ``model`` on ``tokens`` (bf16 autocast on CUDA): its loss."""
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if tokens.device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+
+    def step() -> float:
+        with autocast:
+            loss = model(tokens[:, :-1], tokens[:, 1:]).loss
+        loss.backward()
+        if clip:
+            clip_grad_norm(model, opt, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
+    """Whole training steps, OffloadAdamW (exact and delayed) against torch AdamW and
+    torchao, clipped and unclipped, as moestack.train runs them."""
+    model_cfg, batch, seq = _train_model(device, impl)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
     out: dict[str, Any] = {"device": str(device), "tokens_per_step": batch * seq, "impl": impl}
-    contenders = ["adamw", "offload_adamw"]
+    contenders = [n for n in TRAIN_CONTENDERS if not n.startswith("torchao")]
     if device.type == "cuda" and _torchao_offload() is not None:
         contenders.append("torchao_cpu_offload")
     for name in contenders:
         base = _fresh_cuda_memory() if device.type == "cuda" else 0
-        cfg = OptimConfig(name="adamw" if name == "torchao_cpu_offload" else name, lr=1e-3)
-        torch.manual_seed(0)
-        model = MoETransformer(model_cfg).to(device)
-        dtype = apply_param_dtype(model, cfg, device)
-        if name == "torchao_cpu_offload":  # its intended use: fp32 weights, state on the host
-            opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
-        else:
-            opt = build_optimizer(model, cfg)
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if device.type == "cuda"
-            else contextlib.nullcontext()
-        )
-
-        # torchao copies gradients to the host in backward, so a clip afterwards would not
-        # reach them: it runs unclipped (the clip costs little next to the host step).
-        clip = name != "torchao_cpu_offload"
-
-        def step(model=model, opt=opt, autocast=autocast, clip=clip) -> float:
-            with autocast:
-                loss = model(tokens[:, :-1], tokens[:, 1:]).loss
-            loss.backward()
-            if clip:
-                clip_grad_norm(model, opt, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
-
+        model, opt, clip, dtype = _build_contender(name, model_cfg, device)
+        step = _step_fn(model, opt, clip, tokens)
         losses = [step(), step()]  # warm-up: lazy state, kernel compilation
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -163,16 +200,45 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         out[f"{name}_loss_first_last"] = [losses[0], losses[-1]]
         if device.type == "cuda":
             out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        if isinstance(opt, OffloadAdamW):
-            out.update(offload_step_parts(opt, step, device, reps, prefix=f"{name}_part_"))
+        inner = getattr(opt, "optimizer", opt)
+        if isinstance(inner, OffloadAdamW):
+            out.update(offload_step_parts(inner, step, device, reps, prefix=f"{name}_part_"))
         _release(opt)
-        del model, opt, step  # step holds both through its defaults
-    for name in contenders[1:]:
-        out[f"{name}_vs_adamw_step_time"] = out[f"{name}_step_ms"] / out["adamw_step_ms"]
+        del model, opt, step  # step holds both
+    for name in contenders:
+        like = (
+            "adamw_unclipped"
+            if name.endswith("unclipped") or name.startswith("torchao")
+            else "adamw"
+        )
+        if name in (like, "adamw"):
+            continue
+        out[f"{name}_vs_{like}_step_time"] = out[f"{name}_step_ms"] / out[f"{like}_step_ms"]
         if device.type == "cuda":
-            out[f"{name}_vs_adamw_peak_memory"] = (
-                out[f"{name}_peak_device_MiB"] / out["adamw_peak_device_MiB"]
+            out[f"{name}_vs_{like}_peak_memory"] = (
+                out[f"{name}_peak_device_MiB"] / out[f"{like}_peak_device_MiB"]
             )
+    return out
+
+
+def delayed_loss(device: torch.device, steps: int, impl: str) -> dict[str, Any]:
+    """The loss of ``steps`` training steps with the delayed update against the exact one
+    (same model, seed and batches; clipped): the last 10 steps' mean of each, and their
+    relative difference (the issue's target: within 1%)."""
+    model_cfg, batch, seq = _train_model(device, impl)
+    out: dict[str, Any] = {"steps": steps}
+    for name in ("offload_adamw", "offload_adamw_delayed"):
+        model, opt, clip, _ = _build_contender(name, model_cfg, device)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(steps):
+            tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
+            losses.append(_step_fn(model, opt, clip, tokens)())
+        out[f"{name}_last10_loss"] = statistics.mean(losses[-10:])
+        _release(opt)
+        del model, opt
+    exact, delayed = out["offload_adamw_last10_loss"], out["offload_adamw_delayed_last10_loss"]
+    out["delayed_vs_exact_loss"] = delayed / exact - 1.0
     return out
 
 
@@ -183,25 +249,34 @@ def offload_step_parts(
     the gradient clip on the host (its 2-norm, including the wait for the gradients' copies
     when it comes first), waiting for those copies otherwise, the host update, the weights'
     return (to the end of its copies: a device synchronise is added there), and the rest of
-    the step (forward and backward). Median milliseconds per step over ``reps`` steps."""
+    the step (forward and backward). Median milliseconds per step over ``reps`` steps.
+
+    With a delayed update the host update runs in the optimizer's worker thread, beside the
+    rest (it is reported, not subtracted from the rest), and ``wait_update`` is the step's
+    wait for the update in flight with the return of its weights."""
     parts = {"clip": "clip_grad_norm_", "wait_grads": "_sync_grads",
-             "host_update": "_step_group", "return_weights": "_return_weights"}  # fmt: skip
+             "host_update": "_step_spans", "return_weights": "_return_weights"}  # fmt: skip
+    if opt.update_delay:
+        parts["wait_update"] = "synchronize"
+    overlapped = {"host_update"} if opt.update_delay else set()
     per_step: dict[str, float] = {}
-    inside: list[str] = []  # a part called inside another counts as the outer one's time
+    nesting = threading.local()  # a part called inside another counts as the outer one's time
+    lock = threading.Lock()
 
     def timed(fn: Any, part: str) -> Any:
         def run(*args: Any, **kw: Any) -> Any:
-            if inside:
+            if getattr(nesting, "part", None):
                 return fn(*args, **kw)
-            inside.append(part)
+            nesting.part = part
             t0 = time.perf_counter()
             try:
                 result = fn(*args, **kw)
-                if device.type == "cuda" and part == "return_weights":
+                if device.type == "cuda" and part in ("return_weights", "wait_update"):
                     torch.cuda.synchronize()
             finally:
-                inside.pop()
-            per_step[part] = per_step.get(part, 0.0) + time.perf_counter() - t0
+                nesting.part = None
+            with lock:
+                per_step[part] = per_step.get(part, 0.0) + time.perf_counter() - t0
             return result
 
         return run
@@ -217,9 +292,11 @@ def offload_step_parts(
             if device.type == "cuda":
                 torch.cuda.synchronize()
             total = time.perf_counter() - t0
-            for part in parts:
-                rows[part].append(per_step.get(part, 0.0))
-            rows["rest"].append(total - sum(per_step.values()))
+            with lock:
+                for part in parts:
+                    rows[part].append(per_step.get(part, 0.0))
+                serial = sum(t for part, t in per_step.items() if part not in overlapped)
+            rows["rest"].append(total - serial)
     finally:
         for attr in parts.values():
             delattr(opt, attr)  # the class's methods again

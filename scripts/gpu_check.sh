@@ -33,12 +33,12 @@ BUDGET=${GPU_CHECK_SECONDS:-540}
 # name|cap in seconds|files under $OUT|default or optional|what it shows
 PLAN=(
     "env|10|log.txt|default|GPU, driver, torch/triton/transformers/accelerate versions; the staged package imports"
-    "kernel_tests|200|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
-    "bench_moe|100|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
+    "kernel_tests|185|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
+    "bench_moe|85|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
     "profile_moe|45|profile_moe.json|default|the Triton layer's time launch by launch (fwd and bwd GEMMs, SwiGLU bwd, the rest) at three shapes"
     "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
-    "bench_optim|50|bench_optim.json|default|optimizer step and training step: offload vs device AdamW (torchao when carried)"
-    "memory|15|bench_optim_memory.json|default|device and host bytes per parameter, offload vs device AdamW"
+    "bench_optim|95|bench_optim.json|default|optimizer step; training step of OffloadAdamW exact and delayed vs device AdamW and torchao (when carried), clipped and unclipped, with its parts; 200-step loss delayed vs exact"
+    "memory|15|bench_optim_memory.json|optional|device and host bytes per parameter, offload vs device AdamW"
     "bench_serve|80|bench_serve.json|default|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel)"
     "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
     "train_adamw|40|train_adamw.json,train_adamw_metrics.jsonl|optional|the same 20 steps with device AdamW"
@@ -204,7 +204,8 @@ MOESTACK_AUTOTUNE=0 phase profile_moe "$PY" scripts/profile_moe.py \
     --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --json "$OUT/profile_moe.json"
 MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_tests.xml" \
     tests/optim/test_offload_devices.py
-phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step --json "$OUT/bench_optim.json"
+phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step,delay_loss --reps 5 \
+    --json "$OUT/bench_optim.json"
 phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim_memory.json"
 # Issue 31: a random Qwen3-30B-A3B-like model served from the expert cache (LRU and static at
 # k, 2k, 25% and 50% of a layer's experts, prefetch off and on, and over the disk tier),

@@ -11,6 +11,8 @@ same methods (``moestack.optim.build_training_optimizer`` picks the implementati
   ranks with each parameter counted once (0 when ``max_norm <= 0``: clipping off);
 - ``step()`` and ``zero_grad()``: gradients are averaged over the ranks that share each
   parameter before the update, by whichever part does it at this layout;
+- ``synchronize()``: the weights of every update made are in the parameters (a delayed
+  update, ``optim.update_delay``, is applied); call it before evaluating or saving the model;
 - ``state_dict()`` / ``load_state_dict()``: one checkpoint format at every ``(dp, ep)``
   layout (collective under ``torch.distributed``: call them on every rank), so a run saved at
   one layout resumes at any other.
@@ -52,6 +54,9 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def _clip(self, max_norm: float) -> float:
         raise NotImplementedError
 
+    def synchronize(self) -> None:
+        """Apply a delayed update in flight; nothing is delayed here."""
+
 
 class SingleOptimizer(TrainingOptimizer):
     """One inner optimizer over this rank's parameters, whose groups, state and defaults
@@ -79,6 +84,11 @@ class SingleOptimizer(TrainingOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        own = getattr(self.optimizer, "synchronize", None)
+        if callable(own):
+            own()
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

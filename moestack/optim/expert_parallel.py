@@ -146,6 +146,11 @@ class ExpertParallelOffload(TrainingOptimizer):
         for part in self._parts:
             part.zero_grad(set_to_none=set_to_none)
 
+    def synchronize(self) -> None:
+        """Apply both parts' delayed updates in flight (``optim.update_delay``)."""
+        for part in self._parts:
+            part.synchronize()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:

@@ -88,6 +88,8 @@ def _maker(cfg: Any) -> Maker:
                 skip_idle_experts=cfg.skip_idle_experts,
                 moment_dtype=cfg.moment_dtype,
                 fused_step=cfg.fused_step,
+                update_delay=cfg.update_delay,
+                delay_warmup=cfg.delay_warmup,
                 process_group=process_group,
                 **kw,
             )

@@ -38,6 +38,16 @@ loads with M ranks (:mod:`moestack.optim.state_format`). ``state_dict()`` is col
 rank must call it, and every rank returns the same full state (save it from rank 0).
 ``load_state_dict`` takes that full dict on every rank and keeps the rank's own part.
 
+With ``update_delay=1`` the host update runs in a worker thread while the device computes the
+next step (ZeRO-Offload's "delayed parameter update"): ``step()`` first waits for the update
+the previous ``step()`` launched and copies its weights into the parameters, then launches
+the update with this step's gradients. So the gradient that moves ``w_t`` to ``w_{t+1}`` was
+computed at ``w_{t-1}``; AdamW itself is exact (its step count counts the updates, and each
+update takes the learning rate, clipping factor and gradients of the step that launched
+it). The first ``delay_warmup`` steps run exact. :meth:`OffloadAdamW.synchronize` applies
+the update in flight; ``state_dict``, ``load_state_dict``, evaluation and the end of
+training call it (docs/optim.md says when to prefer the delay).
+
 Gradient clipping must go through :meth:`OffloadAdamW.clip_grad_norm_`, which measures the
 norm of the reduced (averaged) gradients across all shards; ``torch.nn.utils.clip_grad_norm_``
 would see only the local, unreduced ``.grad`` and, on CUDA, run after the gradients were
@@ -47,7 +57,9 @@ gradients itself.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -97,13 +109,16 @@ def plan_offload(
     fused_step: str = "auto",
     moment_dtype: torch.dtype = torch.float32,
     in_place: bool | None = None,
+    update_delay: int = 0,
     native: Callable[[], bool] = fused.native_loads,
 ) -> OffloadPlan:
     """The plan of an OffloadAdamW over parameters ``specs`` (param group and expert flag of
     each) on ``rank`` of a process group of ``world_size`` ranks (1: not distributed;
     ``rank=None``: the rank holding the largest shard). Arguments as OffloadAdamW's;
     ``native`` says whether the native kernel loads, asked only where a split master
-    depends on it (a memory plan assumes it does)."""
+    depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
+    steps the parameters themselves: it keeps a master copy, reads packed gradients (two
+    buffers: the next step's land beside the ones the update reads) and copies weights back."""
     distributed = world_size > 1
     num_shards = world_size if (distributed and shard) else 1
     shapes = [s.shape for s in specs]
@@ -112,10 +127,14 @@ def plan_offload(
     if mine is None:  # the first of the largest shards
         mine = max(range(num_shards), key=lambda k: (shards.shard_sizes[k], -k))
         shards = build_plan(shapes, group_of, is_expert, num_shards, mine)
-    steps_in_place = transfer.choose_in_place(in_place, specs, distributed)
+    steps_in_place = transfer.choose_in_place(
+        False if update_delay else in_place, specs, distributed
+    )
     mode = None
     if fused_step != "off" and not steps_in_place:
         mode = fused.choose_mode(specs, distributed, num_shards)
+        if update_delay and mode == fused.DIRECT:  # the parameters stay as they are meanwhile
+            mode = fused.MASTER
     split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
     staging = None if mode is None else fused.staging_dtype_of(mode, specs)
     # gradients packed into host buffers, weights copied back: all but the direct fused step
@@ -124,6 +143,7 @@ def plan_offload(
     host = transfer.host_buffer_sizes(
         *(shards, moment_dtype, steps_in_place, pack, staging),
         master_dtype=torch.int16 if split else torch.float32,
+        spare_grad=bool(update_delay),
     )
     scratch = transfer.device_scratch_sizes(specs, copies=pack)
     return OffloadPlan(shards, steps_in_place, mode, split, staging, host, scratch)
@@ -163,6 +183,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             torch.compile, else the reference path), ``"native"``, ``"compile"``, or ``"off"``
             (the reference path: pack, torch's fused AdamW, copy back). A kernel that cannot
             be built falls back to the reference path with one logged line.
+        update_delay: 0 (exact: the update ends inside ``step()``) or 1 (the host update runs
+            while the next step computes, whose forward and backward see the weights before
+            it: see the module docstring). A delayed update keeps a master copy and a second
+            host gradient buffer (4 bytes per parameter of the shard).
+        delay_warmup: the first steps that run exact before the delay starts (counted by the
+            updates made, so a resumed run goes on as it was).
     """
 
     def __init__(
@@ -182,10 +208,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         process_group: Any = None,
         in_place: bool | None = None,
         fused_step: str = "auto",
+        update_delay: int = 0,
+        delay_warmup: int = 1,
     ) -> None:
         update.check_hparams(lr, betas, eps, weight_decay, where="")
         update.check_offload(offload)
         fused.check_choice(fused_step)
+        _check_delay(update_delay, delay_warmup, in_place)
+        self.update_delay, self.delay_warmup = int(update_delay), int(delay_warmup)
         self.moment_dtype = update.parse_moment_dtype(moment_dtype)
         self._built = False
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
@@ -256,6 +286,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             fused_step=fused_step,
             moment_dtype=self.moment_dtype,
             in_place=in_place,
+            update_delay=self.update_delay,
         )
         self._plan = self._layout.shards
         self.num_shards = self._plan.num_shards
@@ -280,6 +311,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grads_ready = False
         self._moment_scratch: Tensor | None = None  # fp32 slices of bf16 moments
         self._grad_scale = 1.0  # the clipping factor the fused step applies to the gradients
+        self._pending: _PendingUpdate | None = None  # delayed: the update in flight
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # delayed updates
+        self._copies_done: Any = None  # CUDA event: the weights copied back have left the host
         self._idle: set[int] = set()  # indices (into the plan's units) of owned units skipped now
         self._active = [False] * len(self._params)
         self._stamps: dict[int, tuple[int, int]] = {}  # direct split: (address, version) seen
@@ -440,12 +474,30 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One AdamW step on this rank's shard, then the updated weights back to the params."""
+        """One AdamW step on this rank's shard, then the updated weights back to the params
+        (with ``update_delay``: the previous step's weights, this step's update launched)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._sync_grads()
+        if self._delays_now():
+            self._launch_update()
+        else:
+            self.synchronize()
+            self._start_update()
+            self._step_spans(self._jobs(), self._host, self._steps, self._grad_scale)
+            self._return_weights(self._active, self._idle)
+        self._grads_ready = False
+        return loss
+
+    def _delays_now(self) -> bool:
+        """Whether this step's update is delayed: past the first ``delay_warmup`` updates."""
+        return bool(self.update_delay) and max(self._steps, default=0) >= self.delay_warmup
+
+    def _start_update(self) -> None:
+        """What every update does first: the master weights of parameters stepped for the
+        first time taken from them, outside writes taken in, the step counts moved on."""
         first = [i for i, a in enumerate(self._active) if a and self._steps[i] == 0]
         if first and not self.in_place:
             self._init_master(first)
@@ -454,11 +506,74 @@ class OffloadAdamW(torch.optim.Optimizer):
         for i, a in enumerate(self._active):
             if a:
                 self._steps[i] += 1
+
+    def _jobs(self) -> list[tuple[list[tuple[int, int, int, int]], dict[str, float]]]:
+        """The spans to step and the hyper-parameters of every param group, as they are now
+        (a delayed update keeps them: the learning rate is the launching step's)."""
+        jobs = []
         for gi, group in enumerate(self.param_groups):
-            self._step_group(gi, group)
-        self._return_weights()
-        self._grads_ready = False
-        return loss
+            spans = self._spans(gi)
+            if spans:
+                jobs.append((spans, update.group_hparams(group)))
+        return jobs
+
+    def _step_spans(
+        self,
+        jobs: list[tuple[list[tuple[int, int, int, int]], dict[str, float]]],
+        host: transfer.HostBuffers,
+        steps: Sequence[int],
+        scale: float,
+    ) -> None:
+        """AdamW on the spans of ``jobs`` of the buffers ``host`` (a delayed update's view
+        reads the gradient buffer it was handed)."""
+        for spans, hparams in jobs:
+            if self._fused is not None:
+                self._fused.run(spans, self._params, host, steps, hparams, scale)
+                continue
+            runs = update.slices(spans, self._params, host, steps, self.in_place)
+            self._moment_scratch = update.step_runs(runs, hparams, self._moment_scratch)
+
+    def _launch_update(self) -> None:
+        """Delayed: this step's reduced gradients out of reach of the next backward, the
+        previous update's weights into the parameters, this step's update to the worker."""
+        grads = self._host.swap_grads()
+        self.synchronize()
+        self._start_update()
+        view = dataclasses.replace(self._host, grad=grads, comm=None)
+        args = (self._jobs(), view, list(self._steps), self._grad_scale, self._copies_done)
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="offload-adamw-update"
+            )
+        future = self._worker.submit(self._run_delayed, *args)
+        self._pending = _PendingUpdate(future, self._active, self._idle)
+
+    def _run_delayed(
+        self,
+        jobs: list[tuple[list[tuple[int, int, int, int]], dict[str, float]]],
+        host: transfer.HostBuffers,
+        steps: Sequence[int],
+        scale: float,
+        copies_done: Any,
+    ) -> None:
+        """The worker's part of a delayed update: once the weights copied back last time have
+        left the host buffers, the host step."""
+        if copies_done is not None:
+            copies_done.synchronize()
+        with torch.no_grad():
+            self._step_spans(jobs, host, steps, scale)
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Apply the delayed update in flight, if any: wait for it, then copy its weights into
+        the parameters. Call it before reading the weights between steps (evaluation, a
+        checkpoint of the model, the end of training); a no-op without ``update_delay``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.future.result()
+        self._return_weights(pending.active, pending.idle)
+        self._copies_done = transfer.copies_done(self._side)
 
     @property
     def _split(self) -> bool:
@@ -499,33 +614,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         state = (self._idle, self._active, self._steps)
         return group_spans(self._plan, gi, *state, per_param, self._span_cache)
 
-    def _step_group(self, gi: int, group: dict[str, Any]) -> None:
-        """AdamW on this rank's active units of param group ``gi``."""
-        spans = self._spans(gi)
-        if not spans:
-            return
-        hparams = update.group_hparams(group)
-        if self._fused is not None:
-            host, steps = self._host, self._steps
-            self._fused.run(spans, self._params, host, steps, hparams, self._grad_scale)
-            return
-        runs = update.slices(spans, self._params, self._host, self._steps, self.in_place)
-        self._moment_scratch = update.step_runs(runs, hparams, self._moment_scratch)
-
-    def _return_weights(self) -> None:
-        """Copy the updated master weights (all shards) back into the parameters; the staged
-        fused step's bf16 weights come from its staging buffer."""
+    def _return_weights(self, active: Sequence[bool], idle_units: set[int]) -> None:
+        """Copy the updated master weights (all shards) of the ``active`` parameters back into
+        them, but the idle experts' ``idle_units``; the staged fused step's bf16 weights come
+        from its staging buffer."""
         if self.in_place or self._direct:
             return
         assert self._host.master is not None and self._host.comm is not None
         src = self._gathered(self._host.master, self._host.comm)
         assert src is not None
         idle = None
-        if self._idle and self.num_shards == 1:
-            idle = param_ranges(self._plan.units[k] for k in self._idle)
+        if idle_units and self.num_shards == 1:
+            idle = param_ranges(self._plan.units[k] for k in idle_units)
         staged = self._host.staging if self._fused is not None else None
         transfer.return_weights(
-            self._params, self._plan, src, self._active, idle, self._side, self._to_device, staged
+            self._params, self._plan, src, active, idle, self._side, self._to_device, staged
         )
 
     # ------------------------------------------------------------------- host <-> device
@@ -584,8 +687,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Full, name-keyed state (collective when sharded: call it on every rank).
 
-        The format is described in :mod:`moestack.optim.state_format`.
+        The format is described in :mod:`moestack.optim.state_format`. A delayed update in
+        flight is applied first (:meth:`synchronize`).
         """
+        self.synchronize()
         transfer.synchronize(self._side)
         if self._split and self._direct:  # writes since the last step count, as a step would
             self._take_outside_writes()
@@ -607,6 +712,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` (any number of ranks); keep this rank's part."""
         state_format.check_format(state_dict)
+        self.synchronize()  # an update in flight would write over what is loaded
         transfer.synchronize(self._side)
         state_format.restore_groups(state_dict["param_groups"], self.param_groups, self._name_of)
         state = state_dict["state"]
@@ -640,3 +746,26 @@ class OffloadAdamW(torch.optim.Optimizer):
             return None
         self._steps[i], has_master = loaded
         return has_master
+
+
+@dataclass(frozen=True)
+class _PendingUpdate:
+    """A delayed update in flight: its worker's future, and which parameters (and idle
+    experts) it steps, for the copy back."""
+
+    future: concurrent.futures.Future
+    active: list[bool]
+    idle: set[int]
+
+
+def _check_delay(update_delay: int, delay_warmup: int, in_place: bool | None) -> None:
+    """Refuse a delay other than 0 or 1, a negative warm-up, and a delay stepping in place."""
+    if update_delay not in (0, 1) or isinstance(update_delay, bool):
+        raise ValueError(f"update_delay={update_delay!r}: use 0 (exact) or 1 (one step delayed)")
+    if not isinstance(delay_warmup, int) or isinstance(delay_warmup, bool) or delay_warmup < 0:
+        raise ValueError(f"delay_warmup={delay_warmup!r}: use a whole number of steps >= 0")
+    if update_delay and in_place:
+        raise ValueError(
+            "in_place=True steps the parameters themselves, which a delayed update must leave "
+            "as they are while the next step computes; use in_place=None with update_delay=1"
+        )

@@ -40,6 +40,7 @@ class HostBuffers:
     grad: Tensor | None  # this rank's averaged gradients (``comm`` itself when not sharded)
     comm: Tensor | None  # every shard's slot: packed gradients, then gathered weights
     staging: Tensor | None = None  # bf16 weights the fused step narrowed for the device
+    spare_grad: Tensor | None = None  # delayed updates: the gradient buffer not in use now
 
     def state(self) -> dict[str, Tensor]:
         """The buffers a checkpoint holds: the moments, and the master weights when kept."""
@@ -58,7 +59,20 @@ class HostBuffers:
                 out["grad_shard"] = self.grad
         if self.staging is not None:
             out["weight_staging"] = self.staging
+        if self.spare_grad is not None:
+            out["grad_spare"] = self.spare_grad
         return out
+
+    def swap_grads(self) -> Tensor:
+        """Delayed updates: hand out the gradient buffer as it is (the update in flight reads
+        it) and put the spare in its place, where the next gradients are packed and reduced.
+        Returns the buffer handed out."""
+        assert self.grad is not None and self.spare_grad is not None
+        current = self.grad
+        if self.comm is current:  # not sharded: the gradients are packed into it directly
+            self.comm = self.spare_grad
+        self.grad, self.spare_grad = self.spare_grad, current
+        return current
 
 
 Sizes = dict[str, tuple[int, torch.dtype]]  # buffer role -> (elements, dtype)
@@ -71,12 +85,15 @@ def host_buffer_sizes(
     pack: bool = True,
     staging_dtype: torch.dtype | None = None,
     master_dtype: torch.dtype = torch.float32,
+    spare_grad: bool = False,
 ) -> Sizes:
     """Elements and dtype of every host buffer of one rank, by the role
     :meth:`HostBuffers.by_role` names it: the moments; unless stepping in place, the master
     weights (fp32, or the int16 remainders of a split master,
     :mod:`moestack.optim.split_master`) and (with ``pack``) the gradient and communication
-    buffers; a weight staging buffer of ``staging_dtype`` if given."""
+    buffers; a weight staging buffer of ``staging_dtype`` if given; with ``spare_grad`` (delayed
+    updates) a second gradient buffer, so the next step's gradients land beside the ones the
+    update in flight reads."""
     size = plan.host_size
     sizes = {"exp_avg": (size, moment_dtype), "exp_avg_sq": (size, moment_dtype)}
     if in_place:
@@ -87,6 +104,8 @@ def host_buffer_sizes(
         sizes["grad_comm"] = (comm, torch.float32)
         if grad is not None:
             sizes["grad_shard"] = (grad, torch.float32)
+        if spare_grad:
+            sizes["grad_spare"] = (comm if grad is None else grad, torch.float32)
     if staging_dtype is not None:
         sizes["weight_staging"] = (size, staging_dtype)
     return sizes
@@ -111,6 +130,7 @@ def alloc_host_buffers(sizes: Sizes, pin: bool) -> HostBuffers:
         grad=bufs.get("grad_shard", comm),
         comm=comm,
         staging=bufs.get("weight_staging"),
+        spare_grad=bufs.get("grad_spare"),
     )
 
 
@@ -213,6 +233,16 @@ def synchronize(side: torch.cuda.Stream | None) -> None:
     """Block the host until ``side``'s copies are done (no-op without a side stream)."""
     if side is not None:
         side.synchronize()
+
+
+def copies_done(side: torch.cuda.Stream | None) -> Any:
+    """An event recorded on the side stream after the copies queued there (None without
+    one): a delayed update waits on it before it writes the host buffers they read."""
+    if side is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(side)
+    return event
 
 
 def casts_on_device(device: str, dtype: torch.dtype, host_dtype: torch.dtype) -> bool:

@@ -22,6 +22,7 @@ LINE_OF_ROLE = {
     "grad_comm": "gradient pack buffers",
     "grad_shard": "gradient pack buffers",
     "weight_staging": "weight staging",
+    "grad_spare": "delayed update: spare gradient buffer",
 }
 
 
@@ -56,8 +57,10 @@ def _by_line(buffers):
         {"param_dtype": "bfloat16"},  # the direct fused step, split master (native kernel)
         {"param_dtype": "bfloat16", "fused_step": "off"},  # the reference path
         {"fused_step": "off", "moment_dtype": "bfloat16"},
+        {"update_delay": 1},  # a master copy and a spare gradient buffer
+        {"update_delay": 1, "param_dtype": "bfloat16"},
     ],
-    ids=["fp32", "bf16-fused", "bf16-reference", "bf16-moments"],
+    ids=["fp32", "bf16-fused", "bf16-reference", "bf16-moments", "delayed", "delayed-bf16"],
 )
 def test_offload_plan_lists_exactly_what_the_optimizer_allocates_on_the_cpu(optim):
     """Line by line, byte for byte: the host buffers a real OffloadAdamW holds after a step,
@@ -73,6 +76,7 @@ def test_offload_plan_lists_exactly_what_the_optimizer_allocates_on_the_cpu(opti
     optimizer.step()
     if optimizer.host_step not in ("in_place", "native", "off"):
         pytest.skip(f"the native kernel did not build ({optimizer.host_step})")
+    optimizer.synchronize()
     assert _lines(plan, "host") == _by_line(optimizer.host_buffers())
     device = _lines(plan, "device")
     scratch = sum(_nbytes(t) for t in optimizer.device_buffers().values())

@@ -117,7 +117,12 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, to
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
 
 
-DIST_CONFIGS = {"shard": {}, "replicate": {"shard": False}, "skip": {"skip_idle_experts": True}}
+DIST_CONFIGS = {
+    "shard": {},
+    "replicate": {"shard": False},
+    "skip": {"skip_idle_experts": True},
+    "delayed": {"update_delay": 1},
+}
 
 
 def dist_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
@@ -158,7 +163,87 @@ def _dist_runs(rank: int, world: int, out_dir: str) -> None:
         state_bytes = sum(
             bufs[k].numel() * bufs[k].element_size() for k in ("master", "exp_avg", "exp_avg_sq")
         )
+        opt.synchronize()  # a delayed run's last update (a no-op for the others)
+        history.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()}})
+        spare = bufs.get("grad_spare")
+        spare_bytes = 0 if spare is None else spare.numel() * spare.element_size()
         torch.save(
-            {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards},
+            {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards,
+             "spare_bytes": spare_bytes},
             f"{out_dir}/{config}{rank}.pt",
-        )
+        )  # fmt: skip
+
+
+def _copy_weights(src: nn.Module, dst: nn.Module) -> None:
+    with torch.no_grad():
+        for s, d in zip(src.parameters(), dst.parameters(), strict=True):
+            d.copy_(s)
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def delayed_reference(
+    warmup: int, clip: bool, synced_after: frozenset[int] = frozenset()
+) -> list[dict[str, torch.Tensor]]:
+    """The equations of a one-step-delayed update in plain torch: the weights the forward
+    sees after every step, then after the final synchronize. ``torch.optim.AdamW`` steps a
+    master copy with each step's gradients (clipped, at that step's learning rate); from step
+    ``warmup`` on, the seen weights take the master's *before* each update (the previous one
+    applied), before it exactly after; and after the steps in ``synced_after`` (a checkpoint's
+    synchronize) also after it."""
+    seen, master = TinyMoE(), TinyMoE()
+    opt = torch.optim.AdamW(groups(master), lr=LR, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    out = []
+    for step in range(STEPS):
+        micro_step(seen, step)
+        for s, m in zip(seen.parameters(), master.parameters(), strict=True):
+            m.grad = None if s.grad is None else s.grad.clone()
+        seen.zero_grad()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), MAX_NORM)
+        delayed = step >= warmup
+        if delayed:
+            _copy_weights(master, seen)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if not delayed or step in synced_after:
+            _copy_weights(master, seen)
+        out.append(_snapshot(seen))
+    _copy_weights(master, seen)
+    return [*out, _snapshot(seen)]
+
+
+def delayed_run(
+    warmup: int,
+    clip: bool,
+    fused_step: str = "auto",
+    synced_after: frozenset[int] = frozenset(),
+    rows: slice = slice(None),
+) -> list[dict[str, torch.Tensor]]:
+    """OffloadAdamW(update_delay=1) on one process (or one rank's ``rows``), recorded as
+    :func:`delayed_reference` records the reference."""
+    from moestack.optim import OffloadAdamW
+
+    model = TinyMoE()
+    opt = OffloadAdamW(
+        groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8,
+        update_delay=1, delay_warmup=warmup, fused_step=fused_step,
+    )  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    out = []
+    for step in range(STEPS):
+        micro_step(model, step, rows)
+        if clip:
+            opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step in synced_after:
+            opt.synchronize()
+        out.append(_snapshot(model))
+    opt.synchronize()
+    return [*out, _snapshot(model)]

@@ -14,6 +14,7 @@ from _optim_testlib import (
     STEPS,
     TinyMoE,
     assert_rel_close,
+    delayed_run,
     dist_worker,
     groups,
     lr_lambda,
@@ -106,3 +107,20 @@ def test_two_ranks_skip_idle_expert(two_rank_run: Path, ref: list) -> None:
                 assert_rel_close(p[busy], ref[-1]["params"][n][busy], n, DIST_TOL)
             else:
                 assert_rel_close(p, ref[-1]["params"][n], n, DIST_TOL)
+
+
+def test_two_ranks_delayed_match_one_process_and_hold_half(two_rank_run: Path) -> None:
+    """update_delay=1 on 2 gloo ranks (state sharded) is the 1-process delayed run; each rank
+    holds half the state and a spare gradient buffer of its own shard only."""
+    want = delayed_run(warmup=1, clip=True)
+    runs = _runs(two_rank_run, "delayed")
+    numel = sum(p.numel() for p in TinyMoE().parameters())
+    for run in runs:
+        assert run["shards"] == 2
+        assert len(run["history"]) == STEPS + 1
+        for step, got in enumerate(run["history"]):
+            for n, p in got["params"].items():
+                assert_rel_close(p, want[step][n], f"after step {step} {n}", DIST_TOL)
+        assert 0.4 * 12 * numel <= run["state_bytes"] <= 0.6 * 12 * numel
+        assert 0.4 * 4 * numel <= run["spare_bytes"] <= 0.6 * 4 * numel
+    assert sum(run["state_bytes"] for run in runs) == 12 * numel

@@ -80,7 +80,7 @@ def test_matches_torch_adamw_on_device(
     """Every step against torch AdamW; ``fused_step`` as OffloadAdamW takes it (the tests
     below run this one with the reference path, and with the staged fused step)."""
     params = make_params(device, dtype)
-    ref = {n: torch.nn.Parameter(p.detach().float().cpu()) for n, p in params.items()}
+    ref = {n: torch.nn.Parameter(p.detach().float().cpu().clone()) for n, p in params.items()}
     opt = OffloadAdamW(
         list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused_step=fused_step
     )
@@ -125,6 +125,51 @@ def test_matches_torch_adamw_on_device(
         if dtype != torch.float32:  # the fp32 master copy is the reference's parameter
             assert rel(full("master"), ref[n].detach()) <= 1e-6, n
             assert torch.equal(p.detach().cpu(), full("master").to(dtype)), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_delayed_update_on_device(device: str, dtype: torch.dtype) -> None:
+    """update_delay=1 with the copies of the device path: these gradients do not depend on
+    the weights, so the master weights follow torch AdamW exactly as without the delay, and
+    the weights the device sees after step k are the master's after update k - 1 (after
+    update k once synchronized)."""
+    params = make_params(device, dtype)
+    ref = {n: torch.nn.Parameter(p.detach().float().cpu().clone()) for n, p in params.items()}
+    opt = OffloadAdamW(
+        list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, update_delay=1
+    )
+    ref_opt = torch.optim.AdamW(
+        list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(params, step)
+        for n, r in ref.items():
+            r.grad = params[n].grad.float().cpu().clone()
+        opt.clip_grad_norm_(MAX_NORM)
+        torch.nn.utils.clip_grad_norm_(list(ref.values()), MAX_NORM)
+        opt.step()
+        previous = {n: r.detach().clone() for n, r in ref.items()}  # after update `step`
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        want = previous if step >= 1 else ref  # step 0 is the warm-up: exact
+        for n, p in params.items():
+            got, expected = p.detach().cpu(), want[n].detach()
+            if dtype == torch.float32:
+                assert rel(got, expected) <= 1e-6, (step, n)
+            else:
+                assert ulps_bf16(got, expected) <= 1.0, (step, n)
+    opt.synchronize()
+    for n, p in params.items():
+        got = p.detach().cpu()
+        tol = (
+            rel(got, ref[n].detach()) if dtype == torch.float32 else ulps_bf16(got, ref[n].detach())
+        )
+        assert tol <= (1e-6 if dtype == torch.float32 else 1.0), n
 
 
 def test_device_cast_path_on_the_cpu(monkeypatch) -> None:

@@ -26,11 +26,12 @@ def test_bench_optim_sections_at_toy_size(tmp_path):
     out = tmp_path / "optim.json"
     run_script(
         "bench_optim.py",
-        *("--only", "memory,throughput,drift,gpu,train_step", "--params", "2e4"),
+        *("--only", "memory,throughput,drift,gpu,train_step,delay_loss", "--params", "2e4"),
         *("--reps", "2", "--drift-steps", "4", "--threads", "1", "--json", str(out)),
+        *("--delay-loss-steps", "12"),
     )
     results = json.loads(out.read_text())
-    assert {"memory", "throughput", "drift", "gpu", "train_step"} <= set(results)
+    assert {"memory", "throughput", "drift", "gpu", "train_step", "delay_loss"} <= set(results)
     throughput = results["throughput"]
     for part in ("pack", "update", "copy_back"):
         assert throughput[f"offload_master_copy_{part}_ms"] > 0
@@ -40,6 +41,17 @@ def test_bench_optim_sections_at_toy_size(tmp_path):
     assert step["offload_adamw_part_host_update_ms"] > 0 and step["offload_adamw_part_rest_ms"] > 0
     # Same seed, same data, same AdamW arithmetic: the two optimizers train identically.
     assert step["adamw_loss_first_last"] == step["offload_adamw_loss_first_last"]
+    assert (
+        step["adamw_unclipped_loss_first_last"] == step["offload_adamw_unclipped_loss_first_last"]
+    )
+    # the delayed update: its host update runs in the worker, its step waits for it
+    for p in ("host_update", "wait_update", "rest"):
+        assert step[f"offload_adamw_delayed_part_{p}_ms"] > 0
+    assert step["offload_adamw_delayed_loss_first_last"] != step["offload_adamw_loss_first_last"]
+    assert step["offload_adamw_delayed_vs_adamw_step_time"] > 0
+    assert step["offload_adamw_unclipped_vs_adamw_unclipped_step_time"] > 0
+    delay = results["delay_loss"]
+    assert delay["steps"] == 12 and abs(delay["delayed_vs_exact_loss"]) < 0.5
 
 
 def test_bench_hf_offload_at_toy_size(tmp_path):

@@ -205,3 +205,22 @@ def test_wandb_offline_run_and_wandb_failure_never_stops_training(tmp_path, monk
     summary = train(small_config(steps=2, ckpt_every=0, wandb_mode="offline"), tmp_path / "broken")
     assert math.isfinite(summary["loss/val"])
     assert len(read_metrics(tmp_path / "broken" / "metrics.jsonl")) >= 2
+
+
+def test_delayed_offload_update_trains_and_resumes_exactly(tmp_path):
+    """optim.update_delay=1: the run learns as the exact one does, and a crash and resume
+    reproduce the uninterrupted delayed run exactly: a checkpoint holds the weights of every
+    update made (fp32 weights are their own master copy, so a checkpoint saved before the
+    update in flight was applied would resume from stale weights)."""
+    exact_cfg = small_config(optim=OptimConfig(name="offload_adamw", lr=3e-3, warmup_steps=5))
+    cfg = small_config(
+        optim=OptimConfig(name="offload_adamw", lr=3e-3, warmup_steps=5, update_delay=1)
+    )
+    exact = train(exact_cfg, tmp_path / "exact")
+    delayed = train(cfg, tmp_path / "delayed")
+    assert losses(tmp_path / "delayed") != losses(tmp_path / "exact")  # the delay is on
+    assert abs(delayed["loss/val"] - exact["loss/val"]) < 0.05 * exact["loss/val"]
+    with killed_at(23):
+        train(cfg, tmp_path / "crashed")
+    train(dataclasses.replace(cfg, resume=True), tmp_path / "crashed")
+    assert losses(tmp_path / "crashed") == losses(tmp_path / "delayed")

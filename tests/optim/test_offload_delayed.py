@@ -1,0 +1,193 @@
+"""OffloadAdamW's one-step-delayed update (``update_delay=1``) against a plain-torch
+reference of its equations (``_optim_testlib.delayed_reference``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from _optim_testlib import (
+    LR,
+    MAX_NORM,
+    STEPS,
+    TinyMoE,
+    assert_rel_close,
+    delayed_reference,
+    delayed_run,
+    groups,
+    lr_lambda,
+    micro_step,
+)
+
+from moestack.config import OptimConfig
+from moestack.optim import OffloadAdamW
+
+# Relative error bound against the torch.optim.AdamW reference (max|a-b| / max|b|): the
+# fused host kernel and torch's differ by rounding only.
+TOL = 1e-6
+
+
+def _assert_histories_close(got: list, want: list, tol: float = TOL) -> None:
+    assert len(got) == len(want) == STEPS + 1
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for name, p in g.items():
+            assert_rel_close(p, w[name], f"after step {step} {name}", tol)
+
+
+@pytest.mark.parametrize(
+    ("warmup", "clip", "fused_step"),
+    [(1, True, "auto"), (1, False, "auto"), (0, True, "off"), (3, False, "off")],
+)
+def test_delayed_update_follows_its_equations(warmup: int, clip: bool, fused_step: str) -> None:
+    _assert_histories_close(delayed_run(warmup, clip, fused_step), delayed_reference(warmup, clip))
+
+
+def test_the_delay_is_real() -> None:
+    """The reference's delayed weights are not the exact ones (so the test above can tell),
+    and during the first delayed step the weights do not move at all."""
+    delayed, exact = delayed_reference(1, True), delayed_reference(STEPS, True)
+    assert all(torch.equal(delayed[0][n], exact[0][n]) for n in exact[0])  # warm-up: exact
+    assert all(torch.equal(delayed[1][n], delayed[0][n]) for n in delayed[0])  # launched only
+    gap = max(float((delayed[5][n] - exact[5][n]).abs().max()) for n in exact[5])
+    assert gap > 1e-4
+
+
+def test_update_delay_zero_is_the_exact_step_bitwise() -> None:
+    """update_delay=0 is today's exact step, bitwise; a warm-up as long as the run is the
+    exact step too, to rounding (a delayed update keeps a master copy and takes the clipping
+    norm over its packed gradients, summed in another order than over ``p.grad``)."""
+    runs = []
+    for kw in (
+        {},
+        {"update_delay": 0},
+        {"in_place": False},
+        {"update_delay": 1, "delay_warmup": STEPS},
+    ):
+        model = TinyMoE()
+        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        for step in range(6):
+            micro_step(model, step)
+            opt.clip_grad_norm_(MAX_NORM)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    for n, p in runs[3].items():
+        assert_rel_close(p, runs[2][n], n, TOL)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _delayed(model: torch.nn.Module) -> tuple[OffloadAdamW, torch.optim.lr_scheduler.LambdaLR]:
+    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, update_delay=1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+def _train(model, opt, sched, steps: range) -> list[dict[str, torch.Tensor]]:
+    """The weights after each of ``steps`` (clipped, scheduled, accumulated)."""
+    out = []
+    for step in steps:
+        micro_step(model, step)
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append(_weights(model))
+    return out
+
+
+def test_resume_from_a_checkpoint_taken_with_an_update_in_flight() -> None:
+    """A checkpoint after step 9's launch applies that update first (state_dict calls
+    synchronize); the run resumed from it goes on bitwise as the run that took it, and both
+    follow the reference with a synchronize after step 9."""
+    half = STEPS // 2
+    model = TinyMoE()
+    opt, sched = _delayed(model)
+    history = _train(model, opt, sched, range(half))
+    assert opt._pending is not None  # the checkpoint is taken with an update in flight
+    saved = {"optim": opt.state_dict(), "model": _weights(model), "sched": sched.state_dict()}
+    history[-1] = _weights(model)  # as the checkpoint saw them: synchronized
+    went_on = _train(model, opt, sched, range(half, STEPS))
+    opt.synchronize()
+    went_on.append(_weights(model))
+
+    resumed = TinyMoE()
+    resumed.load_state_dict(saved["model"])
+    opt2, sched2 = _delayed(resumed)
+    sched2.load_state_dict(saved["sched"])
+    opt2.load_state_dict(saved["optim"])
+    after_resume = _train(resumed, opt2, sched2, range(half, STEPS))
+    opt2.synchronize()
+    after_resume.append(_weights(resumed))
+
+    for a, b in zip(went_on, after_resume, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    want = delayed_reference(1, True, synced_after=frozenset({half - 1}))
+    _assert_histories_close(history + went_on, want)
+
+
+def test_the_update_runs_in_a_worker_and_its_error_reaches_the_next_step(monkeypatch) -> None:
+    model = TinyMoE()
+    opt = OffloadAdamW(groups(model), lr=LR, update_delay=1, delay_warmup=0)
+    threads = []
+    real = opt._step_spans
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        real(*args)
+
+    monkeypatch.setattr(opt, "_step_spans", recording)
+    micro_step(model, 0)
+    opt.step()
+    opt.synchronize()
+    assert threads and threads[0].startswith("offload-adamw-update")
+
+    def failing(*args):
+        raise RuntimeError("host update failed")
+
+    monkeypatch.setattr(opt, "_step_spans", failing)
+    opt.zero_grad()
+    micro_step(model, 1)
+    opt.step()  # launched; the worker fails
+    opt.zero_grad()
+    micro_step(model, 2)
+    with pytest.raises(RuntimeError, match="host update failed"):
+        opt.step()
+
+
+def test_the_delayed_update_keeps_a_spare_gradient_buffer() -> None:
+    exact = OffloadAdamW(groups(TinyMoE()), lr=LR, in_place=False).host_buffers()
+    delayed = OffloadAdamW(groups(TinyMoE()), lr=LR, update_delay=1).host_buffers()
+    numel = sum(p.numel() for p in TinyMoE().parameters())
+    assert "grad_spare" not in exact
+    assert delayed["grad_spare"].numel() == delayed["grad_comm"].numel() == numel
+    assert delayed["master"].numel() == numel  # a master copy: never stepped in place
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"update_delay": 2}, r"update_delay=2: use 0 \(exact\) or 1"),
+        ({"update_delay": True}, r"update_delay=True"),
+        ({"update_delay": 1, "delay_warmup": -1}, r"delay_warmup=-1"),
+        ({"update_delay": 1, "in_place": True}, r"in_place=True steps the parameters"),
+    ],
+)
+def test_bad_delay_settings_are_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        OffloadAdamW(groups(TinyMoE()), lr=LR, **kw)
+
+
+def test_the_config_refuses_a_delay_without_offload_adamw() -> None:
+    with pytest.raises(
+        ValueError, match=r"optim.update_delay=1 .*optim=adamw has none \(use optim=offload_adamw\)"
+    ):
+        OptimConfig(name="adamw", update_delay=1)
+    with pytest.raises(ValueError, match=r"optim.update_delay=3"):
+        OptimConfig(name="offload_adamw", update_delay=3)
+    assert OptimConfig(name="offload_adamw", update_delay=1).delay_warmup == 1
