@@ -329,11 +329,16 @@ def check_model_config(meta: dict[str, Any], model_cfg: ModelConfig, path: Path 
 def load_model_weights(
     path: Path | str, model: nn.Module, model_cfg: ModelConfig
 ) -> dict[str, Any]:
-    """Load the weights of checkpoint ``path`` into ``model``; returns its meta."""
+    """Load the weights of checkpoint ``path`` into ``model``; returns its meta. A model
+    whose experts are cut to a rank's (expert parallelism) reads those rows only."""
     path = Path(path)
     meta = read_meta(path)
     check_model_config(meta, model_cfg, path)
     verify_file(path, MODEL_FILE, meta)
+    rows = sharded_expert_rows(model)
+    if rows:
+        _load_with_expert_rows(path / MODEL_FILE, model, rows)
+        return meta
     try:
         missing, unexpected = safetensors.torch.load_model(
             model, str(path / MODEL_FILE), strict=False
@@ -347,6 +352,56 @@ def load_model_weights(
             f"unexpected {unexpected[:3]}); use the checkpoint's model config"
         )
     return meta
+
+
+def sharded_expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The expert tensors of ``model`` that hold some experts only (expert parallelism:
+    ``parallel.shard_experts``), by parameter name: the rows ``[lo, hi)`` of the whole."""
+    rows: dict[str, tuple[int, int]] = {}
+    for prefix, module in model.named_modules():
+        names = getattr(module, "expert_tensor_names", None)
+        if not callable(names) or not hasattr(module, "expert_offset"):
+            continue
+        for name in names():
+            held = getattr(module, name).shape[0]
+            if held < module.cfg.num_experts:
+                lo = module.expert_offset
+                rows[f"{prefix}.{name}" if prefix else name] = (lo, lo + held)
+    return rows
+
+
+@torch.no_grad()
+def _load_with_expert_rows(file: Path, model: nn.Module, rows: dict[str, tuple[int, int]]) -> None:
+    """Read ``file`` into ``model`` in place, each sharded expert tensor's rows only (the
+    file holds whole experts; no other rank's rows are read into memory)."""
+    tensors = model.state_dict(keep_vars=True)
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            keys = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
+            for name, tensor in tensors.items():
+                if name not in keys:
+                    if name.endswith("lm_head.weight"):  # tied: stored once
+                        continue
+                    raise MoestackError(
+                        f"{file} does not match the model (missing {name}); use the "
+                        "checkpoint's model config"
+                    )
+                lo_hi = rows.get(name)
+                value = f.get_slice(name)[lo_hi[0] : lo_hi[1]] if lo_hi else f.get_tensor(name)
+                if tuple(value.shape) != tuple(tensor.shape):
+                    raise MoestackError(
+                        f"{file}: {name} has shape {tuple(value.shape)}, the model expects "
+                        f"{tuple(tensor.shape)}; use the checkpoint's model config"
+                    )
+                tensor.copy_(value)
+    except (safetensors.SafetensorError, OSError) as err:
+        raise MoestackError(f"{file}: cannot be read ({err})") from None
+    unexpected = sorted(keys - set(tensors))
+    if unexpected:
+        raise MoestackError(
+            f"{file} does not match the model (unexpected {unexpected[:3]}); use the "
+            "checkpoint's model config"
+        )
 
 
 def _expert_key(key: str) -> bool:

@@ -19,6 +19,7 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moestack import seeding
 from moestack.checks import check, coerce
 from moestack.moe import MoE, MoEConfig, checkpoint_kwargs
 from moestack.router import RouterConfig
@@ -93,9 +94,14 @@ class ModelConfig:
         """This config: moestack's model reads nothing to learn its architecture."""
         return self
 
-    def build(self, *, experts: bool = True) -> MoETransformer:
-        """The ``MoETransformer`` this config describes, freshly initialised; routers with an
-        anchor loss take the built weights as their reference.
+    def build(
+        self, *, experts: bool = True, seed: int | None = None, experts_on_meta: bool = False
+    ) -> MoETransformer:
+        """The ``MoETransformer`` this config describes, freshly initialised from ``seed``
+        (None: one drawn from torch's global generator; :meth:`MoETransformer.init_weights`);
+        routers with an anchor loss take the built weights as their reference.
+        ``experts_on_meta``: the routed experts take no memory yet (expert parallelism: each
+        rank keeps and draws its own, :meth:`MoETransformer.init_experts`).
 
         ``experts=False`` is for a transformers model folder (``HFModelConfig.build``);
         moestack's own model without its experts is loaded from a checkpoint instead."""
@@ -105,7 +111,7 @@ class ModelConfig:
                 "moestack's own model without experts is loaded from a checkpoint: "
                 "moestack.runs.load_run(RUN, experts=False)"
             )
-        model = MoETransformer(self)
+        model = MoETransformer(self, seed=seed, experts_on_meta=experts_on_meta)
         model.reset_anchors()
         return model
 
@@ -181,12 +187,12 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: attention then MoE, each with a residual."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, expert_device: torch.device | str | None = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.moe = MoE(cfg.d_model, cfg.moe, cfg.router)
+        self.moe = MoE(cfg.d_model, cfg.moe, cfg.router, expert_device)
         self.checkpointing = cfg.checkpointing
         self.moe.recompute = cfg.checkpointing
 
@@ -326,11 +332,14 @@ class RoutedLM(nn.Module):
 class MoETransformer(RoutedLM):
     """The language model: ``forward(tokens, targets=None) -> ModelOutput``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(
+        self, cfg: ModelConfig, seed: int | None = None, experts_on_meta: bool = False
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        expert_device = "meta" if experts_on_meta else None
+        self.layers = nn.ModuleList(Block(cfg, expert_device) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -338,19 +347,35 @@ class MoETransformer(RoutedLM):
         cos_SH, sin_SH = rotary_tables(cfg.max_seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         self.register_buffer("rope_cos", cos_SH, persistent=False)
         self.register_buffer("rope_sin", sin_SH, persistent=False)
-        self.reset_parameters()
+        self.init_weights(seeding.draw_seed() if seed is None else seed)
 
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights; residual outputs scaled by 1/sqrt(2 n_layers)."""
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, init_std) weights, residual outputs scaled by 1/sqrt(2 n_layers), each
+        tensor drawn from a generator of its own (seed, name) and each expert from one of
+        (seed, layer, expert id) (:mod:`moestack.seeding`): any layout of the experts over
+        ranks, built whole or on meta and materialised, starts from the same weights. Meta
+        tensors are skipped (drawn once a rank holds its rows: :meth:`init_experts`)."""
         std = self.cfg.init_std
-        nn.init.normal_(self.embed.weight, std=std)
+
+        def draw(name: str, tensor: torch.Tensor, scale: float = std) -> None:
+            seeding.normal_(tensor, scale, seeding.generator(seed, name))
+
+        draw("embed.weight", self.embed.weight)
         if not self.cfg.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, std=std)
-        for block in self.layers:
-            nn.init.normal_(block.attn.qkv.weight, std=std)
-            nn.init.normal_(block.attn.out.weight, std=std / math.sqrt(2 * self.cfg.n_layers))
-            block.moe.reset_parameters(std)
-            nn.init.normal_(block.moe.router.weight, std=std)
+            draw("lm_head.weight", self.lm_head.weight)
+        for i, block in enumerate(self.layers):
+            draw(f"layers.{i}.attn.qkv.weight", block.attn.qkv.weight)
+            out_std = std / math.sqrt(2 * self.cfg.n_layers)
+            draw(f"layers.{i}.attn.out.weight", block.attn.out.weight, out_std)
+            draw(f"layers.{i}.moe.router.weight", block.moe.router.weight)
+            block.moe.init_experts(seed, f"layers.{i}.moe", std)
+
+    def init_experts(self, seed: int) -> None:
+        """Draw every layer's expert rows as :meth:`init_weights` does (by their global
+        expert ids): for experts built on meta whose rows a rank was then given memory for
+        (``parallel.shard_experts``)."""
+        for i, block in enumerate(self.layers):
+            block.moe.init_experts(seed, f"layers.{i}.moe", self.cfg.init_std)
 
     @property
     def moe_layers(self) -> list[MoE]:

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from moestack import router_losses
+from moestack import router_losses, seeding
 from moestack.checks import check
 from moestack.router import Router, RouterConfig, Routing, tokens_per_expert
 
@@ -412,23 +412,46 @@ class MoE(nn.Module):
     the back-end set with ``set_experts`` (local stacked weights unless told otherwise).
     """
 
-    def __init__(self, d_model: int, moe: MoEConfig, router: RouterConfig) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        moe: MoEConfig,
+        router: RouterConfig,
+        expert_device: torch.device | str | None = None,
+    ) -> None:
+        """``expert_device="meta"``: the experts take no memory until a rank is given memory
+        for its own rows (``parallel.shard_experts``) and draws them
+        (``MoETransformer.init_experts``)."""
         super().__init__()
         self.d_model = d_model
         self.cfg = moe
         self.router_cfg = router
         self.router = Router(d_model, moe.num_experts, moe.top_k, router)
-        self.w1 = nn.Parameter(torch.empty(moe.num_experts, d_model, 2 * moe.d_ff))
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, moe.d_ff, d_model))
+        self.w1 = nn.Parameter(
+            torch.empty(moe.num_experts, d_model, 2 * moe.d_ff, device=expert_device)
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(moe.num_experts, moe.d_ff, d_model, device=expert_device)
+        )
         self.aux_loss: torch.Tensor = torch.zeros(())
         self.metrics: dict[str, torch.Tensor] = {}
         self.recompute = "none"  # model.checkpointing (model.CHECKPOINTING); set by the model
         self._experts_backend: ExpertsBackend = LOCAL_EXPERTS
+        self.expert_offset = 0  # the global id of this layer's first expert row (EP: lo)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.w1, std=std)
         nn.init.normal_(self.w2, std=std / math.sqrt(2))
+
+    def init_experts(self, seed: int, name: str, std: float = 0.02) -> None:
+        """Draw each expert row's ``w1`` then ``w2`` from a generator seeded by (``seed``,
+        ``name``, its global expert id): the same weights whichever rank holds the expert
+        (:mod:`moestack.seeding`). Meta rows are left for their materialisation."""
+        for row in range(self.w1.shape[0]):
+            gen = seeding.generator(seed, f"{name}.expert{self.expert_offset + row}")
+            seeding.normal_(self.w1[row], std, gen)
+            seeding.normal_(self.w2[row], std / math.sqrt(2), gen)
 
     def set_experts(self, backend: ExpertsBackend | None = None) -> None:
         """Run this layer's experts with ``backend`` from now on (None: ``LocalExperts``, the

@@ -31,7 +31,7 @@ from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
 from moestack.metrics import MetricsWriter, format_summary, human_count
-from moestack.model import RoutedLM
+from moestack.model import ModelConfig, RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
 from moestack.runs import (
@@ -380,6 +380,45 @@ def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- building a run
+def _builds_on_meta(cfg: TrainConfig) -> bool:
+    """Whether this rank builds its model's experts on the meta device and materialises its
+    own only (the backbone is every rank's): moestack's own model under expert parallelism.
+    LoRA adapters on the experts are drawn whole, so that run builds the whole model first."""
+    adapters_on_experts = cfg.trainable in lora.LORA_TRAINABLE and cfg.lora.on_experts
+    return cfg.parallel.ep > 1 and isinstance(cfg.model, ModelConfig) and not adapters_on_experts
+
+
+def _build_model(
+    cfg: TrainConfig, dist_info: distributed.DistInfo, resume_from: Path | None
+) -> tuple[RoutedLM, Any, Any, int]:
+    """The run's model on the host, with this rank's experts only (under expert parallelism
+    no other rank's expert is ever allocated: built on meta, cut, then materialised), its
+    weights drawn layout-free from ``cfg.seed`` or read from ``resume_from``; the EP mesh and
+    exchange counters (None without), and the step to start at."""
+    torch.manual_seed(cfg.seed)  # dropout and anything else drawn from the global stream
+    on_meta = _builds_on_meta(cfg)
+    if isinstance(cfg.model, ModelConfig):
+        model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
+    else:
+        model = cfg.model.build()
+    lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+    if cfg.compile:  # the blocks compile at the first step, after the move to the device
+        model.compile_blocks()
+        log.info("compile=true: the blocks compile during the first step (a minute or more)")
+    if cfg.trainable != "all":
+        trained = model.set_trainable(cfg.trainable)
+        log.info("trainable=%s: %s parameters train, the rest is frozen",
+                 cfg.trainable, human_count(trained))  # fmt: skip
+    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
+                                              cfg.parallel.ep)  # fmt: skip
+    if on_meta:  # memory for this rank's experts only, drawn as the whole model's would be
+        model.init_experts(cfg.seed)
+    start_step = 0
+    if resume_from is not None:  # this rank's experts' rows only
+        start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
+    return model, mesh, exchange, start_step
+
+
 def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> Run:
     """Device, model, optimizer, scheduler, data, metrics sink and telemetry of a run, from
     its config; with ``resume=true`` restored from the newest checkpoint."""
@@ -394,21 +433,7 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     resume_from = prepare_out_dir(cfg, out_dir, dist_info)
     corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)
-    torch.manual_seed(cfg.seed)
-    model = cfg.model.build()  # on the host: with parallel.ep > 1 only this rank's experts
-    lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
-    if cfg.compile:  # ever reach the device (sharded below, before the move)
-        model.compile_blocks()
-        log.info("compile=true: the blocks compile during the first step (a minute or more)")
-    start_step = 0
-    if resume_from is not None:
-        start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
-    if cfg.trainable != "all":
-        trained = model.set_trainable(cfg.trainable)
-        log.info("trainable=%s: %s parameters train, the rest is frozen",
-                 cfg.trainable, human_count(trained))  # fmt: skip
-    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
-                                              cfg.parallel.ep)  # fmt: skip
+    model, mesh, exchange, start_step = _build_model(cfg, dist_info, resume_from)
     model.to(device)
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:

@@ -44,10 +44,12 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
     in place; returns the exchange counters the layers share.
 
     Each ``w1``/``w2`` (and each LoRA adapter stacked on them) becomes a new parameter
-    holding rows ``[lo, hi)`` of the whole one (same name). Expert gradients are scaled by ``1 / ep`` as they arrive, so that averaging
-    them over the expert data-parallel group (``dp`` ranks) gives the mean over all ``dp x
-    ep`` ranks' tokens, as a single process over the global batch would compute. Each layer
-    then runs its experts through ``ExpertParallelExperts`` (``MoE.set_experts``).
+    holding rows ``[lo, hi)`` of the whole one (same name; of a meta tensor, memory for those
+    rows alone, not yet drawn: ``MoETransformer.init_experts``). Expert gradients
+    are scaled by ``1 / ep`` as they arrive, so that averaging them over the expert
+    data-parallel group (``dp`` ranks) gives the mean over all ``dp x ep`` ranks' tokens, as
+    a single process over the global batch would compute. Each layer then runs its experts
+    through ``ExpertParallelExperts`` (``MoE.set_experts``).
     """
     stats = ExchangeStats()
     for moe in model.moe_layers:
@@ -56,10 +58,15 @@ def shard_experts(model: nn.Module, mesh: ExpertParallelMesh) -> ExchangeStats:
         lo, hi = mesh.expert_range(num_experts)
         for name in moe.expert_tensor_names():  # w1, w2 and any adapters stacked on them
             whole = getattr(moe, name)
-            part = nn.Parameter(whole.detach()[lo:hi].clone(), requires_grad=whole.requires_grad)
+            rows = whole.detach()[lo:hi]
+            # experts built on meta: memory for this rank's rows only, drawn by the model
+            # (MoETransformer.init_experts), or read from a checkpoint
+            held = torch.empty(rows.shape, dtype=rows.dtype) if rows.is_meta else rows.clone()
+            part = nn.Parameter(held, requires_grad=whole.requires_grad)
             if part.requires_grad and mesh.ep > 1:
                 part.register_hook(lambda g, ep=mesh.ep: g / ep)
             setattr(moe, name, part)
+        moe.expert_offset = lo  # the rows' global expert ids start here (layout-free init)
         shard = ExpertShard(mesh=mesh, num_experts=num_experts, stats=stats)
         moe.set_experts(ExpertParallelExperts(shard))
     return stats

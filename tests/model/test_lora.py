@@ -163,8 +163,7 @@ def _tensors(ckpt_dir):
 def test_training_moves_only_the_adapters_and_the_routers_asked_for(tmp_path, trainable):
     cfg = small_config(trainable=trainable, lora=LoRAConfig(rank=4, targets="both"), steps=10,
                        ckpt_every=0, optim=OptimConfig(lr=1e-2, warmup_steps=1))  # fmt: skip
-    torch.manual_seed(cfg.seed)
-    initial = cfg.model.build().state_dict()  # the run builds the same base (same seed)
+    initial = cfg.model.build(seed=cfg.seed).state_dict()  # the run's base (its seed)
     train(cfg, tmp_path / "run")
     final = _tensors(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
     moved = sorted(k for k in final if k not in initial or not torch.equal(final[k], initial[k]))
