@@ -97,6 +97,17 @@ def _warmup(text: str) -> int | float:
         ) from None
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--batch-sizes: whole numbers >= 1, comma-separated (1,8,32)."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give whole numbers >= 1, as in 1,8,32")
+    return sizes
+
+
 def _warmup_note(warmup: int | float) -> str:
     if warmup == 0:
         return "warm-up: none, every request is counted"
@@ -128,11 +139,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         )
     top_k = max(trace.top_k) if isinstance(trace.top_k, list | tuple) else int(trace.top_k)
     capacities = [int(c) for c in _csv(args.capacities)] or list(default_capacities(top_k))
-    jobs = [(p, c) for p in _csv(args.policies) for c in capacities]
-    results = []
-    for policy, capacity in tqdm(jobs, desc="simulate", unit="cache"):
-        results += sweep(trace, policies=[policy], capacities=[capacity], warmup=args.warmup)
-    rows = _simulate_rows(results, estimate)
+    batches = args.batch_sizes
+    jobs = [(p, c, b) for b in batches for p in _csv(args.policies) for c in capacities]
+    rows = []
+    for policy, capacity, batch in tqdm(jobs, desc="simulate", unit="cache"):
+        found = sweep(trace, [policy], [capacity], warmup=args.warmup, batch_size=batch)
+        rows += [{**row, "batch_size": batch} for row in _simulate_rows(found, estimate)]
     print(_warmup_note(args.warmup))
     layers = trace.num_layers
     print(
@@ -141,15 +153,22 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     )
     if estimate is not None:
         print(_estimate_note(estimate))
+    if batches != [1]:
+        print(
+            "batch: sequences served together, a step at a time; a step's requests are the "
+            "union of its sequences' experts (misses/token: per token of the batch)"
+        )
+    batch_head = f"{'batch':>6} " if batches != [1] else ""
     rate = f" {'est tok/s':>10}" if estimate is not None else ""
     print(
-        f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} {'misses/token':>13} "
-        f"{'per layer':>10}{rate}"
+        f"{batch_head}{'policy':<12} {'capacity':>8} {'hit rate':>9} {'misses':>10} "
+        f"{'misses/token':>13} {'per layer':>10}{rate}"
     )
     for row in rows:
+        batch = f"{row['batch_size']:>6} " if batches != [1] else ""
         rate = f" {row['est_tokens_per_s']:>10.2f}" if estimate is not None else ""
         print(
-            f"{row['policy']:<12} {row['capacity']:>8} {row['hit_rate']:>9.4f} "
+            f"{batch}{row['policy']:<12} {row['capacity']:>8} {row['hit_rate']:>9.4f} "
             f"{row['misses']:>10} {row['misses_per_token']:>13.3f} "
             f"{row['misses_per_token'] / max(layers, 1):>10.3f}{rate}"
         )
@@ -355,6 +374,14 @@ def _simulate_parser(verbs: Any) -> None:
         default=0.1,
         help="requests per layer that fill the caches uncounted: a fraction or a count "
         "(default: %(default)s, the first 10%%)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default=[1],
+        metavar="B,...",
+        help="sequences served together, a decode step at a time: a step's requests are the "
+        "union of its sequences' experts (default: 1, the trace as recorded)",
     )
     estimate = (
         "; with all three of --expert-bytes N, --link-gbps G and --compute-ms C each row gains "

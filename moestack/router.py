@@ -33,6 +33,8 @@ class RouterConfig:
     z_loss: float = 1e-3  # weight of the router z-loss, mean logsumexp(logits)^2 (0 = off)
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias step per update (0 = off)
     temporal: float = 0.0  # weight of the temporal-consistency locality loss (0 = off)
+    # weight of the published study's locality loss, mean 1 - <p_t, p_{t-1}> (0 = off)
+    consistency: float = 0.0
     window: float = 0.0  # weight of the working-set (window entropy) locality loss (0 = off)
     window_size: int = 16  # tokens per window for the working-set loss
     pin: float = 0.0  # weight of the pin-affinity locality loss (0 = off)
@@ -48,7 +50,8 @@ class RouterConfig:
             f"router.score={self.score!r} is unknown; use one of {ROUTER_SCORES}",
         )
         for name in (
-            "load_balance", "z_loss", "bias_update_rate", "temporal", "window", "pin", "anchor"
+            "load_balance", "z_loss", "bias_update_rate", "temporal", "consistency", "window",
+            "pin", "anchor",
         ):  # fmt: skip
             value = getattr(self, name)
             check(value >= 0, f"router.{name}={value} must be >= 0 (0 turns it off)")

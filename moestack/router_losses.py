@@ -10,7 +10,8 @@ Two families:
 
 - balance: ``load_balance`` (Switch Transformer) and ``z_loss`` (ST-MoE);
 - locality, which shapes routing for an expert cache (LRU or static-pin):
-  ``temporal_consistency`` (token t prefers the experts token t-1 used),
+  ``temporal_consistency`` (token t prefers the experts token t-1 used), ``consistency``
+  (the published study's ``1 - <p_t, p_{t-1}>``),
   ``window_concentration`` (a window of W tokens uses few experts: a small working set) and
   ``pin_affinity`` (a pinned set of experts receives a target share of the routing mass);
 - ``anchor_kl``: the KL divergence from a reference routing (the frozen router of a
@@ -107,6 +108,30 @@ def temporal_consistency(
     experts_RSK = rearrange(routing.experts, "(r s) k -> r s k", r=rows)
     kept_RP = probs_RSE[:, 1:].gather(-1, experts_RSK[:, :-1]).sum(-1)  # P = S - 1 pairs
     outside_RP = 1.0 - kept_RP
+    if seg_RS is None:
+        return outside_RP.mean()
+    valid_RP = (seg_RS[:, 1:] == seg_RS[:, :-1]).to(outside_RP.dtype)
+    return (outside_RP * valid_RP).sum() / valid_RP.sum().clamp_min(1.0)
+
+
+def consistency(
+    routing: Routing,
+    shape: Sequence[int],
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The published study's locality loss: mean over pairs (t-1, t) of 1 - <p_t, p_{t-1}>.
+
+    Both distributions carry gradient (unlike ``temporal_consistency``, whose predecessor
+    side is a fixed set of experts). Only pairs in the same sequence and the same document
+    count; 0 when there are none. In [0, 1]; 0 only when consecutive tokens put all their
+    mass on one shared expert.
+    """
+    rows, seq_len, seg_RS = _rows(routing, shape, segment_ids)
+    probs_TE = _probs(routing)
+    if rows == 0 or seq_len < 2:
+        return probs_TE.sum() * 0.0
+    probs_RSE = rearrange(probs_TE, "(r s) e -> r s e", r=rows)
+    outside_RP = 1.0 - (probs_RSE[:, 1:] * probs_RSE[:, :-1]).sum(-1)  # P = S - 1 pairs
     if seg_RS is None:
         return outside_RP.mean()
     valid_RP = (seg_RS[:, 1:] == seg_RS[:, :-1]).to(outside_RP.dtype)
@@ -257,6 +282,10 @@ def aux_loss(
         losses["z_loss"] = cfg.z_loss * z_loss(routing, shape)
     if cfg.temporal > 0:
         losses["temporal"] = cfg.temporal * temporal_consistency(
+            routing, shape, segment_ids=segment_ids
+        )
+    if cfg.consistency > 0:
+        losses["consistency"] = cfg.consistency * consistency(
             routing, shape, segment_ids=segment_ids
         )
     if cfg.window > 0:

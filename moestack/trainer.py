@@ -395,7 +395,7 @@ def _build_model(
     no other rank's expert is ever allocated: built on meta, cut, then materialised), its
     weights drawn layout-free from ``cfg.seed`` or read from ``resume_from``; the EP mesh and
     exchange counters (None without), and the step to start at."""
-    torch.manual_seed(cfg.seed)  # dropout and anything else drawn from the global stream
+    torch.manual_seed(cfg.seed)  # whatever a build draws from the global stream
     on_meta = _builds_on_meta(cfg)
     if isinstance(cfg.model, ModelConfig):
         model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
@@ -413,6 +413,9 @@ def _build_model(
                                               cfg.parallel.ep)  # fmt: skip
     if on_meta:  # memory for this rank's experts only, drawn as the whole model's would be
         model.init_experts(cfg.seed)
+    # training's draws from the global stream (LoRA's dropout) start from the seed, whatever
+    # the build drew (a whole build draws experts a meta one does not)
+    torch.manual_seed(cfg.seed)
     start_step = 0
     if resume_from is not None:  # this rank's experts' rows only
         start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]

@@ -10,6 +10,13 @@ their pinned experts (unless ``static_experts`` gives them), but are not counted
 stats. ``bytes_loaded`` is misses x the expert's size in bytes (from ``expert_bytes`` or
 the trace header); 0 where the size is unknown.
 
+Batched serving (``batch_size`` > 1): the sequences of the trace, in recording order, are
+served ``batch_size`` at a time, a decode step at a time, so a layer's requests at a step are
+the union of the experts its batch's sequences chose at that position (each expert once,
+in the order the batch first asks for it: sequence by sequence, slot by slot;
+``batched_accesses``). Batch 1 is the trace's own replay order. ``tokens`` (and so
+``misses_per_token``) counts token rows, the counted share of them after the warm-up.
+
 What a cache means on a given machine (``ServingEstimate``): a token costs ``compute_ms``
 plus its expert loads, each ``expert_bytes`` over a link of ``link_gbps`` GB/s, one after
 another: ``token_ms = compute_ms + misses_per_token * expert_bytes / (link_gbps * 1e6)`` and
@@ -142,6 +149,7 @@ def simulate(
     layers: Sequence[int] | None = None,
     max_accesses: int | None = None,
     reuse: bool = True,
+    batch_size: int = 1,
 ) -> CacheStats:
     """Replay ``trace`` through ``policy`` with ``capacity`` expert slots per layer.
 
@@ -150,7 +158,10 @@ def simulate(
     turned into slots with the expert size. ``static_experts[l]`` pins those experts of
     layer l for "static" / "lru+static". ``max_accesses`` replays only each layer's first
     requests (belady on huge traces). ``reuse`` adds the reuse-distance histograms.
+    ``batch_size`` serves that many sequences together (the module docstring).
     """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a whole number >= 1")
     name = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
     if isinstance(policy, str):
         check_policy(policy, "policy")
@@ -165,7 +176,11 @@ def simulate(
     replayed = 0
     requested = 0
     for layer in layer_ids:
-        requests = trace.accesses(layer)
+        rows = None  # token rows the requests serve (batched: the union loses the count)
+        if batch_size == 1:
+            requests = trace.accesses(layer)
+        else:
+            requests, rows = batched_accesses(trace, layer, batch_size)
         requested += requests.size
         if max_accesses is not None:
             requests = requests[:max_accesses]
@@ -195,7 +210,10 @@ def simulate(
                 misses * size,
             )
         )
-        tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
+        if rows is None:
+            tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
+        elif requests.size:  # the counted share of the rows
+            tokens = max(tokens, round(rows * counted.size / requests.size))
         if reuse:
             hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
     if requested == 0:
@@ -209,6 +227,33 @@ def simulate(
         seconds,
         replayed,
     )
+
+
+def batched_accesses(trace: RoutingTrace, layer: int, batch_size: int) -> tuple[np.ndarray, int]:
+    """The layer's requests when ``batch_size`` sequences are served together (the module
+    docstring), and the token rows they serve. Padding rows and layers that did not run are
+    skipped, as in ``RoutingTrace.accesses``."""
+    experts_NK = trace.experts(layer).astype(np.int64)
+    seq_N, pos_N = trace.sequence_ids(), trace.position_ids()
+    keep = pos_N >= 0
+    experts_NK, seq_N, pos_N = experts_NK[keep], seq_N[keep], pos_N[keep]
+    _, first = np.unique(seq_N, return_index=True)
+    order_of_seq = {s: i for i, s in enumerate(seq_N[np.sort(first)].tolist())}
+    batch_N = np.array([order_of_seq[s] // batch_size for s in seq_N.tolist()], dtype=np.int64)
+    # rows grouped by (batch, position), stably: a step's sequences keep recording order
+    rows = np.lexsort((pos_N, batch_N))
+    out: list[int] = []
+    step_key = None
+    seen: set[int] = set()
+    for row in rows.tolist():
+        key = (batch_N[row], pos_N[row])
+        if key != step_key:
+            step_key, seen = key, set()
+        for expert in experts_NK[row].tolist():
+            if expert >= 0 and expert not in seen:
+                seen.add(expert)
+                out.append(expert)
+    return np.asarray(out, dtype=np.int64), int(keep.sum())
 
 
 def _nothing_to_replay(trace: RoutingTrace, layer_ids: list[int]) -> ValueError:

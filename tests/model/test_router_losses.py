@@ -18,6 +18,7 @@ from moestack.config import RouterConfig, TrainConfig, register_configs
 from moestack.router import Routing
 from moestack.router_losses import (
     aux_loss,
+    consistency,
     load_balance,
     pin_affinity,
     temporal_consistency,
@@ -121,6 +122,34 @@ def test_balance_hand_values():
     assert z_loss(routing, (2,)).item() == pytest.approx(0.0, abs=1e-12)
 
 
+def _consistency_by_loop(probs_RSE: torch.Tensor, seg_RS: torch.Tensor | None) -> float:
+    """1 - <p_t, p_{t-1}> averaged over every same-row, same-document pair, one by one."""
+    total, pairs = 0.0, 0
+    rows, seq_len, experts = probs_RSE.shape
+    for r in range(rows):
+        for t in range(1, seq_len):
+            if seg_RS is not None and seg_RS[r, t] != seg_RS[r, t - 1]:
+                continue
+            total += 1.0 - sum(float(probs_RSE[r, t, e] * probs_RSE[r, t - 1, e])
+                               for e in range(experts))  # fmt: skip
+            pairs += 1
+    return total / pairs if pairs else 0.0
+
+
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_consistency_matches_a_loop_over_the_pairs(with_docs):
+    gen = torch.Generator().manual_seed(4)
+    probs_RSE = torch.randn(3, 7, 5, generator=gen, dtype=torch.float64).softmax(-1)
+    seg_RS = torch.randint(0, 3, (3, 7), generator=gen).cummax(-1).values if with_docs else None
+    routing = routing_from_probs(probs_RSE.reshape(21, 5), k=2)
+    got = consistency(routing, (3, 7), segment_ids=seg_RS).item()
+    assert got == pytest.approx(_consistency_by_loop(probs_RSE, seg_RS), rel=1e-12)
+    one_token_docs = torch.arange(21).reshape(3, 7)  # no pair in one document: 0
+    assert consistency(routing, (3, 7), segment_ids=one_token_docs).item() == 0.0
+    one_hot = routing_from_probs(torch.eye(5, dtype=torch.float64)[[2, 2, 2]], k=1)
+    assert consistency(one_hot, (3,)).item() == 0.0  # one shared expert: nothing to lose
+
+
 def test_sigmoid_scores_are_normalised():
     # Sigmoid-style scores (not summing to 1) are rescaled per token: (0.6, 0.2) -> (0.75, 0.25)
     scores = torch.tensor([[0.6, 0.2], [0.6, 0.2]], dtype=torch.float64)
@@ -133,6 +162,7 @@ def test_sigmoid_scores_are_normalised():
 # ---------------------------------------------------------------------- gradients
 GRAD_CASES = {
     "temporal": lambda r, seg: temporal_consistency(r, (2, 5), segment_ids=seg),
+    "consistency": lambda r, seg: consistency(r, (2, 5), segment_ids=seg),
     "window": lambda r, seg: window_concentration(r, (2, 5), window_size=3, segment_ids=seg),
     "pin": lambda r, seg: pin_affinity(r, (2, 5), pin_share=0.6, pinned=[1, 3]),
     "load_balance": lambda r, seg: load_balance(r, (2, 5)),
@@ -265,7 +295,7 @@ def test_clear_errors_for_layouts_that_do_not_fit():
 # ---------------------------------------------------------------------- aux_loss wiring
 def test_aux_loss_includes_each_loss_only_when_its_weight_is_positive():
     routing = routing_from_probs(WINDOW_PROBS, k=1)
-    off = dict(load_balance=0.0, z_loss=0.0, temporal=0.0, window=0.0, pin=0.0)
+    off = dict(load_balance=0.0, z_loss=0.0, temporal=0.0, window=0.0, pin=0.0, consistency=0.0)
     assert aux_loss(routing, (4,), RouterConfig(**off)) == {}
     seg = torch.tensor([0, 0, 0, 1])
     # Hand values on WINDOW_PROBS (top-1 = 0, 0, 0, 1):
@@ -273,8 +303,10 @@ def test_aux_loss_includes_each_loss_only_when_its_weight_is_positive():
     # window W=2 with docs: 0.728213 (test_window_hand_values)
     # pin {0}, target 0.5: share (0.9+0.7+0.5+0.1)/4 = 0.55 -> 0.0025
     # load balance: f = (3/4, 1/4), P = (0.55, 0.45) -> 2 * (0.4125 + 0.1125) = 1.05
+    # consistency: (0,1): 1 - (0.63 + 0.03) = 0.34, (1,2): 1 - (0.35 + 0.15) = 0.5 -> 0.42
     expected = {
         "temporal": 0.4,
+        "consistency": 0.42,
         "window": (2 * entropy2(0.8) + 1.0 + entropy2(0.1)) / 4,
         "pin": 0.0025,
         "load_balance": 1.05,
@@ -285,9 +317,9 @@ def test_aux_loss_includes_each_loss_only_when_its_weight_is_positive():
         losses = aux_loss(routing, (4,), cfg, segment_ids=seg)
         assert list(losses) == [name]
         assert losses[name].item() == pytest.approx(2.0 * value)
-    everything = RouterConfig(temporal=1.0, window=1.0, pin=1.0, window_size=2)
+    everything = RouterConfig(temporal=1.0, consistency=1.0, window=1.0, pin=1.0, window_size=2)
     assert set(aux_loss(routing, (4,), everything, segment_ids=seg)) == {
-        "load_balance", "z_loss", "temporal", "window", "pin",
+        "load_balance", "z_loss", "temporal", "consistency", "window", "pin",
     }  # fmt: skip
 
 

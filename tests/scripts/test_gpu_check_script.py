@@ -73,10 +73,12 @@ def test_dry_run_plan_fits_one_call_of_560_seconds(tmp_path):
     phases, out = dry_run(OUT=str(tmp_path))
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
     names = [name for name, _, _ in phases]
-    # The order the issue asks for: kernel correctness, the issue-3 table, the optimizer
-    # step, the memory rows; every default phase with a cap and the files it writes.
-    assert names[:7] == [
-        "env", "kernel_tests", "bench_moe", "profile_moe", "optim_tests", "bench_optim", "memory"
+    # The order the issues ask for: kernel correctness, the issue-3 table and its profile,
+    # the optimizer (its modes, issue 29), serving from the cache (issue 31); every default
+    # phase with a cap and the files it writes.
+    assert names == [
+        "env", "kernel_tests", "bench_moe", "profile_moe", "optim_tests", "bench_optim",
+        "bench_serve",
     ]  # fmt: skip
     assert all(cap >= 10 and files for _, cap, files in phases)
     assert "bench_moe.json" in dict((n, f) for n, _, f in phases)["bench_moe"]

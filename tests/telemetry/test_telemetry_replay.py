@@ -102,3 +102,61 @@ def test_run_telemetry_and_report(tmp_path: Path) -> None:
     assert "capacity_sweep.png" in index.read_text()
     with pytest.raises(FileExistsError):
         run_telemetry("qwen3_moe", text, out, seq_len=32, max_tokens=400)
+
+
+def _batched_trace(seed: int = 3, seqs: int = 10, length: int = 12) -> RoutingTrace:
+    """``seqs`` sequences of ``length`` tokens (one with padding at its end), top-3 of 16
+    experts, recorded as a model flattens [B, S]: sequences one after another."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.choice(16, size=3, replace=False) for _ in range(seqs * length)])
+    seq = np.repeat(np.arange(100, 100 + seqs), length)  # ids need not start at 0
+    pos = np.tile(np.arange(length, dtype=np.int32), seqs)
+    pos[length - 2 : length] = -1  # the first sequence's last two tokens are padding
+    return RoutingTrace.from_arrays([rows], num_experts=16, seq=seq, pos=pos, expert_bytes=10)
+
+
+def _set_union_lru_misses(trace: RoutingTrace, batch: int, cap: int) -> tuple[int, int]:
+    """Serve ``batch`` sequences at a time, a position at a time: the set of experts the
+    batch asks for at that position goes through a plain LRU (in first-asked order)."""
+    experts, seq, pos = trace.experts(0), trace.sequence_ids(), trace.position_ids()
+    order = list(dict.fromkeys(seq.tolist()))
+    cache: OrderedDict[int, None] = OrderedDict()
+    misses = requests = 0
+    for start in range(0, len(order), batch):
+        group = order[start : start + batch]
+        for p in range(int(pos.max()) + 1):
+            wanted: list[int] = []
+            for s in group:
+                for row in np.flatnonzero((seq == s) & (pos == p)):
+                    wanted += [e for e in experts[row].tolist() if e not in wanted]
+            for e in wanted:
+                requests += 1
+                if e in cache:
+                    cache.move_to_end(e)
+                    continue
+                misses += 1
+                if len(cache) == cap:
+                    cache.popitem(last=False)
+                cache[e] = None
+    return misses, requests
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 32])
+def test_batched_replay_matches_a_set_union_lru(batch: int) -> None:
+    trace = _batched_trace()
+    stats = simulate(trace, "lru", 6, warmup=0, batch_size=batch)
+    misses, requests = _set_union_lru_misses(trace, batch, 6)
+    assert (stats.misses, stats.accesses) == (misses, requests)
+    assert stats.tokens == 10 * 12 - 2  # token rows, padding left out
+    assert stats.misses_per_token == pytest.approx(misses / 118)
+    if batch == 1:  # the trace's own replay order
+        assert stats.misses == simulate(trace, "lru", 6, warmup=0).misses
+
+
+def test_batching_shares_loads_and_bad_batch_sizes_are_refused() -> None:
+    trace = _batched_trace()
+    one, eight = (simulate(trace, "lru", 6, warmup=0, batch_size=b) for b in (1, 8))
+    assert eight.accesses < one.accesses  # the union asks for a shared expert once
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            simulate(trace, "lru", 6, batch_size=bad)

@@ -440,6 +440,28 @@ def test_import_then_simulate_on_the_command_line(tmp_path, capsys):
     assert all("est_tokens_per_s" not in r for r in json.loads(rows_file.read_text()))
 
 
+def test_simulate_at_several_batch_sizes_on_the_command_line(tmp_path, capsys):
+    """--batch-sizes 1,4: a row per batch size; batch 1 is the plain replay. The trace is
+    one sequence (an import), so batching changes nothing but the column."""
+    from moestack.telemetry import RoutingTrace, simulate
+
+    src = write_npz(tmp_path / "t.npz", routing(), META)
+    import_trace(src, tmp_path / "trace")
+    rows_file = tmp_path / "rows.json"
+    argv = ["simulate", str(tmp_path / "trace"), "--policies", "lru", "--capacities", "4"]
+    cli.main([*argv, "--batch-sizes", "1,4", "--json", str(rows_file)])
+    table = capsys.readouterr().out
+    assert "batch: sequences served together" in table and " batch " in table
+    rows = json.loads(rows_file.read_text())
+    assert [r["batch_size"] for r in rows] == [1, 4]
+    plain = simulate(RoutingTrace.load(tmp_path / "trace"), "lru", 4)
+    assert rows[0]["misses"] == rows[1]["misses"] == plain.misses
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--batch-sizes", "0,8"])
+    assert exit_info.value.code == 2
+    assert "whole numbers >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
