@@ -22,7 +22,8 @@ import torch.distributed as dist
 # (the first optimizer built imports torch._dynamo, which imports it). Imported after
 # init_process_group, it would hold the default group for the life of the process, and that
 # group's gloo threads would outlive it (see close_process_groups).
-import torch.distributed.nn  # noqa: F401
+if dist.is_available():
+    import torch.distributed.nn  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# Imported for its import order: before a process group exists (a script that imports
+# OffloadAdamW, then calls init_process_group), so no group outlives its teardown.
+import moestack.distributed  # noqa: F401
+
 log = logging.getLogger(__name__)
 
 
