@@ -150,7 +150,7 @@ def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
 # collectives queued whose tensors only gloo still references, then end their groups:
 # gloo's worker threads are gone before the interpreter exits, or the exit may abort.
 GROUPS_SCRIPT = """
-import sys
+import os, sys
 if sys.argv[1] == "first":
     from moestack import distributed  # as moestack's runs: before any group exists
 import torch
@@ -163,17 +163,21 @@ holder["self"] = holder
 for _ in range(50):
     dist.all_reduce(torch.randn(1000), async_op=True)
 del holder
-print("left", distributed.close_process_groups(), flush=True)
+left = distributed.close_process_groups()
+with open(f"{sys.argv[2]}/left{os.environ['RANK']}", "w") as f:  # one file a rank: no
+    f.write(str(left))  # interleaved output to parse
 """
 
 
 def _end_groups(tmp_path, order: str):
     script = tmp_path / f"groups_{order}.py"
     script.write_text(GROUPS_SCRIPT)
+    out = tmp_path / f"left_{order}"
+    out.mkdir()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                "--standalone", str(script), order]  # fmt: skip
+                "--standalone", str(script), order, str(out)]  # fmt: skip
     done = run_launch(launcher, f"two ranks ending their groups ({order})", cwd=tmp_path)
-    lefts = sorted(int(line.split()[1]) for line in done.stdout.splitlines() if line[:4] == "left")
+    lefts = [int(f.read_text()) for f in sorted(out.glob("left*"))]
     return done, lefts
 
 
