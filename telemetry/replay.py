@@ -176,21 +176,13 @@ def simulate(
     replayed = 0
     requested = 0
     for layer in layer_ids:
-        rows = None  # token rows the requests serve (batched: the union loses the count)
-        if batch_size == 1:
-            requests = trace.accesses(layer)
-        else:
-            requests, rows = batched_accesses(trace, layer, batch_size)
+        requests, rows = _layer_requests(trace, layer, batch_size)
         requested += requests.size
         if max_accesses is not None:
             requests = requests[:max_accesses]
         cap = _layer_capacity(capacity, capacity_bytes, sizes[layer], layer)
         skip = _resolve_warmup(warmup, requests.size)
-        if isinstance(policy, str):
-            pinned = None if static_experts is None else list(static_experts[layer])
-            pol = _named_policy(policy, cap, requests, skip, pinned, num_pinned)
-        else:
-            pol = policy(layer, cap, requests)
+        pol = _layer_policy(policy, layer, cap, requests, skip, static_experts, num_pinned)
         start = time.perf_counter()
         hits_mask = pol.access_many(requests)
         seconds += time.perf_counter() - start
@@ -199,21 +191,9 @@ def simulate(
         hits = int(counted.sum())
         misses = int(counted.size - hits)
         size = sizes[layer] or 0
-        stats.append(
-            LayerStats(
-                layer,
-                cap,
-                int(counted.size),
-                hits,
-                misses,
-                _rate(hits, counted.size),
-                misses * size,
-            )
-        )
-        if rows is None:
-            tokens = max(tokens, counted.size // max(trace.top_k[layer], 1))
-        elif requests.size:  # the counted share of the rows
-            tokens = max(tokens, round(rows * counted.size / requests.size))
+        rate = _rate(hits, counted.size)
+        stats.append(LayerStats(layer, cap, int(counted.size), hits, misses, rate, misses * size))
+        tokens = max(tokens, _counted_tokens(rows, counted.size, requests.size, trace.top_k[layer]))
         if reuse:
             hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
     if requested == 0:
@@ -227,6 +207,40 @@ def simulate(
         seconds,
         replayed,
     )
+
+
+def _layer_requests(
+    trace: RoutingTrace, layer: int, batch_size: int
+) -> tuple[np.ndarray, int | None]:
+    """The layer's requests in replay order, and the token rows they serve when that is not
+    the requests per top-k (batched: the union loses the count; None otherwise)."""
+    if batch_size == 1:
+        return trace.accesses(layer), None
+    return batched_accesses(trace, layer, batch_size)
+
+
+def _layer_policy(
+    policy: str | PolicyFactory,
+    layer: int,
+    cap: int,
+    requests: np.ndarray,
+    skip: int,
+    static_experts: Sequence[Sequence[int]] | None,
+    num_pinned: int | None,
+) -> CachePolicy:
+    """The cache policy of one layer: a named one, or the factory's."""
+    if not isinstance(policy, str):
+        return policy(layer, cap, requests)
+    pinned = None if static_experts is None else list(static_experts[layer])
+    return _named_policy(policy, cap, requests, skip, pinned, num_pinned)
+
+
+def _counted_tokens(rows: int | None, counted: int, requests: int, top_k: int) -> int:
+    """Token rows behind the ``counted`` (post-warm-up) of ``requests`` requests: counted /
+    top_k, or, batched, the counted share of the ``rows``."""
+    if rows is None:
+        return counted // max(top_k, 1)
+    return round(rows * counted / requests) if requests else 0
 
 
 def batched_accesses(trace: RoutingTrace, layer: int, batch_size: int) -> tuple[np.ndarray, int]:

@@ -71,6 +71,18 @@ def lr_lambda(step: int) -> float:
     return min(1.0, (step + 1) / 3)
 
 
+def _with_reference(device: str, dtype: torch.dtype, **kw):
+    """The parameters on ``device``, fp32 CPU copies of them (their own memory), an
+    OffloadAdamW (``kw``) over the first and torch AdamW over the copies, same settings."""
+    params = make_params(device, dtype)
+    ref = {n: torch.nn.Parameter(p.detach().float().cpu().clone()) for n, p in params.items()}
+    opt = OffloadAdamW(list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, **kw)
+    ref_opt = torch.optim.AdamW(
+        list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
+    )
+    return params, ref, opt, ref_opt
+
+
 @pytest.mark.parametrize("defer", [False, True], ids=["copy-each", "no_sync"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
@@ -79,14 +91,7 @@ def test_matches_torch_adamw_on_device(
 ) -> None:
     """Every step against torch AdamW; ``fused_step`` as OffloadAdamW takes it (the tests
     below run this one with the reference path, and with the staged fused step)."""
-    params = make_params(device, dtype)
-    ref = {n: torch.nn.Parameter(p.detach().float().cpu().clone()) for n, p in params.items()}
-    opt = OffloadAdamW(
-        list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused_step=fused_step
-    )
-    ref_opt = torch.optim.AdamW(
-        list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
-    )
+    params, ref, opt, ref_opt = _with_reference(device, dtype, fused_step=fused_step)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
     for step in range(STEPS):
@@ -134,14 +139,7 @@ def test_delayed_update_on_device(device: str, dtype: torch.dtype) -> None:
     the weights, so the master weights follow torch AdamW exactly as without the delay, and
     the weights the device sees after step k are the master's after update k - 1 (after
     update k once synchronized)."""
-    params = make_params(device, dtype)
-    ref = {n: torch.nn.Parameter(p.detach().float().cpu().clone()) for n, p in params.items()}
-    opt = OffloadAdamW(
-        list(params.items()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, update_delay=1
-    )
-    ref_opt = torch.optim.AdamW(
-        list(ref.values()), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
-    )
+    params, ref, opt, ref_opt = _with_reference(device, dtype, update_delay=1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
     for step in range(STEPS):
