@@ -5,6 +5,7 @@ folder into place; and one rule for telling a full disk from other write errors.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 import tempfile
@@ -14,6 +15,24 @@ from moestack.errors import MoestackError
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _FULL_WORDS = ("No space left on device", "Disk quota exceeded", "StorageFull")  # in messages
+
+
+def fsync_file(path: Path) -> None:
+    """fsync a file's contents to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

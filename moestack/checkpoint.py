@@ -8,6 +8,11 @@ Layout of one checkpoint, ``<run>/checkpoints/step_000200/``:
     meta.json           format, version, step, model config, size and sha256 of each file,
                         and a digest of its own fields (written last)
 
+Under expert parallelism each rank also writes the experts it holds, weights and optimizer
+state, into files of its own (``rank00001.experts.safetensors``, ``rank00001.optim.pt``;
+:mod:`moestack.checkpoint_parts`), and ``model.safetensors`` holds the other tensors: no rank
+gathers another's experts, and a reader at any layout reads the rows it needs.
+
 A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
 renamed into place, so a crash never leaves a half-written checkpoint that looks complete;
 only the newest ``keep_last`` are kept, and an old one is renamed to ``.trash-...`` before it
@@ -28,7 +33,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from moestack import atomic
+from moestack import atomic, checkpoint_parts
+from moestack.atomic import fsync_file as _fsync
+from moestack.atomic import sha256_file
+from moestack.checkpoint_parts import Part, expert_tensor_rows, sharded_expert_rows
 from moestack.errors import MoestackError
 from moestack.evaluation import is_finite
 from moestack.model import ModelConfig
@@ -52,30 +60,14 @@ PREFIX = "step_"
 TRASH_PREFIX = ".trash-"
 SELF_DIGEST = "meta_sha256"  # meta.json's digest of its own other fields
 FORMAT = "moestack-checkpoint"
-# meta.json versions: 1 (no format/version keys, no digests), 2 (file and self digests).
-VERSION = 2
-_META_KEYS = ("format", "version", "step", "model", "sizes", "sha256", SELF_DIGEST)
+# meta.json versions: 1 (no format/version keys, no digests), 2 (file and self digests),
+# 3 (rank files under "parts").
+VERSION = 3
+_META_KEYS = ("format", "version", "step", "model", "sizes", "sha256", "parts", SELF_DIGEST)
 _FILES = (MODEL_FILE, STATE_FILE)
 # A routed expert tensor of a moestack MoE layer: ``layers.<i>.moe.w1`` in moestack's model,
 # ``hf.model.layers.<i>.mlp.moe.w1`` in a transformers model's run (model=hf).
 _EXPERT_KEY = re.compile(r"(?:.*\.)?layers\.(?P<layer>\d+)\.(?:[A-Za-z_]+\.)?moe\.(?P<w>w[12])")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def save_checkpoint(
@@ -85,6 +77,9 @@ def save_checkpoint(
     model_cfg: ModelConfig,
     train_state: dict[str, Any],
     keep_last: int = 2,
+    *,
+    folder: Path | None = None,
+    parts: list[Part] | tuple[Part, ...] = (),
 ) -> Path:
     """Write checkpoint ``step`` under ``ckpt_root`` atomically; prune all but ``keep_last``.
 
@@ -92,16 +87,22 @@ def save_checkpoint(
     after writing, a small cost beside the write), so ``meta.json`` vouches for the bytes on
     disk, not for the tensors in memory. A full disk is one MoestackError naming the folder
     and the space needed; the partial checkpoint is removed, the older ones stay.
+
+    ``folder`` (from :func:`new_folder`) already holds the rank files ``parts`` other ranks
+    wrote (expert parallelism); the weights file then leaves out the tensors they hold.
     """
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"{PREFIX}{step:06d}"
     try:
-        ckpt_root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpt_root))
+        tmp = folder if folder is not None else new_folder(ckpt_root, step)
     except OSError as err:
         raise _full_or(err, ckpt_root, model, train_state, final) from None
     try:
-        safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
+        if any(part.kind == checkpoint_parts.EXPERTS for part in parts):
+            shared = checkpoint_parts.shared_tensors(model, sharded_expert_rows(model))
+            checkpoint_parts.write_safetensors(tmp / MODEL_FILE, shared)
+        else:
+            safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
         meta = {
             "format": FORMAT,
@@ -111,6 +112,10 @@ def save_checkpoint(
             "sizes": {name: (tmp / name).stat().st_size for name in _FILES},
             "sha256": {name: sha256_file(tmp / name) for name in _FILES},
         }
+        if parts:
+            meta["sizes"].update({part.name: part.size for part in parts})
+            meta["sha256"].update({part.name: part.sha256 for part in parts})
+            meta["parts"] = {part.name: part.record() for part in parts}
         meta[SELF_DIGEST] = _meta_digest(meta)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         for name in (*_FILES, META_FILE):
@@ -125,6 +130,15 @@ def save_checkpoint(
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
         _remove(old)
     return final
+
+
+def new_folder(ckpt_root: Path | str, step: int) -> Path:
+    """A new temporary folder for checkpoint ``step`` under ``ckpt_root``, into which ranks
+    write their files before :func:`save_checkpoint` commits it (``clean_partial`` removes
+    it if the save never finishes)."""
+    ckpt_root = Path(ckpt_root)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step:06d}.", dir=ckpt_root))
 
 
 def _full_or(
@@ -258,14 +272,21 @@ def _check_meta(meta: Any, meta_path: Path) -> None:
         raise bad("step", f"is {step!r}, not an integer >= 0")
     if not isinstance(meta.get("model"), dict) or not isinstance(meta["model"].get("moe"), dict):
         raise bad("model", "is missing or not an object with a moe section")
+    why = checkpoint_parts.check_parts(meta.get("parts", {}))
+    if why is not None:
+        raise bad("parts", why)
+    files = (*_FILES, *meta.get("parts", {}))
     for key, kind in (("sizes", int), ("sha256", str)):
         table = meta.get(key, {})
         if not isinstance(table, dict):
             raise bad(key, "is not an object")
         for name, value in table.items():
-            if name not in _FILES or not isinstance(value, kind) or isinstance(value, bool):
+            if name not in files or not isinstance(value, kind) or isinstance(value, bool):
                 raise bad(f"{key}[{name!r}]", f"= {value!r} is not a {kind.__name__} for one of "
-                          f"{_FILES}")  # fmt: skip
+                          f"{_FILES} or the rank files under parts")  # fmt: skip
+        unlisted = [name for name in meta.get("parts", {}) if name not in table]
+        if unlisted and (key == "sizes" or meta.get("version", 1) >= 2):
+            raise bad(key, f"lists no entry for the rank file {unlisted[0]!r}")
     meta.setdefault("sizes", {})
 
 
@@ -289,7 +310,7 @@ def verify_checkpoint(path: Path | str) -> dict[str, Any]:
     """meta.json of ``path`` after checking the size and sha256 of every file; raises
     MoestackError naming the first file that fails."""
     meta = read_meta(path)
-    for name in _FILES:
+    for name in (*_FILES, *meta.get("parts", {})):
         verify_file(path, name, meta)
     return meta
 
@@ -335,6 +356,9 @@ def load_model_weights(
     meta = read_meta(path)
     check_model_config(meta, model_cfg, path)
     verify_file(path, MODEL_FILE, meta)
+    if checkpoint_parts.overlapping(meta.get("parts", {}), checkpoint_parts.EXPERTS, None):
+        _load_from_rank_files(path, meta, model)
+        return meta
     rows = sharded_expert_rows(model)
     if rows:
         _load_with_expert_rows(path / MODEL_FILE, model, rows)
@@ -354,31 +378,23 @@ def load_model_weights(
     return meta
 
 
-def sharded_expert_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """The expert tensors of ``model`` that hold some experts only (expert parallelism:
-    ``parallel.shard_experts``), by parameter name: the rows ``[lo, hi)`` of the whole."""
-    rows: dict[str, tuple[int, int]] = {}
-    for prefix, module in model.named_modules():
-        names = getattr(module, "expert_tensor_names", None)
-        if not callable(names) or not hasattr(module, "expert_offset"):
-            continue
-        for name in names():
-            held = getattr(module, name).shape[0]
-            if held < module.cfg.num_experts:
-                lo = module.expert_offset
-                rows[f"{prefix}.{name}" if prefix else name] = (lo, lo + held)
-    return rows
-
-
 @torch.no_grad()
-def _load_with_expert_rows(file: Path, model: nn.Module, rows: dict[str, tuple[int, int]]) -> None:
+def _load_with_expert_rows(
+    file: Path,
+    model: nn.Module,
+    rows: dict[str, tuple[int, int]],
+    elsewhere: frozenset[str] = frozenset(),
+) -> None:
     """Read ``file`` into ``model`` in place, each sharded expert tensor's rows only (the
-    file holds whole experts; no other rank's rows are read into memory)."""
+    file holds whole experts; no other rank's rows are read into memory); the tensors named
+    in ``elsewhere`` are not in it (the rank files of the checkpoint hold them)."""
     tensors = model.state_dict(keep_vars=True)
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             keys = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
             for name, tensor in tensors.items():
+                if name in elsewhere:
+                    continue
                 if name not in keys:
                     if name.endswith("lm_head.weight"):  # tied: stored once
                         continue
@@ -402,6 +418,91 @@ def _load_with_expert_rows(file: Path, model: nn.Module, rows: dict[str, tuple[i
             f"{file} does not match the model (unexpected {unexpected[:3]}); use the "
             "checkpoint's model config"
         )
+
+
+def _load_from_rank_files(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
+    """Load a checkpoint written with rank files into ``model`` (any layout: its expert
+    tensors hold whole experts or a block): the shared tensors from the weights file, each
+    expert tensor's rows from the rank files that hold them (those files verified only)."""
+    wanted = expert_tensor_rows(model)
+    _load_with_expert_rows(path / MODEL_FILE, model, {}, frozenset(wanted))
+    if not wanted:
+        return
+    block = checkpoint_parts.block_of(wanted)
+    files = _covering(path, meta, checkpoint_parts.EXPERTS, block)
+    tensors = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, (lo, hi) in files:
+            a, b = max(block[0], lo), min(block[1], hi)
+            for key, tensor in _read_rows(path / name, wanted, a - lo, b - lo):
+                tensors[key][a - block[0] : b - block[0]].copy_(tensor)
+
+
+def _covering(
+    path: Path, meta: dict[str, Any], kind: str, block: tuple[int, int]
+) -> list[tuple[str, tuple[int, int]]]:
+    """The rank files of ``kind`` holding experts ``block``, verified; a MoestackError names
+    the experts none holds."""
+    files = checkpoint_parts.overlapping(meta.get("parts", {}), kind, block)
+    covered = block[0]
+    for _, (lo, hi) in files:
+        if lo > covered:
+            break
+        covered = max(covered, hi)
+    if covered < block[1]:
+        raise MoestackError(
+            f"checkpoint {path}: no rank file holds the {kind} state of experts "
+            f"{covered}..{block[1] - 1}; the checkpoint is incomplete, use an older one"
+        )
+    for name, _ in files:
+        verify_file(path, name, meta)
+    return files
+
+
+def _read_rows(
+    file: Path, names: Iterable[str], a: int, b: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rows ``[a, b)`` of each tensor ``names`` of a rank's experts file."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            keys = set(f.keys())  # noqa: SIM118 (safe_open is no dict)
+            for name in names:
+                if name not in keys:
+                    raise MoestackError(
+                        f"{file} holds no {name}; the checkpoint does not match the model "
+                        "(use the checkpoint's model config)"
+                    )
+                yield name, f.get_slice(name)[a:b]
+    except (safetensors.SafetensorError, OSError) as err:
+        raise MoestackError(f"{file}: cannot be read ({err})") from None
+
+
+def load_optimizer_parts(path: Path | str, block: tuple[int, int] | None) -> list[dict[str, Any]]:
+    """The optimizer parts of checkpoint ``path`` holding experts ``block`` (None: all), each
+    verified and memory-mapped (only what the optimizer copies out is read); [] for a
+    checkpoint without rank files."""
+    path = Path(path)
+    meta = read_meta(path)
+    parts = meta.get("parts", {})
+    if not checkpoint_parts.overlapping(parts, checkpoint_parts.OPTIMIZER, None):
+        return []
+    if block is None:
+        block = (
+            0,
+            max(
+                rows[1]
+                for _, rows in checkpoint_parts.overlapping(parts, checkpoint_parts.EXPERTS, None)
+            ),
+        )
+    out = []
+    for name, _ in _covering(path, meta, checkpoint_parts.OPTIMIZER, block):
+        try:
+            out.append(torch.load(path / name, map_location="cpu", weights_only=True, mmap=True))
+        except Exception as err:  # truncated zip, foreign pickle
+            raise MoestackError(
+                f"{path / name} cannot be read ({err}); use an older checkpoint"
+            ) from None
+    return out
 
 
 def _expert_key(key: str) -> bool:
@@ -456,26 +557,59 @@ def iter_expert_layers(
     meta = read_meta(path)
     if verify:
         verify_file(path, MODEL_FILE, meta)
-    file = path / MODEL_FILE
+    files = [path / MODEL_FILE]
+    ranks = checkpoint_parts.overlapping(meta.get("parts", {}), checkpoint_parts.EXPERTS, None)
+    if ranks:  # every rank file's block of each layer, joined in expert order
+        whole = (0, max(rows[1] for _, rows in ranks))
+        files = [path / name for name, _ in _covering(path, meta, checkpoint_parts.EXPERTS, whole)]
     try:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with contextlib.ExitStack() as stack:
+            opened = [
+                stack.enter_context(safe_open(f, framework="pt", device="cpu")) for f in files
+            ]
             keys: dict[int, dict[str, str]] = {}  # decoder layer -> {"w1": key, "w2": key}
-            for key in f.keys():  # noqa: SIM118 (safe_open is no dict)
+            for key in opened[0].keys():  # noqa: SIM118 (safe_open is no dict)
                 if match := _EXPERT_KEY.fullmatch(key):
                     keys.setdefault(int(match["layer"]), {})[match["w"]] = key
             for layer in sorted(keys):  # the order of model.moe_layers
-                w1, w2 = (f.get_tensor(keys[layer][n]) for n in ("w1", "w2"))
+                w1, w2 = (
+                    torch.cat([f.get_tensor(keys[layer][n]) for f in opened]) for n in ("w1", "w2")
+                )
                 yield (w1, w2) if dtype is None else (w1.to(dtype), w2.to(dtype))
     except (safetensors.SafetensorError, OSError) as err:
         raise MoestackError(
-            f"{file}: cannot read the experts ({err}); the checkpoint is damaged, use another"
+            f"{path}: cannot read the experts ({err}); the checkpoint is damaged, use another"
         ) from None
+
+
+def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint ``path``'s weights, whole: a checkpoint written with rank
+    files has its expert tensors joined from them in expert order (all files verified)."""
+    path = Path(path)
+    meta = verify_checkpoint(path)
+    try:
+        tensors = safetensors.torch.load_file(path / MODEL_FILE)
+        ranks = checkpoint_parts.overlapping(meta.get("parts", {}), checkpoint_parts.EXPERTS, None)
+        blocks = [safetensors.torch.load_file(path / name) for name, _ in ranks]
+    except (safetensors.SafetensorError, OSError) as err:
+        raise MoestackError(f"{path}: cannot read the weights ({err})") from None
+    for name in blocks[0] if blocks else ():
+        tensors[name] = torch.cat([block[name] for block in blocks])
+    return tensors
 
 
 def model_sha256(path: Path | str) -> str | None:
     """sha256 of checkpoint ``path``'s weights file, as its meta.json records it (None for a
-    checkpoint older than the digests)."""
-    return read_meta(path).get("sha256", {}).get(MODEL_FILE)
+    checkpoint older than the digests); of a checkpoint with rank files, the sha256 of the
+    sorted ``name:sha256`` lines of its weights file and experts files."""
+    meta = read_meta(path)
+    digests = meta.get("sha256", {})
+    ranks = checkpoint_parts.overlapping(meta.get("parts", {}), checkpoint_parts.EXPERTS, None)
+    if not ranks or MODEL_FILE not in digests:
+        return digests.get(MODEL_FILE)
+    names = sorted([MODEL_FILE, *(name for name, _ in ranks)])
+    lines = "".join(f"{name}:{digests[name]}\n" for name in names)
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def load_train_state(path: Path | str) -> dict[str, Any]:

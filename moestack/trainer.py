@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack import atomic, checkpoint, distributed, lora, memory_plan, parallel, provenance
+from moestack import (
+    atomic,
+    checkpoint,
+    checkpoint_parts,
+    distributed,
+    lora,
+    memory_plan,
+    parallel,
+    provenance,
+)
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
+from moestack.interop.hf_experts import fill_expert_rows
 from moestack.metrics import MetricsWriter, format_summary, human_count
 from moestack.model import ModelConfig, RoutedLM
 from moestack.moe import check_impl
@@ -382,10 +393,10 @@ def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- building a run
 def _builds_on_meta(cfg: TrainConfig) -> bool:
     """Whether this rank builds its model's experts on the meta device and materialises its
-    own only (the backbone is every rank's): moestack's own model under expert parallelism.
-    LoRA adapters on the experts are drawn whole, so that run builds the whole model first."""
+    own only (the backbone is every rank's): any model under expert parallelism. LoRA
+    adapters on the experts are drawn whole, so that run builds the whole model first."""
     adapters_on_experts = cfg.trainable in lora.LORA_TRAINABLE and cfg.lora.on_experts
-    return cfg.parallel.ep > 1 and isinstance(cfg.model, ModelConfig) and not adapters_on_experts
+    return cfg.parallel.ep > 1 and not adapters_on_experts
 
 
 def _build_model(
@@ -399,8 +410,8 @@ def _build_model(
     on_meta = _builds_on_meta(cfg)
     if isinstance(cfg.model, ModelConfig):
         model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
-    else:
-        model = cfg.model.build()
+    else:  # a transformers folder: on meta, its experts are read once the rank has its own
+        model = cfg.model.build(experts=not on_meta)
     lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
     if cfg.compile:  # the blocks compile at the first step, after the move to the device
         model.compile_blocks()
@@ -411,8 +422,10 @@ def _build_model(
                  cfg.trainable, human_count(trained))  # fmt: skip
     mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
                                               cfg.parallel.ep)  # fmt: skip
-    if on_meta:  # memory for this rank's experts only, drawn as the whole model's would be
+    if on_meta and isinstance(cfg.model, ModelConfig):  # drawn as the whole model's would be
         model.init_experts(cfg.seed)
+    elif on_meta and resume_from is None:  # this rank's experts' bytes alone
+        fill_expert_rows(model, cfg.model.path)
     # training's draws from the global stream (LoRA's dropout) start from the seed, whatever
     # the build drew (a whole build draws experts a meta one does not)
     torch.manual_seed(cfg.seed)
@@ -512,29 +525,67 @@ def save(run: Run, step: int) -> None:
     Weights or optimizer state with NaN/inf are never saved (a finite loss does not rule
     them out): the run stops naming the tensor and the last checkpoint, which stays. The
     routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
-    holds."""
+    holds. Under expert parallelism every rank writes its own experts (weights and
+    optimizer state) into files of its own (moestack.checkpoint_parts): nothing is gathered
+    but the replicated optimizer state."""
     run.optimizer.synchronize()  # the weights saved are those of every update made
+    common, own = run.optimizer.sharded_state_dict() if run.mesh else (None, None)
     state = {
-        "optimizer": run.optimizer.state_dict(),  # collective; the same at any layout
+        "optimizer": common if run.mesh else run.optimizer.state_dict(),  # collective
         "scheduler": run.scheduler.state_dict(),
         "data": run.loader.state_dict(),
         "rng": checkpoint.rng_state(),
         "train": run.state.state_dict(),
         "bad_steps": run.state.bad_steps,  # read by checkpoints written before "train"
     }
-    _refuse_non_finite(run, step, state["optimizer"])
-    whole = parallel.whole_experts(run.model) if run.mesh else contextlib.nullcontext()
-    with whole:  # every expert, gathered over the EP group: checkpoints are layout-free
-        if run.dist.is_main:
-            checkpoint.save_checkpoint(
-                run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
-            )
+    _refuse_non_finite(run, step, [state["optimizer"], own])
+    if run.mesh is not None:
+        _save_with_rank_files(run, step, state, own)
+    elif run.dist.is_main:
+        checkpoint.save_checkpoint(
+            run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
+        )
     if run.telemetry is not None:  # the trace on disk covers what the checkpoint covers
         run.telemetry.flush()
     distributed.barrier(run.dist)
 
 
-def _refuse_non_finite(run: Run, step: int, optimizer_state: dict[str, Any]) -> None:
+def _save_with_rank_files(run: Run, step: int, state: dict[str, Any], own: Any) -> None:
+    """Expert parallelism's checkpoint: rank 0 opens a temporary folder, every rank writes
+    its files into it, rank 0 commits it with their sizes and digests. A rank that fails is
+    named on every rank (none waits for it), and the folder is removed."""
+    folder = _on_every_rank(run, "create the checkpoint folder", lambda: str(
+        checkpoint.new_folder(run.ckpt_root, step)) if run.dist.is_main else None)[0]  # fmt: skip
+    first_replica = run.mesh is not None and run.mesh.dp_rank == 0
+    written = _on_every_rank(run, "write its files", lambda: checkpoint_parts.write_rank_files(
+        Path(folder), run.dist.rank, run.model, first_replica, own), cleanup=folder)  # fmt: skip
+    parts = [part for files in written for part in files]
+    _on_every_rank(run, "commit the checkpoint", lambda: checkpoint.save_checkpoint(
+        run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last,
+        folder=Path(folder), parts=parts) if run.dist.is_main else None)  # fmt: skip
+
+
+def _on_every_rank(
+    run: Run, what: str, work: Callable[[], Any], cleanup: str | None = None
+) -> list[Any]:
+    """``work()`` on every rank, then every rank's result (collective); when any rank
+    failed, every rank raises the first failure (its rank named) and rank 0 removes
+    ``cleanup``; the last checkpoint stays."""
+    try:
+        result, error = work(), None
+    except Exception as err:  # reported to every rank, none left waiting
+        result, error = None, f"rank {run.dist.rank} could not {what}: {err}"
+    outcomes = distributed.gather_objects((result, error), run.dist)
+    errors = [e for _, e in outcomes if e is not None]
+    if errors:
+        if cleanup is not None and run.dist.is_main:
+            shutil.rmtree(cleanup, ignore_errors=True)
+        last = checkpoint.latest_checkpoint(run.ckpt_root)
+        raise MoestackError(f"{errors[0]}; the last checkpoint, {last or 'none'}, is kept")
+    return [r for r, _ in outcomes]
+
+
+def _refuse_non_finite(run: Run, step: int, optimizer_state: Any) -> None:
     bad = checkpoint.first_non_finite(
         run.model.state_dict(), "weight"
     ) or checkpoint.first_non_finite(optimizer_state, "optimizer state")
@@ -556,7 +607,10 @@ def restore(run: Run, path: Path) -> None:
     built)."""
     state = checkpoint.load_train_state(path)
     run.scheduler.load_state_dict(state["scheduler"])
-    run.optimizer.load_state_dict(state["optimizer"])  # saved at any layout
+    rows = checkpoint_parts.expert_tensor_rows(run.model)
+    block = checkpoint_parts.block_of(rows) if rows else None
+    parts = checkpoint.load_optimizer_parts(path, block)  # the rank files of this rank's experts
+    run.optimizer.load_sharded_state_dict(state["optimizer"], parts)  # saved at any layout
     run.loader.load_state_dict(state["data"])
     checkpoint.set_rng_state(state["rng"])
     run.state.load_state_dict(state.get("train", {"bad_steps": state.get("bad_steps", 0)}))

@@ -157,9 +157,12 @@ def _read_expert(reader: TensorReader, plan: dict[str, Any], e: int) -> dict[str
     return {"w1": w1, "w2": reader.tensor(keys["down"]).t().contiguous()}
 
 
-def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+def iter_hf_experts(
+    path: str | Path, experts: range | None = None
+) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """Yield ``(layer, expert, {"w1", "w2"})`` for every routed expert of the model folder
-    ``path``, layer by layer, expert by expert (see the module docstring)."""
+    ``path`` (or the ``experts`` ids only: only their bytes are read), layer by layer,
+    expert by expert (see the module docstring)."""
     info = read_hf_config(path)
     folder = Path(info["path"])
     keys = check_weights(folder)
@@ -175,7 +178,7 @@ def iter_hf_experts(path: str | Path) -> Iterator[tuple[int, int, dict[str, torc
         reader = TensorReader(keys, stack)
         for layer, decoder_layer in enumerate(want):
             plan = _layer_plan(layers[decoder_layer], num_experts, decoder_layer, folder)
-            for e in range(num_experts):
+            for e in range(num_experts) if experts is None else experts:
                 tensors = _read_expert(reader, plan, e)
                 where = f"{folder}: layer {decoder_layer} expert {e}"
                 _check_shapes(tensors["w1"], tensors["w2"], info["d_model"], d_ff, where)
@@ -202,3 +205,18 @@ def iter_hf_expert_layers(
         w2_EFD[expert] = weights["w2"]
     if w1_EDF is not None:
         yield w1_EDF, w2_EFD
+
+
+@torch.no_grad()
+def fill_expert_rows(model: Any, path: str | Path) -> None:
+    """Read into each MoE layer of ``model`` (``model.moe_layers``) the experts it holds,
+    rows ``expert_offset`` onwards (expert parallelism: a rank's block), from the model
+    folder ``path``; no other expert is read."""
+    layers = model.moe_layers
+    held = {(moe.expert_offset, moe.w1.shape[0]) for moe in layers}
+    if len(held) != 1:
+        raise ValueError(f"the MoE layers hold different experts {sorted(held)}")
+    lo, count = held.pop()
+    for layer, e, tensors in iter_hf_experts(path, range(lo, lo + count)):
+        layers[layer].w1[e - lo].copy_(tensors["w1"])
+        layers[layer].w2[e - lo].copy_(tensors["w2"])

@@ -15,7 +15,11 @@ same methods (``moestack.optim.build_training_optimizer`` picks the implementati
   update, ``optim.update_delay``, is applied); call it before evaluating or saving the model;
 - ``state_dict()`` / ``load_state_dict()``: one checkpoint format at every ``(dp, ep)``
   layout (collective under ``torch.distributed``: call them on every rank), so a run saved at
-  one layout resumes at any other.
+  one layout resumes at any other;
+- ``sharded_state_dict()`` / ``load_sharded_state_dict()``: the same state in pieces, the
+  common part (written by rank 0) and this rank's experts' part (written by it: expert
+  parallelism never gathers experts), loaded at any layout from the parts that hold the
+  experts a rank needs (:mod:`moestack.optim.expert_state`).
 
 It is a ``torch.optim.Optimizer`` so that LR schedulers drive it: ``param_groups`` are the
 groups the schedule sets.
@@ -24,11 +28,13 @@ groups the schedule sets.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from moestack.optim import expert_state
 
 
 class TrainingOptimizer(torch.optim.Optimizer):
@@ -56,6 +62,21 @@ class TrainingOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Apply a delayed update in flight; nothing is delayed here."""
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(common, own)``: the state rank 0 writes and this rank's experts' part (None:
+        it writes none). Collective as ``state_dict``; here all of it is common."""
+        return self.state_dict(), None
+
+    def load_sharded_state_dict(
+        self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
+    ) -> None:
+        """Load a state saved by ``sharded_state_dict`` at any layout: ``common`` and the
+        parts holding the experts this optimizer needs (here: all of them, whole)."""
+        model = getattr(self, "model", None)
+        names = _names_in_order(self.param_groups, model)
+        rows = {n: (0, p.shape[0]) for n, p in model.named_parameters()} if model else {}
+        self.load_state_dict(expert_state.merge(common, parts, names, rows.get))
 
 
 class SingleOptimizer(TrainingOptimizer):
@@ -133,3 +154,12 @@ def clip_grad_norm(
         return float(own(max_norm))
     params = [p for p in model.parameters() if p.grad is not None]
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def _names_in_order(groups: list[dict[str, Any]], model: nn.Module | None) -> list[str] | None:
+    """The names of the parameters of ``groups`` in order (torch keys its state by this
+    position), from the model's ``named_parameters``; None without a model."""
+    if model is None:
+        return None
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for g in groups for p in g["params"]]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moestack import parallel
-from moestack.optim import state_format
+from moestack.optim import expert_state, state_format
 from moestack.optim.container import SingleOptimizer, TrainingOptimizer
 from moestack.optim.offload import OffloadAdamW
 from moestack.parallel import ExpertParallelMesh, expert_blocks
@@ -78,6 +78,49 @@ class ExpertParallelAdamW(SingleOptimizer):
         """Load a whole AdamW state (saved at any layout), cut to this rank's experts."""
         local = self._map_expert_state(state_dict, lambda t, block: t[block.lo : block.hi].clone())
         super().load_state_dict(local)
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """AdamW's state without the experts' entries (the same on every rank: rank 0
+        writes it) and, on the first replica of each expert block (``dp_rank`` 0), its
+        experts' entries with their rows; nothing is exchanged."""
+        local = self.optimizer.state_dict()
+        blocks = self._blocks_by_position()
+        common = {
+            **local,
+            "state": {i: e for i, e in local["state"].items() if int(i) not in blocks},
+        }
+        if self._mesh.dp_rank != 0:
+            return common, None
+        names = self._names()
+        own = {names[i]: local["state"][i] for i in blocks if i in local["state"]}
+        rows = {names[i]: (b.lo, b.hi) for i, b in blocks.items() if names[i] in own}
+        return common, expert_state.adamw_part(own, rows)
+
+    def load_sharded_state_dict(
+        self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
+    ) -> None:
+        """Load the common part and the parts holding this rank's experts (any layout),
+        reading only this rank's rows of them."""
+        if not parts:  # a whole state (written without parts)
+            self.load_state_dict(common)
+            return
+        names = self._names()
+        rows = {names[i]: (b.lo, b.hi) for i, b in self._blocks_by_position().items()}
+        super().load_state_dict(expert_state.merge(common, parts, names, rows.get))
+
+    @property
+    def _mesh(self) -> ExpertParallelMesh:
+        return expert_blocks(self.model)[0].mesh
+
+    def _names(self) -> list[str]:
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        return [name_of[id(p)] for g in self.param_groups for p in g["params"]]
+
+    def _blocks_by_position(self) -> dict[int, parallel.ExpertBlock]:
+        """The expert block of each expert parameter, by its position in ``param_groups``."""
+        where = {id(b.param): b for b in expert_blocks(self.model)}
+        position = [id(p) for g in self.param_groups for p in g["params"]]
+        return {i: where[pid] for i, pid in enumerate(position) if pid in where}
 
     def _map_expert_state(
         self, state: dict[str, Any], fn: Callable[[Tensor, parallel.ExpertBlock], Tensor]
@@ -181,7 +224,7 @@ class ExpertParallelOffload(TrainingOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """One OffloadAdamW state for the whole model (collective over all ranks)."""
         merged = self.replicated.state_dict()
-        own: dict[str, Any] = {}
+        own = {}
         if self.experts is not None:
             for key, entry in self.experts.state_dict()["state"].items():
                 name, e = _split_key(key)
@@ -193,6 +236,33 @@ class ExpertParallelOffload(TrainingOptimizer):
         for group, names in zip(merged["param_groups"], self.group_names, strict=True):
             group["params"] = list(names)
         return merged
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The replicated optimizer's state (collective over the world: its shards are
+        gathered, the backbone's only) with every parameter named in the groups, and this
+        rank's own expert entries (global ids; not collective: no expert's state leaves its
+        rank)."""
+        common = self.replicated.state_dict()
+        for group, names in zip(common["param_groups"], self.group_names, strict=True):
+            group["params"] = list(names)
+        own = self._own_expert_entries()
+        return common, expert_state.offload_part(own) if own else None
+
+    def load_sharded_state_dict(
+        self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
+    ) -> None:
+        """Load the common part and the parts holding this rank's experts (any layout)."""
+        self.load_state_dict(expert_state.merge(common, parts))
+
+    def _own_expert_entries(self) -> dict[str, Any]:
+        """This rank's expert entries, keyed by global expert id."""
+        if self.experts is None:
+            return {}
+        own = {}
+        for key, entry in self.experts.own_expert_state().items():
+            name, e = _split_key(key)
+            own[f"{name}/expert{e + self.slots[name][0]}"] = entry
+        return own
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole-model OffloadAdamW state saved at any layout; keep this rank's part."""

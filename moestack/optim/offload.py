@@ -708,6 +708,21 @@ class OffloadAdamW(torch.optim.Optimizer):
         groups = state_format.save_groups(self.param_groups, self._name_of)
         return state_format.assemble(groups, state)
 
+    def own_expert_state(self) -> dict[str, Any]:
+        """The entries (:meth:`state_dict`'s) of the expert units this rank's shard holds,
+        keyed ``name/expert<local id>``; not collective: nothing is gathered (expert
+        parallelism's checkpoints are written by the ranks owning the experts)."""
+        self.synchronize()
+        transfer.synchronize(self._side)
+        master = self._host.master
+        if self._split:
+            master = split_master.joined(self._host, self._plan, self._params, self._direct)
+        local = {"exp_avg": self._host.exp_avg, "exp_avg_sq": self._host.exp_avg_sq,
+                 "master": master}  # fmt: skip
+        return state_format.pack_own_experts(
+            self._plan, self._params, self._names, self._is_expert, self._steps, local
+        )
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` (any number of ranks); keep this rank's part."""

@@ -92,6 +92,35 @@ def pack_state(
     return state
 
 
+def pack_own_experts(
+    plan: ShardPlan,
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    is_expert: Sequence[bool],
+    steps: Sequence[int],
+    local: dict[str, Tensor | None],
+) -> dict[str, dict[str, Any]]:
+    """The entries of the expert units in this rank's shard (``plan.my_shard``), cut from its
+    own buffers ``local`` (as :func:`pack_state`'s ``gathered``, unsharded): one entry per
+    expert, keyed ``name/expert<local id>``."""
+    state: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        if not is_expert[i] or steps[i] == 0:
+            continue
+        buffers = {n: buf for n, buf in local.items() if buf is not None}
+        if p.dtype == torch.float32:
+            buffers.pop("master", None)
+        for key, ks in entry_keys(plan, i, names[i], True):
+            u = plan.units[ks[0]]
+            if u.shard != plan.my_shard:
+                continue
+            entry: dict[str, Any] = {"step": steps[i]}
+            for n, buf in buffers.items():
+                entry[n] = buf[u.off : u.off + u.numel].clone().view(list(p.shape[1:]))
+            state[key] = entry
+    return state
+
+
 def unpack_param(
     plan: ShardPlan,
     state: dict[str, Any],

@@ -1,16 +1,23 @@
 """Expert parallelism on a transformers model (Qwen3-MoE architecture, 6 experts): two gloo
-ranks at parallel.ep=2 train with the same losses as one process."""
+ranks at parallel.ep=2 train with the same losses as one process, each reading only its own
+experts from the folder, and their checkpoint (rank files) resumes in one process."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
+import torch
 from helpers.multiprocess import run_launch
 
 pytest.importorskip("transformers")
 
+from moestack import checkpoint  # noqa: E402
+from moestack.interop import hf_experts  # noqa: E402
+from moestack.interop.hf_model import load_hf_moe  # noqa: E402
 from moestack.metrics import read_metrics  # noqa: E402
+from moestack.parallel import ExpertParallelMesh, shard_experts  # noqa: E402
 
 
 def train(tmp_path, model_dir, out_dir, nproc, *overrides) -> list[float]:
@@ -21,7 +28,7 @@ def train(tmp_path, model_dir, out_dir, nproc, *overrides) -> list[float]:
     args = [
         "model=hf", f"model.path={model_dir}", "data.seq_len=32", "data.max_bytes=300000",
         "telemetry=off", "steps=4", "batch_size=4", "log_every=1", "eval_every=0",
-        "eval_batches=1", "ckpt_every=0", "progress=false", "wandb_mode=disabled", "threads=1",
+        "eval_batches=1", "ckpt_every=2", "progress=false", "wandb_mode=disabled", "threads=1",
         "router.load_balance=0", f"out_dir={out_dir}",
     ]  # fmt: skip
     what = f"moestack.train (model=hf) on {nproc} process(es) into {out_dir.name}"
@@ -39,3 +46,32 @@ def test_transformers_model_trains_expert_parallel_as_one_process(tmp_path, hf_d
     records = read_metrics(tmp_path / "ep2" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in records if "ep/rank0/tokens_sent" in r]
     assert len(sent) == 4 and min(sent) > 0  # tokens really crossed ranks
+
+    # its checkpoint: each rank's experts in its own file; step 2's resumes in one process
+    assert "rank00001.experts.safetensors" in checkpoint.read_meta(
+        checkpoint.latest_checkpoint(tmp_path / "ep2" / "checkpoints"))["parts"]  # fmt: skip
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "ep2", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    after = train(tmp_path, model_dir, resumed, 1, "resume=true")
+    assert after[-2:] == pytest.approx(ep2[-2:], rel=2e-5)
+
+
+def test_a_rank_reads_only_its_own_experts_from_the_folder(hf_dir, monkeypatch):
+    """Built without experts and cut to rank 1 of ep=2, a model reads experts 3..5 of each
+    layer and nothing else, and holds what transformers' own load holds for them."""
+    model_dir = hf_dir("qwen3_moe")
+    whole = load_hf_moe(model_dir)
+    part = load_hf_moe(model_dir, experts=False)
+    mesh = ExpertParallelMesh(world_size=2, ep=2, ep_rank=1, dp_rank=0, ep_group=None,
+                              expert_dp_group=None)  # fmt: skip
+    shard_experts(part, mesh)
+    read = []
+    original = hf_experts._read_expert
+    monkeypatch.setattr(
+        hf_experts, "_read_expert", lambda r, plan, e: read.append(e) or original(r, plan, e)
+    )
+    hf_experts.fill_expert_rows(part, model_dir)
+    assert read == [3, 4, 5] * len(whole.moe_layers)
+    for mine, theirs in zip(part.moe_layers, whole.moe_layers, strict=True):
+        assert torch.equal(mine.w1, theirs.w1[3:]) and torch.equal(mine.w2, theirs.w2[3:])

@@ -109,9 +109,58 @@ def train_steps(
     return out
 
 
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce",
+               "broadcast", "broadcast_object_list", "gather", "reduce_scatter_tensor")  # fmt: skip
+
+
+@contextlib.contextmanager
+def recorded_groups():
+    """The process group of every torch.distributed collective called inside (None: the
+    default group), in a list."""
+    groups: list = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            groups.append(kwargs.get("group"))
+            return fn(*args, **kwargs)
+
+        return call
+
+    saved = {n: getattr(dist, n) for n in COLLECTIVES}
+    for n, fn in saved.items():
+        setattr(dist, n, recording(fn))
+    try:
+        yield groups
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+def sharded_save(opt: TrainingOptimizer, mesh, world: int) -> dict:
+    """``sharded_state_dict`` as a checkpoint takes it: the common part, every rank's part
+    (exchanged here as the files would be), and whether the experts' groups were used by it
+    and by the whole ``state_dict`` (which gathers them: the control)."""
+    with recorded_groups() as by_parts:
+        common, own = opt.sharded_state_dict()
+    with recorded_groups() as by_whole:
+        opt.state_dict()
+    expert_groups = [] if mesh is None else [mesh.ep_group, mesh.expert_dp_group]
+    parts = [own]
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, own)
+    return {
+        "common": common,
+        "parts": [part for part in parts if part is not None],
+        "parts_used_expert_groups": any(g in expert_groups for g in by_parts if g is not None),
+        "whole_used_expert_groups": any(g in expert_groups for g in by_whole if g is not None),
+    }
+
+
 def run_layout(name: str, ep: int, world: int, rank: int) -> dict:
-    """``STEPS`` steps at one layout, its state saved; then a fresh optimizer loads that state
-    and takes one more step."""
+    """``STEPS`` steps at one layout, its state saved whole and in parts; then a fresh
+    optimizer loads the whole state and takes one more step, another loads the parts and
+    saves them whole again."""
     cfg = OptimConfig(name=name, lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95), eps=1e-8)
     model = Tiny()
     mesh, _ = parallel.expert_parallel(model, world, rank, ep)
@@ -120,12 +169,16 @@ def run_layout(name: str, ep: int, world: int, rank: int) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     history = train_steps(opt, sched, range(STEPS), rows, model, mesh)
     state = copy.deepcopy(opt.state_dict())  # collective; a copy, as a checkpoint is
+    sharded = copy.deepcopy(sharded_save(opt, mesh, world))
+    from_parts = build_training_optimizer(model, cfg, world, mesh)
+    from_parts.load_sharded_state_dict(sharded["common"], sharded["parts"])
+    sharded["reloaded"] = copy.deepcopy(from_parts.state_dict())
     fresh = build_training_optimizer(model, cfg, world, mesh)  # as a resumed run: the
     fresh_sched = torch.optim.lr_scheduler.LambdaLR(fresh, lr_lambda)  # schedule, then the
     fresh_sched.load_state_dict(sched.state_dict())  # state (whose groups hold the lr)
     fresh.load_state_dict(copy.deepcopy(state))  # torch's load keeps the tensors it gets
     history += train_steps(fresh, fresh_sched, range(STEPS, STEPS + 1), rows, model, mesh)
-    return {"history": history, "state": state}
+    return {"history": history, "state": state, "sharded": sharded}
 
 
 def _worker(rank: int, world: int, init: str, out: str) -> None:
@@ -209,3 +262,47 @@ def test_every_layout_saves_the_same_format(two_ranks: list[dict]) -> None:
             for field, value in entry.items():  # moments whole, steps as one process saves them
                 assert type(value) is type(want[field]), (name, ep, key, field)
                 assert torch.as_tensor(value).shape == torch.as_tensor(want[field]).shape
+
+
+def assert_same_state(got: dict, want: dict, where: str) -> None:
+    """The same entries, steps and tensors (bitwise), and the same groups."""
+    assert got["param_groups"] == want["param_groups"], where
+    assert set(got["state"]) == set(want["state"]), where
+    for key, entry in want["state"].items():
+        assert set(got["state"][key]) == set(entry), (where, key)
+        for field, value in entry.items():
+            assert torch.equal(torch.as_tensor(got["state"][key][field]), torch.as_tensor(value)), (
+                where, key, field)  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "ep"), LAYOUTS, ids=[f"{n}-ep{e}" for n, e in LAYOUTS])
+def test_parts_are_written_without_the_expert_groups_and_load_back(
+    two_ranks: list[dict], name: str, ep: int
+) -> None:
+    """Saved in parts, the state uses neither the EP group nor the experts' data-parallel
+    group (no expert crosses ranks; the whole state_dict does use them at ep=2, the
+    control), and loaded from its parts it is the whole state again, bitwise."""
+    for rank, results in enumerate(two_ranks):
+        result = results[f"{name}_ep{ep}"]
+        where = f"{name} ep={ep} rank {rank}"
+        assert not result["sharded"]["parts_used_expert_groups"], where
+        assert result["sharded"]["whole_used_expert_groups"] == (ep == 2), where
+        assert bool(result["sharded"]["parts"]) == (ep == 2), where  # experts' own files
+        assert_same_state(result["sharded"]["reloaded"], result["state"], where)
+
+
+@pytest.mark.parametrize("name", ["adamw", "offload_adamw"])
+def test_parts_saved_at_ep2_load_in_one_process(two_ranks: list[dict], name: str) -> None:
+    """The common part and both ranks' parts of an ep=2 state load into one process's
+    optimizer, which then saves the state the ep=2 ranks saved whole."""
+    saved = two_ranks[0][f"{name}_ep2"]
+    cfg = OptimConfig(name=name, lr=LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95), eps=1e-8)
+    opt = build_training_optimizer(Tiny(), cfg, 1, None)
+    opt.load_sharded_state_dict(copy.deepcopy(saved["sharded"]["common"]),
+                                copy.deepcopy(saved["sharded"]["parts"]))  # fmt: skip
+    assert_same_state(opt.state_dict(), saved["state"], f"{name}: ep=2 parts in one process")
+    missing = {"adamw": "do not hold experts 2..3", "offload_adamw": "has only some experts"}
+    with pytest.raises(ValueError, match=missing[name]):  # rank 1's part left out
+        build_training_optimizer(Tiny(), cfg, 1, None).load_sharded_state_dict(
+            copy.deepcopy(saved["sharded"]["common"]), copy.deepcopy(saved["sharded"]["parts"][:1])
+        )

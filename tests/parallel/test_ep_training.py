@@ -73,6 +73,7 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
     metrics = read_metrics(tmp_path / "ep2" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in metrics if "ep/rank0/tokens_sent" in r]
     assert len(sent) == 20 and all(s > 0 for s in sent)  # tokens really crossed ranks
+    check_rank_files(tmp_path, "ep2", "single")
 
     # The (1, 2) run's step-10 checkpoint resumes at (2, 1), (1, 1) and (1, 4).
     for nproc, ep in [(2, 1), (1, 1), (4, 4)]:
@@ -84,6 +85,36 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
             tmp_path, resumed, nproc, f"optim={optim}", f"parallel.ep={ep}", "resume=true"
         )
         assert_same_losses(after, ep2, range(11, 21))
+
+
+def check_rank_files(tmp_path, ep2: str, single: str) -> None:
+    """An ep=2 checkpoint: each rank wrote its own experts' weights and optimizer state, the
+    shared weights file holds no expert; read whole, it has the one-process checkpoint's
+    tensors. A flipped byte in a rank file is refused naming the file."""
+    ckpt = checkpoint.latest_checkpoint(tmp_path / ep2 / "checkpoints")
+    parts = checkpoint.read_meta(ckpt)["parts"]
+    assert {n: r["rows"] for n, r in parts.items() if r["kind"] == "experts"} == {
+        "rank00000.experts.safetensors": [0, 2],
+        "rank00001.experts.safetensors": [2, 4],
+    }
+    assert sorted(n for n, r in parts.items() if r["kind"] == "optimizer") == [
+        "rank00000.optim.pt", "rank00001.optim.pt"]  # fmt: skip
+    shared = safetensors.torch.load_file(ckpt / checkpoint.MODEL_FILE)
+    assert shared and not [k for k in shared if ".moe.w" in k]
+    one = checkpoint.read_weights(checkpoint.latest_checkpoint(tmp_path / single / "checkpoints"))
+    whole = checkpoint.read_weights(ckpt)
+    assert whole.keys() == one.keys()
+    for name, tensor in one.items():
+        torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=1e-5)
+    corrupt = tmp_path / f"{ep2}_corrupt"
+    shutil.copytree(tmp_path / ep2 / "checkpoints", corrupt)
+    rank_file = corrupt / ckpt.name / "rank00001.experts.safetensors"
+    data = bytearray(rank_file.read_bytes())
+    data[-7] ^= 0x10
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(MoestackError, match=r"rank00001\.experts\.safetensors.*sha256"):
+        checkpoint.verify_checkpoint(corrupt / ckpt.name)
+    assert checkpoint.newest_verified(corrupt).name == "step_000010"
 
 
 def test_bad_layouts_are_refused_naming_both_numbers(tmp_path):
@@ -112,9 +143,7 @@ def test_expert_parallel_lora_matches_one_process_and_resumes_on_one(tmp_path):
     ep2 = train(tmp_path, tmp_path / "ep2", 2, *lora, "parallel.ep=2")
     assert_same_losses(ep2, single, range(1, 21))
     tensors = {
-        name: safetensors.torch.load_file(
-            checkpoint.latest_checkpoint(tmp_path / name / "checkpoints") / checkpoint.MODEL_FILE
-        )
+        name: checkpoint.read_weights(checkpoint.latest_checkpoint(tmp_path / name / "checkpoints"))
         for name in ("single", "ep2")
     }
     adapters = [k for k in tensors["single"] if "lora" in k]

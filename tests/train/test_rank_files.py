@@ -1,0 +1,130 @@
+"""Checkpoints written in rank files (expert parallelism, moestack.checkpoint_parts), in one
+process: ranks simulated by cutting a whole model's experts as ``parallel.shard_experts``
+does. Read back whole or at another layout they give the whole model's tensors bitwise;
+meta.json naming a file outside the checkpoint, or rows that make no sense, is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+
+from moestack import checkpoint, checkpoint_parts
+from moestack.errors import MoestackError
+from moestack.model import ModelConfig
+from moestack.moe import MoEConfig
+from moestack.parallel import ExpertParallelMesh, shard_experts
+
+CFG = ModelConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, moe=MoEConfig(4, 2, 12))
+
+
+def ranks_of(ep: int) -> list[torch.nn.Module]:
+    """The ``ep`` ranks of one EP group, each a model holding its block of the experts."""
+    models = []
+    for r in range(ep):
+        model = CFG.build(seed=3)
+        mesh = ExpertParallelMesh(world_size=ep, ep=ep, ep_rank=r, dp_rank=0, ep_group=None,
+                                  expert_dp_group=None)  # fmt: skip
+        shard_experts(model, mesh)
+        models.append(model)
+    return models
+
+
+def write(root, ep: int) -> tuple:
+    """A checkpoint of the ep ranks' models written as the trainer writes one."""
+    folder = checkpoint.new_folder(root, 7)
+    models = ranks_of(ep)
+    parts = [
+        part
+        for r, model in enumerate(models)
+        for part in checkpoint_parts.write_rank_files(folder, r, model, True, None)
+    ]
+    path = checkpoint.save_checkpoint(root, 7, models[0], CFG, {"x": 1}, folder=folder, parts=parts)
+    return path, models
+
+
+def test_rank_files_read_back_whole_and_at_another_layout(tmp_path) -> None:
+    whole = CFG.build(seed=3)
+    path, _ = write(tmp_path / "ckpt", ep=2)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == ["meta.json", "model.safetensors", "rank00000.experts.safetensors",
+                     "rank00001.experts.safetensors", "train_state.pt"]  # fmt: skip
+    want = whole.state_dict()
+    got = checkpoint.read_weights(path)
+    assert got.keys() == {k for k in want if k != "lm_head.weight"} or got.keys() == want.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+    one = CFG.build(seed=99)  # other weights: everything must be read
+    checkpoint.load_model_weights(path, one, CFG)
+    for name, tensor in one.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    for r, rank in enumerate(ranks_of(4)):  # ep=4 reads a quarter of a file's rows
+        for p in rank.parameters():
+            p.data.normal_()
+        checkpoint.load_model_weights(path, rank, CFG)
+        for name, tensor in rank.state_dict().items():
+            rows = slice(r, r + 1) if ".moe.w" in name else slice(None)
+            assert torch.equal(tensor, want[name][rows]), (r, name)
+    layers = list(checkpoint.iter_expert_layers(path))
+    assert [tuple(w.shape) for w in layers[0]] == [tuple(whole.layers[0].moe.w1.shape),
+                                                   tuple(whole.layers[0].moe.w2.shape)]  # fmt: skip
+    assert torch.equal(layers[1][0], want["layers.1.moe.w1"])
+
+
+def test_a_missing_rank_file_is_named(tmp_path) -> None:
+    path, _ = write(tmp_path / "ckpt", ep=2)
+    meta = json.loads((path / "meta.json").read_text())
+    for table in ("sizes", "sha256", "parts"):
+        meta[table].pop("rank00001.experts.safetensors")
+    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        MoestackError, match=r"no rank file holds the experts state of experts 2..3"
+    ):
+        checkpoint.load_model_weights(path, CFG.build(seed=0), CFG)
+
+
+@pytest.mark.parametrize(
+    ("name", "record", "why"),
+    [
+        ("../model.safetensors", {"kind": "experts", "rows": [0, 2]}, "not a rank file"),
+        ("rank00000.experts.safetensors", {"kind": "optimizer", "rows": [0, 2]}, "does not match"),
+        ("rank00000.experts.safetensors", {"kind": "experts", "rows": [2, 2]}, "0 <= lo < hi"),
+        ("rank00000.optim.pt", {"kind": "weights", "rows": [0, 2]}, "no kind"),
+    ],
+)
+def test_malformed_parts_are_refused_naming_the_field(tmp_path, name, record, why) -> None:
+    path, _ = write(tmp_path / "ckpt", ep=2)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["parts"][name] = record
+    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(MoestackError, match=rf"meta.json: parts .*{why}.*corrupt"):
+        checkpoint.read_meta(path)
+
+
+def test_streamed_safetensors_read_back_with_the_safetensors_library(tmp_path) -> None:
+    """The rank files' writer (streamed, one tensor at a time) writes what safetensors reads:
+    every dtype a checkpoint holds, odd shapes, a scalar, an empty tensor, a non-contiguous
+    view, and the metadata."""
+    gen = torch.Generator().manual_seed(5)
+    tensors = {
+        "b.f32": torch.randn(3, 5, generator=gen),
+        "a.bf16": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "c.f16": torch.randn(2, 3, 1, generator=gen).to(torch.float16),
+        "d.i64": torch.randint(-9, 9, (4,), generator=gen),
+        "e.bool": torch.rand(5, generator=gen) > 0.5,
+        "f.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "g.empty": torch.empty(0, 3),
+        "h.view": torch.randn(4, 6, generator=gen).t(),
+    }
+    checkpoint_parts.write_safetensors(tmp_path / "x.safetensors", tensors, {"rows": "0,2"})
+    back = safetensors.torch.load_file(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with safetensors.safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert f.metadata() == {"rows": "0,2"}
