@@ -256,8 +256,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         )
     if args.action != "run" and args.quiet:
         raise MoestackError(f"--quiet belongs to `prereg run`, not `{args.action}`")
-    if args.action != "lock" and (args.force or args.amend is not None):
-        raise MoestackError(f"--force and --amend belong to `prereg lock`, not `{args.action}`")
+    if args.action != "lock" and args.force:
+        raise MoestackError(f"--force belongs to `prereg lock`, not `{args.action}`")
+    if args.action not in ("lock", "run") and args.amend is not None:
+        raise MoestackError(f"--amend belongs to `prereg lock` and `run`, not `{args.action}`")
     power_opts = (args.pilot, args.half_width, args.confidence)
     if args.action != "power" and any(v is not None for v in power_opts):
         raise MoestackError(
@@ -274,9 +276,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     elif args.action == "run":
         out = args.out or None
         if args.jobs != 1:
-            runs = prereg.run_jobs(args.file, out_dir=out, jobs=args.jobs, progress=not args.quiet)
+            runs = prereg.run_jobs(args.file, out_dir=out, jobs=args.jobs,
+                                   progress=not args.quiet, amend=args.amend)  # fmt: skip
         else:
-            runs = prereg.run(args.file, out_dir=out, progress=not args.quiet)
+            runs = prereg.run(args.file, out_dir=out, progress=not args.quiet, amend=args.amend)
         print(f"{len(runs)} runs in {runs[0].parent if runs else args.out}")
     elif args.action == "status":
         print(prereg.render_status(prereg.status(args.file, out_dir=args.out or None)))
@@ -492,8 +495,8 @@ def _prereg_parser(verbs: Any) -> None:
         "--amend",
         metavar="REASON",
         default=None,
-        help="lock: re-lock after runs exist; the reason is kept in the lock and the report "
-        "(default: none)",
+        help="lock: re-lock after runs exist; run: train although moestack's sources differ "
+        "from the lock's; the reason is kept in the lock and the report (default: none)",
     )
     p.add_argument(
         "--pilot",

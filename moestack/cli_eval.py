@@ -137,12 +137,12 @@ def _eval_offloaded(
     source = _weights_identity(run, args.allow_nonfinite)
     store = open_or_write_store(run.model, store_dir, run.cfg.model, source=source, layers=layers)
     move_resident(run.model, device)  # released (or never read) experts stay meta
-    bias = args.cache_aware_bias
-    result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, cache_aware_bias=bias)
+    steer = {"cache_aware_bias": args.cache_aware_bias, "reroute_tau": args.reroute_tau}
+    result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, **steer)
     new: list[int] = []
     if args.generate:
         new = generate_offloaded(
-            run.model, store, prompt, args.generate, device, cache_cfg, cache_aware_bias=bias
+            run.model, store, prompt, args.generate, device, cache_cfg, **steer
         )["tokens"]
     result["memory/model_bytes"] = resident_bytes(run.model)  # held by the model: no expert
     result["memory/experts_bytes"] = store.expert_bytes * store.num_experts * store.num_layers
@@ -291,6 +291,17 @@ def count_arg(text: str) -> int:
     return value
 
 
+def tau_arg(text: str) -> float:
+    """An argparse type: a number in [0, 1] (the rerouting rule's tolerance)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number in [0, 1], e.g. 0.25")
+    return value
+
+
 def bias_arg(text: str) -> float:
     """An argparse type: a finite number >= 0 (NaN or inf would poison every router score)."""
     try:
@@ -419,6 +430,13 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
         type=bias_arg,
         default=0.0,
         help="router bias toward resident experts (default: %(default)s, none)",
+    )
+    p.add_argument(
+        "--reroute-tau",
+        type=tau_arg,
+        default=0.0,
+        help="send a pick that is not resident to the best resident expert scoring at least "
+        "(1 - tau) x the token's best (default: %(default)s, never)",
     )
 
 

@@ -138,9 +138,17 @@ class Router(nn.Module):
         else:
             experts_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
             weights_TK = scores_TE.gather(-1, experts_TK)
+        return self._renormalized(weights_TK), experts_TK
+
+    def weights_of(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
+        """The combine weights ``[T, k]`` of experts chosen by other means (rerouting): their
+        scores, renormalised as ``select`` does."""
+        return self._renormalized(scores_TE.gather(-1, experts_TK))
+
+    def _renormalized(self, weights_TK: torch.Tensor) -> torch.Tensor:
         if self.cfg.renormalize:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
-        return weights_TK, experts_TK
+            return weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return weights_TK
 
     @torch.no_grad()
     def reset_anchor(self) -> None:

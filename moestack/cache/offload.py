@@ -16,8 +16,10 @@ meta tensors: no memory, and any use raises) and sets each layer's experts back-
 
 ``cache_aware_bias > 0`` adds that bias to the router scores of the experts resident in the
 cache when the layer is reached, through ``Router.select``'s extra bias (selection only;
-combine weights stay the router's scores, as in cache-conditional routing). On exit every
-layer gets its earlier back-end back.
+combine weights stay the router's scores, as in cache-conditional routing); ``reroute_tau >
+0`` then replaces each pick that is still not resident by a resident expert scoring within
+``(1 - tau)`` of the token's best (:mod:`moestack.cache.rerouting`). On exit every layer gets
+its earlier back-end back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from moestack.cache.expert_cache import CacheConfig, ExpertCache
 from moestack.cache.policies import default_capacity
+from moestack.cache.rerouting import reroute
 from moestack.cache.store import ExpertStore
 from moestack.errors import MoestackError
 from moestack.evaluation import evaluate, greedy_generate, prompt_tokens
@@ -163,9 +166,11 @@ def offloaded(
     cache: ExpertCache,
     *,
     cache_aware_bias: float = 0.0,
+    reroute_tau: float = 0.0,
     prefetch_limit: int | None = None,
 ) -> Iterator[nn.Module]:
-    """Run ``model`` with its experts served by ``cache`` inside the block.
+    """Run ``model`` with its experts served by ``cache`` inside the block (routing steered
+    to the resident experts by ``cache_aware_bias`` and ``reroute_tau``, module docstring).
 
     The in-memory expert weights are released (``release_experts``) and stay released on
     exit; each layer's earlier experts back-end comes back and the router hooks are removed
@@ -173,6 +178,8 @@ def offloaded(
     """
     if cache_aware_bias < 0:
         raise ValueError(f"cache_aware_bias={cache_aware_bias} must be >= 0")
+    if not 0 <= reroute_tau <= 1:
+        raise ValueError(f"reroute_tau={reroute_tau} must be in [0, 1]")
     _check_store(model, cache.store)
     layers = _moe_layers(model)
     release_experts(model)
@@ -187,12 +194,9 @@ def offloaded(
                     i, moe, cache, nxt, prefetch_limit=limit, cache_aware_bias=cache_aware_bias
                 )
             )
-            if cache_aware_bias:
-                handles.append(
-                    moe.router.register_forward_hook(
-                        _cache_aware_hook(cache, i, cache_aware_bias), prepend=True
-                    )
-                )
+            if cache_aware_bias or reroute_tau:
+                hook = _cache_aware_hook(cache, i, cache_aware_bias, reroute_tau)
+                handles.append(moe.router.register_forward_hook(hook, prepend=True))
         yield model
     finally:
         for handle in handles:
@@ -201,15 +205,23 @@ def offloaded(
             moe.set_experts(backend)
 
 
-def _cache_aware_hook(cache: ExpertCache, layer: int, bias: float) -> Any:
-    """Router forward hook: re-select the top k with ``bias`` added to resident experts."""
+def _cache_aware_hook(cache: ExpertCache, layer: int, bias: float, tau: float = 0.0) -> Any:
+    """Router forward hook: re-select the top k with ``bias`` added to resident experts, then
+    reroute the picks still missing (``tau``; :mod:`moestack.cache.rerouting`)."""
 
     def hook(router: Router, args: tuple, routing: Routing) -> Routing:
-        bias_E = _resident_bias(routing.scores, cache.resident(layer), bias)
-        if bias_E is None:
-            return routing
-        weights_TK, experts_TK = router.select(routing.scores, bias_E)
-        return Routing(routing.logits, weights_TK, experts_TK, routing.scores)
+        resident = cache.resident(layer)
+        bias_E = _resident_bias(routing.scores, resident, bias)
+        if bias_E is not None:
+            weights_TK, experts_TK = router.select(routing.scores, bias_E)
+            routing = Routing(routing.logits, weights_TK, experts_TK, routing.scores)
+        if tau and resident:
+            resident_E = torch.zeros(routing.scores.shape[-1], dtype=torch.bool)
+            resident_E[resident] = True
+            experts_TK = reroute(routing.scores, routing.experts, resident_E, tau)
+            weights_TK = router.weights_of(routing.scores, experts_TK)
+            routing = Routing(routing.logits, weights_TK, experts_TK, routing.scores)
+        return routing
 
     return hook
 
@@ -277,6 +289,7 @@ def evaluate_offloaded(
     cache: CacheConfig | None = None,
     *,
     cache_aware_bias: float = 0.0,
+    reroute_tau: float = 0.0,
     pinned: Sequence[Sequence[int]] | None = None,
     prefetch_limit: int | None = None,
 ) -> dict[str, float]:
@@ -294,8 +307,9 @@ def evaluate_offloaded(
     tokens = sum(int(inputs.numel()) for inputs, _ in batches)
     try:
         with offloaded(
-            model, expert_cache, cache_aware_bias=cache_aware_bias, prefetch_limit=prefetch_limit
-        ):
+            model, expert_cache, cache_aware_bias=cache_aware_bias, reroute_tau=reroute_tau,
+            prefetch_limit=prefetch_limit,
+        ):  # fmt: skip
             start = time.perf_counter()
             result = evaluate(model, list(batches), device)
             seconds = time.perf_counter() - start
@@ -315,6 +329,7 @@ def generate_offloaded(
     cache: CacheConfig | None = None,
     *,
     cache_aware_bias: float = 0.0,
+    reroute_tau: float = 0.0,
     pinned: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Greedy generation of ``max_new_tokens`` after ``prompt`` (token ids) with offloaded
@@ -325,7 +340,9 @@ def generate_offloaded(
     prompt = prompt_tokens(prompt, max_new_tokens, device)  # refused before any set-up
     expert_cache, owned = _as_cache(model, store_or_cache, device, cache, pinned)
     try:
-        with offloaded(model, expert_cache, cache_aware_bias=cache_aware_bias):
+        with offloaded(
+            model, expert_cache, cache_aware_bias=cache_aware_bias, reroute_tau=reroute_tau
+        ):
             start = time.perf_counter()
             new = greedy_generate(model, prompt, max_new_tokens, device)
             seconds = time.perf_counter() - start

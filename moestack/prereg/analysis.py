@@ -44,8 +44,23 @@ def analysis_key(spec: Prereg) -> str:
     fields = dataclasses.asdict(spec.analysis)
     for name in _NOT_EVALUATED:
         fields.pop(name)
+    if tuple(fields["eval_windows"]) == (0.0, 1.0):  # the whole split: keys as before it
+        fields.pop("eval_windows")
     blob = json.dumps(fields, sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def windows_of(tokens: Any, shares: tuple[float, float], seq_len: int) -> Any:
+    """The part ``[lo, hi)`` (shares of its length) of a validation split, from which the
+    evaluation's windows are drawn; refused, naming the shares, when no window fits."""
+    lo, hi = (int(share * len(tokens)) for share in shares)
+    part = tokens[lo:hi]
+    if len(part) < seq_len + 1:
+        raise MoestackError(
+            f"analysis.eval_windows {list(shares)} holds {len(part)} tokens of the validation "
+            f"split, fewer than one window of {seq_len + 1}: widen it or raise data.max_bytes"
+        )
+    return part
 
 
 def evaluate_run(
@@ -81,7 +96,8 @@ def evaluate_run(
         corpora[key] = run_corpus(cfg)
     batch_size = analysis.eval_batch_size or cfg.batch_size
     seq_len = analysis.eval_seq_len or cfg.data.seq_len
-    batches = eval_batches(corpora[key].val, batch_size, seq_len, analysis.eval_batches)
+    val = windows_of(corpora[key].val, analysis.eval_windows, seq_len)
+    batches = eval_batches(val, batch_size, seq_len, analysis.eval_batches)
     tokens = batch_size * seq_len * analysis.eval_batches
     tel = attach(
         model,

@@ -29,7 +29,7 @@ ACTIONS = ("lock", "relock", "amend")  # first lock; --force before any run; --a
 # The newest record's fields repeated at the top of the lock file.
 MIRROR = (
     "file", "study", "sha256", "study_sha256", "git_commit", "git_dirty", "locked_at",
-    "action", "reason", "replaces",
+    "action", "reason", "replaces", "code_sha256",
 )  # fmt: skip
 
 

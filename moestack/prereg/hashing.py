@@ -5,13 +5,16 @@ A run of the study is ``moestack-train <overrides>``, and hydra builds its confi
 ``router/pin.yaml``, ``telemetry/off.yaml``, ...): the defaults of train.yaml as the study's
 overrides change them. Editing one of those files changes what every run trains, so the study
 hash (``study_sha256``) is the sha256 of the study file's hash together with the hash of each
-of those files, for every arm. The Python defaults in ``moestack/config.py`` are code and are
-pinned by the git commit in the lock, not by this hash.
+of those files, for every arm. The Python defaults in ``moestack/config.py`` are code: the
+lock pins them with the code hash (``code_files``: the sha256 of every source file of the
+installed moestack package, kernels and telemetry included) beside the git commit, and
+``prereg run`` refuses to train with other sources unless the change is put on record.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,35 @@ def digest(value: Any) -> str:
     """sha256 of ``value`` as canonical JSON (sorted keys, no spaces): the same on every machine."""
     blob = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+CODE_PACKAGES = ("moestack", "moestack.kernels", "moestack.telemetry")  # installed apart
+
+
+def code_files() -> dict[str, str]:
+    """Every Python source file of the installed moestack package (``moestack/...``, the
+    kernels and telemetry folders it installs from included) -> its sha256: what a study's
+    runs execute. Found without importing the kernels (no triton needed)."""
+    files: dict[str, str] = {}
+    for package in CODE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        prefix = package.replace(".", "/")
+        for file in sorted(root.rglob("*.py")):
+            rel = file.relative_to(root)
+            if "__pycache__" in rel.parts or (
+                package == "moestack" and rel.parts[0] in ("kernels", "telemetry")
+            ):
+                continue
+            files[f"{prefix}/{rel.as_posix()}"] = sha256_file(file)
+    return dict(sorted(files.items()))
+
+
+def changed_files(locked: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The files whose hash differs between ``locked`` and ``now`` (added or removed too)."""
+    return [name for name in sorted(set(locked) | set(now)) if locked.get(name) != now.get(name)]
 
 
 def config_files(spec: Prereg, root: Path | str | None = None) -> dict[str, Path]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from moestack.errors import MoestackError
-from moestack.prereg.locking import verify
+from moestack.prereg.locking import check_code, verify
 from moestack.prereg.runner import default_out_dir, is_finished, plan
 from moestack.prereg.spec import load
 
@@ -29,13 +29,16 @@ def run_jobs(
     *,
     poll_s: float = 5.0,
     progress: bool = True,
+    amend: str | None = None,
 ) -> list[Path]:
     """Train every unfinished run of the locked study with ``jobs`` runner processes; returns
     all run dirs. Raises, naming their logs, when a runner fails; Ctrl-C stops them all
-    (each interrupted run resumes later from its last checkpoint)."""
+    (each interrupted run resumes later from its last checkpoint). A code change is checked
+    (and, with ``amend``, put on record) once, here, before any runner starts."""
     if jobs < 1:
         raise MoestackError(f"--jobs {jobs}: give 1 or more runner processes")
-    verify(path)  # a study that is not locked or has changed fails here, before any start
+    # a study that is not locked, has changed or runs other code fails here, before any start
+    check_code(path, verify(path), amend, out_dir)
     spec = load(path)
     root = Path(out_dir) if out_dir else default_out_dir(spec)
     runs = plan(spec, root)

@@ -1,9 +1,11 @@
 """Locking a pre-registration and verifying the lock (format and history: ``chain``).
 
 A lock records the study hash (the study file and the config files its runs load,
-``fingerprint``), the git commit and the UTC time, appended to the lock file's hash chain.
-Re-locking is ``--force`` before any run of the study exists and ``--amend REASON`` after;
-``verify`` checks the chain, then the files against the newest record.
+``fingerprint``), the code hash (every moestack source file, ``hashing.code_files``), the git
+commit and the UTC time, appended to the lock file's hash chain. Re-locking is ``--force``
+before any run of the study exists and ``--amend REASON`` after; ``verify`` checks the chain,
+then the files against the newest record; ``check_code`` refuses to train with sources other
+than the locked ones unless the change is recorded as an amendment.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def lock(
     check_overrides(spec)
     previous = _previous(path, spec, force, amend, out_dir)
     fp = fingerprint(spec)
+    code = hashing.code_files()
     folder = path.resolve().parent
     commit = run_git(["rev-parse", "HEAD"], folder) or "unknown"
     status = run_git(["status", "--porcelain"], folder)
@@ -134,6 +137,8 @@ def lock(
         "sha256": fp.sha256,
         "study_sha256": fp.study_sha256,
         "configs": fp.configs,
+        "code_sha256": hashing.digest(code),
+        "code": code,
         "git_commit": commit,
         "git_dirty": None if status is None else bool(status),
         "locked_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -202,3 +207,37 @@ def verify(path: Path | str) -> dict[str, Any]:
         path=str(path),
     )
     return record
+
+
+def check_code(
+    path: Path | str,
+    head: dict[str, Any],
+    amend: str | None = None,
+    out_dir: Path | str | None = None,
+) -> dict[str, Any]:
+    """Refuse to train a study's runs with moestack sources that differ from those of its
+    newest lock (``head``, from :func:`verify`), naming the files; with ``amend`` (why the
+    change leaves the study's answer alone) the change is locked as an amendment instead,
+    which the report lists. Returns the newest lock record, amended or not. A lock older
+    than the code hash is let through with a warning (it pinned the git commit only)."""
+    path = Path(path)
+    if amend is not None and not amend.strip():
+        raise MoestackError(f"--amend needs a reason: say why the code {path.name} runs changed")
+    locked = head.get("code")
+    if locked is None:
+        log.warning("%s: its lock predates the code hash; the code is not checked", path.name)
+        return head
+    changed = hashing.changed_files(locked, hashing.code_files())
+    if not changed:
+        return head
+    if amend is None:
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        commit = str(head.get("git_commit") or "unknown")[:12]
+        raise MoestackError(
+            f"moestack's sources differ from those {path.name} was locked with at commit "
+            f"{commit} ({', '.join(changed[:5])}{more}): train its runs with the locked code "
+            f"(git checkout {commit} -- moestack kernels telemetry), or put the change on "
+            f'record: moestack prereg run {path} --amend "why it leaves the answer alone"'
+        )
+    lock(path, amend=f"code changed ({', '.join(changed[:5])}): {amend.strip()}", out_dir=out_dir)
+    return verify(path)

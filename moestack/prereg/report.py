@@ -134,7 +134,8 @@ def _provenance(
         *_integrity_lines(records, checks),
         f"- Runs: {len(done)} of {len(records)} finished and evaluated "
         f"({len(spec.arms)} arms x {len(spec.seeds)} seeds).",
-        f"- Evaluation: final checkpoint, {a.eval_batches} validation batches; cache replay "
+        f"- Evaluation: final checkpoint, {a.eval_batches} validation batches from "
+        f"{_share_text(a.eval_windows)} of the validation split; cache replay "
         f"with the first {a.warmup:.0%} of each layer's requests as warm-up (not counted); "
         f"seeds paired with the baseline, mean and {a.confidence:.0%} t interval; "
         f"decision rule: {a.decision}{_rule_note(spec)}"
@@ -149,6 +150,7 @@ def _provenance(
     if spec.question:
         lines += [f"Question: {md(spec.question)}", ""]
     lines += _power_lines(spec)
+    lines += _selection_lines(spec)
     lines += _history_lines(lock_record.get("history") or [])
     shared = md(" ".join(spec.base_overrides), code=True)
     lines += ["## Runs as registered", "", f"Shared: {shared}", ""]
@@ -157,6 +159,27 @@ def _provenance(
     seeds = ", ".join(map(str, spec.seeds))
     lines += ["", f"Seeds: {seeds}; baseline: {md(spec.baseline)}.", ""]
     return lines
+
+
+def _share_text(windows: tuple[float, float]) -> str:
+    lo, hi = windows
+    return "all" if (lo, hi) == (0.0, 1.0) else f"the share [{lo:g}, {hi:g})"
+
+
+def _selection_lines(spec: Prereg) -> list[str]:
+    """Where the arms' settings were chosen (the tuning split), apart from the test."""
+    if spec.selection is None:
+        return []
+    s = spec.selection
+    return [
+        "## Selection (as registered)",
+        "",
+        f"- Tuned on {_share_text(s.windows)} of the validation split, by "
+        f"{md(s.pilot, code=True)}; the test reads {_share_text(spec.analysis.eval_windows)} "
+        "of it (disjoint: checked at the lock).",
+        f"- What and why: {md(s.reason)}",
+        "",
+    ]
 
 
 def _power_lines(spec: Prereg) -> list[str]:

@@ -15,7 +15,7 @@ from moestack import locks
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.prereg.compose import compose_config
-from moestack.prereg.locking import verify
+from moestack.prereg.locking import check_code, verify
 from moestack.prereg.provenance import (
     SUMMARY_FILE,
     check_run,
@@ -74,6 +74,7 @@ def run(
     *,
     train_fn: Callable[[TrainConfig, Path], dict[str, Any]] | None = None,
     progress: bool = True,
+    amend: str | None = None,
 ) -> list[Path]:
     """Train every run of the locked study that has not finished; returns all run dirs.
 
@@ -84,9 +85,11 @@ def run(
     the final checkpoint's weights sha256: ``prereg_run.json``); a finished run the lock
     does not cover, or an interrupted one started under another study hash, is refused before
     anything trains.
+    Nothing trains with moestack sources other than the lock's (``locking.check_code``)
+    unless ``amend`` says why the change leaves the answer alone (it becomes an amendment).
     ``train_fn`` replaces ``moestack.trainer.train``.
     """
-    info = verify(path)
+    info = check_code(path, verify(path), amend, out_dir)
     spec = load(path)
     runs = plan(spec, out_dir)
     train_fn = train_fn or _train

@@ -252,6 +252,8 @@ class Analysis:
     eval_batches: int = 16  # validation batches (moestack.data.eval_batches, fixed windows)
     eval_batch_size: int = 0  # sequences per batch (0 = the run's batch_size)
     eval_seq_len: int = 0  # tokens per sequence (0 = the run's data.seq_len)
+    eval_windows: tuple[float, float] = (0.0, 1.0)  # the share [lo, hi) of the validation
+    # split whose windows are evaluated: the test split, apart from selection.windows
     policies: tuple[str, ...] = ("lru", "static")
     capacities: tuple[int, ...] = (2, 4, 6)  # expert slots per layer
     warmup: float = 0.1  # share of each layer's requests that warms the cache, not counted
@@ -277,6 +279,7 @@ class Analysis:
             if value < low:
                 raise _fail(f"analysis.{name}", f"{value} must be >= {low}", "raise it")
             _set(self, name, value)
+        _set(self, "eval_windows", _windows(self.eval_windows, "analysis.eval_windows"))
         _set(self, "policies", self._policies())
         _set(self, "capacities", self._capacities())
         _set(self, "warmup", _share(self.warmup, "analysis.warmup", zero=True, fix="give a share"))
@@ -368,6 +371,32 @@ class Power:
 
 
 @dataclass(frozen=True)
+class Selection:
+    """Where the arms' settings (loss weights) were chosen, apart from the test: a pilot
+    evaluated on ``windows``, a share of the validation split the confirmatory evaluation
+    (``analysis.eval_windows``) does not read; the lock refuses the two overlapping."""
+
+    windows: tuple[float, float]  # the tuning split: share [lo, hi) of the validation split
+    pilot: str  # the pilot that chose them (its results, or a note of where it ran)
+    reason: str  # what it chose and why
+
+    def __post_init__(self) -> None:
+        _set(self, "windows", _windows(self.windows, "selection.windows"))
+        _set(self, "pilot", _text(self.pilot, "selection.pilot", "name the pilot"))
+        _set(self, "reason", _text(self.reason, "selection.reason", "say what it chose"))
+
+
+def _windows(value: Any, where: str) -> tuple[float, float]:
+    """A share ``[lo, hi)`` of the validation split: two numbers, 0 <= lo < hi <= 1."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise _fail(where, f"{value!r}", "give [lo, hi], shares of the validation split")
+    lo, hi = (_number(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if not 0 <= lo < hi <= 1:
+        raise _fail(where, f"[{lo}, {hi}]", "give 0 <= lo < hi <= 1")
+    return (float(lo), float(hi))
+
+
+@dataclass(frozen=True)
 class Budget:
     """The optimizer steps of every run (required) and its batch settings (left out: the
     training config's own); each becomes a ``KEY=VALUE`` override."""
@@ -441,6 +470,7 @@ class Prereg:
     analysis: Analysis = field(default_factory=Analysis)
     hypotheses: tuple[Hypothesis, ...]
     power: Power | None = None
+    selection: Selection | None = None  # where the arms' settings were tuned, apart from the test
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     given: InitVar[frozenset[str] | None] = None  # the keys the file gave (None: from Python)
 
@@ -463,6 +493,20 @@ class Prereg:
         if self.power is not None:
             _set(self, "power", _part(Power, self.power, "power"))
             self._check_power(self.power)
+        if self.selection is not None:
+            _set(self, "selection", _part(Selection, self.selection, "selection"))
+            self._check_selection(self.selection)
+
+    def _check_selection(self, selection: Selection) -> None:
+        """Refuse a test split that reads windows the settings were tuned on."""
+        (a, b), (c, d) = selection.windows, self.analysis.eval_windows
+        if a < d and c < b:
+            raise _fail(
+                "selection.windows",
+                f"[{a}, {b}) overlaps analysis.eval_windows [{c}, {d})",
+                "the confirmatory test must not read the windows the settings were chosen "
+                "on: give disjoint shares of the validation split",
+            )
 
     @property
     def base_overrides(self) -> tuple[str, ...]:

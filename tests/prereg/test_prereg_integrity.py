@@ -10,8 +10,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from helpers.paths import EXPERIMENTS
+from helpers.paths import EXPERIMENTS, REPO
 from helpers.prereg import ARMS, BASE, fake_finish, full_metrics, study, write
 
 import moestack.configs
@@ -347,6 +348,62 @@ def test_cli_amend(tmp_path: Path, capsys) -> None:
     assert prereg.verify(path)["reason"] == "typo in H2"
 
 
+# ------------------------------------------------------------------ the code in the lock
+def test_the_lock_records_every_source_file_of_the_installed_package(tmp_path: Path) -> None:
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    head = prereg.verify(path)
+    files = {
+        "moestack/trainer.py": REPO / "moestack" / "trainer.py",
+        "moestack/kernels/__init__.py": REPO / "kernels" / "__init__.py",
+        "moestack/telemetry/__init__.py": REPO / "telemetry" / "__init__.py",
+    }
+    for name, file in files.items():  # the kernels and telemetry folders install apart
+        assert head["code"][name] == hashlib.sha256(file.read_bytes()).hexdigest(), name
+    assert not [n for n in head["code"] if "__pycache__" in n or not n.endswith(".py")]
+    assert head["code_sha256"] == prereg.hashing.digest(head["code"])
+
+
+def test_prereg_run_refuses_other_code_unless_the_change_is_on_record(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Sources that differ from the lock's train nothing; with --amend the change is locked as
+    an amendment (the files and the reason), the runs train, and the report lists it."""
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    locked = prereg.verify(path)["code"]
+    edited = {**locked, "moestack/trainer.py": "0" * 64, "moestack/new_module.py": "1" * 64}
+    monkeypatch.setattr(prereg.hashing, "code_files", lambda: edited)
+    out, calls = tmp_path / "out", []
+    train = evaluating_train(prereg.load(path), calls)
+    with pytest.raises(
+        MoestackError, match=r"moestack/new_module\.py, moestack/trainer\.py.*--amend"
+    ) as err:
+        prereg.run(path, out, train_fn=train, progress=False)
+    assert calls == [] and "\n" not in str(err.value)
+    with pytest.raises(MoestackError, match="needs a reason"):
+        prereg.run(path, out, train_fn=train, progress=False, amend="  ")
+    prereg.run(path, out, train_fn=train, progress=False, amend="a log message changed")
+    assert len(calls) == 9
+    head = prereg.verify(path)
+    assert head["action"] == "amend" and head["code"] == edited
+    assert "moestack/trainer.py" in head["reason"] and "a log message changed" in head["reason"]
+    prereg.run(path, out, train_fn=train, progress=False)  # the amended code is the lock's now
+    fake_evaluations(path, out)
+    report = Path(prereg.analyze(path, out, evaluate=False)).read_text()
+    assert "**amendment**" in report and "a log message changed" in report
+    monkeypatch.setattr(prereg.hashing, "code_files", lambda: locked)  # back: refused again
+    with pytest.raises(MoestackError, match="moestack/trainer.py"):
+        prereg.run(path, out, train_fn=train, progress=False)
+
+
+def test_cli_takes_amend_for_lock_and_run_only(tmp_path: Path, capsys) -> None:
+    path = write(tmp_path, study())
+    with pytest.raises(SystemExit) as code:
+        cli.main(["prereg", "status", str(path), "--amend", "why"])
+    assert code.value.code == 2 and "`prereg lock` and `run`" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ quoted text in the report
 @pytest.mark.parametrize(
     ("reason", "named"),
@@ -455,3 +512,63 @@ def test_report_quotes_the_lock_and_study_text_without_making_structure(tmp_path
     assert lines[0].startswith("# Pre-registered study: synthetic  \\#\\# Verdicts  \\| id \\|")
     history = [line for line in lines if line.startswith("| 1 |")]
     assert len(history) == 1 and "| **amendment** | typo  \\#\\# Verdicts  \\| id \\|" in history[0]
+
+
+# ------------------------------------------------------------------ tuning apart from the test
+def with_split(selection: list[float], test: list[float]) -> dict[str, Any]:
+    data = study()
+    data["analysis"]["eval_windows"] = test
+    data["selection"] = {"windows": selection, "pilot": "pilot_v3 (runs/pilot)",
+                         "reason": "temporal=0.1 cut misses most within the budget"}  # fmt: skip
+    return data
+
+
+@pytest.mark.parametrize(
+    ("selection", "test"),
+    [([0.25, 0.75], [0.5, 1.0]), ([0.0, 1.0], [0.9, 1.0]), ([0.5, 1], [0, 0.6])],
+)
+def test_a_study_tuned_on_windows_its_test_reads_is_refused(tmp_path, selection, test) -> None:
+    path = write(tmp_path, with_split(selection, test))
+    with pytest.raises(
+        MoestackError, match=r"selection.windows: .* overlaps analysis.eval_windows"
+    ) as err:
+        prereg.lock(path)
+    assert "disjoint" in one_line(err) and not prereg.lock_path(path).exists()
+
+
+@pytest.mark.parametrize(
+    ("windows", "named"),
+    [
+        ([0.6, 0.4], r"\[0.6, 0.4\]"),
+        ([0.0, 1.5], r"\[0.0, 1.5\]"),
+        ("half", "'half'"),
+        ([0.5], r"\[0.5\]"),
+    ],
+)
+def test_bad_windows_are_refused_naming_the_field(tmp_path, windows, named) -> None:
+    data = study()
+    data["analysis"]["eval_windows"] = windows
+    with pytest.raises(MoestackError, match=rf"analysis.eval_windows: {named}"):
+        prereg.load(write(tmp_path, data))
+
+
+def test_disjoint_tuning_and_test_windows_lock_and_are_reported(tmp_path) -> None:
+    path = write(tmp_path, with_split([0.0, 0.5], [0.5, 1.0]))
+    prereg.lock(path)
+    spec = prereg.load(path)
+    assert spec.selection.windows == (0.0, 0.5) and spec.analysis.eval_windows == (0.5, 1.0)
+    out = tmp_path / "out"
+    prereg.run(path, out, train_fn=evaluating_train(spec), progress=False)
+    fake_evaluations(path, out)
+    text = Path(prereg.analyze(path, out, evaluate=False)).read_text()
+    assert "## Selection (as registered)" in text
+    assert "Tuned on the share [0, 0.5) of the validation split" in text
+    assert "validation batches from the share [0.5, 1) of the validation split" in text
+
+
+def test_the_test_windows_are_the_share_of_the_split_they_name() -> None:
+    tokens = np.arange(1000)
+    assert np.array_equal(prereg.analysis.windows_of(tokens, (0.5, 1.0), 8), tokens[500:])
+    assert np.array_equal(prereg.analysis.windows_of(tokens, (0.25, 0.3), 8), tokens[250:300])
+    with pytest.raises(MoestackError, match=r"eval_windows \[0.0, 0.005\] holds 5 tokens"):
+        prereg.analysis.windows_of(tokens, (0.0, 0.005), 8)
