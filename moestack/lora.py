@@ -12,8 +12,9 @@ small trained tensors whose product is added to W's output, scaled by ``alpha / 
   keeps its name and its weight's state_dict key.
 
 ``B`` starts at zero, so the adapted model equals the base model until it trains; ``A`` is
-drawn from a generator seeded by the run's seed and the tensor's name, so it does not depend
-on how many processes build the model. ``merge_adapters`` folds them into the base weights
+drawn from a generator seeded by the run's seed and the tensor's name (an expert's rows: and
+its global expert id), so it does not depend on how many processes build the model; a rank
+whose experts were built on meta draws its own rows only (``init_expert_adapters``). ``merge_adapters`` folds them into the base weights
 (``W + alpha / r * A @ B``) for export.
 """
 
@@ -117,6 +118,37 @@ def _draw_A(
     return nn.Parameter((values * (2 * bound) - bound).to(device=like.device, dtype=like.dtype))
 
 
+def _expert_A(
+    shape: tuple[int, ...], fan_in: int, seed: int, name: str, like: torch.Tensor, first: int
+) -> torch.Tensor:
+    """Rows of an expert adapter's A (``[held, *per_expert]``), each drawn as ``_draw_A``
+    draws a tensor, from the generator of (seed, ``name/expert<global id>``): the ids start
+    at ``first``, so a rank's rows are the whole build's. Meta ``like``: meta rows, drawn
+    once a rank holds them (``init_expert_adapters``)."""
+    if like.is_meta:
+        return torch.empty(shape, dtype=like.dtype, device="meta")
+    rows = [_draw_A(shape[1:], fan_in, seed, f"{name}/expert{first + e}", like).data
+            for e in range(shape[0])]  # fmt: skip
+    return torch.stack(rows) if rows else torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def init_expert_adapters(model: nn.Module, seed: int) -> None:
+    """Draw the expert adapters of a rank whose experts (and so their adapters) were built on
+    meta and then given memory for its own rows (``parallel.shard_experts``): A's rows by
+    their global expert ids, as the whole build draws them, B at zero."""
+    for moe in model.moe_layers:
+        if moe.expert_adapters() is None:
+            continue
+        name = _name_of(model, moe)
+        with torch.no_grad():
+            for a, fan_in in (("lora_w1_A", moe.w1.shape[1]), ("lora_w2_A", moe.w2.shape[1])):
+                param = getattr(moe, a)
+                param.copy_(_expert_A(tuple(param.shape), fan_in, seed, f"{name}.{a}", param,
+                                      moe.expert_offset))  # fmt: skip
+            moe.lora_w1_B.zero_()
+            moe.lora_w2_B.zero_()
+
+
 def _check_rank(cfg: LoRAConfig, name: str, rows: int, cols: int) -> None:
     """The one rule on the rank: at most the smaller side of the weight it adapts."""
     check(
@@ -132,11 +164,13 @@ def _add_expert_adapters(moe: MoE, cfg: LoRAConfig, seed: int, name: str) -> int
     d_ff = moe.w2.shape[1]
     _check_rank(cfg, f"{name}.w1", d_model, two_f)
     _check_rank(cfg, f"{name}.w2", d_ff, d_model)
-    r = cfg.rank
-    moe.lora_w1_A = _draw_A((num_experts, d_model, r), d_model, seed, f"{name}.lora_w1_A", like)
+    r, first = cfg.rank, moe.expert_offset
+    moe.lora_w1_A = nn.Parameter(_expert_A((num_experts, d_model, r), d_model, seed,
+                                           f"{name}.lora_w1_A", like, first))  # fmt: skip
+    moe.lora_w2_A = nn.Parameter(_expert_A((num_experts, d_ff, r), d_ff, seed,
+                                           f"{name}.lora_w2_A", like, first))  # fmt: skip
     moe.lora_w1_B = nn.Parameter(torch.zeros(num_experts, r, two_f, dtype=like.dtype,
                                              device=like.device))  # fmt: skip
-    moe.lora_w2_A = _draw_A((num_experts, d_ff, r), d_ff, seed, f"{name}.lora_w2_A", like)
     moe.lora_w2_B = nn.Parameter(torch.zeros(num_experts, r, d_model, dtype=like.dtype,
                                              device=like.device))  # fmt: skip
     moe.lora_scale, moe.lora_dropout = cfg.scale, cfg.dropout

@@ -206,8 +206,8 @@ def load_run(
         lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     else:
-        if isinstance(cfg.model, HFModelConfig):  # its folder without the experts
-            model = cfg.model.build(experts=False)
+        if isinstance(cfg.model, HFModelConfig):  # on meta, each tensor read once below
+            model = cfg.model.build(experts=False, weights=False)
         else:
             with parameters_on_meta():
                 model = cfg.model.build()

@@ -392,11 +392,10 @@ def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- building a run
 def _builds_on_meta(cfg: TrainConfig) -> bool:
-    """Whether this rank builds its model's experts on the meta device and materialises its
-    own only (the backbone is every rank's): any model under expert parallelism. LoRA
-    adapters on the experts are drawn whole, so that run builds the whole model first."""
-    adapters_on_experts = cfg.trainable in lora.LORA_TRAINABLE and cfg.lora.on_experts
-    return cfg.parallel.ep > 1 and not adapters_on_experts
+    """Whether this rank builds its model's experts (and any LoRA adapters on them) on the
+    meta device and materialises its own only (the backbone is every rank's): any model
+    under expert parallelism."""
+    return cfg.parallel.ep > 1
 
 
 def _build_model(
@@ -426,6 +425,8 @@ def _build_model(
         model.init_experts(cfg.seed)
     elif on_meta and resume_from is None:  # this rank's experts' bytes alone
         fill_expert_rows(model, cfg.model.path)
+    if on_meta:  # their adapters' rows, drawn as the whole build draws them
+        lora.init_expert_adapters(model, cfg.seed)
     # training's draws from the global stream (LoRA's dropout) start from the seed, whatever
     # the build drew (a whole build draws experts a meta one does not)
     torch.manual_seed(cfg.seed)

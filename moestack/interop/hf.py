@@ -114,13 +114,22 @@ def moe_from_hf(
     )
     moe.w1 = nn.Parameter(w1.detach().clone(memory_format=torch.contiguous_format))
     moe.w2 = nn.Parameter(w2.detach().clone(memory_format=torch.contiguous_format))
-    moe.router.to(device=block.gate.weight.device, dtype=w1.dtype)  # w1 may be meta
-    with torch.no_grad():
-        moe.router.weight.copy_(block.gate.weight)
-    moe.router.reset_anchor()  # the anchor loss's reference: the pretrained router
+    gate = block.gate.weight
+    if gate.is_meta:  # a model read without weights (filled from a checkpoint later)
+        moe.router.to(dtype=w1.dtype)  # buffers real (the non-persistent ones stay so)
+        moe.router.weight = nn.Parameter(torch.empty_like(moe.router.weight, device="meta"))
+    else:
+        moe.router.to(device=gate.device, dtype=w1.dtype)  # w1 may be meta
+        with torch.no_grad():
+            moe.router.weight.copy_(gate)
+        moe.router.reset_anchor()  # the anchor loss's reference: the pretrained router
     tensors = (*moe.named_parameters(), *moe.named_buffers())
-    # experts read without their weights (load_hf_moe(experts=False)) stay meta on purpose
-    on_purpose = ("w1", "w2") if w1.is_meta else ()
+    # experts read without their weights (load_hf_moe(experts=False)) stay meta on purpose,
+    # and the router's weight of a model read without any
+    on_purpose = (
+        *(("w1", "w2") if w1.is_meta else ()),
+        *(("router.weight",) if gate.is_meta else ()),
+    )
     leftover = [n for n, t in tensors if t.is_meta and n not in on_purpose]
     if leftover:  # a tensor MoE gained that this function does not fill yet
         raise RuntimeError(f"moe_from_hf left {leftover} uninitialised; fill them here")

@@ -102,13 +102,17 @@ class HFModelConfig:
         moe = MoEConfig(**fields.pop("moe"), impl=self.moe.impl)
         return dataclasses.replace(self, moe=moe, **fields)
 
-    def build(self, *, experts: bool = True) -> HFMoEModel:
+    def build(self, *, experts: bool = True, weights: bool = True) -> HFMoEModel:
         """The transformers model at ``path`` with moestack MoE layers (``load_hf_moe``);
         routers with an anchor loss take the loaded weights as their reference.
         ``experts=False`` leaves the routed experts unread, as meta tensors, for serving
-        them from an expert store."""
-        model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router, experts=experts)
-        model.reset_anchors()
+        them from an expert store; ``weights=False`` (with ``experts=False``) reads no
+        weight of the folder at all: every parameter stays meta, for filling from a run's
+        checkpoint (``runs.load_run``)."""
+        model = load_hf_moe(self.path, impl=self.moe.impl, router=self.router,
+                            experts=experts, weights=weights)  # fmt: skip
+        if weights:
+            model.reset_anchors()
         return model
 
 
@@ -307,6 +311,7 @@ def load_hf_moe(
     router: RouterConfig | None = None,
     dtype: torch.dtype = torch.float32,
     experts: bool = True,
+    weights: bool = True,
 ) -> HFMoEModel:
     """Load the transformers MoE model in ``path`` with moestack MoE layers (see the module
     docstring). ``router`` gives the router losses' weights (None: all off); the score and
@@ -329,11 +334,13 @@ def load_hf_moe(
             folder,
             info["router_jitter_noise"],
         )
+    if experts and not weights:
+        raise ValueError("weights=False reads no weight, the experts neither: pass experts=False")
     if experts:
         hf = _from_pretrained(folder, dtype)
     else:
         _import_transformers()
-        hf = from_pretrained_without_experts(folder, dtype)
+        hf = from_pretrained_without_experts(folder, dtype, read=weights)
     patched = patch_sparse_blocks(hf, impl=impl, router=router)
     if len(patched) != len(info["moe_layer_ids"]):
         raise MoestackError(

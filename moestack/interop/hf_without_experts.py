@@ -87,10 +87,16 @@ def load_non_expert_weights(hf: nn.Module, folder: Path) -> dict[str, int]:
     return {"tensors": len(used), "bytes": resident_bytes(hf)}
 
 
-def from_pretrained_without_experts(folder: Path, dtype: torch.dtype) -> nn.Module:
+def from_pretrained_without_experts(
+    folder: Path, dtype: torch.dtype, *, read: bool = True
+) -> nn.Module:
     """transformers' model of ``folder`` with every weight but the routed experts loaded (see
-    the module docstring), in eval mode as ``from_pretrained`` returns it."""
+    the module docstring), in eval mode as ``from_pretrained`` returns it; ``read=False``
+    reads none of them (every parameter stays meta: a caller fills them from elsewhere, a
+    run's checkpoint)."""
     hf = _build_on_meta(folder, dtype)
+    if not read:
+        return hf.eval()
     read = load_non_expert_weights(hf, folder)
     log.info(
         "%s: read %d checkpoint tensors (the model now holds %.1f MB); routed experts left "

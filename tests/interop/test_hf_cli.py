@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,16 +57,25 @@ def test_export_then_eval_the_folder_in_memory_and_offloaded(hf_dir, tmp_path, c
 
 
 def test_a_transformers_run_evaluated_offloaded_without_loading_its_experts(
-    hf_dir, tmp_path, capsys
+    hf_dir, tmp_path, capsys, monkeypatch
 ):
     """A router fine-tuning run (model=hf, anchor on): loaded without its experts it holds the
-    run's weights and buffers, and served from the store its loss is the in-memory one."""
+    run's weights and buffers, each read once, from the checkpoint (none from the model
+    folder), and served from the store its loss is the in-memory one."""
+    from moestack import meta_load
     from moestack.checkpoint import iter_expert_layers
     from moestack.runs import load_run
 
-    cfg = hf_config(hf_dir("qwen2_moe"), tmp_path, steps=4, ckpt_every=0)
+    folder = hf_dir("qwen2_moe")
+    cfg = hf_config(folder, tmp_path, steps=4, ckpt_every=0)
     train(cfg, tmp_path / "run")
-    whole, lean = load_run(tmp_path / "run"), load_run(tmp_path / "run", experts=False)
+    whole = load_run(tmp_path / "run")
+    read, tensor = [], meta_load.TensorReader.tensor
+    monkeypatch.setattr(meta_load.TensorReader, "tensor",
+                        lambda self, key: read.append((self.keys[key], key)) or tensor(self, key))  # fmt: skip
+    lean = load_run(tmp_path / "run", experts=False)
+    assert read and not [f for f, _ in read if Path(f).parent == Path(folder)]
+    assert len({key for _, key in read}) == len(read)  # each tensor once
     got = dict(lean.model.named_parameters())
     for name, param in whole.model.named_parameters():
         if name.endswith((".moe.w1", ".moe.w2")):

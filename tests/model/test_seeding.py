@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moestack import ModelConfig, MoEConfig, seeding
+from moestack import ModelConfig, MoEConfig, lora, seeding
 from moestack.parallel import ExpertParallelMesh, shard_experts
 
 CFG = ModelConfig(d_model=24, n_heads=2, n_layers=2, moe=MoEConfig(8, 2, 20))
@@ -119,3 +119,25 @@ def test_generator_streams_are_named() -> None:
     assert torch.equal(a, torch.randn(5, generator=seeding.generator(0, "x")))
     assert not torch.equal(a, torch.randn(5, generator=seeding.generator(0, "y")))
     assert not torch.equal(a, torch.randn(5, generator=seeding.generator(1, "x")))
+
+
+@pytest.mark.parametrize(("world", "ep"), LAYOUTS[1:], ids=[f"{w}x{e}" for w, e in LAYOUTS[1:]])
+def test_lora_adapters_on_the_experts_are_the_whole_builds_rows(world: int, ep: int) -> None:
+    """Adapters on the experts, built on meta with them and drawn after the cut
+    (``lora.init_expert_adapters``), are the whole build's rows; A is not all alike."""
+    cfg = lora.LoRAConfig(rank=3, targets="both")
+    whole = CFG.build(seed=3)
+    lora.add_adapters(whole, cfg, seed=5)
+    want = dict(whole.named_parameters())
+    assert not torch.equal(want["layers.0.moe.lora_w1_A"][0], want["layers.0.moe.lora_w1_A"][1])
+    for rank in range(world):
+        model = CFG.build(seed=3, experts_on_meta=True)
+        lora.add_adapters(model, cfg, seed=5)
+        assert model.layers[0].moe.lora_w1_A.is_meta
+        shard_experts(model, _mesh(world, ep, rank))
+        model.init_experts(3)
+        lora.init_expert_adapters(model, seed=5)
+        lo, hi = _mesh(world, ep, rank).expert_range(CFG.moe.num_experts)
+        for name, p in model.named_parameters():
+            stacked = ".moe.w" in name or ".moe.lora_" in name
+            assert torch.equal(p, want[name][lo:hi] if stacked else want[name]), (rank, name)
