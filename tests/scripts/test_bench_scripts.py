@@ -98,3 +98,24 @@ def test_profile_moe_labels_every_launch_at_toy_size(tmp_path):
     assert profile_moe.gemm_flops("bwd dW1=x^T dz", 128, 32, 48) == 2 * 128 * 32 * 96
     assert profile_moe.gemm_flops("bwd G=dy@W2^T", 128, 32, 48) == 2 * 128 * 32 * 48
     assert profile_moe.gemm_flops("bwd SwiGLU' (elementwise)", 128, 32, 48) == 0
+
+
+def test_bench_shards_at_toy_size(tmp_path):
+    """4 gloo processes at ep=4, ep=2 and a resume: each reads exactly its share of the model
+    folder (the backbone and 1/ep of the experts) and of the checkpoint its weights' share
+    (plus the routers' persistent buffers, which the share from the folder leaves out)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "shards.json"
+    run_script(
+        "bench_shards.py", "--gb", "0.004", "--d-model", "64", "--experts", "16", "--steps", "1",
+        "--folder", str(tmp_path / "model"), "--json", str(out),
+    )  # fmt: skip
+    phases = json.loads(out.read_text())["phases"]
+    assert [phases[p]["ep"] for p in ("ep4", "ep2", "resume")] == [4, 2, 2]
+    for name, phase in phases.items():
+        if name == "resume":
+            assert 1.0 <= phase["read_ratio"] <= 1.01, name
+        else:
+            assert phase["read_ratio"] == pytest.approx(1.0, abs=1e-9), name
+        assert len(phase["records"]) == 4 and phase["ideal_gb"] < phase["whole_model_gb"]
+        assert all(r["anon_peak"] > r["anon_before"] for r in phase["records"]), name
