@@ -106,7 +106,7 @@ def save_checkpoint(
         torch.save(train_state, tmp / STATE_FILE)
         meta = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if parts else 2,  # readable by moestack before rank files
             "step": step,
             "model": dataclasses.asdict(model_cfg),
             "sizes": {name: (tmp / name).stat().st_size for name in _FILES},
@@ -262,7 +262,7 @@ def _check_meta(meta: Any, meta_path: Path) -> None:
     unknown = sorted(set(meta) - set(_META_KEYS))
     if unknown:
         raise bad(f"key {unknown[0]!r}", f"is not one of {_META_KEYS}")
-    if meta.get("format", FORMAT) != FORMAT or meta.get("version", 1) not in (1, VERSION):
+    if meta.get("format", FORMAT) != FORMAT or meta.get("version", 1) not in range(1, VERSION + 1):
         raise bad("format/version", f"is {meta.get('format')!r}/{meta.get('version')!r}, not "
                   f"{FORMAT!r} 1..{VERSION} (a newer moestack wrote it, or another tool)")  # fmt: skip
     if SELF_DIGEST in meta and meta[SELF_DIGEST] != _meta_digest(meta):
@@ -275,6 +275,11 @@ def _check_meta(meta: Any, meta_path: Path) -> None:
     why = checkpoint_parts.check_parts(meta.get("parts", {}))
     if why is not None:
         raise bad("parts", why)
+    if meta.get("parts") and meta.get("version", 1) < 3:
+        raise bad(
+            "parts",
+            f"appear in a version {meta.get('version', 1)} meta.json (rank files are version 3)",
+        )
     files = (*_FILES, *meta.get("parts", {}))
     for key, kind in (("sizes", int), ("sha256", str)):
         table = meta.get(key, {})

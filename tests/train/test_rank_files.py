@@ -128,3 +128,20 @@ def test_streamed_safetensors_read_back_with_the_safetensors_library(tmp_path) -
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     with safetensors.safe_open(tmp_path / "x.safetensors", framework="pt") as f:
         assert f.metadata() == {"rows": "0,2"}
+
+
+def test_versions_one_process_checkpoints_stay_readable_by_older_moestack(tmp_path) -> None:
+    """A checkpoint without rank files is written as version 2 (what moestack read before
+    them) and read back; with rank files it is version 3, and parts in a version 2 meta.json
+    are refused."""
+    plain = checkpoint.save_checkpoint(tmp_path / "plain", 3, CFG.build(seed=1), CFG, {"x": 1})
+    assert json.loads((plain / "meta.json").read_text())["version"] == 2
+    checkpoint.load_model_weights(plain, CFG.build(seed=2), CFG)
+    path, _ = write(tmp_path / "ranks", ep=2)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["version"] == 3
+    meta["version"] = 2
+    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(MoestackError, match="version 2 meta.json"):
+        checkpoint.read_meta(path)
