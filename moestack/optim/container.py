@@ -74,7 +74,7 @@ class TrainingOptimizer(torch.optim.Optimizer):
         """Load a state saved by ``sharded_state_dict`` at any layout: ``common`` and the
         parts holding the experts this optimizer needs (here: all of them, whole)."""
         model = getattr(self, "model", None)
-        names = _names_in_order(self.param_groups, model)
+        names = names_in_order(self.param_groups, model)
         rows = {n: (0, p.shape[0]) for n, p in model.named_parameters()} if model else {}
         self.load_state_dict(expert_state.merge(common, parts, names, rows.get))
 
@@ -156,7 +156,7 @@ def clip_grad_norm(
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
-def _names_in_order(groups: list[dict[str, Any]], model: nn.Module | None) -> list[str] | None:
+def names_in_order(groups: list[dict[str, Any]], model: nn.Module | None) -> list[str] | None:
     """The names of the parameters of ``groups`` in order (torch keys its state by this
     position), from the model's ``named_parameters``; None without a model."""
     if model is None:

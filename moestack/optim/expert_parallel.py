@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from moestack import parallel
 from moestack.optim import expert_state, state_format
-from moestack.optim.container import SingleOptimizer, TrainingOptimizer
+from moestack.optim.container import SingleOptimizer, TrainingOptimizer, names_in_order
 from moestack.optim.offload import OffloadAdamW
 from moestack.parallel import ExpertParallelMesh, expert_blocks
 
@@ -113,8 +113,7 @@ class ExpertParallelAdamW(SingleOptimizer):
         return expert_blocks(self.model)[0].mesh
 
     def _names(self) -> list[str]:
-        name_of = {id(p): n for n, p in self.model.named_parameters()}
-        return [name_of[id(p)] for g in self.param_groups for p in g["params"]]
+        return names_in_order(self.param_groups, self.model)
 
     def _blocks_by_position(self) -> dict[int, parallel.ExpertBlock]:
         """The expert block of each expert parameter, by its position in ``param_groups``."""
