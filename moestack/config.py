@@ -138,6 +138,11 @@ class OptimConfig:
     # and backward see the weights before it: one step stale; docs/optim.md), 0 is exact
     update_delay: int = 0
     delay_warmup: int = 1  # offload_adamw with update_delay: the first steps that run exact
+    # offload_adamw: step bucket by bucket as gradients land, weights back per bucket, the
+    # next forward waiting per layer (docs/optim.md): "auto" (on a GPU, one process, exact
+    # updates), true (also on the CPU) or false (one serial step)
+    pipeline: Any = "auto"
+    bucket_mb: float = 32.0  # offload_adamw with the pipeline: megabytes of gradients a bucket
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
     # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
     param_dtype: str = "auto"
@@ -180,6 +185,11 @@ class OptimConfig:
             f"optim=offload_adamw; optim={self.name} has none (use optim=offload_adamw)",
         )
         _check(self.delay_warmup >= 0, f"optim.delay_warmup={self.delay_warmup} must be >= 0")
+        _check(
+            isinstance(self.pipeline, bool) or self.pipeline == "auto",
+            f"optim.pipeline={self.pipeline!r}; use auto, true or false",
+        )
+        _check(self.bucket_mb > 0, f"optim.bucket_mb={self.bucket_mb} must be > 0")
 
 
 @dataclass

@@ -234,6 +234,9 @@ def _offload_lines(
         fused_step=cfg.optim.fused_step,
         moment_dtype=parse_moment_dtype(cfg.optim.moment_dtype),
         update_delay=cfg.optim.update_delay,
+        pipeline=cfg.optim.pipeline,
+        overlap=cfg.optim.overlap,
+        skip_idle_experts=cfg.optim.skip_idle_experts,
         native=lambda: True,
     )
     _host_lines(plan, layout, label)

@@ -17,7 +17,13 @@ import torch
 
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.model import MoETransformer
-from moestack.optim import OffloadAdamW, apply_param_dtype, build_optimizer, clip_grad_norm
+from moestack.optim import (
+    OffloadAdamW,
+    apply_param_dtype,
+    build_optimizer,
+    clip_grad_norm,
+    param_groups,
+)
 
 
 def make_params(
@@ -103,17 +109,27 @@ def _fresh_cuda_memory() -> int:
     return torch.cuda.memory_allocated()
 
 
-# The training-step contenders: name -> (optimizer, update_delay, clipped). torchao copies
-# gradients to the host inside backward, where a later clip cannot reach them: it runs
-# unclipped, beside the unclipped runs of the others (like for like), the others clipped too.
-TRAIN_CONTENDERS: dict[str, tuple[str, int, bool]] = {
-    "adamw": ("adamw", 0, True),
-    "adamw_unclipped": ("adamw", 0, False),
-    "offload_adamw": ("offload_adamw", 0, True),
-    "offload_adamw_unclipped": ("offload_adamw", 0, False),
-    "offload_adamw_delayed": ("offload_adamw", 1, True),
-    "offload_adamw_delayed_unclipped": ("offload_adamw", 1, False),
-    "torchao_cpu_offload": ("torchao", 0, False),
+# The training-step contenders: name -> (optimizer, update_delay, clipped, OffloadAdamW's
+# other settings). torchao copies gradients to the host inside backward, where a later clip
+# cannot reach them: it runs unclipped, beside the unclipped runs of the others (like for
+# like), the others clipped too. offload_adamw is the pipelined exact step (the default on a
+# GPU; its next forward waits per layer, as the trainer sets it up); _serial the one-pass
+# step before it; _in_backward updates each bucket as it lands (unclipped only).
+TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
+    "adamw": ("adamw", 0, True, {}),
+    "adamw_unclipped": ("adamw", 0, False, {}),
+    "offload_adamw": ("offload_adamw", 0, True, {}),
+    "offload_adamw_unclipped": ("offload_adamw", 0, False, {}),
+    "offload_adamw_serial": ("offload_adamw", 0, True, {"pipeline": False}),
+    "offload_adamw_in_backward_unclipped": (
+        "offload_adamw",
+        0,
+        False,
+        {"update_in_backward": True},
+    ),
+    "offload_adamw_delayed": ("offload_adamw", 1, True, {}),
+    "offload_adamw_delayed_unclipped": ("offload_adamw", 1, False, {}),
+    "torchao_cpu_offload": ("torchao", 0, False, {}),
 }
 
 
@@ -135,13 +151,19 @@ def _build_contender(
     name: str, model_cfg: ModelConfig, device: torch.device
 ) -> tuple[torch.nn.Module, Any, bool, torch.dtype]:
     """A fresh model (seed 0) on ``device`` and contender ``name``'s optimizer over it."""
-    kind, delay, clip = TRAIN_CONTENDERS[name]
+    kind, delay, clip, settings = TRAIN_CONTENDERS[name]
     cfg = OptimConfig(name="adamw" if kind == "torchao" else kind, lr=1e-3, update_delay=delay)
     torch.manual_seed(0)
     model = MoETransformer(model_cfg).to(device)
     dtype = apply_param_dtype(model, cfg, device)
     if kind == "torchao":  # its intended use: fp32 weights, state on the host
         opt = _torchao_offload()(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    elif kind == "offload_adamw":
+        if settings.get("update_in_backward") and device.type != "cuda":
+            settings = {**settings, "pipeline": True}  # the CPU dry run: forced on
+        groups = param_groups(model, cfg.weight_decay)
+        opt = OffloadAdamW(groups, lr=1e-3, betas=cfg.betas, update_delay=delay, **settings)
+        opt.wait_per_layer(model)  # as moestack.optim.build_training_optimizer does
     else:
         opt = build_optimizer(model, cfg)
     return model, opt, clip, dtype
@@ -253,12 +275,19 @@ def offload_step_parts(
 
     With a delayed update the host update runs in the optimizer's worker thread, beside the
     rest (it is reported, not subtracted from the rest), and ``wait_update`` is the step's
-    wait for the update in flight with the return of its weights."""
+    wait for the update in flight with the return of its weights. So it does in the
+    pipelined step, bucket by bucket, where ``release`` is the time the host waits for a
+    bucket's update to end before the compute stream may wait for its weights (at the end
+    of the step, or in the next forward: then it counts in the next step's time)."""
     parts = {"clip": "clip_grad_norm_", "wait_grads": "_sync_grads",
              "host_update": "_step_spans", "return_weights": "_return_weights"}  # fmt: skip
+    owners: dict[str, Any] = dict.fromkeys(parts, opt)
     if opt.update_delay:
         parts["wait_update"] = "synchronize"
-    overlapped = {"host_update"} if opt.update_delay else set()
+        owners["wait_update"] = opt
+    if opt.pipelined:
+        parts["release"], owners["release"] = "release", opt._pipe
+    overlapped = {"host_update"} if (opt.update_delay or opt.pipelined) else set()
     per_step: dict[str, float] = {}
     nesting = threading.local()  # a part called inside another counts as the outer one's time
     lock = threading.Lock()
@@ -282,7 +311,7 @@ def offload_step_parts(
         return run
 
     for part, attr in parts.items():
-        setattr(opt, attr, timed(getattr(opt, attr), part))
+        setattr(owners[part], attr, timed(getattr(owners[part], attr), part))
     rows: dict[str, list[float]] = {part: [] for part in (*parts, "rest")}
     try:
         for _ in range(reps):
@@ -298,8 +327,8 @@ def offload_step_parts(
                 serial = sum(t for part, t in per_step.items() if part not in overlapped)
             rows["rest"].append(total - serial)
     finally:
-        for attr in parts.values():
-            delattr(opt, attr)  # the class's methods again
+        for part, attr in parts.items():
+            delattr(owners[part], attr)  # the class's methods again
     return {f"{prefix}{part}_ms": 1e3 * statistics.median(v) for part, v in rows.items()}
 
 

@@ -36,8 +36,8 @@ PLAN=(
     "kernel_tests|185|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs; id asserts; >2^31 elements"
     "bench_moe|85|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
     "profile_moe|45|profile_moe.json|default|the Triton layer's time launch by launch (fwd and bwd GEMMs, SwiGLU bwd, the rest) at three shapes"
-    "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path vs torch AdamW, also with every transfer stalled"
-    "bench_optim|95|bench_optim.json|default|optimizer step; training step of OffloadAdamW exact and delayed vs device AdamW and torchao (when carried), clipped and unclipped, with its parts; 200-step loss delayed vs exact"
+    "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path, serial and pipelined, vs torch AdamW, also with every transfer stalled; per-layer waits on CUDA"
+    "bench_optim|95|bench_optim.json|default|optimizer step; training step of OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), clipped and unclipped, with its parts; 200-step loss delayed vs exact"
     "memory|15|bench_optim_memory.json|optional|device and host bytes per parameter, offload vs device AdamW"
     "bench_serve|80|bench_serve.json|default|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel)"
     "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
@@ -203,7 +203,7 @@ phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
 MOESTACK_AUTOTUNE=0 phase profile_moe "$PY" scripts/profile_moe.py \
     --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --json "$OUT/profile_moe.json"
 MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_tests.xml" \
-    tests/optim/test_offload_devices.py
+    tests/optim/test_offload_devices.py tests/optim/test_offload_pipeline.py
 phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step,delay_loss --reps 5 \
     --json "$OUT/bench_optim.json"
 phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim_memory.json"

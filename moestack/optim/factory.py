@@ -66,7 +66,10 @@ def build_training_optimizer(
     groups = param_groups(model, float(cfg.weight_decay))
     if mesh is None:
         ddp = uses_ddp(cfg.name, world_size, expert_parallel=False)
-        return LocalOptimizer(make(groups), model, ddp=ddp)
+        optimizer = make(groups)
+        if isinstance(optimizer, OffloadAdamW):  # a pipelined step's weights, layer by layer
+            optimizer.wait_per_layer(model)
+        return LocalOptimizer(optimizer, model, ddp=ddp)
     if cfg.name == "offload_adamw":
         return ExpertParallelOffload(groups, model, mesh, make)
     return ExpertParallelAdamW(make(groups), model)
@@ -90,6 +93,8 @@ def _maker(cfg: Any) -> Maker:
                 fused_step=cfg.fused_step,
                 update_delay=cfg.update_delay,
                 delay_warmup=cfg.delay_warmup,
+                pipeline=cfg.pipeline,
+                bucket_mb=cfg.bucket_mb,
                 process_group=process_group,
                 **kw,
             )

@@ -276,6 +276,8 @@ class FusedHostStep:
             is loaded now.
         dtypes: the parameters' dtypes.
         moment_dtype: the dtype of the host moments.
+        grad_dtype: the dtype of the packed host gradients (not in direct mode).
+        kept: prepared slice lists kept (one per param group and bucket in use).
     """
 
     def __init__(
@@ -286,6 +288,8 @@ class FusedHostStep:
         staging_dtype: torch.dtype | None,
         dtypes: Iterable[torch.dtype],
         moment_dtype: torch.dtype,
+        grad_dtype: torch.dtype = torch.float32,
+        kept: int = _PREPARED_KEPT,
     ) -> None:
         self.requested = requested
         self.mode = mode
@@ -294,7 +298,7 @@ class FusedHostStep:
         if self.mode == DIRECT:
             self._combos = {(dt, moment_dtype, dt) for dt in dtypes}
         else:
-            self._combos = {(torch.float32, moment_dtype, self._out_dtype(dt)) for dt in dtypes}
+            self._combos = {(grad_dtype, moment_dtype, self._out_dtype(dt)) for dt in dtypes}
         self.kernel: Kernel | None = None
         self.split = split
         if split:
@@ -302,6 +306,7 @@ class FusedHostStep:
             assert not isinstance(kernel, str), kernel
             self.kernel = kernel
         self._prepared: dict[tuple[Any, ...], native.Prepared] = {}  # by _where: one a group
+        self._kept = kept
 
     @property
     def per_param(self) -> bool:
@@ -344,7 +349,7 @@ class FusedHostStep:
         key = self._where(spans, params, host, grads)
         prepared = self._prepared.get(key)
         if prepared is None:  # new slices, or they moved: rebuild
-            if len(self._prepared) >= _PREPARED_KEPT:
+            if len(self._prepared) >= self._kept:
                 self._prepared.clear()
             prepared = self._prepared[key] = self.kernel.prepare(
                 self._segs(spans, params, host, grads, coefs)

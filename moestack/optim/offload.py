@@ -24,6 +24,11 @@ bf16 halves are the weights themselves (or the staging buffer) and only 2-byte r
 sit in the master buffer (:mod:`moestack.optim.split_master`). Steps 1-3 stay as the
 reference path (``fused_step="off"``, and the fallback when no kernel builds).
 
+With every parameter on a GPU in one process (exact updates), the step is pipelined instead
+(``pipeline="auto"``, :mod:`moestack.optim.buckets`): gradients cross in buckets, in their own
+dtype, each bucket stepped in a worker thread and its weights sent back on a stream of its own,
+the compute stream waiting per bucket (per layer with :meth:`OffloadAdamW.wait_per_layer`).
+
 With gradient accumulation, run every micro-batch but the last inside ``opt.no_sync()`` (as
 with DDP; moestack.trainer does): the gradients then cross to the host once per step.
 
@@ -60,6 +65,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -68,7 +74,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moestack.optim import collectives, fused, split_master, state_format, transfer, update
+from moestack.optim import (
+    buckets,
+    collectives,
+    fused,
+    split_master,
+    state_format,
+    transfer,
+    update,
+)
 from moestack.optim.plan import (
     DEFAULT_EXPERT_PATTERN,
     ParamSpec,
@@ -96,6 +110,8 @@ class OffloadPlan:
     staging_dtype: torch.dtype | None  # of the staged fused step's weight buffer
     host: transfer.Sizes  # this rank's host buffers: role -> (elements, dtype)
     device_scratch: dict[str, int]  # device type -> elements of its fp32 dtype scratch
+    pipelined: bool = False  # the step runs bucket by bucket (moestack.optim.buckets)
+    grad_dtype: torch.dtype = torch.float32  # of the host gradient buffer
 
 
 def plan_offload(
@@ -110,6 +126,9 @@ def plan_offload(
     moment_dtype: torch.dtype = torch.float32,
     in_place: bool | None = None,
     update_delay: int = 0,
+    pipeline: bool | str = "auto",
+    overlap: bool = True,
+    skip_idle_experts: bool = False,
     native: Callable[[], bool] = fused.native_loads,
 ) -> OffloadPlan:
     """The plan of an OffloadAdamW over parameters ``specs`` (param group and expert flag of
@@ -118,8 +137,19 @@ def plan_offload(
     ``native`` says whether the native kernel loads, asked only where a split master
     depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
-    buffers: the next step's land beside the ones the update reads) and copies weights back."""
+    buffers: the next step's land beside the ones the update reads) and copies weights back.
+    A pipelined step (``pipeline``, :func:`moestack.optim.buckets.chooses_pipeline`) runs
+    the staged mode, its gradients crossing in their own dtype when all are bf16."""
     distributed = world_size > 1
+    why_not = buckets.refusal(
+        specs,
+        distributed=distributed,
+        update_delay=update_delay,
+        skip_idle_experts=skip_idle_experts,
+        fused_step=fused_step,
+        in_place=in_place,
+    )
+    pipelined = buckets.chooses_pipeline(pipeline, specs, overlap=overlap, why_not=why_not)
     num_shards = world_size if (distributed and shard) else 1
     shapes = [s.shape for s in specs]
     mine = 0 if num_shards == 1 else rank
@@ -128,10 +158,12 @@ def plan_offload(
         mine = max(range(num_shards), key=lambda k: (shards.shard_sizes[k], -k))
         shards = build_plan(shapes, group_of, is_expert, num_shards, mine)
     steps_in_place = transfer.choose_in_place(
-        False if update_delay else in_place, specs, distributed
+        False if (update_delay or pipelined) else in_place, specs, distributed
     )
     mode = None
-    if fused_step != "off" and not steps_in_place:
+    if pipelined:
+        mode = fused.STAGED
+    elif fused_step != "off" and not steps_in_place:
         mode = fused.choose_mode(specs, distributed, num_shards)
         if update_delay and mode == fused.DIRECT:  # the parameters stay as they are meanwhile
             mode = fused.MASTER
@@ -140,13 +172,17 @@ def plan_offload(
     # gradients packed into host buffers, weights copied back: all but the direct fused step
     # (it reads p.grad and writes p.data itself) and the in-place one
     pack = not steps_in_place and mode != fused.DIRECT
+    grad_dtype = buckets.grad_buffer_dtype(specs) if pipelined else torch.float32
     host = transfer.host_buffer_sizes(
         *(shards, moment_dtype, steps_in_place, pack, staging),
         master_dtype=torch.int16 if split else torch.float32,
         spare_grad=bool(update_delay),
+        grad_dtype=grad_dtype,
     )
-    scratch = transfer.device_scratch_sizes(specs, copies=pack)
-    return OffloadPlan(shards, steps_in_place, mode, split, staging, host, scratch)
+    scratch = transfer.device_scratch_sizes(specs, copies=pack, host_dtype=grad_dtype)
+    return OffloadPlan(
+        *(shards, steps_in_place, mode, split, staging, host, scratch), pipelined, grad_dtype
+    )
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -189,6 +225,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             host gradient buffer (4 bytes per parameter of the shard).
         delay_warmup: the first steps that run exact before the delay starts (counted by the
             updates made, so a resumed run goes on as it was).
+        pipeline: step bucket by bucket (:mod:`moestack.optim.buckets`): ``"auto"`` (the
+            default) where every parameter is on a GPU and ``overlap`` is on, one process,
+            exact updates, fp32 or bf16 parameters; True forces it (CPU parameters too);
+            False never.
+        bucket_mb: megabytes of gradients per bucket of the pipelined step.
+        update_in_backward: a pipelined step updates each bucket as soon as its gradients
+            land, during backward (no clipping then: ``clip_grad_norm_`` refuses; a
+            non-finite loss cannot be skipped; accumulate micro-batches inside
+            :meth:`no_sync`). Without it the buckets are stepped at ``step()``.
     """
 
     def __init__(
@@ -210,11 +255,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         fused_step: str = "auto",
         update_delay: int = 0,
         delay_warmup: int = 1,
+        pipeline: bool | str = "auto",
+        bucket_mb: float = buckets.DEFAULT_BUCKET_MB,
+        update_in_backward: bool = False,
     ) -> None:
         update.check_hparams(lr, betas, eps, weight_decay, where="")
         update.check_offload(offload)
         fused.check_choice(fused_step)
+        buckets.check_choice(pipeline)
         _check_delay(update_delay, delay_warmup, in_place)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.update_in_backward = bool(update_in_backward)
         self.update_delay, self.delay_warmup = int(update_delay), int(delay_warmup)
         self.moment_dtype = update.parse_moment_dtype(moment_dtype)
         self._built = False
@@ -225,7 +278,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skip_idle_experts = bool(skip_idle_experts)
         self._join_process_group(process_group)
         self._collect_params(expert_params, expert_pattern)
-        self._decide(in_place, fused_step)
+        self._decide(in_place, fused_step, pipeline)
         self._lay_out_state()
         self._reset_step_state()
         self._setup_transfers()
@@ -274,9 +327,27 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._is_expert = expert_flags(self._params, self._names, expert_params, expert_pattern)
 
-    def _decide(self, in_place: bool | None, fused_step: str) -> None:
-        """Decide the shards, in place or not, the fused step's mode and the buffers
-        (:func:`plan_offload`, the rules a memory plan counts with too)."""
+    def _decide(self, in_place: bool | None, fused_step: str, pipeline: bool | str) -> None:
+        """Decide the shards, in place or not, the fused step's mode, the pipeline and the
+        buffers (:func:`plan_offload`, the rules a memory plan counts with too). A pipelined
+        step needs its kernel now (it has no reference path): without one, "auto" plans
+        again without the pipeline."""
+        self._plan_with(in_place, fused_step, pipeline)
+        if self._layout.pipelined and not self._fused.resolve():
+            if pipeline is True:
+                raise RuntimeError(
+                    "pipeline=True needs the fused host step's kernel, and none builds here "
+                    "(the log says why); use pipeline='auto'"
+                )
+            self._plan_with(in_place, fused_step, False)
+        if self.update_in_backward and not self._layout.pipelined:
+            raise ValueError(
+                "update_in_backward=True needs the pipelined step, which these settings do "
+                "not take (see OffloadAdamW's pipeline argument)"
+            )
+
+    def _plan_with(self, in_place: bool | None, fused_step: str, pipeline: bool | str) -> None:
+        """The plan, and the fused step it asks for."""
         self._layout = plan_offload(
             [ParamSpec.of(p) for p in self._params],
             *(self._group_of, self._is_expert),
@@ -287,6 +358,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             moment_dtype=self.moment_dtype,
             in_place=in_place,
             update_delay=self.update_delay,
+            pipeline=pipeline,
+            overlap=self.overlap,
+            skip_idle_experts=self.skip_idle_experts,
         )
         self._plan = self._layout.shards
         self.num_shards = self._plan.num_shards
@@ -298,6 +372,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 *(fused_step, self._layout.mode, self._layout.split, self._layout.staging_dtype),
                 dtypes={p.dtype for p in self._params},
                 moment_dtype=self.moment_dtype,
+                grad_dtype=self._layout.grad_dtype,
+                kept=16
+                + 2 * len(self.param_groups) * (1 + 4 * self._plan.total // self.bucket_bytes),
             )
 
     def _lay_out_state(self) -> None:
@@ -320,13 +397,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._loaded_prints: dict[int, tuple[int, ...]] = {}  # direct split: weights as loaded
 
     def _setup_transfers(self) -> None:
-        """The side stream, the device scratch and, with overlap, the gradient hooks."""
+        """The side stream (or the pipeline's streams), the device scratch and, with
+        overlap, the gradient hooks."""
         self._hooks: list[Any] = []
         self._hooked = [False] * len(self._params)
-        self._side = transfer.side_stream(self._params, self.overlap)
+        self._pipe: buckets.Pipeline | None = None
+        if self._layout.pipelined:
+            specs = [ParamSpec.of(p) for p in self._params]
+            trainable = [p.requires_grad for p in self._params]
+            cut = buckets.make_buckets(specs, trainable, self.bucket_bytes)
+            self._pipe = buckets.Pipeline(cut, len(self._params), self._params[0].device)
+        self._side = None if self._pipe else transfer.side_stream(self._params, self.overlap)
         self._scratch = transfer.DeviceScratch(self._params)  # see _to_host / _to_device
         self._defer_copies = False  # inside no_sync(): hooks start no copies
-        if self._side is not None and not self.in_place:
+        if (self._side is not None and not self.in_place) or self._pipe is not None:
             # The hooks hold the optimizer weakly: a hook registry lives in C++, out of reach
             # of Python's garbage collector, so a strong reference would keep a dropped
             # optimizer (and its device scratch) alive as long as the parameters.
@@ -334,6 +418,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p in self._params:
                 if p.requires_grad:  # torch refuses hooks on frozen tensors
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step runs bucket by bucket (:mod:`moestack.optim.buckets`)."""
+        return self._pipe is not None
 
     @property
     def host_step(self) -> str:
@@ -366,6 +455,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._defer_copies:  # inside no_sync(): a later backward copies the sum
             self._hooked[i] = False
             return
+        if self._pipe is not None:
+            self._land_grad(i, p)
+            return
         assert self._side is not None and self._host.comm is not None
         grad = p.grad
         if grad is None:
@@ -377,9 +469,113 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._hooked[i] = True
         self._grads_ready = False
 
+    def _land_grad(self, i: int, p: Tensor) -> None:
+        """Pipelined hook: queue parameter i's gradient to the host on the pipeline's copy
+        stream; when it completes its bucket, the bucket's norm and event (and with
+        ``update_in_backward`` its update)."""
+        pipe, grad = self._pipe, p.grad
+        assert pipe is not None and self._host.comm is not None
+        b = pipe.bucket_of[i]
+        if grad is None or b is None:
+            return
+        if pipe.submitted[b]:
+            raise RuntimeError(
+                f"a gradient of {self._names[i]!r} accumulated after its bucket was updated: "
+                "with update_in_backward=True run every micro-batch but the last inside "
+                "optimizer.no_sync()"
+            )
+        pipe.wait_update(b)  # the last step's update of this bucket reads its host memory
+        with pipe.d2h_stream():
+            transfer.pack_grad(self._host.comm, self._plan, i, grad.view(-1), True, self._to_host)
+            if grad.is_cuda:
+                grad.record_stream(torch.cuda.current_stream(grad.device))
+            done = pipe.arrive(i)
+            if done is not None:
+                pipe.land(done, self._grads_of(pipe.buckets[done].pidxs))
+        self._hooked[i] = True
+        self._grads_ready = False
+        if done is not None and self.update_in_backward:
+            self._submit_buckets([done], list(pipe.buckets[done].pidxs))
+
+    def _grads_of(self, pidxs: Sequence[int]) -> list[Tensor]:
+        return [g for g in (self._params[i].grad for i in pidxs) if g is not None]
+
+    def _land_remaining(self) -> None:
+        """Pipelined: pack the gradients no hook sent (no overlap, frozen or unused
+        parameters) and land every bucket not landed yet."""
+        pipe = self._pipe
+        assert pipe is not None and self._host.comm is not None
+        for b, bucket in enumerate(pipe.buckets):
+            if pipe.landed[b]:
+                continue
+            pipe.wait_update(b)
+            with pipe.d2h_stream():
+                for i in sorted(pipe.waiting[b]):
+                    g = self._params[i].grad
+                    if g is not None:
+                        flat = g.view(-1)
+                        transfer.pack_grad(
+                            self._host.comm, self._plan, i, flat, True, self._to_host
+                        )
+                pipe.land(b, self._grads_of(bucket.pidxs))
+
+    def _submit_buckets(self, todo: Sequence[int], pidxs: Sequence[int]) -> None:
+        """Pipelined: start the host updates of buckets ``todo`` (in this order), whose
+        parameters with gradients are ``pidxs``, with this step's hyper-parameters."""
+        pipe = self._pipe
+        assert pipe is not None
+        self._start_update(pidxs)
+        steps, scale, want = list(self._steps), self._grad_scale, set(pidxs)
+        hparams = [update.group_hparams(group) for group in self.param_groups]
+        for b in todo:
+            mine = [i for i in pipe.buckets[b].pidxs if i in want]
+            jobs = []
+            for gi, hp in enumerate(hparams):
+                spans = buckets.bucket_spans(self._plan, mine, gi, steps)
+                if spans:
+                    jobs.append((spans, hp))
+            pipe.submit(b, functools.partial(self._update_bucket, b, jobs, steps, scale, mine))
+
+    def _update_bucket(
+        self,
+        b: int,
+        jobs: list[tuple[list[tuple[int, int, int, int]], dict[str, float]]],
+        steps: list[int],
+        scale: float,
+        pidxs: list[int],
+    ) -> None:
+        """The worker's part of bucket b: once its gradients are on the host and its last
+        weights have left, the host step of its slices, then its weights back."""
+        pipe = self._pipe
+        assert pipe is not None
+        pipe.wait_landed(b)
+        pipe.wait_sent(b)
+        with torch.no_grad():
+            self._step_spans(jobs, self._host, steps, scale)
+            pipe.send_back(b, functools.partial(self._copy_back, pidxs))
+
+    def _copy_back(self, pidxs: Sequence[int]) -> None:
+        """Pipelined: the updated weights of parameters ``pidxs`` into them, bf16 ones from
+        the staging buffer, fp32 ones from the master (no dtype changes on the way)."""
+        staged, master = self._host.staging, self._host.master
+        assert master is not None
+        for i in pidxs:
+            flat = self._params[i].data.view(-1)
+            src = staged if staged is not None and staged.dtype == flat.dtype else master
+            assert src.dtype == flat.dtype, (src.dtype, flat.dtype)
+            for s in self._plan.segs_of[i]:
+                dst = flat[s.start : s.start + s.numel]
+                self._to_device(dst, src[s.off : s.off + s.numel], non_blocking=dst.is_cuda)
+
     def _sync_grads(self) -> None:
         """Make the averaged gradients of this rank's shard ready on the host."""
         if self._grads_ready:
+            return
+        if self._pipe is not None:
+            self._active = [p.grad is not None for p in self._params]
+            self._land_remaining()
+            self._idle = set()
+            self._grads_ready = True
             return
         self._resolve_fused()
         self._active = collectives.any_rank([p.grad is not None for p in self._params], self._ranks)
@@ -444,6 +640,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The 2-norm of the averaged gradients over every shard, as the step will read them
         (the first half of ``clip_grad_norm_``; expert parallelism combines two of them)."""
         self._sync_grads()
+        if self._pipe is not None:  # the buckets' norms, taken on the device
+            return self._pipe.total_norm() * self._grad_scale
         grads = [p.grad for p in self._params if p.grad is not None]
         if self.in_place or self._direct:
             total = update.norm_of(grads)
@@ -462,6 +660,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Multiply the gradients the next step consumes by ``coef`` (the second half of
         ``clip_grad_norm_``)."""
         self._sync_grads()
+        if self._pipe is not None and any(self._pipe.submitted):
+            raise RuntimeError(
+                "the gradients cannot be scaled: their buckets' updates have started "
+                "(update_in_backward=True); build the optimizer without it to clip"
+            )
         if self.in_place:
             torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         elif self._fused is not None:
@@ -481,7 +684,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_grads()
-        if self._delays_now():
+        if self._pipe is not None:
+            self._finish_pipelined_step(self._pipe)
+        elif self._delays_now():
             self._launch_update()
         else:
             self.synchronize()
@@ -491,21 +696,37 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grads_ready = False
         return loss
 
+    def _finish_pipelined_step(self, pipe: buckets.Pipeline) -> None:
+        """Pipelined: start every bucket not started yet (in forward order); the compute
+        stream then waits for each bucket's weights, here or (:meth:`wait_per_layer`) in the
+        next forward before the layer using them."""
+        todo = [b for b in reversed(range(len(pipe.buckets))) if not pipe.submitted[b]]
+        if todo:
+            pidxs = [i for b in todo for i in pipe.buckets[b].pidxs if self._active[i]]
+            self._submit_buckets(todo, pidxs)
+        for b in reversed(range(len(pipe.buckets))):
+            if not pipe.covered[b]:
+                pipe.release(b)
+        pipe.new_step()
+        self._grad_scale = 1.0
+
     def _delays_now(self) -> bool:
         """Whether this step's update is delayed: past the first ``delay_warmup`` updates."""
         return bool(self.update_delay) and max(self._steps, default=0) >= self.delay_warmup
 
-    def _start_update(self) -> None:
+    def _start_update(self, pidxs: Sequence[int] | None = None) -> None:
         """What every update does first: the master weights of parameters stepped for the
-        first time taken from them, outside writes taken in, the step counts moved on."""
-        first = [i for i, a in enumerate(self._active) if a and self._steps[i] == 0]
+        first time taken from them, outside writes taken in, the step counts moved on; of
+        the active parameters, or of ``pidxs`` (a pipelined step's buckets)."""
+        if pidxs is None:
+            pidxs = [i for i, a in enumerate(self._active) if a]
+        first = [i for i in pidxs if self._steps[i] == 0]
         if first and not self.in_place:
             self._init_master(first)
         if self._split and self._direct:
             self._take_outside_writes()
-        for i, a in enumerate(self._active):
-            if a:
-                self._steps[i] += 1
+        for i in pidxs:
+            self._steps[i] += 1
 
     def _jobs(self) -> list[tuple[list[tuple[int, int, int, int]], dict[str, float]]]:
         """The spans to step and the hyper-parameters of every param group, as they are now
@@ -567,7 +788,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Apply the delayed update in flight, if any: wait for it, then copy its weights into
         the parameters. Call it before reading the weights between steps (evaluation, a
-        checkpoint of the model, the end of training); a no-op without ``update_delay``."""
+        checkpoint of the model, the end of training); a no-op without ``update_delay``.
+        A pipelined step's updates are waited for here too."""
+        if self._pipe is not None:
+            self._pipe.drain()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -665,12 +889,27 @@ class OffloadAdamW(torch.optim.Optimizer):
             handle.remove()
         self._hooks = []
         self._hooked = [False] * len(self._params)
+        if self._pipe is not None:
+            self._pipe.remove_layer_hooks()
+
+    @torch.no_grad()
+    def wait_per_layer(self, model: torch.nn.Module) -> None:
+        """Pipelined: let the next forward wait for each layer's weights just before that
+        layer (a forward pre-hook on each of ``model``'s layers, :func:`buckets.layers_of`)
+        instead of for all of them at the end of ``step()``; the rest of each step's update
+        then overlaps the forward. A layer's forward must use only parameters under it or
+        under a layer run before it. No-op without the pipelined step."""
+        if self._pipe is not None:
+            self._pipe.wait_per_layer(buckets.layers_of(model), self._index)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: clear ``.grad``; also forget host gradients not yet consumed."""
         super().zero_grad(set_to_none=set_to_none)
         self._grads_ready = False
         self._hooked = [False] * len(self._params)
+        if self._pipe is not None and not any(self._pipe.submitted):
+            self._pipe.new_step()  # gradients dropped before the step: none of them counts
+            self._grad_scale = 1.0
 
     # ------------------------------------------------------------------------ checkpoint
 

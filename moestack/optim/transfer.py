@@ -86,6 +86,7 @@ def host_buffer_sizes(
     staging_dtype: torch.dtype | None = None,
     master_dtype: torch.dtype = torch.float32,
     spare_grad: bool = False,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> Sizes:
     """Elements and dtype of every host buffer of one rank, by the role
     :meth:`HostBuffers.by_role` names it: the moments; unless stepping in place, the master
@@ -93,7 +94,8 @@ def host_buffer_sizes(
     :mod:`moestack.optim.split_master`) and (with ``pack``) the gradient and communication
     buffers; a weight staging buffer of ``staging_dtype`` if given; with ``spare_grad`` (delayed
     updates) a second gradient buffer, so the next step's gradients land beside the ones the
-    update in flight reads."""
+    update in flight reads. The gradient buffers are fp32 but where ``grad_dtype`` says
+    otherwise (a pipelined step's bf16 gradients, :mod:`moestack.optim.buckets`)."""
     size = plan.host_size
     sizes = {"exp_avg": (size, moment_dtype), "exp_avg_sq": (size, moment_dtype)}
     if in_place:
@@ -101,11 +103,11 @@ def host_buffer_sizes(
     sizes["master"] = (size, master_dtype)
     if pack:
         comm, grad = pack_buffer_sizes(plan)
-        sizes["grad_comm"] = (comm, torch.float32)
+        sizes["grad_comm"] = (comm, grad_dtype)
         if grad is not None:
-            sizes["grad_shard"] = (grad, torch.float32)
+            sizes["grad_shard"] = (grad, grad_dtype)
         if spare_grad:
-            sizes["grad_spare"] = (comm if grad is None else grad, torch.float32)
+            sizes["grad_spare"] = (comm if grad is None else grad, grad_dtype)
     if staging_dtype is not None:
         sizes["weight_staging"] = (size, staging_dtype)
     return sizes
@@ -256,13 +258,16 @@ def scratch_elements(largest: int) -> int:
     return min(largest, _XFER_CHUNK)
 
 
-def device_scratch_sizes(specs: Sequence[ParamSpec], copies: bool) -> dict[str, int]:
+def device_scratch_sizes(
+    specs: Sequence[ParamSpec], copies: bool, host_dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
     """Elements of the fp32 scratch each device type will hold (allocated at the first copy
     that changes dtype there): where ``copies`` (gradients are packed to the host and
-    weights copied back) and some parameter there is not fp32, the fp32 host buffers' dtype."""
+    weights copied back) and some parameter there is not of the host gradients' dtype
+    (``host_dtype``)."""
     if not copies:
         return {}
-    devices = {s.device for s in specs if casts_on_device(s.device, s.dtype, torch.float32)}
+    devices = {s.device for s in specs if casts_on_device(s.device, s.dtype, host_dtype)}
     return {d: scratch_elements(max(s.numel for s in specs if s.device == d)) for d in devices}
 
 

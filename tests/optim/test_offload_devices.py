@@ -83,15 +83,19 @@ def _with_reference(device: str, dtype: torch.dtype, **kw):
     return params, ref, opt, ref_opt
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("defer", [False, True], ids=["copy-each", "no_sync"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_adamw_on_device(
-    device: str, dtype: torch.dtype, defer: bool, fused_step: str = "auto"
+    device: str, dtype: torch.dtype, defer: bool, pipeline: bool, fused_step: str = "auto"
 ) -> None:
     """Every step against torch AdamW; ``fused_step`` as OffloadAdamW takes it (the tests
-    below run this one with the reference path, and with the staged fused step)."""
-    params, ref, opt, ref_opt = _with_reference(device, dtype, fused_step=fused_step)
+    below run this one with the reference path, and with the staged fused step), serial or
+    bucket by bucket (``pipeline``: on CUDA its streams, on the CPU its logic)."""
+    kw = {"fused_step": fused_step, "pipeline": pipeline, "bucket_mb": 0.004}  # 2 to 4 params
+    params, ref, opt, ref_opt = _with_reference(device, dtype, **kw)
+    assert opt.pipelined == pipeline
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
     for step in range(STEPS):
@@ -182,7 +186,9 @@ def test_device_cast_path_on_the_cpu(monkeypatch) -> None:
         return buffers[-1]
 
     monkeypatch.setattr(OffloadAdamW, "_xfer_buffer", spy)
-    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=False, fused_step="off")
+    test_matches_torch_adamw_on_device(
+        "cpu", torch.bfloat16, defer=False, pipeline=False, fused_step="off"
+    )
     assert buffers and all(b.numel() == 7 and b.dtype == torch.float32 for b in buffers)
 
 
@@ -201,7 +207,7 @@ def test_staged_fused_step_on_the_cpu(monkeypatch, defer: bool) -> None:
         original(*args, **kw)
 
     monkeypatch.setattr(transfer, "return_weights", spy)
-    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=defer)
+    test_matches_torch_adamw_on_device("cpu", torch.bfloat16, defer=defer, pipeline=False)
     assert staged and all(s is not None and s.dtype == torch.bfloat16 for s in staged)
 
 
@@ -220,7 +226,8 @@ def test_delayed_transfers_are_waited_for(monkeypatch) -> None:
 
     monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
     monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
-    test_matches_torch_adamw_on_device("cuda", torch.bfloat16, defer=True)
+    for pipeline in (False, True):
+        test_matches_torch_adamw_on_device("cuda", torch.bfloat16, defer=True, pipeline=pipeline)
 
 
 @pytest.mark.parametrize("device", DEVICES)

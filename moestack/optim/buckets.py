@@ -1,0 +1,337 @@
+"""The pipelined exact step of OffloadAdamW: gradient buckets stepped as they may be.
+
+Why: a serial offloaded step waits for every gradient, measures the clipping norm in a host
+pass over all of them, steps all the state, then sends every weight back while the device
+sits idle (3.04x a device AdamW step on an H200, BENCHMARKS.md). Here the parameters are cut
+into buckets of about ``bucket_mb`` of gradients, in the order backward produces them (the
+model's last parameters first). For each bucket:
+
+1. its gradients leave the device from the post-accumulate-grad hooks, in their own dtype
+   (bf16 gradients cross as bf16, into a bf16 host buffer the host kernel reads as it is),
+   on a device-to-host stream; when its last gradient has landed an event is recorded there
+   and the bucket's squared 2-norm is taken on the device (one small reduction), so the
+   clipping norm needs no host pass;
+2. its host update runs in a worker thread: at ``step()`` (with the clipping factor of the
+   summed norms, if ``clip_grad_norm_`` was called), buckets in forward order; or, with
+   ``update_in_backward`` (no clipping then), at once when the bucket lands;
+3. its weights start back the moment its update ends, on a host-to-device stream of their
+   own, and an event marks them there: the compute stream waits per bucket, either at the
+   end of ``step()`` or, with :meth:`OffloadAdamW.wait_per_layer`, in the next forward just
+   before the layer that uses them.
+
+The arithmetic is the fused host step's, element by element, so the results are bitwise the
+serial step's (the clipping factor comes from the device norm: equal to float rounding).
+Nothing is allocated per step but the few bytes of the norms and the worker's futures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from moestack.optim.plan import ParamSpec, ShardPlan, contiguous_runs
+
+DEFAULT_BUCKET_MB = 32.0  # of gradient bytes: tens of MB, as DDP's and DeepSpeed's buckets
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters whose gradients cross to the host and are stepped together."""
+
+    pidxs: tuple[int, ...]  # in the order backward produces their gradients
+    nbytes: int  # of their gradients
+
+
+def make_buckets(
+    specs: Sequence[ParamSpec], trainable: Sequence[bool], bucket_bytes: int
+) -> list[Bucket]:
+    """Buckets of consecutive trainable parameters, last parameter first (backward's order),
+    each of at most ``bucket_bytes`` of gradients; a larger parameter has one of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size {bucket_bytes} bytes: give a positive size")
+    buckets: list[Bucket] = []
+    pidxs: list[int] = []
+    size = 0
+    for i in reversed(range(len(specs))):
+        if not trainable[i]:
+            continue
+        nbytes = specs[i].numel * specs[i].dtype.itemsize
+        if pidxs and size + nbytes > bucket_bytes:
+            buckets.append(Bucket(tuple(pidxs), size))
+            pidxs, size = [], 0
+        pidxs.append(i)
+        size += nbytes
+    if pidxs:
+        buckets.append(Bucket(tuple(pidxs), size))
+    return buckets
+
+
+def check_choice(pipeline: Any) -> None:
+    """Raise ValueError unless ``pipeline`` is "auto", True or False."""
+    if not isinstance(pipeline, bool) and pipeline != "auto":
+        raise ValueError(f"pipeline={pipeline!r}: use 'auto', True or False")
+
+
+def refusal(
+    specs: Sequence[ParamSpec],
+    *,
+    distributed: bool,
+    update_delay: int,
+    skip_idle_experts: bool,
+    fused_step: str,
+    in_place: bool | None,
+) -> str | None:
+    """Why these settings cannot take the pipelined step (None: they can)."""
+    if distributed:
+        return "several ranks reduce their gradients on the host after backward"
+    if update_delay:
+        return "update_delay=1 runs the whole update in the next step's shadow instead"
+    if skip_idle_experts:
+        return "skip_idle_experts looks at every expert's gradient before any update"
+    if fused_step == "off":
+        return "fused_step='off' runs the reference path, which steps all the state at once"
+    if in_place:
+        return "in_place=True steps the parameters themselves"
+    if not specs or any(s.dtype not in (torch.float32, torch.bfloat16) for s in specs):
+        return "its parameters must be float32 or bfloat16"
+    return None
+
+
+def chooses_pipeline(
+    requested: Any,
+    specs: Sequence[ParamSpec],
+    *,
+    overlap: bool,
+    why_not: str | None,
+) -> bool:
+    """Whether the step is pipelined: ``"auto"`` where it pays (every parameter on a GPU,
+    ``overlap`` on) and may (``why_not`` is None, :func:`refusal`); True forces it (on CPU
+    parameters too, where its logic can be tested), raising ``why_not``."""
+    if requested is False:
+        return False
+    if requested is True:
+        if why_not is not None:
+            raise ValueError(f"pipeline=True cannot be used: {why_not}")
+        return True
+    on_devices = bool(specs) and all(s.device != "cpu" for s in specs)
+    return why_not is None and overlap and on_devices
+
+
+def grad_buffer_dtype(specs: Sequence[ParamSpec]) -> torch.dtype:
+    """The dtype gradients cross in: bf16 when every parameter is bf16 (half the bytes, no
+    device scratch), else fp32."""
+    return torch.bfloat16 if all(s.dtype == torch.bfloat16 for s in specs) else torch.float32
+
+
+class Pipeline:
+    """The buckets of one OffloadAdamW and what each is doing this step.
+
+    Per bucket: the parameters not landed yet, the event of its gradients on the host, its
+    squared norm on the device, its host update (a future of the worker thread) and the event
+    of its weights back on the device. :meth:`new_step` starts the next step's bookkeeping;
+    the updates of the last step may still be running then (their buckets are waited for
+    before anything writes into their host memory again).
+    """
+
+    def __init__(self, buckets: list[Bucket], num_params: int, device: torch.device) -> None:
+        self.buckets = buckets
+        self.bucket_of: list[int | None] = [None] * num_params
+        for b, bucket in enumerate(buckets):
+            for i in bucket.pidxs:
+                self.bucket_of[i] = b
+        self.device = device
+        cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device=device) if cuda else None
+        self.h2d = torch.cuda.Stream(device=device) if cuda else None
+        n = len(buckets)
+        self.landed_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
+        self.back_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
+        self._back_recorded = [False] * n
+        self.norm_sq = torch.zeros(n, dtype=torch.float64, device=device)
+        self.futures: list[concurrent.futures.Future | None] = [None] * n
+        self.unreleased = [False] * n  # updated, not yet waited for by the compute stream
+        self.covered = [False] * n  # a layer's forward pre-hook waits for it (wait_per_layer)
+        self._layer_hooks: list[Any] = []
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.new_step()
+
+    def new_step(self) -> None:
+        """Nothing landed, nothing submitted: the next step's bookkeeping."""
+        self.waiting = [set(b.pidxs) for b in self.buckets]
+        self.landed = [False] * len(self.buckets)
+        self.submitted = [False] * len(self.buckets)
+
+    # ------------------------------------------------------------ gradients to the host
+
+    def d2h_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Run the enclosed copies and norms on the device-to-host stream, after the work the
+        compute stream has queued so far (it produced the gradients)."""
+        if self.d2h is None:
+            return contextlib.nullcontext()
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.d2h)
+
+    def arrive(self, pidx: int) -> int | None:
+        """Parameter ``pidx``'s gradient was queued to the host; its bucket if that was the
+        bucket's last (None otherwise)."""
+        b = self.bucket_of[pidx]
+        if b is None:
+            return None
+        if self.landed[b]:  # accumulated again (no no_sync): the bucket lands anew
+            self.landed[b] = False
+            self.waiting[b] = set(self.buckets[b].pidxs)
+        self.waiting[b].discard(pidx)
+        return b if not self.waiting[b] else None
+
+    def land(self, b: int, grads: Sequence[Tensor]) -> None:
+        """Bucket ``b`` is complete: its squared norm taken on the device, from ``grads``
+        (those of its parameters that have one), and its event recorded after its copies.
+        Call inside :meth:`d2h_stream`."""
+        if grads:
+            norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
+            self.norm_sq[b] = torch.stack(norms).double().square().sum()
+        else:
+            self.norm_sq[b] = 0.0
+        if self.landed_events is not None:
+            self.landed_events[b].record()
+        self.landed[b] = True
+
+    def total_norm(self) -> Tensor:
+        """The 2-norm over every bucket (fp32, on the device), once all have landed."""
+        if self.d2h is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+        return self.norm_sq.sum().sqrt().float()
+
+    # ------------------------------------------------------------------ host updates
+
+    def submit(self, b: int, job: Callable[[], None]) -> None:
+        """Run bucket ``b``'s host update ``job`` in the worker thread (after those submitted
+        before it)."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="offload-adamw-buckets"
+            )
+        self.submitted[b] = self.unreleased[b] = True
+        self.futures[b] = self._worker.submit(job)
+
+    def wait_landed(self, b: int) -> None:
+        """Block (the worker) until bucket ``b``'s gradients are in host memory."""
+        if self.landed_events is not None:
+            self.landed_events[b].synchronize()
+
+    def wait_sent(self, b: int) -> None:
+        """Block (the worker) until bucket ``b``'s last weights back have left host memory,
+        before its update writes over them."""
+        if self.back_events is not None and self._back_recorded[b]:
+            self.back_events[b].synchronize()
+
+    def send_back(self, b: int, copies: Callable[[], None]) -> None:
+        """Queue bucket ``b``'s weights back (``copies``) on the host-to-device stream, after
+        its gradients left (so after backward last read its weights), and mark them there."""
+        if self.h2d is None:
+            copies()
+            return
+        assert self.landed_events is not None and self.back_events is not None
+        self.h2d.wait_event(self.landed_events[b])
+        with torch.cuda.stream(self.h2d):
+            copies()
+        self.back_events[b].record(self.h2d)
+        self._back_recorded[b] = True
+
+    def wait_update(self, b: int) -> None:
+        """Block until bucket ``b``'s host update ended (raising its error), so its host
+        memory may be written again."""
+        future = self.futures[b]
+        if future is not None:
+            future.result()
+
+    def release(self, b: int) -> None:
+        """The compute stream waits for bucket ``b``'s new weights (the host for its
+        update); nothing when they were waited for already."""
+        if not self.unreleased[b]:
+            return
+        self.wait_update(b)
+        if self.back_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.back_events[b])
+        self.unreleased[b] = False
+
+    def drain(self) -> None:
+        """Every update ended and every weight back on the device (the host waits): before
+        the host state is read or written from outside a step."""
+        for b in range(len(self.buckets)):
+            self.wait_update(b)
+        if self.h2d is not None:
+            self.h2d.synchronize()
+        self.unreleased = [False] * len(self.buckets)
+
+    # ------------------------------------------------------------- per-layer waits
+
+    def wait_per_layer(self, layers: Sequence[torch.nn.Module], index: dict[int, int]) -> None:
+        """A forward pre-hook on each of ``layers`` that releases the buckets of its
+        parameters (``index``: id of a parameter -> its index); a bucket all of whose
+        parameters sit under some layer is then left to them by ``step()``."""
+        self.remove_layer_hooks()
+        under: set[int] = set()
+        for layer in layers:
+            mine = {index[id(p)] for p in layer.parameters() if id(p) in index}
+            under |= mine
+            order = sorted({b for i in mine if (b := self.bucket_of[i]) is not None}, reverse=True)
+            if order:
+                self._layer_hooks.append(layer.register_forward_pre_hook(self._releaser(order)))
+        self.covered = [set(bucket.pidxs) <= under for bucket in self.buckets]
+
+    def _releaser(self, order: list[int]) -> Callable[..., None]:
+        """The pre-hook of a layer whose parameters sit in buckets ``order``; it holds the
+        pipeline weakly (a model outliving its optimizer keeps no worker thread alive)."""
+        ref = weakref.ref(self)
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            pipe = ref()
+            if pipe is not None:
+                for b in order:
+                    pipe.release(b)
+
+        return hook
+
+    def remove_layer_hooks(self) -> None:
+        """Drop the per-layer waits: ``step()`` waits for every bucket again."""
+        for handle in self._layer_hooks:
+            handle.remove()
+        self._layer_hooks = []
+        self.covered = [False] * len(self.buckets)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the updates queued)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of ``model`` in the order of its children: each child, but the items of a
+    ``ModuleList`` or ``Sequential`` child (a transformer's blocks) in its place."""
+    out: list[torch.nn.Module] = []
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)):
+            out.extend(child.children())
+        else:
+            out.append(child)
+    return out
+
+
+def bucket_spans(
+    plan: ShardPlan, pidxs: Sequence[int], gi: int, steps: Sequence[int]
+) -> list[tuple[int, int, int, int]]:
+    """The slices ``(pidx, x_start, off, numel)`` of param group ``gi``'s parameters among
+    ``pidxs``, one parameter per slice (the staged step writes each one's weights)."""
+    want = set(pidxs)
+    units = [plan.units[k] for k in plan.my_units]
+    todo = [u for u in units if u.group == gi and u.pidx in want]
+    return contiguous_runs(todo, True, steps)

@@ -1,0 +1,341 @@
+"""OffloadAdamW's pipelined exact step (moestack.optim.buckets) against its serial step.
+
+The pipelined step runs the same per-element arithmetic as the serial fused step, bucket by
+bucket, so unclipped it is bitwise the serial step; clipped, its norm comes from the buckets'
+device-side norms (float rounding apart). Here the parameters are on the CPU: its logic
+(hooks, buckets, the worker thread, per-layer waits) runs without CUDA streams; on a GPU
+tests/optim/test_offload_devices.py runs it with them.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+from _optim_testlib import ACCUM, MAX_NORM, STEPS, TinyMoE, batch, groups, lr_lambda
+
+from moestack.config import OptimConfig
+from moestack.model import ModelConfig
+from moestack.optim import OffloadAdamW, build_training_optimizer
+from moestack.optim.buckets import Bucket, layers_of, make_buckets
+from moestack.optim.plan import ParamSpec
+
+KB = 1 / 1024  # bucket_mb of one kilobyte
+
+
+def _model(dtype: torch.dtype, unused: bool = False) -> TinyMoE:
+    model = TinyMoE().to(dtype)
+    if unused:  # a parameter no forward uses: no gradient, never stepped
+        model.spare = torch.nn.Parameter(
+            torch.randn(5, 3, generator=torch.Generator().manual_seed(7)).to(dtype)
+        )
+    return model
+
+
+def _optimizer(model: torch.nn.Module, pipeline: bool, **kw) -> OffloadAdamW:
+    serial = {} if pipeline else {"in_place": False}  # the fused kernel's step, like the pipeline
+    return OffloadAdamW(
+        groups(model), lr=1e-2, betas=(0.9, 0.95), pipeline=pipeline, **serial, **kw
+    )
+
+
+def _train(
+    dtype: torch.dtype,
+    pipeline: bool,
+    *,
+    clip: bool = False,
+    defer: bool = True,
+    skip_at: int | None = None,
+    unused: bool = False,
+    steps: int = STEPS,
+    **kw,
+) -> tuple[TinyMoE, OffloadAdamW, list[float]]:
+    """``steps`` steps of TinyMoE (an expert the router never picks: an idle expert) with a
+    warm-up/cosine schedule; micro-batches accumulate inside ``no_sync`` when ``defer``;
+    at ``skip_at`` the gradients are dropped without a step (a skipped non-finite step)."""
+    model = _model(dtype, unused)
+    opt = _optimizer(model, pipeline, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    norms = []
+    for step in range(steps):
+        for micro in range(ACCUM):
+            x, y = batch(step, micro)
+            last = micro == ACCUM - 1
+            with opt.no_sync() if defer and not last else nullcontext():
+                loss = (model(x.to(dtype)).float() - y).square().mean() / ACCUM
+                loss.backward()
+        if step == skip_at:
+            opt.zero_grad()
+            continue
+        if clip:
+            norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return model, opt, norms
+
+
+def _assert_same(
+    a: torch.nn.Module, b: torch.nn.Module, oa: OffloadAdamW, ob: OffloadAdamW
+) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        for entry, value in sa[key].items():
+            other = sb[key][entry]
+            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+            assert same, (key, entry)
+
+
+# ------------------------------------------------------------------------------- buckets
+
+
+def test_buckets_follow_backward_order_and_hold_at_most_their_size():
+    """Worked by hand: sizes in bytes 40, 24, 100, 8, 8 (fp32) with 48-byte buckets, the
+    frozen third-from-last skipped: backward order is 4, 3, (2 frozen), 1, 0."""
+    shapes = [(10,), (6,), (25,), (2,), (2,)]
+    specs = [ParamSpec(s, "cpu", torch.float32) for s in shapes]
+    trainable = [True, True, False, True, True]
+    got = make_buckets(specs, trainable, 48)
+    assert got == [Bucket((4, 3, 1), 40), Bucket((0,), 40)]
+    # a parameter larger than a bucket has one of its own
+    got = make_buckets([ParamSpec((100,), "cpu", torch.bfloat16)] * 3, [True] * 3, 150)
+    assert got == [Bucket((2,), 200), Bucket((1,), 200), Bucket((0,), 200)]
+    with pytest.raises(ValueError, match="positive"):
+        make_buckets(specs, trainable, 0)
+
+
+def test_layers_of_a_model_are_its_blocks_in_order():
+    model = ModelConfig(
+        vocab_size=64, d_model=16, n_layers=3, n_heads=2, moe={"num_experts": 4, "top_k": 2}
+    ).build()
+    layers = layers_of(model)
+    assert layers[0] is model.embed
+    assert layers[1 : 1 + 3] == list(model.layers)
+    assert layers[-2:] == [model.norm, model.lm_head]
+
+
+# ----------------------------------------------------------------- bitwise the serial step
+
+
+@pytest.mark.parametrize("bucket_mb", [KB / 64, KB, 64.0], ids=["param-alone", "some", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unclipped_pipeline_is_bitwise_the_serial_step(dtype, bucket_mb):
+    """Buckets smaller than a parameter, of a few parameters, and one for all; an idle
+    expert; a step skipped by zero_grad; a parameter without a gradient."""
+    model, opt, _ = _train(dtype, True, bucket_mb=bucket_mb, skip_at=3, unused=True)
+    ref, ref_opt, _ = _train(dtype, False, skip_at=3, unused=True)
+    assert opt.pipelined and not ref_opt.pipelined
+    buckets = opt._pipe.buckets
+    if bucket_mb == 64.0:
+        assert len(buckets) == 1
+    if (
+        bucket_mb == KB / 64
+    ):  # 16 bytes: every bucket is one parameter, some larger than the bucket size
+        assert all(len(b.pidxs) == 1 for b in buckets)
+        assert any(b.nbytes > bucket_mb * 2**20 for b in buckets)
+    _assert_same(model, ref, opt, ref_opt)
+    spare = _model(dtype, unused=True).spare
+    assert torch.equal(model.spare, spare)  # never stepped, as the serial step leaves it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_accumulated_without_no_sync_land_again(dtype):
+    """Each micro-batch's hooks fire: a bucket lands again with the summed gradients."""
+    model, opt, _ = _train(dtype, True, bucket_mb=KB, defer=False)
+    ref, ref_opt, _ = _train(dtype, False, defer=False)
+    _assert_same(model, ref, opt, ref_opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_clipped_pipeline_matches_the_serial_step(dtype):
+    """The norm comes from the buckets' device-side norms: the serial step's to float
+    rounding; the parameters follow to rounding too (bf16: within one of its ulps)."""
+    model, opt, norms = _train(dtype, True, clip=True, bucket_mb=KB)
+    ref, ref_opt, ref_norms = _train(dtype, False, clip=True)
+    for a, b in zip(norms, ref_norms, strict=True):
+        assert abs(a - b) <= 1e-6 * b
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        tol = 1e-5 * float(q.abs().max()) if dtype == torch.float32 else 2**-7 * q.abs().max()
+        assert float((p.double() - q.double()).abs().max()) <= tol, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_side_norm_against_a_float64_norm(dtype):
+    model = _model(dtype)
+    opt = _optimizer(model, True, bucket_mb=KB)
+    x, y = batch(0, 0)
+    (model(x.to(dtype)).float() - y).square().mean().backward()
+    want = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    got = float(opt.grad_norm())
+    assert abs(got - want) <= 1e-6 * want
+    assert opt._pipe.norm_sq.dtype == torch.float64 and len(opt._pipe.norm_sq) > 1
+
+
+def test_bf16_gradients_cross_as_bf16_with_no_device_scratch():
+    model = _model(torch.bfloat16)
+    opt = _optimizer(model, True)
+    assert opt._host.comm.dtype == torch.bfloat16
+    _train(torch.bfloat16, True, steps=1)
+    assert opt.device_buffers() == {}
+    fp32 = _optimizer(_model(torch.float32), True)
+    assert fp32._host.comm.dtype == torch.float32
+
+
+# --------------------------------------------------------------------- update in backward
+
+
+def test_update_in_backward_is_bitwise_the_serial_step():
+    """Every bucket's update starts from its hook, inside backward; unclipped, it is the
+    serial step bit for bit. A bucket with a parameter without a gradient waits for step()."""
+    model = _model(torch.bfloat16, unused=True)
+    opt = _optimizer(model, True, bucket_mb=KB, update_in_backward=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    spare_bucket = opt._pipe.bucket_of[opt._index[id(model.spare)]]
+    for step in range(STEPS):
+        for micro in range(ACCUM):
+            x, y = batch(step, micro)
+            with opt.no_sync() if micro < ACCUM - 1 else nullcontext():
+                ((model(x.bfloat16()).float() - y).square().mean() / ACCUM).backward()
+        started = opt._pipe.submitted
+        assert all(s for b, s in enumerate(started) if b != spare_bucket)
+        assert not started[spare_bucket]
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.synchronize()
+    ref, ref_opt, _ = _train(torch.bfloat16, False, unused=True)
+    _assert_same(model, ref, opt, ref_opt)
+
+
+def test_update_in_backward_refuses_clipping_and_late_accumulation():
+    model = _model(torch.float32)
+    opt = _optimizer(model, True, update_in_backward=True)
+    x, y = batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    with pytest.raises(RuntimeError, match="update_in_backward"):
+        opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    (model(x) - y).square().mean().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):  # a second micro-batch, no no_sync
+        (model(x) - y).square().mean().backward()
+
+
+# --------------------------------------------------------------------- per-layer waits
+
+
+def _lm(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = ModelConfig(
+        vocab_size=64, d_model=32, n_layers=3, n_heads=2, moe={"num_experts": 4, "top_k": 2}
+    ).build()
+    return model.to(dtype)
+
+
+def _lm_run(
+    pipeline: bool, steps: int = 5, resume_at: int | None = None, device: str = "cpu"
+) -> tuple[list, dict]:
+    """A small language model on ``device`` through build_training_optimizer (which makes a
+    pipelined step wait per layer); bf16 weights; unclipped; optionally saved and resumed at
+    ``resume_at`` into a fresh optimizer over the same model."""
+    model = _lm(torch.bfloat16).to(device)
+    cfg = OptimConfig(name="offload_adamw", pipeline=pipeline, bucket_mb=0.02, grad_clip=0.0)
+    opt = build_training_optimizer(model, cfg)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for step in range(steps):
+        if step == resume_at:
+            opt.synchronize()
+            saved = opt.state_dict()
+            opt = build_training_optimizer(model, cfg)
+            opt.load_state_dict(saved)
+        tokens = torch.randint(0, 64, (4, 17), generator=g).to(device)
+        loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    inner = opt.optimizer
+    assert inner.pipelined == pipeline
+    if pipeline:
+        assert all(inner._pipe.covered)  # every bucket waited for by a layer's forward
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def test_per_layer_waits_train_as_the_serial_step():
+    """The next forward waits for each layer's weights just before it (the worker thread may
+    still be stepping later buckets meanwhile): losses and weights bitwise the serial run's,
+    also across a checkpoint taken and loaded mid-run."""
+    serial_losses, serial_weights = _lm_run(False)
+    for resume_at in (None, 3):
+        losses, weights = _lm_run(True, resume_at=resume_at)
+        assert losses == serial_losses
+        for name, w in weights.items():
+            assert torch.equal(w, serial_weights[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_per_layer_waits_on_cuda_with_every_transfer_stalled(monkeypatch):
+    """The streams and events of the pipeline: every copy each way stalled on its stream
+    (~10 ms of GPU time), so a missing wait reads stale weights or gradients. The forward's
+    scatter sums are not deterministic on a GPU: weights within two bf16 ulps of the serial
+    run's (a stale weight is a whole update, about lr, away), losses to 1e-3."""
+    serial_losses, serial_weights = _lm_run(False, device="cuda")
+    to_host, to_device = OffloadAdamW._to_host, OffloadAdamW._to_device
+
+    def slow_to_host(self, dst, src, non_blocking):
+        torch.cuda._sleep(20_000_000)
+        to_host(self, dst, src, non_blocking)
+
+    def slow_to_device(self, dst, src, non_blocking):
+        torch.cuda._sleep(20_000_000)
+        to_device(self, dst, src, non_blocking)
+
+    monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
+    monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
+    losses, weights = _lm_run(True, resume_at=3, device="cuda")
+    for a, b in zip(losses, serial_losses, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(b)
+    for name, w in weights.items():
+        ref = serial_weights[name].float()
+        assert float((w.float() - ref).abs().max()) <= 2 * 2**-8 * float(ref.abs().max()), name
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"skip_idle_experts": True}, "skip_idle_experts"),
+        ({"update_delay": 1}, "update_delay"),
+        ({"fused_step": "off"}, "fused_step"),
+        ({"in_place": True}, "in_place"),
+    ],
+)
+def test_forcing_the_pipeline_where_it_cannot_run_says_why(kw, words):
+    with pytest.raises(ValueError, match=words):
+        _optimizer(_model(torch.float32), True, **kw)
+
+
+def test_bad_pipeline_settings_are_refused_naming_them():
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match="pipeline='yes'"):
+        OffloadAdamW(groups(model), pipeline="yes")
+    with pytest.raises(ValueError, match="bucket_mb"):
+        OffloadAdamW(groups(model), pipeline=True, bucket_mb=0)
+    with pytest.raises(ValueError, match="update_in_backward"):
+        OffloadAdamW(groups(model), pipeline=False, update_in_backward=True)
+    with pytest.raises(ValueError, match="optim.pipeline"):
+        OptimConfig(name="offload_adamw", pipeline="sometimes")
+    with pytest.raises(ValueError, match="optim.bucket_mb"):
+        OptimConfig(name="offload_adamw", bucket_mb=-1)
+    # "auto" on CPU parameters: the serial step (the pipeline pays where copies cross PCIe)
+    assert not OffloadAdamW(groups(model)).pipelined
