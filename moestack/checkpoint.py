@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -320,16 +320,53 @@ def verify_checkpoint(path: Path | str) -> dict[str, Any]:
     return meta
 
 
-def newest_verified(ckpt_root: Path | str) -> Path | None:
+def newest_verified(
+    ckpt_root: Path | str,
+    rank: int = 0,
+    world: int = 1,
+    gather: Callable[[str | None], list[str | None]] | None = None,
+) -> Path | None:
     """The newest checkpoint under ``ckpt_root`` whose files all verify; every newer one
-    that fails is named in a warning (training then falls back to the one returned)."""
+    that fails is named in a warning (training then falls back to the one returned).
+
+    With ``world`` ranks (every one calls this; ``gather`` returns every rank's value of one
+    object) each file is verified once, by one rank (:func:`verification_share`), and a
+    checkpoint counts when every rank's share verifies: no rank reads all the files."""
     for path in reversed(list_checkpoints(ckpt_root)):
-        try:
-            verify_checkpoint(path)
-        except MoestackError as err:
-            log.warning("skipping checkpoint %s: %s", path.name, err)
+        problem = _share_problem(path, rank, world)
+        problems = [problem] if gather is None else gather(problem)
+        failed = [p for p in problems if p is not None]
+        if failed:
+            log.warning("skipping checkpoint %s: %s", path.name, "; ".join(dict.fromkeys(failed)))
             continue
         return path
+    return None
+
+
+def verification_share(meta: dict[str, Any], rank: int, world: int) -> list[str]:
+    """The files of a checkpoint that rank ``rank`` of ``world`` verifies: every file of its
+    meta.json once over the ranks, the largest first, each to the rank with the fewest bytes
+    so far (the lowest such rank)."""
+    names = [*_FILES, *meta.get("parts", {})]
+    sizes = meta.get("sizes", {})
+    load = [0] * world
+    mine = []
+    for name in sorted(names, key=lambda n: (-int(sizes.get(n, 0)), n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += int(sizes.get(name, 0))
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def _share_problem(path: Path, rank: int, world: int) -> str | None:
+    """Why rank ``rank``'s share of checkpoint ``path`` does not verify (None: it does)."""
+    try:
+        meta = read_meta(path)
+        for name in verification_share(meta, rank, world):
+            verify_file(path, name, meta)
+    except MoestackError as err:
+        return str(err)
     return None
 
 

@@ -143,6 +143,10 @@ class OptimConfig:
     # updates), true (also on the CPU) or false (one serial step)
     pipeline: Any = "auto"
     bucket_mb: float = 32.0  # offload_adamw with the pipeline: megabytes of gradients a bucket
+    # offload_adamw, sharded over several ranks: reduce-scatter the gradients and all-gather
+    # the new weights on the devices (NCCL), each rank copying only its shard to the host:
+    # "auto" (on GPUs), true (also CPU parameters over gloo) or false (collectives on the host)
+    reduce_on_device: Any = "auto"
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
     # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
     param_dtype: str = "auto"
@@ -190,6 +194,10 @@ class OptimConfig:
             f"optim.pipeline={self.pipeline!r}; use auto, true or false",
         )
         _check(self.bucket_mb > 0, f"optim.bucket_mb={self.bucket_mb} must be > 0")
+        _check(
+            isinstance(self.reduce_on_device, bool) or self.reduce_on_device == "auto",
+            f"optim.reduce_on_device={self.reduce_on_device!r}; use auto, true or false",
+        )
 
 
 @dataclass
@@ -247,6 +255,17 @@ class ParallelConfig:
     # (num_experts / ep whole experts per rank) and moves tokens to them by all-to-all; the
     # world is world_size / ep data-parallel groups of ep ranks (1 = data parallel only)
     ep: int = 1
+    # with ep > 1, host allocations of this many KiB and more get mappings of their own,
+    # returned to the OS when freed (glibc's heap keeps freed blocks: 0.25 GB a process at
+    # ep=4 in BENCHMARKS.md); 0 keeps glibc's behaviour (moestack.host_allocator)
+    host_mmap_threshold_kb: int = 128
+
+    def __post_init__(self) -> None:
+        _check(
+            0 <= self.host_mmap_threshold_kb <= 32768,
+            f"parallel.host_mmap_threshold_kb={self.host_mmap_threshold_kb}: use 0 (glibc's "
+            "default) to 32768 (glibc's largest, 32 MiB)",
+        )
 
 
 @dataclass

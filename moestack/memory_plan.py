@@ -237,6 +237,8 @@ def _offload_lines(
         pipeline=cfg.optim.pipeline,
         overlap=cfg.optim.overlap,
         skip_idle_experts=cfg.optim.skip_idle_experts,
+        reduce_on_device=cfg.optim.reduce_on_device,
+        backend=("nccl" if plan.device == "cuda" else "gloo") if world > 1 else None,
         native=lambda: True,
     )
     _host_lines(plan, layout, label)
@@ -249,6 +251,16 @@ def _offload_lines(
                 "offload dtype scratch" + label,
                 4 * n,
                 f"min(largest param {_mib(n)}, 2^24) x 4 B",
+            )
+        )
+    if layout.device_reduce:
+        size = layout.grad_dtype.itemsize
+        plan.lines.append(
+            Line(
+                "device",
+                "offload device collectives" + label,
+                size * layout.device_comm,
+                f"({world} + 1) shards of {_mib(layout.shards.stride)} x {size} B",
             )
         )
 

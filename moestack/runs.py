@@ -240,7 +240,11 @@ def prepare_out_dir(
     if cfg.resume:
         check_resume_config(cfg, out_dir)
         check_resume_source(cfg, out_dir)
-        resume_from = checkpoint.newest_verified(ckpt_root)
+        resume_from = checkpoint.newest_verified(
+            ckpt_root,
+            *(dist_info.rank, dist_info.world_size),
+            gather=lambda value: distributed.gather_objects(value, dist_info),
+        )
         if resume_from is None:
             raise MoestackError(
                 f"resume=true but no checkpoint under {ckpt_root} verifies (see the warnings "

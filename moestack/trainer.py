@@ -31,6 +31,7 @@ from moestack import (
     checkpoint,
     checkpoint_parts,
     distributed,
+    host_allocator,
     lora,
     memory_plan,
     parallel,
@@ -443,6 +444,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parallel.check_layout(dist_info.world_size, cfg.parallel.ep)
+    if cfg.parallel.ep > 1:  # a process must hold its share, not every phase's leftovers
+        host_allocator.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb << 10)
     if cfg.batch_size % dist_info.world_size:
         raise MoestackError(
             f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"

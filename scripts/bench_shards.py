@@ -26,9 +26,11 @@ against the process's ideal share, computed from the folder's headers alone: the
 (``--trainable``: ``routers`` by default, so that 4 processes fit in this machine's memory;
 ``all`` with a smaller ``--gb``). Ratios above 1 are what a process holds beyond its share.
 
-``--mmap-threshold 131072`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for the processes, so
-that freed blocks above it go back to the system instead of staying in glibc's heaps (what
-the BENCHMARKS.md figures compare).
+An expert-parallel run fixes glibc's mmap threshold itself (``parallel.host_mmap_threshold_kb``,
+128 by default: freed blocks of 128 KiB and more go back to the system instead of staying in
+glibc's heaps, :mod:`moestack.host_allocator`); ``--host-mmap-threshold-kb 0`` runs with
+glibc's adaptive default instead, ``--mmap-threshold N`` sets ``MALLOC_MMAP_THRESHOLD_`` in
+the processes' environment (which the run then keeps). BENCHMARKS.md compares them.
 
     python scripts/bench_shards.py [--gb 3] [--steps 3] [--trainable routers] [--json out.json]
 """
@@ -236,17 +238,24 @@ class _Counted:
         return getattr(self._handle, name)
 
 
-def _count_reads(counts: dict[str, int]) -> None:
-    """Wrap ``safe_open`` where moestack's readers call it (this process only)."""
+def _count_reads(counts: dict[str, int], hashed: dict[str, int]) -> None:
+    """Wrap ``safe_open`` where moestack's readers call it, and the checkpoint's checksum
+    (every byte of a file it verifies), in this process only."""
     import safetensors
 
     from moestack import checkpoint, meta_load
 
     real = safetensors.safe_open
+    real_sha256 = checkpoint.sha256_file
 
     def counted(path: Any, *args: Any, **kwargs: Any) -> _Counted:
         return _Counted(real(path, *args, **kwargs), str(path), counts)
 
+    def counted_sha256(path: Any) -> str:
+        hashed[str(path)] = hashed.get(str(path), 0) + Path(path).stat().st_size
+        return real_sha256(path)
+
+    checkpoint.sha256_file = counted_sha256
     meta_load.safe_open = counted
     checkpoint.safe_open = counted
 
@@ -257,7 +266,8 @@ def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -
 
     torch.set_num_threads(1)
     counts: dict[str, int] = {}
-    _count_reads(counts)
+    hashed: dict[str, int] = {}
+    _count_reads(counts, hashed)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     info = distributed.DistInfo(rank=rank, world_size=world, local_rank=rank)
@@ -270,20 +280,26 @@ def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -
         anon = _PeakAnon()
         start = time.perf_counter()
         run = trainer.build_run(cfg, Path(phase["out_dir"]), info)
+        # bytes hashed to verify the checkpoint it resumes from (not those it writes later)
+        verified = sum(n for p, n in hashed.items() if "/checkpoints/" in p)
         built = {"hwm": _status_kb("VmHWM"), "s": time.perf_counter() - start}
         stages = {"built": anon.peak}
+        stepping = time.perf_counter()
         for _ in range(phase["steps"]):
             trainer.train_step(run)  # the scheduler steps inside
             run.state.step += 1
+        steps_s = time.perf_counter() - stepping
         stages["stepped"] = anon.peak
         trainer.save(run, run.state.step)
         stages["saved"] = anon.peak
         record = {
             "rank": rank, "rss_before": before, "hwm_built": built["hwm"], "build_s": built["s"],
+            "steps_s": steps_s,
             "hwm": _status_kb("VmHWM"), "wall_s": time.perf_counter() - start,
             "anon_before": anon_before, "anon_peak": anon.stop(), "anon_stages": stages,
             "folder_read": sum(n for p, n in counts.items() if p.startswith(phase["folder"])),
             "checkpoint_read": sum(n for p, n in counts.items() if "/checkpoints/" in p),
+            "checkpoint_verified": verified,
             "held_bytes": sum(p.numel() * p.element_size() for p in run.model.parameters()),
         }  # fmt: skip
         del run
@@ -315,6 +331,8 @@ def overrides_for(folder: Path, ep: int, args: Any, resume: bool) -> list[str]:
         "model.moe.impl=torch", f"batch_size={args.ranks * 2}", "data.seq_len=64",
         "data.max_bytes=400000", f"steps={2 * args.steps}",  # the resume goes on to the end
         f"resume={str(resume).lower()}", "keep_last=1",
+        *([f"parallel.host_mmap_threshold_kb={args.host_mmap_threshold_kb}"]
+          if args.host_mmap_threshold_kb is not None else []),
     ]  # fmt: skip
 
 
@@ -331,6 +349,8 @@ def summarize(records: list[dict], share: dict[str, float], kind: str) -> dict[s
         "read_gb": read / GB,
         "ideal_read_gb": share[kind] / GB,
         "read_ratio": read / share[kind],
+        "verified_gb": max(r["checkpoint_verified"] for r in records) / GB,
+        "steps_s": max(r["steps_s"] for r in records),
         "whole_model_gb": share["whole_model"] / GB,
         "records": records,
     }
@@ -349,6 +369,11 @@ def main() -> None:
         "--mmap-threshold", type=int, default=0,
         help="MALLOC_MMAP_THRESHOLD_ for the processes (glibc then returns freed blocks above "
         "it to the system; default 0: glibc's adaptive default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-mmap-threshold-kb", type=int, default=None,
+        help="parallel.host_mmap_threshold_kb of the runs (default: the config's, 128; 0: "
+        "glibc's adaptive threshold)",
     )  # fmt: skip
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()
@@ -403,6 +428,10 @@ def print_table(report: dict[str, Any]) -> None:
               f"GB | {r['anon_above_start_gb']:.2f} GB | {r['ideal_gb']:.2f} GB | "
               f"{r['rss_ratio']:.2f}x | {r['read_gb']:.2f} GB | "
               f"{r['ideal_read_gb']:.2f} GB | {r['read_ratio']:.3f}x | {r['whole_model_gb']:.2f} GB |")  # fmt: skip
+    for name, r in report["phases"].items():
+        print(f"{name}: the slowest process's {report['args']['steps']} steps took "
+              f"{r['steps_s']:.1f} s; a process hashed {r['verified_gb']:.2f} GB of the "
+              "checkpoint it resumed from")  # fmt: skip
     print(f"\nwall time {report['wall_s']:.0f} s; peak RSS and reads are the largest of the "
           "processes; 'above start' subtracts the process's before the run was built; ratio: "
           "anonymous memory above start / ideal; "

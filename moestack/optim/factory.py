@@ -95,6 +95,7 @@ def _maker(cfg: Any) -> Maker:
                 delay_warmup=cfg.delay_warmup,
                 pipeline=cfg.pipeline,
                 bucket_mb=cfg.bucket_mb,
+                reduce_on_device=cfg.reduce_on_device,
                 process_group=process_group,
                 **kw,
             )

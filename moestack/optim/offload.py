@@ -29,6 +29,11 @@ With every parameter on a GPU in one process (exact updates), the step is pipeli
 dtype, each bucket stepped in a worker thread and its weights sent back on a stream of its own,
 the compute stream waiting per bucket (per layer with :meth:`OffloadAdamW.wait_per_layer`).
 
+Sharded over several ranks with every parameter on a GPU, steps 1 and 3 run on the devices
+instead (``reduce_on_device="auto"``, :mod:`moestack.optim.device_comm`): a reduce-scatter of
+the gradients over the optimizer's own (NCCL) group, each rank copying its 1/N shard to the
+host in the gradients' dtype, and an all-gather of the new weights there.
+
 With gradient accumulation, run every micro-batch but the last inside ``opt.no_sync()`` (as
 with DDP; moestack.trainer does): the gradients then cross to the host once per step.
 
@@ -77,6 +82,7 @@ from torch import Tensor
 from moestack.optim import (
     buckets,
     collectives,
+    device_comm,
     fused,
     split_master,
     state_format,
@@ -112,6 +118,8 @@ class OffloadPlan:
     device_scratch: dict[str, int]  # device type -> elements of its fp32 dtype scratch
     pipelined: bool = False  # the step runs bucket by bucket (moestack.optim.buckets)
     grad_dtype: torch.dtype = torch.float32  # of the host gradient buffer
+    device_reduce: bool = False  # collectives on the devices (moestack.optim.device_comm)
+    device_comm: int = 0  # elements of the device buffers of those collectives (grad_dtype)
 
 
 def plan_offload(
@@ -129,6 +137,8 @@ def plan_offload(
     pipeline: bool | str = "auto",
     overlap: bool = True,
     skip_idle_experts: bool = False,
+    reduce_on_device: bool | str = "auto",
+    backend: str | None = None,
     native: Callable[[], bool] = fused.native_loads,
 ) -> OffloadPlan:
     """The plan of an OffloadAdamW over parameters ``specs`` (param group and expert flag of
@@ -139,7 +149,10 @@ def plan_offload(
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
     buffers: the next step's land beside the ones the update reads) and copies weights back.
     A pipelined step (``pipeline``, :func:`moestack.optim.buckets.chooses_pipeline`) runs
-    the staged mode, its gradients crossing in their own dtype when all are bf16."""
+    the staged mode, its gradients crossing in their own dtype when all are bf16. Sharded
+    state with ``reduce_on_device`` (:func:`moestack.optim.device_comm.chooses`; ``backend``:
+    the process group's) keeps only this rank's gradient shard on the host, in the
+    gradients' dtype, and bf16 weights staged for the way back."""
     distributed = world_size > 1
     why_not = buckets.refusal(
         specs,
@@ -160,6 +173,10 @@ def plan_offload(
     steps_in_place = transfer.choose_in_place(
         False if (update_delay or pipelined) else in_place, specs, distributed
     )
+    why_not_device = device_comm.refusal(
+        specs, num_shards=num_shards, fused_step=fused_step, backend=backend
+    )
+    device_reduce = device_comm.chooses(reduce_on_device, specs, why_not_device)
     mode = None
     if pipelined:
         mode = fused.STAGED
@@ -169,19 +186,28 @@ def plan_offload(
             mode = fused.MASTER
     split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
     staging = None if mode is None else fused.staging_dtype_of(mode, specs)
+    if device_reduce and specs[0].dtype == torch.bfloat16:
+        staging = torch.bfloat16  # the shard's new weights cross back as bf16
     # gradients packed into host buffers, weights copied back: all but the direct fused step
     # (it reads p.grad and writes p.data itself) and the in-place one
     pack = not steps_in_place and mode != fused.DIRECT
-    grad_dtype = buckets.grad_buffer_dtype(specs) if pipelined else torch.float32
+    grad_dtype = torch.float32
+    if pipelined:
+        grad_dtype = buckets.grad_buffer_dtype(specs)
+    elif device_reduce:
+        grad_dtype = specs[0].dtype
     host = transfer.host_buffer_sizes(
         *(shards, moment_dtype, steps_in_place, pack, staging),
         master_dtype=torch.int16 if split else torch.float32,
         spare_grad=bool(update_delay),
         grad_dtype=grad_dtype,
+        comm_on_host=not device_reduce,
     )
     scratch = transfer.device_scratch_sizes(specs, copies=pack, host_dtype=grad_dtype)
+    comm = device_comm.buffer_elements(shards) if device_reduce else 0
     return OffloadPlan(
-        *(shards, steps_in_place, mode, split, staging, host, scratch), pipelined, grad_dtype
+        *(shards, steps_in_place, mode, split, staging, host, scratch),
+        *(pipelined, grad_dtype, device_reduce, comm),
     )
 
 
@@ -230,6 +256,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             exact updates, fp32 or bf16 parameters; True forces it (CPU parameters too);
             False never.
         bucket_mb: megabytes of gradients per bucket of the pipelined step.
+        reduce_on_device: with sharded state over several ranks, reduce-scatter the
+            gradients and all-gather the new weights on the devices, over ``process_group``
+            (:mod:`moestack.optim.device_comm`): ``"auto"`` (the default) where every
+            parameter is on a GPU (NCCL); True forces it (CPU parameters over gloo too);
+            False keeps the collectives on the host (gloo).
         update_in_backward: a pipelined step updates each bucket as soon as its gradients
             land, during backward (no clipping then: ``clip_grad_norm_`` refuses; a
             non-finite loss cannot be skipped; accumulate micro-batches inside
@@ -258,11 +289,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         pipeline: bool | str = "auto",
         bucket_mb: float = buckets.DEFAULT_BUCKET_MB,
         update_in_backward: bool = False,
+        reduce_on_device: bool | str = "auto",
     ) -> None:
         update.check_hparams(lr, betas, eps, weight_decay, where="")
         update.check_offload(offload)
         fused.check_choice(fused_step)
         buckets.check_choice(pipeline)
+        device_comm.check_choice(reduce_on_device)
         _check_delay(update_delay, delay_warmup, in_place)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")
@@ -278,7 +311,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.skip_idle_experts = bool(skip_idle_experts)
         self._join_process_group(process_group)
         self._collect_params(expert_params, expert_pattern)
-        self._decide(in_place, fused_step, pipeline)
+        self._decide(in_place, fused_step, pipeline, reduce_on_device)
         self._lay_out_state()
         self._reset_step_state()
         self._setup_transfers()
@@ -306,6 +339,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _join_process_group(self, process_group: Any) -> None:
         """Find this rank's place among the data-parallel ranks."""
         self._ranks = collectives.join(process_group)
+        self._device_group = process_group  # the device collectives' (the host's may be gloo)
         self.world_size, self.rank = self._ranks.world_size, self._ranks.rank
         self._dist = self._ranks.distributed
 
@@ -327,26 +361,31 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._is_expert = expert_flags(self._params, self._names, expert_params, expert_pattern)
 
-    def _decide(self, in_place: bool | None, fused_step: str, pipeline: bool | str) -> None:
-        """Decide the shards, in place or not, the fused step's mode, the pipeline and the
-        buffers (:func:`plan_offload`, the rules a memory plan counts with too). A pipelined
-        step needs its kernel now (it has no reference path): without one, "auto" plans
-        again without the pipeline."""
-        self._plan_with(in_place, fused_step, pipeline)
-        if self._layout.pipelined and not self._fused.resolve():
-            if pipeline is True:
+    def _decide(
+        self, in_place: bool | None, fused_step: str, pipeline: bool | str, on_device: bool | str
+    ) -> None:
+        """Decide the shards, in place or not, the fused step's mode, the pipeline, where
+        the collectives run and the buffers (:func:`plan_offload`, the rules a memory plan
+        counts with too). A pipelined step and device collectives need the fused kernel now
+        (neither has a reference path): without one, "auto" plans again without them."""
+        self._plan_with(in_place, fused_step, pipeline, on_device)
+        needs_kernel = self._layout.pipelined or self._layout.device_reduce
+        if needs_kernel and not self._fused.resolve():
+            if pipeline is True or on_device is True:
                 raise RuntimeError(
-                    "pipeline=True needs the fused host step's kernel, and none builds here "
-                    "(the log says why); use pipeline='auto'"
+                    "pipeline=True and reduce_on_device=True need the fused host step's "
+                    "kernel, and none builds here (the log says why); use 'auto'"
                 )
-            self._plan_with(in_place, fused_step, False)
+            self._plan_with(in_place, fused_step, False, False)
         if self.update_in_backward and not self._layout.pipelined:
             raise ValueError(
                 "update_in_backward=True needs the pipelined step, which these settings do "
                 "not take (see OffloadAdamW's pipeline argument)"
             )
 
-    def _plan_with(self, in_place: bool | None, fused_step: str, pipeline: bool | str) -> None:
+    def _plan_with(
+        self, in_place: bool | None, fused_step: str, pipeline: bool | str, on_device: bool | str
+    ) -> None:
         """The plan, and the fused step it asks for."""
         self._layout = plan_offload(
             [ParamSpec.of(p) for p in self._params],
@@ -361,6 +400,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             pipeline=pipeline,
             overlap=self.overlap,
             skip_idle_experts=self.skip_idle_experts,
+            reduce_on_device=on_device,
+            backend=device_comm.backend_of(self._device_group) if self._dist else None,
         )
         self._plan = self._layout.shards
         self.num_shards = self._plan.num_shards
@@ -407,7 +448,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             trainable = [p.requires_grad for p in self._params]
             cut = buckets.make_buckets(specs, trainable, self.bucket_bytes)
             self._pipe = buckets.Pipeline(cut, len(self._params), self._params[0].device)
-        self._side = None if self._pipe else transfer.side_stream(self._params, self.overlap)
+        self._dcomm: device_comm.DeviceComm | None = None
+        if self._layout.device_reduce:  # no hooks: the gradients stay until the reduction
+            device = self._params[0].device
+            dtype = self._layout.grad_dtype
+            self._dcomm = device_comm.DeviceComm(self._plan, device, dtype, self._device_group)
+        on_host = self._pipe is None and self._dcomm is None
+        self._side = transfer.side_stream(self._params, self.overlap) if on_host else None
         self._scratch = transfer.DeviceScratch(self._params)  # see _to_host / _to_device
         self._defer_copies = False  # inside no_sync(): hooks start no copies
         if (self._side is not None and not self.in_place) or self._pipe is not None:
@@ -444,8 +491,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         return out
 
     def device_buffers(self) -> dict[str, Tensor]:
-        """Every device tensor this optimizer owns (the dtype-change scratch, once used)."""
-        return {f"xfer_scratch/{dev}": buf for dev, buf in self._scratch.buffers.items()}
+        """Every device tensor this optimizer owns (the dtype-change scratch, once used; the
+        device collectives' buffers)."""
+        out = {f"xfer_scratch/{dev}": buf for dev, buf in self._scratch.buffers.items()}
+        if self._dcomm is not None:
+            out.update(self._dcomm.buffers())
+        return out
 
     # ----------------------------------------------------------------------- gradients
 
@@ -580,7 +631,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._resolve_fused()
         self._active = collectives.any_rank([p.grad is not None for p in self._params], self._ranks)
         self._grad_scale = 1.0
-        if not self.in_place and not self._direct:
+        if self._dcomm is not None:  # summed on the devices; the step takes the mean
+            assert self._host.grad is not None
+            self._dcomm.reduce_grads(self._params, self._host.grad)
+            self._grad_scale = 1.0 / self.num_shards
+        elif not self.in_place and not self._direct:
             assert self._host.comm is not None and self._host.grad is not None
             self._pack_remaining_grads()
             collectives.average_grads(
@@ -843,6 +898,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         them, but the idle experts' ``idle_units``; the staged fused step's bf16 weights come
         from its staging buffer."""
         if self.in_place or self._direct:
+            return
+        if self._dcomm is not None:  # this shard's new weights, gathered on the devices
+            assert self._host.master is not None
+            own = self._host.staging if self._host.staging is not None else self._host.master
+            self._dcomm.gather_weights(self._params, own[: self._plan.own_size], active)
             return
         assert self._host.master is not None and self._host.comm is not None
         src = self._gathered(self._host.master, self._host.comm)

@@ -54,9 +54,8 @@ class HostBuffers:
         out = self.state()
         if self.comm is not None:
             out["grad_comm"] = self.comm
-            if self.grad is not self.comm:
-                assert self.grad is not None
-                out["grad_shard"] = self.grad
+        if self.grad is not None and self.grad is not self.comm:
+            out["grad_shard"] = self.grad
         if self.staging is not None:
             out["weight_staging"] = self.staging
         if self.spare_grad is not None:
@@ -87,6 +86,7 @@ def host_buffer_sizes(
     master_dtype: torch.dtype = torch.float32,
     spare_grad: bool = False,
     grad_dtype: torch.dtype = torch.float32,
+    comm_on_host: bool = True,
 ) -> Sizes:
     """Elements and dtype of every host buffer of one rank, by the role
     :meth:`HostBuffers.by_role` names it: the moments; unless stepping in place, the master
@@ -95,7 +95,9 @@ def host_buffer_sizes(
     buffers; a weight staging buffer of ``staging_dtype`` if given; with ``spare_grad`` (delayed
     updates) a second gradient buffer, so the next step's gradients land beside the ones the
     update in flight reads. The gradient buffers are fp32 but where ``grad_dtype`` says
-    otherwise (a pipelined step's bf16 gradients, :mod:`moestack.optim.buckets`)."""
+    otherwise (a pipelined step's bf16 gradients, :mod:`moestack.optim.buckets`). Without
+    ``comm_on_host`` (collectives on the devices, :mod:`moestack.optim.device_comm`) a sharded
+    rank holds its gradient shard only, not every shard's slot."""
     size = plan.host_size
     sizes = {"exp_avg": (size, moment_dtype), "exp_avg_sq": (size, moment_dtype)}
     if in_place:
@@ -103,11 +105,20 @@ def host_buffer_sizes(
     sizes["master"] = (size, master_dtype)
     if pack:
         comm, grad = pack_buffer_sizes(plan)
+        if not comm_on_host and grad is not None:
+            sizes["grad_shard"] = (grad, grad_dtype)
+            if spare_grad:
+                sizes["grad_spare"] = (grad, grad_dtype)
+            return _with_staging(sizes, size, staging_dtype)
         sizes["grad_comm"] = (comm, grad_dtype)
         if grad is not None:
             sizes["grad_shard"] = (grad, grad_dtype)
         if spare_grad:
             sizes["grad_spare"] = (comm if grad is None else grad, grad_dtype)
+    return _with_staging(sizes, size, staging_dtype)
+
+
+def _with_staging(sizes: Sizes, size: int, staging_dtype: torch.dtype | None) -> Sizes:
     if staging_dtype is not None:
         sizes["weight_staging"] = (size, staging_dtype)
     return sizes
@@ -124,7 +135,7 @@ def pack_buffer_sizes(plan: ShardPlan) -> tuple[int, int | None]:
 def alloc_host_buffers(sizes: Sizes, pin: bool) -> HostBuffers:
     """Zeroed host buffers of :func:`host_buffer_sizes`, pinned if ``pin``."""
     bufs = {role: torch.zeros(n, dtype=dtype, pin_memory=pin) for role, (n, dtype) in sizes.items()}
-    comm = bufs.get("grad_comm")
+    comm = bufs.get("grad_comm")  # None with the collectives on the devices
     return HostBuffers(
         bufs["exp_avg"],
         bufs["exp_avg_sq"],

@@ -171,7 +171,8 @@ NORM_CHUNK = 1 << 22
 
 
 def sum_of_squares(t: Tensor) -> Tensor:
-    """``(t * t).sum()`` as a 0-d fp32 tensor (zero for an empty ``t``), chunk by chunk.
+    """``(t * t).sum()`` as a 0-d fp32 tensor (zero for an empty ``t``, fp32 sums of a bf16
+    ``t``), chunk by chunk.
 
     Why chunks: ``t.square()`` whole is a temporary as large as the gradients (0.5 GB at
     137M parameters, allocated and faulted in every step); a 16 MB chunk's is reused from
@@ -182,7 +183,7 @@ def sum_of_squares(t: Tensor) -> Tensor:
         return torch.zeros(())
     total = torch.zeros((), dtype=torch.float64)
     for chunk in t.reshape(-1).split(NORM_CHUNK):
-        total += chunk.square().sum()
+        total += chunk.float().square().sum()  # bf16 gradients are summed in fp32
     return total.to(torch.float32)
 
 

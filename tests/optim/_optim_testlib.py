@@ -122,6 +122,9 @@ DIST_CONFIGS = {
     "replicate": {"shard": False},
     "skip": {"skip_idle_experts": True},
     "delayed": {"update_delay": 1},
+    # the collectives on the "devices" (the CPU parameters' gloo group), exact and delayed
+    "device": {"reduce_on_device": True},
+    "device_delayed": {"reduce_on_device": True, "update_delay": 1},
 }
 
 
@@ -167,9 +170,12 @@ def _dist_runs(rank: int, world: int, out_dir: str) -> None:
         history.append({"params": {n: p.detach().clone() for n, p in model.named_parameters()}})
         spare = bufs.get("grad_spare")
         spare_bytes = 0 if spare is None else spare.numel() * spare.element_size()
+        host = {role: t.numel() * t.element_size() for role, t in bufs.items()}
+        device = {r: t.numel() * t.element_size() for r, t in opt.device_buffers().items()}
         torch.save(
             {"history": history, "state_bytes": state_bytes, "shards": opt.num_shards,
-             "spare_bytes": spare_bytes},
+             "spare_bytes": spare_bytes, "host_bytes": host, "device_bytes": device,
+             "stride": opt._plan.stride},
             f"{out_dir}/{config}{rank}.pt",
         )  # fmt: skip
 
@@ -247,3 +253,44 @@ def delayed_run(
         out.append(_snapshot(model))
     opt.synchronize()
     return [*out, _snapshot(model)]
+
+
+def bf16_device_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    """One rank of 5 steps of TinyMoE in bf16 with the collectives on the devices and on the
+    host; what each holds and its weights after every step."""
+    torch.set_num_threads(1)
+    run_gloo_rank(rank, world, init_method, _bf16_device_runs, rank, world, out_dir)
+
+
+def _bf16_device_runs(rank: int, world: int, out_dir: str) -> None:
+    from moestack.optim import OffloadAdamW
+    from moestack.optim.offload import plan_offload
+    from moestack.optim.plan import ParamSpec
+
+    out: dict[str, Any] = {}
+    for on_device in (True, False):
+        model = TinyMoE().bfloat16()
+        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), reduce_on_device=on_device)
+        per = BATCH // world
+        rows = slice(rank * per, (rank + 1) * per)
+        history = []
+        for step in range(5):
+            for micro in range(ACCUM):
+                x, y = batch(step, micro)
+                loss = (model(x[rows].bfloat16()).float() - y[rows]).square().mean() / ACCUM
+                loss.backward()
+            opt.clip_grad_norm_(MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            history.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        layout = plan_offload(
+            [ParamSpec.of(p) for p in opt._params],
+            *(opt._group_of, opt._is_expert),
+            world_size=world,
+            rank=rank,
+            reduce_on_device=on_device,
+            backend="gloo",
+        )
+        held = {r: (t.numel(), t.dtype) for r, t in opt.host_buffers().items()}
+        out[str(on_device)] = {"history": history, "held": held, "planned": dict(layout.host)}
+    torch.save(out, f"{out_dir}/bf16_{rank}.pt")

@@ -124,3 +124,61 @@ def test_two_ranks_delayed_match_one_process_and_hold_half(two_rank_run: Path) -
         assert 0.4 * 12 * numel <= run["state_bytes"] <= 0.6 * 12 * numel
         assert 0.4 * 4 * numel <= run["spare_bytes"] <= 0.6 * 4 * numel
     assert sum(run["state_bytes"] for run in runs) == 12 * numel
+
+
+@pytest.mark.parametrize("device, host", [("device", "shard"), ("device_delayed", "delayed")])
+def test_device_collectives_are_the_host_collectives(two_rank_run: Path, device, host) -> None:
+    """Reduce-scatter and all-gather over the optimizer's own group (here gloo on CPU
+    tensors: the logic of the NCCL path): with fp32 gradients the same sums as the host's,
+    and the mean taken as the step's scale 1/2 (exact), so every weight and norm is the
+    host collectives' bit for bit, exact and delayed."""
+    for got, want in zip(_runs(two_rank_run, device), _runs(two_rank_run, host), strict=True):
+        for step, (a, b) in enumerate(zip(got["history"], want["history"], strict=True)):
+            assert a.get("norm") == b.get("norm"), step
+            for n, p in a["params"].items():
+                assert torch.equal(p, b["params"][n]), (step, n)
+
+
+def test_device_collectives_keep_one_gradient_shard_on_the_host(two_rank_run: Path) -> None:
+    """Counted: a rank holds its own gradient shard on the host (the host collectives hold
+    every shard's slot too), and the device holds every shard's slot and one shard."""
+    numel = sum(p.numel() for p in TinyMoE().parameters())
+    for run, host_run in zip(
+        _runs(two_rank_run, "device"), _runs(two_rank_run, "shard"), strict=True
+    ):
+        stride = run["stride"]
+        assert "grad_comm" not in run["host_bytes"]
+        assert run["host_bytes"]["grad_shard"] == 4 * stride
+        assert host_run["host_bytes"]["grad_comm"] == 4 * 2 * stride
+        assert sum(run["host_bytes"].values()) == sum(host_run["host_bytes"].values()) - 8 * stride
+        assert stride <= 0.6 * numel
+        assert run["device_bytes"] == {
+            "device_comm/full": 4 * 2 * stride,
+            "device_comm/shard": 4 * stride,
+        }
+
+
+def test_bf16_device_collectives_hold_what_they_plan_and_track_the_host_ones(tmp_path) -> None:
+    """bf16 gradients summed on the "devices" (gloo here) in bf16, as DDP's bf16 all-reduce
+    sums them: each rank holds exactly the host buffers its plan lists (its bf16 gradient
+    shard, a bf16 staging shard for the way back, no buffer of every shard), the ranks hold
+    the same weights, within two bf16 ulps of the host collectives' fp32 sums."""
+    from _optim_testlib import bf16_device_worker
+
+    what = "the 2 gloo ranks of _optim_testlib.bf16_device_worker"
+    spawn_ranks(bf16_device_worker, (2, file_rendezvous(tmp_path), str(tmp_path)), 2, what)
+    runs = [torch.load(tmp_path / f"bf16_{r}.pt", weights_only=False) for r in range(2)]
+    for run in runs:
+        device, host = run["True"], run["False"]
+        assert device["held"] == device["planned"]
+        assert host["held"] == host["planned"]
+        assert device["held"]["grad_shard"][1] == torch.bfloat16
+        assert device["held"]["weight_staging"][1] == torch.bfloat16
+        assert "grad_comm" not in device["held"] and "grad_comm" in host["held"]
+        for a, b in zip(device["history"], host["history"], strict=True):
+            for n, p in a.items():
+                ulp = 2**-7 * b[n].float().abs().max()
+                assert float((p.float() - b[n].float()).abs().max()) <= 2 * ulp, n
+    for a, b in zip(runs[0]["True"]["history"], runs[1]["True"]["history"], strict=True):
+        for n, p in a.items():
+            assert torch.equal(p, b[n]), n

@@ -6,6 +6,7 @@ meta.json naming a file outside the checkpoint, or rows that make no sense, is r
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import safetensors
@@ -33,16 +34,18 @@ def ranks_of(ep: int) -> list[torch.nn.Module]:
     return models
 
 
-def write(root, ep: int) -> tuple:
+def write(root, ep: int, step: int = 7) -> tuple:
     """A checkpoint of the ep ranks' models written as the trainer writes one."""
-    folder = checkpoint.new_folder(root, 7)
+    folder = checkpoint.new_folder(root, step)
     models = ranks_of(ep)
     parts = [
         part
         for r, model in enumerate(models)
         for part in checkpoint_parts.write_rank_files(folder, r, model, True, None)
     ]
-    path = checkpoint.save_checkpoint(root, 7, models[0], CFG, {"x": 1}, folder=folder, parts=parts)
+    path = checkpoint.save_checkpoint(
+        root, step, models[0], CFG, {"x": 1}, folder=folder, parts=parts
+    )
     return path, models
 
 
@@ -146,3 +149,70 @@ def test_versions_one_process_checkpoints_stay_readable_by_older_moestack(tmp_pa
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(MoestackError, match="version 2 meta.json"):
         checkpoint.read_meta(path)
+
+
+class _Exchange:
+    """``gather`` for ranks simulated by threads: every rank's value, in rank order."""
+
+    def __init__(self, world: int) -> None:
+        self.values: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=30)
+
+    def gather(self, rank: int, value):
+        self.values[rank] = value
+        self.barrier.wait()
+        out = list(self.values)
+        self.barrier.wait()
+        return out
+
+
+def _newest_by_ranks(root, world: int) -> list:
+    exchange, found = _Exchange(world), [None] * world
+
+    def rank(r: int) -> None:
+        gather = lambda value: exchange.gather(r, value)  # noqa: E731
+        found[r] = checkpoint.newest_verified(root, r, world, gather=gather)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return found
+
+
+def test_ranks_verify_each_file_once_and_agree(tmp_path, monkeypatch, caplog) -> None:
+    """Two ranks split a checkpoint's files (each hashed once, by one rank, the bytes
+    balanced); a flipped byte in a file the other rank verified makes both fall back to the
+    older checkpoint, and the warning names the file on every rank."""
+    root = tmp_path / "ckpt"
+    old, _ = write(root, ep=2, step=5)
+    new, _ = write(root, ep=2, step=7)
+    meta = checkpoint.read_meta(new)
+    hashed: list[tuple[str, str]] = []
+    real = checkpoint.sha256_file
+
+    def counted(path):
+        hashed.append((threading.current_thread().name, str(path)))
+        return real(path)
+
+    monkeypatch.setattr(checkpoint, "sha256_file", counted)
+    assert _newest_by_ranks(root, 2) == [new, new]
+    files = sorted(meta["sizes"])
+    assert sorted(p.rsplit("/", 1)[1] for _, p in hashed) == files  # each once
+    shares = [checkpoint.verification_share(meta, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == files
+    for r in range(2):
+        assert {p.rsplit("/", 1)[1] for t, p in hashed if t == f"rank{r}"} == set(shares[r])
+    load = [sum(meta["sizes"][n] for n in share) for share in shares]
+    assert max(load) <= sum(load) - min(meta["sizes"].values())  # neither rank hashes all
+
+    victim = new / shares[1][0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    hashed.clear()
+    with caplog.at_level("WARNING", logger="moestack.checkpoint"):
+        assert _newest_by_ranks(root, 2) == [old, old]
+    warnings = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(warnings) == 2 and all(str(victim) in w for w in warnings)
