@@ -520,9 +520,9 @@ def _read_rows(
 
 
 def load_optimizer_parts(path: Path | str, block: tuple[int, int] | None) -> list[dict[str, Any]]:
-    """The optimizer parts of checkpoint ``path`` holding experts ``block`` (None: all), each
-    verified and memory-mapped (only what the optimizer copies out is read); [] for a
-    checkpoint without rank files."""
+    """The optimizer parts of checkpoint ``path`` holding experts ``block`` (None: all), and
+    every shard part of the replicated state, each verified and memory-mapped (only what the
+    optimizer copies out is read); [] for a checkpoint without rank files."""
     path = Path(path)
     meta = read_meta(path)
     parts = meta.get("parts", {})
@@ -537,7 +537,10 @@ def load_optimizer_parts(path: Path | str, block: tuple[int, int] | None) -> lis
             ),
         )
     out = []
-    for name, _ in _covering(path, meta, checkpoint_parts.OPTIMIZER, block):
+    shards = checkpoint_parts.overlapping(parts, checkpoint_parts.SHARD, None)
+    for name, _ in shards:  # every rank's shard of the replicated state: each reader needs it
+        verify_file(path, name, meta)
+    for name, _ in [*_covering(path, meta, checkpoint_parts.OPTIMIZER, block), *shards]:
         try:
             out.append(torch.load(path / name, map_location="cpu", weights_only=True, mmap=True))
         except Exception as err:  # truncated zip, foreign pickle

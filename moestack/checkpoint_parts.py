@@ -9,6 +9,9 @@ written by rank 0), one or two files per rank:
                                     rank holds (written by the first replica of each block)
     rank00001.optim.pt              the optimizer state of the experts this rank owns
                                     (:mod:`moestack.optim.expert_state`)
+    rank00001.shard.pt              its ZeRO shard of OffloadAdamW's state of the
+                                    replicated parameters (their "rows" are the rank's
+                                    shard index, [rank, rank + 1): every reader reads all)
 
 ``meta.json`` lists every file with its size and sha256, and under ``parts`` each rank file's
 kind and rows, so a reader at any layout (any ``ep``, any number of ranks, one process) opens
@@ -32,8 +35,9 @@ from moestack.atomic import fsync_file, sha256_file
 
 EXPERTS = "experts"  # a part holding expert weights
 OPTIMIZER = "optimizer"  # a part holding expert optimizer state
-_SUFFIX = {EXPERTS: "experts.safetensors", OPTIMIZER: "optim.pt"}
-PART_NAME = re.compile(r"rank(?P<rank>\d{5})\.(?P<suffix>experts\.safetensors|optim\.pt)")
+SHARD = "optimizer_shard"  # a part holding a rank's shard of the replicated optimizer state
+_SUFFIX = {EXPERTS: "experts.safetensors", OPTIMIZER: "optim.pt", SHARD: "shard.pt"}
+PART_NAME = re.compile(r"rank(?P<rank>\d{5})\.(?P<suffix>experts\.safetensors|optim\.pt|shard\.pt)")
 
 Rows = tuple[int, int]
 
@@ -44,7 +48,7 @@ class Part:
     its size and sha256 as written."""
 
     name: str
-    kind: str  # EXPERTS or OPTIMIZER
+    kind: str  # EXPERTS, OPTIMIZER or SHARD
     rows: Rows
     size: int
     sha256: str
@@ -94,15 +98,24 @@ def block_of(rows: dict[str, Rows]) -> Rows:
 
 
 def write_rank_files(
-    folder: Path, rank: int, model: nn.Module, first_replica: bool, optimizer_part: Any
+    folder: Path,
+    rank: int,
+    model: nn.Module,
+    first_replica: bool,
+    optimizer_parts: Iterable[dict[str, Any]],
 ) -> list[Part]:
     """Write what this rank owns into checkpoint ``folder``: its experts' rows (on the first
-    replica of each expert block only: the others hold the same) and its experts' optimizer
-    part (None: it owns none). Returns the files written."""
+    replica of each expert block only: the others hold the same) and its optimizer parts
+    (:mod:`moestack.optim.expert_state`: its experts', its shard of the replicated
+    state). Returns the files written."""
     block = block_of(sharded_expert_rows(model))
     parts = [write_expert_rows(folder, rank, model)] if first_replica else []
-    if optimizer_part is not None:
-        parts.append(write_optimizer_part(folder, rank, optimizer_part, block))
+    for part in optimizer_parts:
+        if part.get("kind") == "offload_shard":
+            write = lambda path, part=part: torch.save(part, path)  # noqa: E731
+            parts.append(_finish(folder, part_name(rank, SHARD), SHARD, (rank, rank + 1), write))
+        else:
+            parts.append(write_optimizer_part(folder, rank, part, block))
     return parts
 
 
@@ -193,7 +206,10 @@ def check_parts(parts: Any) -> str | None:
     for name, record in parts.items():
         match = PART_NAME.fullmatch(name) if isinstance(name, str) else None
         if match is None:
-            return f"names {name!r}, not a rank file (rank<5 digits>.experts.safetensors/.optim.pt)"
+            return (
+                f"names {name!r}, not a rank file "
+                "(rank<5 digits>.experts.safetensors/.optim.pt/.shard.pt)"
+            )
         if not isinstance(record, dict) or record.get("kind") not in _SUFFIX:
             return f"[{name!r}] has no kind in {tuple(_SUFFIX)}"
         if _SUFFIX[record["kind"]] != match["suffix"]:

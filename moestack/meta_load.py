@@ -177,6 +177,23 @@ def fill_buffers(
     return used
 
 
+def materialize(module: nn.Module) -> int:
+    """Give every meta parameter and buffer of ``module`` uninitialised CPU memory (a tied
+    parameter once, under all its names), for a checkpoint to fill in place. Returns the
+    bytes allocated."""
+    allocated = 0
+    for names, param in distinct_parameters(module):
+        if param.is_meta:
+            _put(module, names, param, torch.empty(param.shape, dtype=param.dtype))
+            allocated += param.numel() * param.element_size()
+    for name, buf in list(module.named_buffers()):
+        if buf.is_meta:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._buffers[attr] = torch.empty(buf.shape, dtype=buf.dtype)
+            allocated += buf.numel() * buf.element_size()
+    return allocated
+
+
 def resident_bytes(module: nn.Module) -> int:
     """Bytes held by ``module``'s distinct parameters and buffers that are not meta tensors."""
     tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if not t.is_meta}

@@ -34,6 +34,7 @@ from moestack import (
     host_allocator,
     lora,
     memory_plan,
+    meta_load,
     parallel,
     provenance,
 )
@@ -408,8 +409,11 @@ def _build_model(
     exchange counters (None without), and the step to start at."""
     torch.manual_seed(cfg.seed)  # whatever a build draws from the global stream
     on_meta = _builds_on_meta(cfg)
+    hf_resume = not isinstance(cfg.model, ModelConfig) and resume_from is not None
     if isinstance(cfg.model, ModelConfig):
         model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
+    elif hf_resume:  # every weight comes from the checkpoint: none is read from the folder
+        model = cfg.model.build(experts=False, weights=False)
     else:  # a transformers folder: on meta, its experts are read once the rank has its own
         model = cfg.model.build(experts=not on_meta)
     lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
@@ -428,6 +432,8 @@ def _build_model(
         fill_expert_rows(model, cfg.model.path)
     if on_meta:  # their adapters' rows, drawn as the whole build draws them
         lora.init_expert_adapters(model, cfg.seed)
+    if hf_resume:  # memory for what is still meta (this rank's share), filled below
+        meta_load.materialize(model)
     # training's draws from the global stream (LoRA's dropout) start from the seed, whatever
     # the build drew (a whole build draws experts a meta one does not)
     torch.manual_seed(cfg.seed)
@@ -530,10 +536,10 @@ def save(run: Run, step: int) -> None:
     them out): the run stops naming the tensor and the last checkpoint, which stays. The
     routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
     holds. Under expert parallelism every rank writes its own experts (weights and
-    optimizer state) into files of its own (moestack.checkpoint_parts): nothing is gathered
-    but the replicated optimizer state."""
+    optimizer state) and its shard of the replicated optimizer state into files of its own
+    (moestack.checkpoint_parts): nothing is gathered."""
     run.optimizer.synchronize()  # the weights saved are those of every update made
-    common, own = run.optimizer.sharded_state_dict() if run.mesh else (None, None)
+    common, own = run.optimizer.sharded_state_dict() if run.mesh else (None, [])
     state = {
         "optimizer": common if run.mesh else run.optimizer.state_dict(),  # collective
         "scheduler": run.scheduler.state_dict(),

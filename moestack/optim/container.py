@@ -17,9 +17,9 @@ same methods (``moestack.optim.build_training_optimizer`` picks the implementati
   layout (collective under ``torch.distributed``: call them on every rank), so a run saved at
   one layout resumes at any other;
 - ``sharded_state_dict()`` / ``load_sharded_state_dict()``: the same state in pieces, the
-  common part (written by rank 0) and this rank's experts' part (written by it: expert
-  parallelism never gathers experts), loaded at any layout from the parts that hold the
-  experts a rank needs (:mod:`moestack.optim.expert_state`).
+  common part (written by rank 0) and this rank's parts (its experts', its ZeRO shard of
+  the replicated parameters': written by it, so expert parallelism gathers no state),
+  loaded at any layout from the parts a rank needs (:mod:`moestack.optim.expert_state`).
 
 It is a ``torch.optim.Optimizer`` so that LR schedulers drive it: ``param_groups`` are the
 groups the schedule sets.
@@ -63,10 +63,11 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Apply a delayed update in flight; nothing is delayed here."""
 
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """``(common, own)``: the state rank 0 writes and this rank's experts' part (None:
-        it writes none). Collective as ``state_dict``; here all of it is common."""
-        return self.state_dict(), None
+    def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """``(common, own)``: the state rank 0 writes and the parts this rank writes (its
+        experts', its shard of the replicated state; none: []). Here all of it is common
+        (collective as ``state_dict``)."""
+        return self.state_dict(), []
 
     def load_sharded_state_dict(
         self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
@@ -75,8 +76,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
         parts holding the experts this optimizer needs (here: all of them, whole)."""
         model = getattr(self, "model", None)
         names = names_in_order(self.param_groups, model)
-        rows = {n: (0, p.shape[0]) for n, p in model.named_parameters()} if model else {}
-        self.load_state_dict(expert_state.merge(common, parts, names, rows.get))
+        params = dict(model.named_parameters()) if model else {}
+        rows = {n: (0, p.shape[0]) for n, p in params.items()}
+        numel = {n: p.numel() for n, p in params.items()}
+        self.load_state_dict(expert_state.merge(common, parts, names, rows.get, numel.get))
 
 
 class SingleOptimizer(TrainingOptimizer):

@@ -79,7 +79,7 @@ class ExpertParallelAdamW(SingleOptimizer):
         local = self._map_expert_state(state_dict, lambda t, block: t[block.lo : block.hi].clone())
         super().load_state_dict(local)
 
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """AdamW's state without the experts' entries (the same on every rank: rank 0
         writes it) and, on the first replica of each expert block (``dp_rank`` 0), its
         experts' entries with their rows; nothing is exchanged."""
@@ -90,11 +90,11 @@ class ExpertParallelAdamW(SingleOptimizer):
             "state": {i: e for i, e in local["state"].items() if int(i) not in blocks},
         }
         if self._mesh.dp_rank != 0:
-            return common, None
+            return common, []
         names = self._names()
         own = {names[i]: local["state"][i] for i in blocks if i in local["state"]}
         rows = {names[i]: (b.lo, b.hi) for i, b in blocks.items() if names[i] in own}
-        return common, expert_state.adamw_part(own, rows)
+        return common, [expert_state.adamw_part(own, rows)]
 
     def load_sharded_state_dict(
         self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
@@ -236,22 +236,24 @@ class ExpertParallelOffload(TrainingOptimizer):
             group["params"] = list(names)
         return merged
 
-    def sharded_state_dict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """The replicated optimizer's state (collective over the world: its shards are
-        gathered, the backbone's only) with every parameter named in the groups, and this
-        rank's own expert entries (global ids; not collective: no expert's state leaves its
-        rank)."""
-        common = self.replicated.state_dict()
+    def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The param groups (every parameter named), and this rank's parts: its own expert
+        entries (global ids) and its ZeRO shard of the replicated parameters' state. Not
+        collective: no state leaves its rank."""
+        common = self.replicated.groups_state()
         for group, names in zip(common["param_groups"], self.group_names, strict=True):
             group["params"] = list(names)
-        own = self._own_expert_entries()
-        return common, expert_state.offload_part(own) if own else None
+        own, shard = self._own_expert_entries(), self.replicated.own_shard_state()
+        parts = [expert_state.offload_part(own)] if own else []
+        return common, parts + ([expert_state.shard_part(shard)] if shard else [])
 
     def load_sharded_state_dict(
         self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
     ) -> None:
-        """Load the common part and the parts holding this rank's experts (any layout)."""
-        self.load_state_dict(expert_state.merge(common, parts))
+        """Load the common part, the replicated state's shard parts and the parts holding
+        this rank's experts (saved at any layout)."""
+        numel = {n: p.numel() for n, p in self.forward_model.named_parameters()}
+        self.load_state_dict(expert_state.merge(common, parts, numel_of=numel.get))
 
     def _own_expert_entries(self) -> dict[str, Any]:
         """This rank's expert entries, keyed by global expert id."""

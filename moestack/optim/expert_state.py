@@ -9,7 +9,11 @@ another rank's experts. A part is a plain dict (``torch.load(weights_only=True)`
   (:mod:`moestack.optim.state_format`) of the experts the rank owns, ``e`` the global id;
 - ``{"kind": "adamw", "rows": {name: [lo, hi]}, "state": {name: entry}}``: torch AdamW's
   entry of each expert tensor (``step``, ``exp_avg``, ``exp_avg_sq``), rows ``[lo, hi)``
-  of the whole tensor (its experts ``lo`` to ``hi - 1``).
+  of the whole tensor (its experts ``lo`` to ``hi - 1``);
+- ``{"kind": "offload_shard", "state": {name: entry}}``: a rank's ZeRO shard of
+  OffloadAdamW's state of the replicated parameters, each entry flat with ``"elements":
+  [a, b]``, the range of the flattened parameter it holds (sharded over every rank, this
+  state too is written by the ranks that hold it: nothing is gathered).
 
 :func:`merge` turns the common part and any parts back into one state in the optimizer's
 own format, with the rows a reader holds: whole tensors for one process, a rank's block
@@ -28,7 +32,8 @@ from moestack.optim import state_format
 
 OFFLOAD = "offload"
 ADAMW = "adamw"
-_KINDS = (OFFLOAD, ADAMW)
+OFFLOAD_SHARD = "offload_shard"
+_KINDS = (OFFLOAD, ADAMW, OFFLOAD_SHARD)
 
 Rows = tuple[int, int]
 
@@ -36,6 +41,12 @@ Rows = tuple[int, int]
 def offload_part(entries: dict[str, Any]) -> dict[str, Any]:
     """A part holding OffloadAdamW entries keyed ``name/expert<global id>``."""
     return {"kind": OFFLOAD, "state": entries}
+
+
+def shard_part(entries: dict[str, Any]) -> dict[str, Any]:
+    """A part holding a rank's pieces of OffloadAdamW's replicated parameters' state
+    (:func:`moestack.optim.state_format.pack_own_shard`)."""
+    return {"kind": OFFLOAD_SHARD, "state": entries}
 
 
 def adamw_part(entries: dict[str, dict[str, Any]], rows: dict[str, Rows]) -> dict[str, Any]:
@@ -49,11 +60,14 @@ def merge(
     parts: Sequence[dict[str, Any]],
     names: Sequence[str] | None = None,
     rows_of: Callable[[str], Rows | None] = lambda name: None,
+    numel_of: Callable[[str], int | None] = lambda name: None,
 ) -> dict[str, Any]:
     """One state in the optimizer's own format from the ``common`` part and ``parts``.
 
-    OffloadAdamW's (``common`` has its format key): the parts' entries are added as they are
-    (the optimizer keeps the experts it owns). torch AdamW's: ``names`` are the parameter
+    OffloadAdamW's (``common`` has its format key): the parts' expert entries are added as
+    they are (the optimizer keeps the experts it owns), the shard parts' pieces joined into
+    each parameter's flat entry (``numel_of(name)``: its elements, to refuse a missing
+    piece; None: not checked). torch AdamW's: ``names`` are the parameter
     names in the optimizer's order (torch keys its state by position); each expert tensor's
     entry is assembled from the parts' rows, the rows ``rows_of(name)`` (None: all of them).
     Raises ValueError naming a part of another kind or an expert the parts do not hold."""
@@ -61,17 +75,33 @@ def merge(
         if part.get("kind") not in _KINDS:
             raise ValueError(f"optimizer part of kind {part.get('kind')!r}, not one of {_KINDS}")
     if common.get("format") == state_format.FORMAT:
-        return _merge_offload(common, parts)
+        return _merge_offload(common, parts, numel_of)
     if names is None:
         raise ValueError("merging torch AdamW parts needs the parameter names in order")
     return _merge_adamw(common, parts, names, rows_of)
 
 
-def _merge_offload(common: dict[str, Any], parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _merge_offload(
+    common: dict[str, Any],
+    parts: Sequence[dict[str, Any]],
+    numel_of: Callable[[str], int | None],
+) -> dict[str, Any]:
     state = dict(common["state"])
+    pieces: dict[str, list[tuple[int, int, dict[str, Any]]]] = {}
     for part in parts:
+        if part["kind"] == OFFLOAD_SHARD:
+            for name, entry in part["state"].items():
+                a, b = entry["elements"]
+                rest = {k: v for k, v in entry.items() if k != "elements"}
+                pieces.setdefault(name, []).append((int(a), int(b), rest))
+            continue
         _check_kind(part, OFFLOAD)
         state.update(part["state"])
+    for name, held in pieces.items():
+        held.sort(key=lambda piece: piece[0])
+        numel = numel_of(name)
+        want = (0, numel if numel is not None else max(b for _, b, _ in held))
+        state[name] = _entry_rows(name, held, want, what="elements")
     return {**common, "state": state}
 
 
@@ -98,10 +128,14 @@ def _merge_adamw(
 
 
 def _entry_rows(
-    name: str, pieces: list[tuple[int, int, dict[str, Any]]], want: Rows | None
+    name: str,
+    pieces: list[tuple[int, int, dict[str, Any]]],
+    want: Rows | None,
+    what: str = "experts",
 ) -> dict[str, Any]:
     """The entry of ``name`` over rows ``want`` (None: all the pieces hold), cut and joined
-    from the pieces (each only as far as it is read: a memory-mapped part stays on disk)."""
+    from the pieces (each only as far as it is read: a memory-mapped part stays on disk);
+    ``what`` the rows are, for the error naming a missing piece."""
     lo, hi = want if want is not None else (pieces[0][0], max(p[1] for p in pieces))
     entry: dict[str, Any] = {}
     covered = lo
@@ -119,7 +153,7 @@ def _entry_rows(
         covered = b
     if covered != hi:
         raise ValueError(
-            f"the checkpoint's optimizer parts do not hold experts {covered}..{hi - 1} of "
+            f"the checkpoint's optimizer parts do not hold {what} {covered}..{hi - 1} of "
             f"{name!r}: a rank's file is missing"
         )
     return {k: v if k == "step" else torch.cat(v).clone() for k, v in entry.items()}

@@ -1022,6 +1022,29 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._plan, self._params, self._names, self._is_expert, self._steps, local
         )
 
+    def own_shard_state(self) -> dict[str, Any]:
+        """The pieces (:func:`state_format.pack_own_shard`) of the non-expert parameters in
+        this rank's shard; not collective (expert parallelism's checkpoints are written by
+        the ranks holding the state). Unsharded, rank 0 alone returns them (every rank holds
+        the same)."""
+        self.synchronize()
+        transfer.synchronize(self._side)
+        if self.num_shards == 1 and self.rank != 0:
+            return {}
+        master = self._host.master
+        if self._split:
+            master = split_master.joined(self._host, self._plan, self._params, self._direct)
+        local = {"exp_avg": self._host.exp_avg, "exp_avg_sq": self._host.exp_avg_sq,
+                 "master": master}  # fmt: skip
+        return state_format.pack_own_shard(
+            self._plan, self._params, self._names, self._is_expert, self._steps, local
+        )
+
+    def groups_state(self) -> dict[str, Any]:
+        """:meth:`state_dict` without any entry: the param groups alone (not collective)."""
+        groups = state_format.save_groups(self.param_groups, self._name_of)
+        return state_format.assemble(groups, {})
+
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a dict from :meth:`state_dict` (any number of ranks); keep this rank's part."""

@@ -121,6 +121,34 @@ def pack_own_experts(
     return state
 
 
+def pack_own_shard(
+    plan: ShardPlan,
+    params: Sequence[Tensor],
+    names: Sequence[str],
+    is_expert: Sequence[bool],
+    steps: Sequence[int],
+    local: dict[str, Tensor | None],
+) -> dict[str, dict[str, Any]]:
+    """The pieces of the non-expert parameters in this rank's shard, cut from its own
+    buffers ``local`` (as :func:`pack_own_experts`'): one entry per parameter, flat, with
+    ``"elements": [a, b]``, the range of the flattened parameter it holds (a rank's units of
+    a parameter are consecutive rows, so one range)."""
+    state: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        if is_expert[i] or steps[i] == 0:
+            continue
+        mine = [u for u in (plan.units[k] for k in plan.unit_ids(i)) if u.shard == plan.my_shard]
+        if not mine:
+            continue
+        a, n, off = mine[0].start, sum(u.numel for u in mine), mine[0].off
+        entry: dict[str, Any] = {"step": steps[i], "elements": [a, a + n]}
+        for name, buf in local.items():
+            if buf is not None and not (name == "master" and p.dtype == torch.float32):
+                entry[name] = buf[off : off + n].clone()
+        state[names[i]] = entry
+    return state
+
+
 def unpack_param(
     plan: ShardPlan,
     state: dict[str, Any],

@@ -75,3 +75,52 @@ def test_a_rank_reads_only_its_own_experts_from_the_folder(hf_dir, monkeypatch):
     assert read == [3, 4, 5] * len(whole.moe_layers)
     for mine, theirs in zip(part.moe_layers, whole.moe_layers, strict=True):
         assert torch.equal(mine.w1, theirs.w1[3:]) and torch.equal(mine.w2, theirs.w2[3:])
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_resumed_build_reads_no_weight_of_the_folder(tmp_path, hf_dir, monkeypatch, ep):
+    """A resumed model=hf run builds on meta and fills each tensor once, from its checkpoint
+    (at ep=1 whole, at ep=2 rank 1's experts alone): no tensor of the transformers folder is
+    read, and the weights are the checkpoint's."""
+    from moestack import distributed, meta_load, runs, trainer
+    from moestack.interop import hf_model
+
+    model_dir = hf_dir("qwen3_moe")
+    train(tmp_path, model_dir, tmp_path / "one", 1, "steps=2")
+    ckpt = checkpoint.latest_checkpoint(tmp_path / "one" / "checkpoints")
+    cfg = runs.load_run_config(tmp_path / "one")
+    cfg.parallel.ep = ep
+    opened = []
+    for module in (meta_load, checkpoint):
+        real = module.safe_open
+        monkeypatch.setattr(
+            module,
+            "safe_open",
+            lambda path, *a, real=real, **k: opened.append(str(path)) or real(path, *a, **k),
+        )
+
+    def no_whole_load(*args, **kwargs):
+        raise AssertionError("the whole transformers model was loaded")
+
+    monkeypatch.setattr(hf_model, "_from_pretrained", no_whole_load)
+    if ep == 2:  # rank 1 of an EP group of 2, without collectives (the mesh alone)
+        monkeypatch.setattr(
+            trainer.parallel,
+            "expert_parallel",
+            lambda model, world, rank, ep: (_cut(model, ep), None),
+        )
+    model, _, _, step = trainer._build_model(cfg, distributed.DistInfo(0, 1, 0), ckpt)
+    assert step == 2 and not [p for p in opened if p.startswith(str(model_dir))]
+    saved = checkpoint.read_weights(ckpt)
+    for name, tensor in model.state_dict().items():
+        assert not tensor.is_meta, name
+        if name in saved:
+            rows = slice(3, 6) if (ep == 2 and ".moe.w" in name) else slice(None)
+            assert torch.equal(tensor, saved[name][rows]), name
+
+
+def _cut(model, ep: int):
+    mesh = ExpertParallelMesh(world_size=ep, ep=ep, ep_rank=ep - 1, dp_rank=0, ep_group=None,
+                              expert_dp_group=None)  # fmt: skip
+    shard_experts(model, mesh)
+    return mesh

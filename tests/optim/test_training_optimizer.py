@@ -151,8 +151,9 @@ def sharded_save(opt: TrainingOptimizer, mesh, world: int) -> dict:
         dist.all_gather_object(parts, own)
     return {
         "common": common,
-        "parts": [part for part in parts if part is not None],
+        "parts": [part for rank_parts in parts for part in rank_parts],
         "parts_used_expert_groups": any(g in expert_groups for g in by_parts if g is not None),
+        "parts_collectives": len(by_parts),
         "whole_used_expert_groups": any(g in expert_groups for g in by_whole if g is not None),
     }
 
@@ -281,11 +282,19 @@ def test_parts_are_written_without_the_expert_groups_and_load_back(
 ) -> None:
     """Saved in parts, the state uses neither the EP group nor the experts' data-parallel
     group (no expert crosses ranks; the whole state_dict does use them at ep=2, the
-    control), and loaded from its parts it is the whole state again, bitwise."""
+    control), under expert parallelism no collective at all (the replicated parameters'
+    OffloadAdamW shards are written by their ranks too), and loaded from its parts it is
+    the whole state again, bitwise."""
     for rank, results in enumerate(two_ranks):
         result = results[f"{name}_ep{ep}"]
         where = f"{name} ep={ep} rank {rank}"
         assert not result["sharded"]["parts_used_expert_groups"], where
+        if ep == 2:
+            assert result["sharded"]["parts_collectives"] == 0, where
+            kinds = sorted(part["kind"] for part in result["sharded"]["parts"])
+            want = {"adamw": ["adamw", "adamw"], "offload_adamw": ["offload", "offload", "offload_shard",
+                                                           "offload_shard"]}  # fmt: skip
+            assert kinds == want[name], where
         assert result["sharded"]["whole_used_expert_groups"] == (ep == 2), where
         assert bool(result["sharded"]["parts"]) == (ep == 2), where  # experts' own files
         assert_same_state(result["sharded"]["reloaded"], result["state"], where)

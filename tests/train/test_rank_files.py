@@ -41,7 +41,7 @@ def write(root, ep: int, step: int = 7) -> tuple:
     parts = [
         part
         for r, model in enumerate(models)
-        for part in checkpoint_parts.write_rank_files(folder, r, model, True, None)
+        for part in checkpoint_parts.write_rank_files(folder, r, model, True, [])
     ]
     path = checkpoint.save_checkpoint(
         root, step, models[0], CFG, {"x": 1}, folder=folder, parts=parts
