@@ -427,43 +427,105 @@ def _joint_row(hyp: Any, arm: str, results: dict[str, dict[str, Any]]) -> dict[s
 def _arm_row(
     spec: Prereg, hyp: Any, arm: str, values: dict[tuple[str, int], dict[str, float]]
 ) -> dict[str, Any]:
-    """Seed-paired comparison of one arm with the baseline: estimate, interval, pass."""
-    per_seed, base_vals, arm_vals = [], [], []
+    """Seed-paired comparison of one arm with the baseline: estimate, interval, pass.
+
+    A gap_fraction hypothesis compares per seed ``(arm/base - 1) - threshold x
+    (control/base - 1)`` with 0 (a linear form, so the paired t machinery tests the ratio
+    exactly); its row also holds the arm's change, the control's (the gap) and their ratio
+    (the fraction of the gap the arm spent)."""
+    per_seed, base_vals, arm_vals, changes, gaps = [], [], [], [], []
+    gap_of = hyp.comparison == "gap_fraction"
     for seed in spec.seeds:
         a = values.get((arm, seed))
         b = values.get((spec.baseline, seed))
-        if a is None or (b is None and hyp.comparison != "value"):
+        c = values.get((hyp.control, seed)) if gap_of else None
+        if a is None or (b is None and hyp.comparison != "value") or (gap_of and c is None):
             continue
         arm_vals.append(a[hyp.metric])
         if b is not None:
             base_vals.append(b[hyp.metric])
         base = b[hyp.metric] if b is not None else math.nan
-        per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
+        if gap_of:
+            change = compare("relative_change", a[hyp.metric], base)
+            gap = compare("relative_change", c[hyp.metric], base)
+            changes.append(change)
+            gaps.append(gap)
+            per_seed.append(change - hyp.threshold * gap)
+        else:
+            per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
     row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
     if not per_seed or any(math.isnan(v) for v in per_seed):
         row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
         return row
+    threshold = tested_against(hyp)
     est, lo, hi = mean_ci(per_seed, spec.analysis.confidence)
     rule = rules.rule(spec, hyp)
     if rule in rules.ONE_SIDED:  # decided with the hypothesis's other arms (Holm)
         ok = None
         if len(per_seed) > 1:
-            row["_test"] = one_sided(per_seed, hyp.op, hyp.threshold)
+            row["_test"] = one_sided(per_seed, hyp.op, threshold)
     elif rule == "ci":
         bound = hi if hyp.op == "<=" else lo
-        ok = None if math.isnan(bound) else passes(bound, hyp.op, hyp.threshold)
+        ok = None if math.isnan(bound) else passes(bound, hyp.op, threshold)
     else:
-        ok = passes(est, hyp.op, hyp.threshold)
+        ok = passes(est, hyp.op, threshold)
     row.update(
         baseline_mean=mean(base_vals) if base_vals else None,
         arm_mean=mean(arm_vals),
         estimate=est,
         ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-        margin=margin(est, hyp.op, hyp.threshold),
-        ci_verdict=_ci_verdict(lo, hi, hyp.op, hyp.threshold),
+        margin=margin(est, hyp.op, threshold),
+        ci_verdict=_ci_verdict(lo, hi, hyp.op, threshold),
     )
+    if gap_of:
+        change, gap = mean(changes), mean(gaps)
+        row.update(change=change, gap=gap, fraction=change / gap if gap else None)
     row["pass"] = ok
     return row
+
+
+def tested_against(hyp: Any) -> float:
+    """What a hypothesis's per-seed values are tested against: its threshold, but 0 for a
+    gap_fraction (whose threshold is inside the per-seed values)."""
+    return 0.0 if hyp.comparison == "gap_fraction" else hyp.threshold
+
+
+def control_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per control and every other arm: the seed-paired relative perplexity change against
+    the baseline (mean and interval) and, for each non-control arm, the fraction of the
+    control's gap it spends (the ratio of the mean changes; None without a gap)."""
+    values = {(r["arm"], r["seed"]): r["metrics"] for r in records if r.get("status") == "done"}
+
+    def changes(arm: str) -> dict[int, float]:
+        out = {}
+        for seed in spec.seeds:
+            a, b = values.get((arm, seed)), values.get((spec.baseline, seed))
+            if a is not None and b is not None and b.get("perplexity"):
+                out[seed] = a["perplexity"] / b["perplexity"] - 1.0
+        return out
+
+    rows = []
+    for control in spec.runs.controls:
+        gap = changes(control)
+        if not gap:
+            rows.append({"control": control, "n": 0, "gap": None, "ci": [None, None], "arms": {}})
+            continue
+        centre, lo, hi = mean_ci(list(gap.values()), spec.analysis.confidence)
+        arms = {}
+        for arm in spec.arms:
+            if arm in (spec.baseline, *spec.runs.controls):
+                continue
+            change = changes(arm)
+            seeds = sorted(set(change) & set(gap))
+            if not seeds:
+                continue
+            c = mean([change[s] for s in seeds])
+            g = mean([gap[s] for s in seeds])
+            arms[arm] = {"n": len(seeds), "change": c, "fraction": c / g if g else None}
+        rows.append({"control": control, "n": len(gap), "gap": centre,
+                     "ci": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+                     "arms": arms})  # fmt: skip
+    return rows
 
 
 def _ci_verdict(lo: float, hi: float, op: str, threshold: float) -> str:

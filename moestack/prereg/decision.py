@@ -37,9 +37,10 @@ def rule(spec: Prereg, hyp: Hypothesis) -> str:
 
 def is_budget(hyp: Hypothesis) -> bool:
     """A non-inferiority hypothesis: a quality metric (perplexity, val_loss) may rise by at
-    most the threshold against the baseline (relative_change or difference, op "<=")."""
+    most the threshold against the baseline (relative_change, difference or gap_fraction,
+    op "<=")."""
     return (
-        hyp.comparison in ("relative_change", "difference")
+        hyp.comparison in ("relative_change", "difference", "gap_fraction")
         and hyp.op == "<="
         and hyp.metric in SCALAR_METRICS
     )

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import RECHECK_RTOL, collect, evaluate_hypotheses
+from moestack.prereg.analysis import (
+    RECHECK_RTOL,
+    collect,
+    control_rows,
+    evaluate_hypotheses,
+    tested_against,
+)
 from moestack.prereg.analysis import recheck as recheck_runs
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
@@ -79,14 +85,52 @@ def _claim(hyp: dict[str, Any]) -> str:
         need = "any arm" if hyp["require"] == "any" else "every arm"
         return f"one arm passes {' and '.join(map(md, hyp['of']))} together ({need})"
     metric = md(hyp["metric"])
+    need = "any arm passing suffices" if hyp["require"] == "any" else "every arm must pass"
+    if hyp["comparison"] == "gap_fraction":
+        control, f = md(hyp["control"]), _fmt(hyp["threshold"])
+        return (
+            f"{metric}: (arm / baseline - 1) - {f} x ({control} / baseline - 1) {hyp['op']} 0, "
+            f"i.e. the arm's change {hyp['op']} {f} of the baseline-to-{control} gap; {need}"
+        )
     lhs = {
         "relative_change": f"{metric} (arm / baseline - 1)",
         "difference": f"{metric} (arm - baseline)",
         "value": metric,
     }[hyp["comparison"]]
     pct = hyp["comparison"] == "relative_change"
-    need = "any arm passing suffices" if hyp["require"] == "any" else "every arm must pass"
     return f"{lhs} {hyp['op']} {_fmt(hyp['threshold'], pct=pct)}; {need}"
+
+
+def _relative(h: dict[str, Any]) -> bool:
+    """Whether a hypothesis's estimates are relative changes (shown in percent)."""
+    return h["comparison"] in ("relative_change", "gap_fraction")
+
+
+def _tested(h: dict[str, Any]) -> str:
+    """The threshold column: the op and what the estimate is tested against."""
+    return f"{h['op']} {_fmt(tested_against(_Hyp(h)), pct=_relative(h))}"
+
+
+class _Hyp:
+    """A hypothesis's dict (results.json) seen as its fields."""
+
+    def __init__(self, h: dict[str, Any]) -> None:
+        self.comparison, self.threshold = h["comparison"], h["threshold"]
+
+
+def _gap_lines(h: dict[str, Any]) -> list[str]:
+    """Under a gap_fraction table: each arm's change, the control's gap, their ratio."""
+    if h["comparison"] != "gap_fraction":
+        return []
+    lines = []
+    for row in h["rows"]:
+        if row.get("gap") is not None:
+            lines.append(
+                f"- {md(row['arm'])}: perplexity {_fmt(row['change'], pct=True)} against a "
+                f"baseline-to-{md(h['control'])} gap of {_fmt(row['gap'], pct=True)}: "
+                f"{_fmt(row.get('fraction'), 3)} of the gap"
+            )
+    return [*lines, ""] if lines else []
 
 
 def render_markdown(
@@ -108,6 +152,8 @@ def render_markdown(
         lines += [f"## {md(h['id'])}: {h['verdict']}", "", md(h["statement"]), ""]
         lines += [f"Test: {_claim(h)}.", ""]
         lines += _joint_table(h) if h["comparison"] == "joint" else _arm_table(h)
+        lines += _gap_lines(h)
+    lines += _control_lines(spec, records)
     lines += _runs_table(spec, records)
     if figures:
         lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
@@ -322,7 +368,7 @@ def _joint_table(h: dict[str, Any]) -> list[str]:
 def _arm_table(h: dict[str, Any]) -> list[str]:
     if any("bound" in row for row in h["rows"]):
         return _one_sided_table(h)
-    pct = h["comparison"] == "relative_change"
+    pct = _relative(h)
     lines = [
         "| arm | seeds | baseline mean | arm mean | estimate | CI | threshold | margin "
         "| CI says | pass |",
@@ -334,7 +380,7 @@ def _arm_table(h: dict[str, Any]) -> list[str]:
             f"| {md(row['arm'])} | {row['n']} | {_fmt(row.get('baseline_mean'))} | "
             f"{_fmt(row.get('arm_mean'))} | {_fmt(row['estimate'], pct=pct)} | "
             f"[{_fmt(ci[0], pct=pct)}, {_fmt(ci[1], pct=pct)}] | "
-            f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {_fmt(row['margin'], pp=pct)} | "
+            f"{_tested(h)} | {_fmt(row['margin'], pp=pct)} | "
             f"{row.get('ci_verdict', 'n/a')} | **{_verdict(row['pass'])}** |"
         )
     return lines + [""]
@@ -343,7 +389,7 @@ def _arm_table(h: dict[str, Any]) -> list[str]:
 def _one_sided_table(h: dict[str, Any]) -> list[str]:
     """The table of a one-sided rule: the bound on the failing side decides pass, the other
     bound fail, neither inconclusive; p-values of both tests (Holm-adjusted when stated)."""
-    pct = h["comparison"] == "relative_change"
+    pct = _relative(h)
     side = ("upper", "lower") if h["op"] == "<=" else ("lower", "upper")
     lines = [
         f"| arm | seeds | estimate | one-sided {side[0]} bound | {side[1]} bound | threshold "
@@ -362,10 +408,36 @@ def _one_sided_table(h: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {md(row['arm'])} | {row['n']} | {_fmt(row['estimate'], pct=pct)} | "
             f"{_fmt(row.get('bound'), pct=pct)} | {_fmt(row.get('other_bound'), pct=pct)} | "
-            f"{h['op']} {_fmt(h['threshold'], pct=pct)} | {p('pass')} | {p('fail')} | "
+            f"{_tested(h)} | {p('pass')} | {p('fail')} | "
             f"**{_verdict(row['pass'], bool(row.get('inconclusive')))}** |"
         )
     return lines + [""]
+
+
+def _control_lines(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
+    """The controls: each one's perplexity change against the baseline (the gap the experts
+    close), and every other arm's change in units of that gap beside its change in percent."""
+    rows = control_rows(spec, records)
+    if not rows:
+        return []
+    lines = ["## Controls", ""]
+    for row in rows:
+        ci = row["ci"]
+        lines += [
+            f"{md(row['control'])} ({md(' '.join(spec.arms[row['control']]))}): perplexity "
+            f"{_fmt(row['gap'], pct=True)} against the baseline [{_fmt(ci[0], pct=True)}, "
+            f"{_fmt(ci[1], pct=True)}] over {row['n']} seeds.",
+            "",
+            "| arm | seeds | perplexity change | fraction of the gap |",
+            "|---|---|---|---|",
+        ]
+        for arm, a in row["arms"].items():
+            lines.append(
+                f"| {md(arm)} | {a['n']} | {_fmt(a['change'], pct=True)} | "
+                f"{_fmt(a['fraction'], 3)} |"
+            )
+        lines.append("")
+    return lines
 
 
 def _runs_table(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
@@ -546,6 +618,7 @@ def analyze(
         "analysis": dataclasses.asdict(spec.analysis),
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hypotheses": hypotheses,
+        "controls": control_rows(spec, records),
         "recheck": checks,
         "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }

@@ -31,7 +31,9 @@ import yaml
 from moestack.cache.policies import POLICIES
 from moestack.errors import MoestackError
 
-COMPARISONS = ("relative_change", "difference", "value", "joint")
+# gap_fraction: (arm / base - 1) - threshold x (control / base - 1), tested against 0: the
+# arm's change is at most (or at least) ``threshold`` of the baseline-to-control gap
+COMPARISONS = ("relative_change", "difference", "value", "gap_fraction", "joint")
 OPS = ("<=", ">=")
 DECISIONS = ("mean", "ci", "noninferiority", "superiority")
 ONE_SIDED = ("noninferiority", "superiority")  # the decision rules Holm's correction needs
@@ -178,12 +180,15 @@ class Hypothesis:
     statement: str
     metric: str  # "perplexity", "val_loss" or "<policy>/cap<c>/<hit_rate|miss_rate|...>"
     arms: tuple[str, ...]  # the arms it is tested on, one table row each
-    comparison: str  # relative_change (arm/base - 1), difference (arm - base), value, joint
+    # relative_change (arm/base - 1), difference (arm - base), value, gap_fraction (the
+    # change against the baseline-to-control gap, see COMPARISONS), joint
+    comparison: str
     op: str  # "<=" or ">=": the side of the threshold that passes
     threshold: float
     require: str = "all"  # "any" arm passing suffices, or "all" must pass
     of: tuple[str, ...]  # joint: the hypotheses one arm must pass together (others: ())
     decision: str = ""  # its own decision rule ("" = analysis.decision)
+    control: str = ""  # gap_fraction: the control arm whose gap to the baseline is the unit
     where: InitVar[str] = "hypothesis"
 
     def __post_init__(self, where: str) -> None:
@@ -209,6 +214,9 @@ class Hypothesis:
             self._joint(at)
         else:
             self._claim(at)
+        if (self.comparison == "gap_fraction") != bool(self.control):
+            fix = "name the control arm" if self.control == "" else "remove it"
+            raise _fail(f"{at}.control", f"{self.control!r} with {self.comparison}", fix)
 
     def _joint(self, at: str) -> None:
         if not isinstance(self.of, (list, tuple)) or not self.of:
@@ -424,11 +432,14 @@ class Budget:
 @dataclass(frozen=True)
 class Runs:
     """The grid: the arms (name -> its overrides), the baseline every comparison is made
-    against, and the seeds every arm runs."""
+    against, the seeds every arm runs, and which arms are controls (models that show what
+    the experts buy: as few experts as the cache holds, a dense model of the same active
+    size; the report states every arm's change in units of their gap to the baseline)."""
 
     baseline: str
     arms: dict[str, tuple[str, ...]]
     seeds: tuple[int, ...]
+    controls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         arms = _mapping(self.arms, "runs.arms")
@@ -451,6 +462,17 @@ class Runs:
         if len(set(numbers)) != len(numbers):
             raise _fail("runs.seeds", f"{list(numbers)} repeats a seed", "list each seed once")
         _set(self, "seeds", numbers)
+        controls = [self.controls] if isinstance(self.controls, str) else self.controls
+        if not isinstance(controls, (list, tuple)):
+            raise _fail("runs.controls", f"{controls!r}", "list the arms that are controls")
+        for j, name in enumerate(controls):
+            if name not in checked or name == self.baseline:
+                raise _fail(
+                    f"runs.controls[{j}]",
+                    f"{name!r} is not an arm other than the baseline",
+                    f"use some of {sorted(set(checked) - {self.baseline})}",
+                )
+        _set(self, "controls", tuple(controls))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,10 +573,22 @@ class Prereg:
         """What ``hyp`` refers to: its arms (the baseline is no arm of a comparison with
         itself), its rule under Holm, the earlier hypotheses a joint one joins, and the
         policy and capacity of a cache metric (the analysis must replay them)."""
+        if hyp.comparison == "gap_fraction" and (
+            hyp.control not in self.runs.controls or hyp.control in hyp.arms
+        ):
+            raise _fail(
+                f"{at}.control",
+                f"{hyp.control!r} is not a control outside the hypothesis's arms",
+                f"use one of runs.controls {list(self.runs.controls)}",
+            )
         for j, arm in enumerate(hyp.arms):
             if not isinstance(arm, str) or arm not in self.arms:
                 raise _fail(f"{at}.arms[{j}]", f"{arm!r} is not an arm", f"use {sorted(self.arms)}")
-            if arm == self.baseline and hyp.comparison in ("relative_change", "difference"):
+            if arm == self.baseline and hyp.comparison in (
+                "relative_change",
+                "difference",
+                "gap_fraction",
+            ):
                 raise _fail(
                     f"{at}.arms[{j}]",
                     f"the baseline {arm!r} cannot be compared with itself",
