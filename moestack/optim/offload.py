@@ -568,7 +568,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                         transfer.pack_grad(
                             self._host.comm, self._plan, i, flat, True, self._to_host
                         )
-                pipe.land(b, self._grads_of(bucket.pidxs))
+                grads = self._grads_of(bucket.pidxs)
+                for g in grads:  # read on the copy stream: not freed before it has read them
+                    if g.is_cuda:
+                        g.record_stream(torch.cuda.current_stream(g.device))
+                pipe.land(b, grads)
 
     def _submit_buckets(self, todo: Sequence[int], pidxs: Sequence[int]) -> None:
         """Pipelined: start the host updates of buckets ``todo`` (in this order), whose
