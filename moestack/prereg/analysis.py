@@ -46,6 +46,8 @@ def analysis_key(spec: Prereg) -> str:
         fields.pop(name)
     if tuple(fields["eval_windows"]) == (0.0, 1.0):  # the whole split: keys as before it
         fields.pop("eval_windows")
+    if tuple(fields["serve_batches"]) == (1,):  # one stream: keys as before batches
+        fields.pop("serve_batches")
     blob = json.dumps(fields, sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -119,6 +121,12 @@ def evaluate_run(
             metrics[f"{policy}/cap{cap}/hit_rate"] = stats.hit_rate
             metrics[f"{policy}/cap{cap}/miss_rate"] = 1.0 - stats.hit_rate
             metrics[f"{policy}/cap{cap}/misses_per_token"] = stats.misses_per_token
+            for batch in _batches(analysis):
+                served = simulate(trace, policy, cap, warmup=analysis.warmup, reuse=False,
+                                  batch_size=batch)  # fmt: skip
+                metrics[f"{policy}/cap{cap}/b{batch}/hit_rate"] = served.hit_rate
+                metrics[f"{policy}/cap{cap}/b{batch}/miss_rate"] = 1.0 - served.hit_rate
+                metrics[f"{policy}/cap{cap}/b{batch}/misses_per_token"] = served.misses_per_token
     return {
         "checkpoint": str(ckpt),
         "model_sha256": checkpoint.model_sha256(ckpt),  # the weights scored (verified on load)
@@ -202,7 +210,14 @@ def metric_names(analysis: Analysis) -> list[str]:
     names = ["perplexity", "val_loss"]
     names += [f"{p}/cap{c}/{s}" for p in analysis.policies for c in analysis.capacities
               for s in CACHE_STATS]  # fmt: skip
+    names += [f"{p}/cap{c}/b{b}/{s}" for p in analysis.policies for c in analysis.capacities
+              for b in _batches(analysis) for s in CACHE_STATS]  # fmt: skip
     return sorted(names)
+
+
+def _batches(analysis: Analysis) -> list[int]:
+    """The batch sizes replayed besides one stream, in order."""
+    return sorted({b for b in analysis.serve_batches if b > 1})
 
 
 def cached_evaluation(

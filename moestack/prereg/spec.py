@@ -42,7 +42,8 @@ REQUIRES = ("any", "all")
 CACHE_STATS = ("hit_rate", "miss_rate", "misses_per_token")
 SCALAR_METRICS = ("perplexity", "val_loss")
 RESERVED_KEYS = ("seed", "out_dir", "resume")  # set by the runner, one value per run
-_CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/([a-z_]+)\Z")  # \Z: "$" lets a newline end it
+# <policy>/cap<c>[/b<batch>]/<stat>; \Z: "$" lets a newline end it
+_CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/(?:b(\d+)/)?([a-z_]+)\Z")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 _BUDGET = ("steps", "batch_size", "grad_accum")  # each becomes the override KEY=VALUE
 _COUNTS = ("eval_batches", "eval_batch_size", "eval_seq_len", "scatter_capacity")
@@ -132,7 +133,13 @@ def _text(value: Any, where: str, fix: str) -> str:
 def _cache_metric(metric: str) -> tuple[str, int, str] | None:
     """(policy, capacity, statistic) of a cache metric name, or None: not of that form."""
     match = _CACHE_METRIC.match(metric)
-    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+    return (match.group(1), int(match.group(2)), match.group(4)) if match else None
+
+
+def serve_batch(metric: str) -> int:
+    """The batch a cache metric's replay serves (``lru/cap4/b8/miss_rate``: 8; 1 without)."""
+    match = _CACHE_METRIC.match(metric)
+    return int(match.group(3)) if match and match.group(3) else 1
 
 
 def _part(cls: type[_Part], value: Any, at: str, *, fix: str = "", **extra: Any) -> _Part:
@@ -264,6 +271,10 @@ class Analysis:
     # split whose windows are evaluated: the test split, apart from selection.windows
     policies: tuple[str, ...] = ("lru", "static")
     capacities: tuple[int, ...] = (2, 4, 6)  # expert slots per layer
+    # batch sizes the caches are also replayed at (a batch's requests per layer and step are
+    # the union of its sequences' experts: moestack.telemetry.replay); metrics of batch b>1
+    # are named <policy>/cap<c>/b<b>/<stat>; batch 1 is always replayed (no b in the name)
+    serve_batches: tuple[int, ...] = (1,)
     warmup: float = 0.1  # share of each layer's requests that warms the cache, not counted
     confidence: float = 0.95  # two-sided t interval over seeds
     decision: str = "mean"  # "mean": the seed mean meets the threshold; "ci": the whole CI does;
@@ -290,6 +301,15 @@ class Analysis:
         _set(self, "eval_windows", _windows(self.eval_windows, "analysis.eval_windows"))
         _set(self, "policies", self._policies())
         _set(self, "capacities", self._capacities())
+        batches = self.serve_batches
+        if not isinstance(batches, (list, tuple)) or not batches:
+            raise _fail("analysis.serve_batches", f"{batches!r} is not a list", "e.g. [1, 8, 32]")
+        numbers = tuple(
+            _number(b, f"analysis.serve_batches[{i}]", int) for i, b in enumerate(batches)
+        )
+        if min(numbers) < 1:
+            raise _fail("analysis.serve_batches", f"{list(numbers)}", "use batch sizes >= 1")
+        _set(self, "serve_batches", numbers)
         _set(self, "warmup", _share(self.warmup, "analysis.warmup", zero=True, fix="give a share"))
         _set(
             self,
@@ -620,6 +640,13 @@ class Prereg:
             if cap not in self.analysis.capacities:
                 raise _fail(
                     f"{at}.metric", f"capacity {cap} is not in analysis.capacities", "add it there"
+                )
+            batch = serve_batch(hyp.metric)
+            if batch != 1 and batch not in self.analysis.serve_batches:
+                raise _fail(
+                    f"{at}.metric",
+                    f"batch {batch} is not in analysis.serve_batches",
+                    "add it there",
                 )
 
     def _check_power(self, power: Power) -> None:

@@ -63,6 +63,8 @@ def _break(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         ("analysis.colour", 1, "analysis.colour"),
         ("hypotheses.0.metric", "lru/cap8/miss_rate", "hypotheses[0] (H1).metric"),
         ("hypotheses.0.metric", "accuracy", "hypotheses[0] (H1).metric"),
+        ("hypotheses.0.metric", "lru/cap4/b8/miss_rate", "hypotheses[0] (H1).metric"),
+        ("analysis.serve_batches", [1, 0], "analysis.serve_batches"),
         ("hypotheses.1.op", "<", "hypotheses[1] (H2).op"),
         ("hypotheses.1.threshold", "small", "hypotheses[1] (H2).threshold"),
         ("hypotheses.2.arms", ["baseline"], "hypotheses[2] (H3).arms[0]"),
@@ -369,7 +371,8 @@ def test_end_to_end_micro_study(tmp_path: Path, caplog) -> None:
     data["hypotheses"] = data["hypotheses"][:2]
     for hyp in data["hypotheses"]:
         hyp["arms"] = ["a"]
-    data["hypotheses"][0]["metric"] = "lru/cap2/miss_rate"  # at cap 4 nothing misses
+    data["hypotheses"][0]["metric"] = "lru/cap2/b2/miss_rate"  # at cap 4 nothing misses
+    data["analysis"]["serve_batches"] = [1, 2]  # also served two sequences at a time
     path = write(tmp_path, data)
     prereg.lock(path)
     with caplog.at_level("INFO"):
@@ -382,6 +385,8 @@ def test_end_to_end_micro_study(tmp_path: Path, caplog) -> None:
     assert run["run"] == "a-s0" and run["step"] == 2 and run["router"]["temporal"] == 0.1
     assert 0 <= run["metrics"]["lru/cap2/hit_rate"] <= 1 and run["metrics"]["perplexity"] > 1
     assert run["metrics"]["lru/cap4/hit_rate"] == 1.0  # 4 slots hold all 4 experts
+    assert run["metrics"]["lru/cap4/b2/hit_rate"] == 1.0  # served two at a time too
+    assert 0 <= run["metrics"]["lru/cap2/b2/miss_rate"] <= 1
     assert {h["verdict"] for h in results["hypotheses"]} <= {"pass", "fail"}
     for cache in (tmp_path / "out" / "runs").glob(f"*/{prereg.EVAL_FILE}"):
         cache.unlink()  # evaluated again, in two processes: the same report

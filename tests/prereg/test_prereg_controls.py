@@ -119,3 +119,23 @@ def test_controls_are_arms_other_than_the_baseline(tmp_path: Path) -> None:
         data["runs"]["controls"] = bad
         with pytest.raises(MoestackError, match=r"runs\.controls\[0\]"):
             prereg.parse(data, tmp_path / "s.yaml")
+
+
+def test_batched_replay_metrics_are_named_and_keyed_apart(tmp_path) -> None:
+    """serve_batches adds <policy>/cap<c>/b<b>/<stat> metrics; the default (one stream)
+    keeps the analysis key of studies analysed before batches existed."""
+    from moestack.prereg.analysis import analysis_key, metric_names
+
+    plain = prereg.parse(study(), tmp_path / "s.yaml")
+    data = study()
+    data["analysis"]["serve_batches"] = [1, 8]
+    batched = prereg.parse(data, tmp_path / "s.yaml")
+    names = metric_names(batched.analysis)
+    assert set(names) - set(metric_names(plain.analysis)) == {
+        f"{p}/cap{c}/b8/{s}" for p in ("lru", "static") for c in (2, 4)
+        for s in prereg.CACHE_STATS
+    }  # fmt: skip
+    explicit = study()
+    explicit["analysis"]["serve_batches"] = [1]
+    assert analysis_key(prereg.parse(explicit, tmp_path / "s.yaml")) == analysis_key(plain)
+    assert analysis_key(batched) != analysis_key(plain)
