@@ -232,14 +232,27 @@ class Pipeline:
         if self.back_events is not None and self._back_recorded[b]:
             self.back_events[b].synchronize()
 
-    def send_back(self, b: int, copies: Callable[[], None]) -> None:
+    def compute_marker(self) -> Any:
+        """An event recorded on the current (compute) stream, for :meth:`send_back` to wait
+        on (None without CUDA)."""
+        if self.h2d is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def send_back(self, b: int, copies: Callable[[], None], queued: Any = None) -> None:
         """Queue bucket ``b``'s weights back (``copies``) on the host-to-device stream, after
-        its gradients left (so after backward last read its weights), and mark them there."""
+        its gradients left (so after backward last read its weights) and after the compute
+        ``queued`` before the update was submitted (:meth:`compute_marker`), and mark them
+        there."""
         if self.h2d is None:
             copies()
             return
         assert self.landed_events is not None and self.back_events is not None
         self.h2d.wait_event(self.landed_events[b])
+        if queued is not None:
+            self.h2d.wait_event(queued)
         with torch.cuda.stream(self.h2d):
             copies()
         self.back_events[b].record(self.h2d)
@@ -261,6 +274,12 @@ class Pipeline:
         if self.back_events is not None:
             torch.cuda.current_stream(self.device).wait_event(self.back_events[b])
         self.unreleased[b] = False
+
+    def after_copies(self) -> None:
+        """Order the compute stream after every gradient copy queued so far (no host wait):
+        a later write of the gradients (``zero_grad(set_to_none=False)``) waits for them."""
+        if self.d2h is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
 
     def drain(self) -> None:
         """Every update ended and every weight back on the device (the host waits): before
@@ -292,6 +311,9 @@ class Pipeline:
         pipeline weakly (a model outliving its optimizer keeps no worker thread alive)."""
         ref = weakref.ref(self)
 
+        # kept out of torch.compile's graphs (compile=true compiles the blocks with their
+        # hooks): a traced stream wait would be dropped, and a flag baked in
+        @torch.compiler.disable
         def hook(module: torch.nn.Module, args: Any) -> None:
             pipe = ref()
             if pipe is not None:
@@ -301,7 +323,10 @@ class Pipeline:
         return hook
 
     def remove_layer_hooks(self) -> None:
-        """Drop the per-layer waits: ``step()`` waits for every bucket again."""
+        """Drop the per-layer waits: ``step()`` waits for every bucket again, and the
+        compute stream waits now for those the next forward would have waited for."""
+        for b in range(len(self.buckets)):
+            self.release(b)
         for handle in self._layer_hooks:
             handle.remove()
         self._layer_hooks = []

@@ -36,11 +36,18 @@ def check_choice(value: Any) -> None:
 
 
 def refusal(
-    specs: Sequence[ParamSpec], *, num_shards: int, fused_step: str, backend: str | None
+    specs: Sequence[ParamSpec],
+    *,
+    num_shards: int,
+    fused_step: str,
+    backend: str | None,
+    skip_idle_experts: bool = False,
 ) -> str | None:
     """Why these settings cannot reduce on the devices (None: they can)."""
     if num_shards < 2:
         return "the state is not sharded over several ranks (shard=True under torch.distributed)"
+    if skip_idle_experts:  # an idle expert's shard is not stepped, so not staged for the way back
+        return "skip_idle_experts leaves idle experts out of the weights the ranks gather"
     if fused_step == "off":
         return "fused_step='off' runs the reference path, which reads fp32 host gradients"
     dtypes = {s.dtype for s in specs}

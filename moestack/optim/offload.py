@@ -174,7 +174,11 @@ def plan_offload(
         False if (update_delay or pipelined) else in_place, specs, distributed
     )
     why_not_device = device_comm.refusal(
-        specs, num_shards=num_shards, fused_step=fused_step, backend=backend
+        specs,
+        num_shards=num_shards,
+        fused_step=fused_step,
+        backend=backend,
+        skip_idle_experts=skip_idle_experts,
     )
     device_reduce = device_comm.chooses(reduce_on_device, specs, why_not_device)
     mode = None
@@ -370,6 +374,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         (neither has a reference path): without one, "auto" plans again without them."""
         self._plan_with(in_place, fused_step, pipeline, on_device)
         needs_kernel = self._layout.pipelined or self._layout.device_reduce
+        devices = {p.device for p in self._params}
+        if needs_kernel and len(devices) > 1:  # their streams and events are one device's
+            if pipeline is True or on_device is True:
+                raise ValueError(
+                    f"pipeline=True and reduce_on_device=True need every parameter on one "
+                    f"device, not {sorted(map(str, devices))}; use 'auto'"
+                )
+            self._plan_with(in_place, fused_step, False, False)
+            needs_kernel = False
         if needs_kernel and not self._fused.resolve():
             if pipeline is True or on_device is True:
                 raise RuntimeError(
@@ -582,6 +595,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._start_update(pidxs)
         steps, scale, want = list(self._steps), self._grad_scale, set(pidxs)
         hparams = [update.group_hparams(group) for group in self.param_groups]
+        queued = pipe.compute_marker()  # what the compute stream has queued reads the weights
         for b in todo:
             mine = [i for i in pipe.buckets[b].pidxs if i in want]
             jobs = []
@@ -589,7 +603,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 spans = buckets.bucket_spans(self._plan, mine, gi, steps)
                 if spans:
                     jobs.append((spans, hp))
-            pipe.submit(b, functools.partial(self._update_bucket, b, jobs, steps, scale, mine))
+            job = functools.partial(self._update_bucket, b, jobs, steps, scale, mine, queued)
+            pipe.submit(b, job)
 
     def _update_bucket(
         self,
@@ -598,16 +613,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         steps: list[int],
         scale: float,
         pidxs: list[int],
+        queued: Any,
     ) -> None:
         """The worker's part of bucket b: once its gradients are on the host and its last
-        weights have left, the host step of its slices, then its weights back."""
+        weights have left, the host step of its slices, then its weights back (after the
+        compute ``queued`` when the update was submitted: it may still read them)."""
         pipe = self._pipe
         assert pipe is not None
         pipe.wait_landed(b)
         pipe.wait_sent(b)
         with torch.no_grad():
             self._step_spans(jobs, self._host, steps, scale)
-            pipe.send_back(b, functools.partial(self._copy_back, pidxs))
+            pipe.send_back(b, functools.partial(self._copy_back, pidxs), queued)
 
     def _copy_back(self, pidxs: Sequence[int]) -> None:
         """Pipelined: the updated weights of parameters ``pidxs`` into them, bf16 ones from
@@ -628,6 +645,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         if self._pipe is not None:
             self._active = [p.grad is not None for p in self._params]
+            outside = [
+                i for i, a in enumerate(self._active) if a and self._pipe.bucket_of[i] is None
+            ]
+            if outside:
+                raise RuntimeError(
+                    f"{self._names[outside[0]]!r} has a gradient but was frozen when the "
+                    "optimizer was built, so the pipelined step has no bucket for it; build "
+                    "the optimizer after setting requires_grad"
+                )
             self._land_remaining()
             self._idle = set()
             self._grads_ready = True
@@ -759,15 +785,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Pipelined: start every bucket not started yet (in forward order); the compute
         stream then waits for each bucket's weights, here or (:meth:`wait_per_layer`) in the
         next forward before the layer using them."""
-        todo = [b for b in reversed(range(len(pipe.buckets))) if not pipe.submitted[b]]
-        if todo:
-            pidxs = [i for b in todo for i in pipe.buckets[b].pidxs if self._active[i]]
-            self._submit_buckets(todo, pidxs)
-        for b in reversed(range(len(pipe.buckets))):
-            if not pipe.covered[b]:
-                pipe.release(b)
-        pipe.new_step()
-        self._grad_scale = 1.0
+        try:
+            todo = [b for b in reversed(range(len(pipe.buckets))) if not pipe.submitted[b]]
+            if todo:
+                pidxs = [i for b in todo for i in pipe.buckets[b].pidxs if self._active[i]]
+                self._submit_buckets(todo, pidxs)
+            for b in reversed(range(len(pipe.buckets))):
+                if not pipe.covered[b]:
+                    pipe.release(b)
+            pipe.after_copies()  # later work on the gradients follows their copies
+        finally:
+            pipe.new_step()
+            self._grad_scale = 1.0
 
     def _delays_now(self) -> bool:
         """Whether this step's update is delayed: past the first ``delay_warmup`` updates."""

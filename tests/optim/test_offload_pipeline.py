@@ -339,3 +339,39 @@ def test_bad_pipeline_settings_are_refused_naming_them():
         OptimConfig(name="offload_adamw", bucket_mb=-1)
     # "auto" on CPU parameters: the serial step (the pipeline pays where copies cross PCIe)
     assert not OffloadAdamW(groups(model)).pipelined
+
+
+def test_a_parameter_unfrozen_after_the_build_is_refused_naming_it():
+    """A parameter frozen when the optimizer was built has no bucket; its gradient later is
+    an error naming it (the serial step would step it), not a silent skip."""
+    model = _model(torch.float32)
+    model.scale.requires_grad_(False)
+    opt = _optimizer(model, True)
+    model.scale.requires_grad_(True)
+    x, y = batch(0, 0)
+    (model(x) - y).square().mean().backward()
+    with pytest.raises(RuntimeError, match="'scale' has a gradient but was frozen"):
+        opt.step()
+
+
+def test_dropping_the_layer_waits_waits_for_what_they_would_have():
+    model = _lm(torch.bfloat16)
+    cfg = OptimConfig(name="offload_adamw", pipeline=True, bucket_mb=0.02, grad_clip=0.0)
+    inner = build_training_optimizer(model, cfg).optimizer
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+    inner.step()
+    inner.remove_hooks()  # the next forward has no pre-hook: nothing may be left unwaited
+    assert not any(inner._pipe.unreleased) and not any(inner._pipe.covered)
+
+
+def test_device_collectives_refuse_skipping_idle_experts():
+    from moestack.optim import device_comm
+
+    specs = [ParamSpec((4, 3), "cuda", torch.bfloat16)]
+    why = device_comm.refusal(specs, num_shards=2, fused_step="auto", backend="nccl",
+                              skip_idle_experts=True)  # fmt: skip
+    assert "skip_idle_experts" in why
+    assert device_comm.refusal(specs, num_shards=2, fused_step="auto", backend="nccl") is None
+    assert "backend" in device_comm.refusal(specs, num_shards=2, fused_step="auto",
+                                            backend="gloo")  # fmt: skip
