@@ -984,6 +984,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._hooked = [False] * len(self._params)
         if self._pipe is not None:
             self._pipe.remove_layer_hooks()
+            self._pipe.close()  # its worker thread (a later step starts another)
 
     @torch.no_grad()
     def wait_per_layer(self, model: torch.nn.Module) -> None:
