@@ -77,18 +77,26 @@ def test_a_rank_reads_only_its_own_experts_from_the_folder(hf_dir, monkeypatch):
         assert torch.equal(mine.w1, theirs.w1[3:]) and torch.equal(mine.w2, theirs.w2[3:])
 
 
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, hf_dir):
+    """A 2-step model=hf run in one process: (its folder, the transformers folder)."""
+    tmp = tmp_path_factory.mktemp("hf_run")
+    model_dir = hf_dir("qwen3_moe")
+    train(tmp, model_dir, tmp / "one", 1, "steps=2")
+    return tmp / "one", model_dir
+
+
 @pytest.mark.parametrize("ep", [1, 2])
-def test_a_resumed_build_reads_no_weight_of_the_folder(tmp_path, hf_dir, monkeypatch, ep):
+def test_a_resumed_build_reads_no_weight_of_the_folder(trained_run, monkeypatch, ep):
     """A resumed model=hf run builds on meta and fills each tensor once, from its checkpoint
     (at ep=1 whole, at ep=2 rank 1's experts alone): no tensor of the transformers folder is
     read, and the weights are the checkpoint's."""
     from moestack import distributed, meta_load, runs, trainer
     from moestack.interop import hf_model
 
-    model_dir = hf_dir("qwen3_moe")
-    train(tmp_path, model_dir, tmp_path / "one", 1, "steps=2")
-    ckpt = checkpoint.latest_checkpoint(tmp_path / "one" / "checkpoints")
-    cfg = runs.load_run_config(tmp_path / "one")
+    run_dir, model_dir = trained_run
+    ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
+    cfg = runs.load_run_config(run_dir)
     cfg.parallel.ep = ep
     opened = []
     for module in (meta_load, checkpoint):

@@ -67,11 +67,13 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
     single = train(tmp_path, tmp_path / "single", 1, f"optim={optim}")
     ep2 = train(tmp_path, tmp_path / "ep2", 2, f"optim={optim}", "parallel.ep=2")
     dp2_ep2 = train(tmp_path, tmp_path / "dp2_ep2", 4, f"optim={optim}", "parallel.ep=2")
-    ep4 = train(tmp_path, tmp_path / "ep4", 4, f"optim={optim}", "parallel.ep=4", "steps=10")
     assert sorted(single) == list(range(1, 21))
     assert_same_losses(ep2, single, range(1, 21))
     assert_same_losses(dp2_ep2, single, range(1, 21))
-    assert_same_losses(ep4, single, range(1, 11))  # (ranks, ep) = (4, 4) from the start
+    if optim == "offload_adamw":  # (ranks, ep) = (4, 4) from the start (once: the layout's
+        # initial weights and routing are the optimizer's concern of neither)
+        ep4 = train(tmp_path, tmp_path / "ep4", 4, f"optim={optim}", "parallel.ep=4", "steps=10")
+        assert_same_losses(ep4, single, range(1, 11))
     metrics = read_metrics(tmp_path / "ep2" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in metrics if "ep/rank0/tokens_sent" in r]
     assert len(sent) == 20 and all(s > 0 for s in sent)  # tokens really crossed ranks
