@@ -164,12 +164,7 @@ def plan_offload(
     )
     pipelined = buckets.chooses_pipeline(pipeline, specs, overlap=overlap, why_not=why_not)
     num_shards = world_size if (distributed and shard) else 1
-    shapes = [s.shape for s in specs]
-    mine = 0 if num_shards == 1 else rank
-    shards = build_plan(shapes, group_of, is_expert, num_shards, mine or 0)
-    if mine is None:  # the first of the largest shards
-        mine = max(range(num_shards), key=lambda k: (shards.shard_sizes[k], -k))
-        shards = build_plan(shapes, group_of, is_expert, num_shards, mine)
+    shards = _shard_plan(specs, group_of, is_expert, num_shards, rank)
     steps_in_place = transfer.choose_in_place(
         False if (update_delay or pipelined) else in_place, specs, distributed
     )
@@ -181,13 +176,8 @@ def plan_offload(
         skip_idle_experts=skip_idle_experts,
     )
     device_reduce = device_comm.chooses(reduce_on_device, specs, why_not_device)
-    mode = None
-    if pipelined:
-        mode = fused.STAGED
-    elif fused_step != "off" and not steps_in_place:
-        mode = fused.choose_mode(specs, distributed, num_shards)
-        if update_delay and mode == fused.DIRECT:  # the parameters stay as they are meanwhile
-            mode = fused.MASTER
+    mode = _fused_mode(specs, fused_step, pipelined, steps_in_place, update_delay, distributed,
+                       num_shards)  # fmt: skip
     split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
     staging = None if mode is None else fused.staging_dtype_of(mode, specs)
     if device_reduce and specs[0].dtype == torch.bfloat16:
@@ -195,11 +185,7 @@ def plan_offload(
     # gradients packed into host buffers, weights copied back: all but the direct fused step
     # (it reads p.grad and writes p.data itself) and the in-place one
     pack = not steps_in_place and mode != fused.DIRECT
-    grad_dtype = torch.float32
-    if pipelined:
-        grad_dtype = buckets.grad_buffer_dtype(specs)
-    elif device_reduce:
-        grad_dtype = specs[0].dtype
+    grad_dtype = _grad_dtype(specs, pipelined, device_reduce)
     host = transfer.host_buffer_sizes(
         *(shards, moment_dtype, steps_in_place, pack, staging),
         master_dtype=torch.int16 if split else torch.float32,
@@ -213,6 +199,51 @@ def plan_offload(
         *(shards, steps_in_place, mode, split, staging, host, scratch),
         *(pipelined, grad_dtype, device_reduce, comm),
     )
+
+
+def _grad_dtype(specs: Sequence[ParamSpec], pipelined: bool, device_reduce: bool) -> torch.dtype:
+    """The host gradients' dtype: the parameters' where they cross as they are (a pipelined
+    step's bf16, the device collectives' shard), else fp32."""
+    if pipelined:
+        return buckets.grad_buffer_dtype(specs)
+    return specs[0].dtype if device_reduce else torch.float32
+
+
+def _shard_plan(
+    specs: Sequence[ParamSpec],
+    group_of: Sequence[int],
+    is_expert: Sequence[bool],
+    num_shards: int,
+    rank: int | None,
+) -> ShardPlan:
+    """The shards of ``num_shards``, seen from ``rank`` (None: the first of the largest)."""
+    shapes = [s.shape for s in specs]
+    mine = 0 if num_shards == 1 else rank
+    shards = build_plan(shapes, group_of, is_expert, num_shards, mine or 0)
+    if mine is None:
+        mine = max(range(num_shards), key=lambda k: (shards.shard_sizes[k], -k))
+        shards = build_plan(shapes, group_of, is_expert, num_shards, mine)
+    return shards
+
+
+def _fused_mode(
+    specs: Sequence[ParamSpec],
+    fused_step: str,
+    pipelined: bool,
+    steps_in_place: bool,
+    update_delay: int,
+    distributed: bool,
+    num_shards: int,
+) -> str | None:
+    """The fused step's mode (:mod:`moestack.optim.fused`; None: the reference path or the
+    in-place step): staged when pipelined, never direct under a delayed update (the
+    parameters stay as they are meanwhile)."""
+    if pipelined:
+        return fused.STAGED
+    if fused_step == "off" or steps_in_place:
+        return None
+    mode = fused.choose_mode(specs, distributed, num_shards)
+    return fused.MASTER if update_delay and mode == fused.DIRECT else mode
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -1045,15 +1076,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The entries (:meth:`state_dict`'s) of the expert units this rank's shard holds,
         keyed ``name/expert<local id>``; not collective: nothing is gathered (expert
         parallelism's checkpoints are written by the ranks owning the experts)."""
-        self.synchronize()
-        transfer.synchronize(self._side)
-        master = self._host.master
-        if self._split:
-            master = split_master.joined(self._host, self._plan, self._params, self._direct)
-        local = {"exp_avg": self._host.exp_avg, "exp_avg_sq": self._host.exp_avg_sq,
-                 "master": master}  # fmt: skip
         return state_format.pack_own_experts(
-            self._plan, self._params, self._names, self._is_expert, self._steps, local
+            self._plan, self._params, self._names, self._is_expert, self._steps, self._own_state()
         )
 
     def own_shard_state(self) -> dict[str, Any]:
@@ -1061,18 +1085,23 @@ class OffloadAdamW(torch.optim.Optimizer):
         this rank's shard; not collective (expert parallelism's checkpoints are written by
         the ranks holding the state). Unsharded, rank 0 alone returns them (every rank holds
         the same)."""
+        if self.num_shards == 1 and self.rank != 0:
+            self.synchronize()  # collective-free, but the update in flight still ends here
+            return {}
+        return state_format.pack_own_shard(
+            self._plan, self._params, self._names, self._is_expert, self._steps, self._own_state()
+        )
+
+    def _own_state(self) -> dict[str, Tensor | None]:
+        """This rank's own state buffers, every update in flight applied first: the moments
+        and the fp32 master (joined from a split one)."""
         self.synchronize()
         transfer.synchronize(self._side)
-        if self.num_shards == 1 and self.rank != 0:
-            return {}
         master = self._host.master
         if self._split:
             master = split_master.joined(self._host, self._plan, self._params, self._direct)
-        local = {"exp_avg": self._host.exp_avg, "exp_avg_sq": self._host.exp_avg_sq,
-                 "master": master}  # fmt: skip
-        return state_format.pack_own_shard(
-            self._plan, self._params, self._names, self._is_expert, self._steps, local
-        )
+        return {"exp_avg": self._host.exp_avg, "exp_avg_sq": self._host.exp_avg_sq,
+                "master": master}  # fmt: skip
 
     def groups_state(self) -> dict[str, Any]:
         """:meth:`state_dict` without any entry: the param groups alone (not collective)."""

@@ -107,9 +107,7 @@ def pack_own_experts(
     for i, p in enumerate(params):
         if not is_expert[i] or steps[i] == 0:
             continue
-        buffers = {n: buf for n, buf in local.items() if buf is not None}
-        if p.dtype == torch.float32:
-            buffers.pop("master", None)
+        buffers = saved_buffers(local, p)
         for key, ks in entry_keys(plan, i, names[i], True):
             u = plan.units[ks[0]]
             if u.shard != plan.my_shard:
@@ -142,11 +140,20 @@ def pack_own_shard(
             continue
         a, n, off = mine[0].start, sum(u.numel for u in mine), mine[0].off
         entry: dict[str, Any] = {"step": steps[i], "elements": [a, a + n]}
-        for name, buf in local.items():
-            if buf is not None and not (name == "master" and p.dtype == torch.float32):
-                entry[name] = buf[off : off + n].clone()
+        for name, buf in saved_buffers(local, p).items():
+            entry[name] = buf[off : off + n].clone()
         state[names[i]] = entry
     return state
+
+
+def saved_buffers(buffers: dict[str, Tensor | None], p: Tensor) -> dict[str, Tensor]:
+    """The buffers an entry of parameter ``p`` holds: those kept, but the master weights of
+    an fp32 parameter (they are the parameter)."""
+    return {
+        n: buf
+        for n, buf in buffers.items()
+        if buf is not None and not (n == "master" and p.dtype == torch.float32)
+    }
 
 
 def unpack_param(

@@ -294,3 +294,22 @@ def _bf16_device_runs(rank: int, world: int, out_dir: str) -> None:
         held = {r: (t.numel(), t.dtype) for r, t in opt.host_buffers().items()}
         out[str(on_device)] = {"history": history, "held": held, "planned": dict(layout.host)}
     torch.save(out, f"{out_dir}/bf16_{rank}.pt")
+
+
+def stall_transfers(monkeypatch: Any) -> None:
+    """Make every OffloadAdamW copy between host and device first sleep ~10 ms of GPU time
+    on the stream doing it (CUDA): a missing wait then reads stale values."""
+    from moestack.optim import OffloadAdamW
+
+    to_host, to_device = OffloadAdamW._to_host, OffloadAdamW._to_device
+
+    def slow_to_host(self: Any, dst: Any, src: Any, non_blocking: bool) -> None:
+        torch.cuda._sleep(20_000_000)
+        to_host(self, dst, src, non_blocking)
+
+    def slow_to_device(self: Any, dst: Any, src: Any, non_blocking: bool) -> None:
+        torch.cuda._sleep(20_000_000)
+        to_device(self, dst, src, non_blocking)
+
+    monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
+    monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)

@@ -167,7 +167,7 @@ def test_bf16_device_collectives_hold_what_they_plan_and_track_the_host_ones(tmp
 
     what = "the 2 gloo ranks of _optim_testlib.bf16_device_worker"
     spawn_ranks(bf16_device_worker, (2, file_rendezvous(tmp_path), str(tmp_path)), 2, what)
-    runs = [torch.load(tmp_path / f"bf16_{r}.pt", weights_only=False) for r in range(2)]
+    runs = [torch.load(tmp_path / f"bf16_{r}.pt", weights_only=True) for r in range(2)]
     for run in runs:
         device, host = run["True"], run["False"]
         assert device["held"] == device["planned"]

@@ -214,18 +214,9 @@ def test_staged_fused_step_on_the_cpu(monkeypatch, defer: bool) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_delayed_transfers_are_waited_for(monkeypatch) -> None:
     """Stall every side-stream transfer: a missing wait would read stale values."""
-    to_host, to_device = OffloadAdamW._to_host, OffloadAdamW._to_device
+    from _optim_testlib import stall_transfers
 
-    def slow_to_host(self, dst, src, non_blocking):
-        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on the stream doing the copy
-        to_host(self, dst, src, non_blocking)
-
-    def slow_to_device(self, dst, src, non_blocking):
-        torch.cuda._sleep(20_000_000)
-        to_device(self, dst, src, non_blocking)
-
-    monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
-    monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
+    stall_transfers(monkeypatch)
     for pipeline in (False, True):
         test_matches_torch_adamw_on_device("cuda", torch.bfloat16, defer=True, pipeline=pipeline)
 

@@ -14,7 +14,16 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from _optim_testlib import ACCUM, MAX_NORM, STEPS, TinyMoE, batch, groups, lr_lambda
+from _optim_testlib import (
+    ACCUM,
+    MAX_NORM,
+    STEPS,
+    TinyMoE,
+    batch,
+    groups,
+    lr_lambda,
+    stall_transfers,
+)
 
 from moestack.config import OptimConfig
 from moestack.model import ModelConfig
@@ -288,18 +297,7 @@ def test_per_layer_waits_on_cuda_with_every_transfer_stalled(monkeypatch):
     scatter sums are not deterministic on a GPU: weights within two bf16 ulps of the serial
     run's (a stale weight is a whole update, about lr, away), losses to 1e-3."""
     serial_losses, serial_weights = _lm_run(False, device="cuda")
-    to_host, to_device = OffloadAdamW._to_host, OffloadAdamW._to_device
-
-    def slow_to_host(self, dst, src, non_blocking):
-        torch.cuda._sleep(20_000_000)
-        to_host(self, dst, src, non_blocking)
-
-    def slow_to_device(self, dst, src, non_blocking):
-        torch.cuda._sleep(20_000_000)
-        to_device(self, dst, src, non_blocking)
-
-    monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
-    monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
+    stall_transfers(monkeypatch)
     losses, weights = _lm_run(True, resume_at=3, device="cuda")
     for a, b in zip(losses, serial_losses, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b)
