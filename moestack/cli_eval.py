@@ -291,26 +291,25 @@ def count_arg(text: str) -> int:
     return value
 
 
-def tau_arg(text: str) -> float:
-    """An argparse type: a number in [0, 1] (the rerouting rule's tolerance)."""
+def _number_arg(text: str, ok: Callable[[float], bool], fix: str) -> float:
+    """``text`` as a number that passes ``ok``, else an argparse error saying ``fix``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number in [0, 1], e.g. 0.25")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: {fix}")
     return value
+
+
+def tau_arg(text: str) -> float:
+    """An argparse type: a number in [0, 1] (the rerouting rule's tolerance)."""
+    return _number_arg(text, lambda v: 0 <= v <= 1, "give a number in [0, 1], e.g. 0.25")
 
 
 def bias_arg(text: str) -> float:
     """An argparse type: a finite number >= 0 (NaN or inf would poison every router score)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number >= 0")
-    return value
+    return _number_arg(text, lambda v: math.isfinite(v) and v >= 0, "give a finite number >= 0")
 
 
 def warmup_arg(text: str) -> int:

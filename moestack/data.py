@@ -86,7 +86,8 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_documents() -> Iterator[tuple[str, bytes]]:
+def stdlib_documents() -> Iterator[tuple[str, bytes]]:
+    """The standard library's .py files as (path relative to its root, bytes), in a fixed order."""
     root = stdlib_root()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__"))
@@ -365,7 +366,7 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """Read the configured documents and pack each split into one token array: bytes by
     default, or ``tokenizer``'s ids with its separator between documents."""
     if cfg.source == "stdlib":
-        documents, name = _stdlib_documents(), f"stdlib:{stdlib_root()}"
+        documents, name = stdlib_documents(), f"stdlib:{stdlib_root()}"
     elif cfg.source == "files":
         documents, name = _file_documents(list(cfg.paths), cfg.text_field), ",".join(cfg.paths)
     else:

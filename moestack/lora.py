@@ -107,15 +107,15 @@ def _name_of(model: nn.Module, module: nn.Module) -> str:
 
 def _draw_A(
     shape: tuple[int, ...], fan_in: int, seed: int, name: str, like: torch.Tensor
-) -> nn.Parameter:
+) -> torch.Tensor:
     """A's initial values: uniform in +-1/sqrt(fan_in) (nn.Linear's default), from a
     generator seeded by (seed, name), so every layout of the run draws the same ones."""
     if like.is_meta:  # a model built on meta (the memory plan, a model without experts)
-        return nn.Parameter(torch.empty(shape, dtype=like.dtype, device="meta"))
+        return torch.empty(shape, dtype=like.dtype, device="meta")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     bound = 1.0 / math.sqrt(fan_in)
     values = torch.rand(shape, generator=gen, dtype=torch.float32, device="cpu")
-    return nn.Parameter((values * (2 * bound) - bound).to(device=like.device, dtype=like.dtype))
+    return (values * (2 * bound) - bound).to(device=like.device, dtype=like.dtype)
 
 
 def _expert_A(
@@ -127,7 +127,7 @@ def _expert_A(
     once a rank holds them (``init_expert_adapters``)."""
     if like.is_meta:
         return torch.empty(shape, dtype=like.dtype, device="meta")
-    rows = [_draw_A(shape[1:], fan_in, seed, f"{name}/expert{first + e}", like).data
+    rows = [_draw_A(shape[1:], fan_in, seed, f"{name}/expert{first + e}", like)
             for e in range(shape[0])]  # fmt: skip
     return torch.stack(rows) if rows else torch.empty(shape, dtype=like.dtype, device=like.device)
 
@@ -181,7 +181,9 @@ def _add_linear_adapter(linear: nn.Linear, cfg: LoRAConfig, seed: int, name: str
     out_features, in_features = linear.weight.shape
     _check_rank(cfg, f"{name}.weight", in_features, out_features)
     like = linear.weight.detach()
-    linear.lora_A = _draw_A((cfg.rank, in_features), in_features, seed, f"{name}.lora_A", like)
+    linear.lora_A = nn.Parameter(
+        _draw_A((cfg.rank, in_features), in_features, seed, f"{name}.lora_A", like)
+    )
     linear.lora_B = nn.Parameter(torch.zeros(out_features, cfg.rank, dtype=like.dtype,
                                              device=like.device))  # fmt: skip
     linear.lora_scale, linear.lora_dropout = cfg.scale, cfg.dropout

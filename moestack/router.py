@@ -128,9 +128,7 @@ class Router(nn.Module):
         and ``extra_bias_TE`` (``[E]`` or ``[T, E]``, e.g. a cache's resident experts). Biases
         steer selection only: the weights are the chosen experts' scores (renormalised when
         ``cfg.renormalize``)."""
-        select_TE = None
-        if self.cfg.bias_update_rate > 0:
-            select_TE = scores_TE + self.expert_bias
+        select_TE = self.selection_scores(scores_TE) if self.cfg.bias_update_rate > 0 else None
         if extra_bias_TE is not None:
             select_TE = (scores_TE if select_TE is None else select_TE) + extra_bias_TE
         if select_TE is None:
@@ -139,6 +137,11 @@ class Router(nn.Module):
             experts_TK = torch.topk(select_TE, self.top_k, dim=-1).indices
             weights_TK = scores_TE.gather(-1, experts_TK)
         return self._renormalized(weights_TK), experts_TK
+
+    def selection_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """What the top k is taken of: the scores plus the aux-loss-free bias when it is
+        trained (``cfg.bias_update_rate > 0``), else the scores."""
+        return scores_TE + self.expert_bias if self.cfg.bias_update_rate > 0 else scores_TE
 
     def weights_of(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor) -> torch.Tensor:
         """The combine weights ``[T, k]`` of experts chosen by other means (rerouting): their

@@ -73,12 +73,6 @@ def make_buckets(
     return buckets
 
 
-def check_choice(pipeline: Any) -> None:
-    """Raise ValueError unless ``pipeline`` is "auto", True or False."""
-    if not isinstance(pipeline, bool) and pipeline != "auto":
-        raise ValueError(f"pipeline={pipeline!r}: use 'auto', True or False")
-
-
 def refusal(
     specs: Sequence[ParamSpec],
     *,
@@ -104,24 +98,9 @@ def refusal(
     return None
 
 
-def chooses_pipeline(
-    requested: Any,
-    specs: Sequence[ParamSpec],
-    *,
-    overlap: bool,
-    why_not: str | None,
-) -> bool:
-    """Whether the step is pipelined: ``"auto"`` where it pays (every parameter on a GPU,
-    ``overlap`` on) and may (``why_not`` is None, :func:`refusal`); True forces it (on CPU
-    parameters too, where its logic can be tested), raising ``why_not``."""
-    if requested is False:
-        return False
-    if requested is True:
-        if why_not is not None:
-            raise ValueError(f"pipeline=True cannot be used: {why_not}")
-        return True
-    on_devices = bool(specs) and all(s.device != "cpu" for s in specs)
-    return why_not is None and overlap and on_devices
+def on_devices(specs: Sequence[ParamSpec]) -> bool:
+    """Whether every parameter is on a GPU (where the pipelined step pays)."""
+    return bool(specs) and all(s.device != "cpu" for s in specs)
 
 
 def grad_buffer_dtype(specs: Sequence[ParamSpec]) -> torch.dtype:

@@ -29,12 +29,6 @@ from torch import Tensor
 from moestack.optim.plan import ParamSpec, ShardPlan
 
 
-def check_choice(value: Any) -> None:
-    """Raise ValueError unless ``value`` is "auto", True or False."""
-    if not isinstance(value, bool) and value != "auto":
-        raise ValueError(f"reduce_on_device={value!r}: use 'auto', True or False")
-
-
 def refusal(
     specs: Sequence[ParamSpec],
     *,
@@ -61,19 +55,6 @@ def refusal(
         if needs not in backend:
             return f"the process group's backend {backend!r} cannot reduce {device} tensors"
     return None
-
-
-def chooses(requested: Any, specs: Sequence[ParamSpec], why_not: str | None) -> bool:
-    """Whether gradients are reduced on the devices: ``"auto"`` where it pays and may
-    (every parameter on a GPU, ``why_not`` None: :func:`refusal`); True forces it (also with
-    CPU parameters over gloo, where its logic is tested), raising ``why_not``."""
-    if requested is False:
-        return False
-    if requested is True:
-        if why_not is not None:
-            raise ValueError(f"reduce_on_device=True cannot be used: {why_not}")
-        return True
-    return why_not is None and all(s.device != "cpu" for s in specs)
 
 
 def buffer_elements(plan: ShardPlan) -> int:

@@ -138,12 +138,13 @@ def _entry_rows(
     ``what`` the rows are, for the error naming a missing piece."""
     lo, hi = want if want is not None else (pieces[0][0], max(p[1] for p in pieces))
     entry: dict[str, Any] = {}
-    covered = lo
+    covered, gap_end = lo, hi
     for plo, phi, piece in pieces:
         a, b = max(lo, plo, covered), min(hi, phi)
         if a >= b:
             continue
-        if a != covered:
+        if a != covered:  # rows covered..a - 1 are in no piece
+            gap_end = a
             break
         for key, value in piece.items():
             if key == "step":
@@ -153,7 +154,7 @@ def _entry_rows(
         covered = b
     if covered != hi:
         raise ValueError(
-            f"the checkpoint's optimizer parts do not hold {what} {covered}..{hi - 1} of "
+            f"the checkpoint's optimizer parts do not hold {what} {covered}..{gap_end - 1} of "
             f"{name!r}: a rank's file is missing"
         )
     return {k: v if k == "step" else torch.cat(v).clone() for k, v in entry.items()}

@@ -86,6 +86,7 @@ from moestack.optim import (
     fused,
     split_master,
     state_format,
+    switches,
     transfer,
     update,
 )
@@ -148,9 +149,10 @@ def plan_offload(
     depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
     buffers: the next step's land beside the ones the update reads) and copies weights back.
-    A pipelined step (``pipeline``, :func:`moestack.optim.buckets.chooses_pipeline`) runs
+    A pipelined step (``pipeline``: :func:`moestack.optim.switches.decide`, where every
+    parameter is on a GPU and ``overlap`` is on) runs
     the staged mode, its gradients crossing in their own dtype when all are bf16. Sharded
-    state with ``reduce_on_device`` (:func:`moestack.optim.device_comm.chooses`; ``backend``:
+    state with ``reduce_on_device`` (``switches.decide``, on GPUs; ``backend``:
     the process group's) keeps only this rank's gradient shard on the host, in the
     gradients' dtype, and bf16 weights staged for the way back."""
     distributed = world_size > 1
@@ -162,7 +164,9 @@ def plan_offload(
         fused_step=fused_step,
         in_place=in_place,
     )
-    pipelined = buckets.chooses_pipeline(pipeline, specs, overlap=overlap, why_not=why_not)
+    pipelined = switches.decide(
+        "pipeline", pipeline, why_not, pays=overlap and buckets.on_devices(specs)
+    )
     num_shards = world_size if (distributed and shard) else 1
     shards = _shard_plan(specs, group_of, is_expert, num_shards, rank)
     steps_in_place = transfer.choose_in_place(
@@ -175,7 +179,9 @@ def plan_offload(
         backend=backend,
         skip_idle_experts=skip_idle_experts,
     )
-    device_reduce = device_comm.chooses(reduce_on_device, specs, why_not_device)
+    device_reduce = switches.decide(
+        "reduce_on_device", reduce_on_device, why_not_device, pays=buckets.on_devices(specs)
+    )
     mode = _fused_mode(specs, fused_step, pipelined, steps_in_place, update_delay, distributed,
                        num_shards)  # fmt: skip
     split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
@@ -329,8 +335,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         update.check_hparams(lr, betas, eps, weight_decay, where="")
         update.check_offload(offload)
         fused.check_choice(fused_step)
-        buckets.check_choice(pipeline)
-        device_comm.check_choice(reduce_on_device)
+        switches.check_switch("pipeline", pipeline)
+        switches.check_switch("reduce_on_device", reduce_on_device)
         _check_delay(update_delay, delay_warmup, in_place)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")

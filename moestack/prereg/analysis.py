@@ -21,7 +21,7 @@ from moestack.prereg.locking import verify
 from moestack.prereg.provenance import check_identities, check_identity, check_run
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
-from moestack.prereg.spec import CACHE_STATS, Analysis, Prereg, load
+from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
 from moestack.prereg.stats import compare, margin, mean, mean_ci, one_sided, passes
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ def analysis_key(spec: Prereg) -> str:
         fields.pop("eval_windows")
     if tuple(fields["serve_batches"]) == (1,):  # one stream: keys as before batches
         fields.pop("serve_batches")
+    if not spec.analysis.steered():  # no steered evaluation: keys as before them
+        for name in ("reroute_taus", "cache_biases", "steer_capacities"):
+            fields.pop(name)
     blob = json.dumps(fields, sort_keys=True, default=list)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -127,6 +130,7 @@ def evaluate_run(
                 metrics[f"{policy}/cap{cap}/b{batch}/hit_rate"] = served.hit_rate
                 metrics[f"{policy}/cap{cap}/b{batch}/miss_rate"] = 1.0 - served.hit_rate
                 metrics[f"{policy}/cap{cap}/b{batch}/misses_per_token"] = served.misses_per_token
+    metrics.update(steered_metrics(model, batches, device, analysis, tokens))
     return {
         "checkpoint": str(ckpt),
         "model_sha256": checkpoint.model_sha256(ckpt),  # the weights scored (verified on load)
@@ -138,6 +142,35 @@ def evaluate_run(
         "num_experts": cfg.model.moe.num_experts,
         "metrics": metrics,
     }
+
+
+def steered_metrics(
+    model: Any, batches: list, device: Any, analysis: Analysis, tokens: int
+) -> dict[str, float]:
+    """Perplexity and LRU misses of each steered evaluation (``Analysis.steered``): one
+    pass each, its tokens steered one at a time toward an LRU cache of its capacity
+    (``moestack.cache.steering``), the served experts replayed with ``analysis.warmup``."""
+    import torch
+
+    from moestack.cache.steering import Steering, stream_steered
+    from moestack.evaluation import evaluate
+    from moestack.telemetry import attach, simulate
+
+    metrics: dict[str, float] = {}
+    for label, cap, tau, bias in analysis.steered():
+        steering = Steering(cap, reroute_tau=tau, cache_aware_bias=bias)
+        tel = attach(model, policies=("lru",), capacities=(cap,), max_memory_tokens=tokens + 1,
+                     entropy=False)  # fmt: skip
+        with tel, stream_steered(model, steering), torch.no_grad():
+            result = evaluate(model, batches, device)
+        stats = simulate(tel.trace, "lru", cap, warmup=analysis.warmup, reuse=False)
+        name = f"{label}/cap{cap}"
+        metrics[f"{name}/perplexity"] = result["eval/perplexity"]
+        metrics[f"{name}/val_loss"] = result["loss/val"]
+        metrics[f"{name}/hit_rate"] = stats.hit_rate
+        metrics[f"{name}/miss_rate"] = 1.0 - stats.hit_rate
+        metrics[f"{name}/misses_per_token"] = stats.misses_per_token
+    return metrics
 
 
 def collect(
@@ -212,6 +245,8 @@ def metric_names(analysis: Analysis) -> list[str]:
               for s in CACHE_STATS]  # fmt: skip
     names += [f"{p}/cap{c}/b{b}/{s}" for p in analysis.policies for c in analysis.capacities
               for b in _batches(analysis) for s in CACHE_STATS]  # fmt: skip
+    names += [f"{label}/cap{c}/{s}" for label, c, _, _ in analysis.steered()
+              for s in STEERED_STATS]  # fmt: skip
     return sorted(names)
 
 
@@ -541,6 +576,45 @@ def control_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[s
                      "ci": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
                      "arms": arms})  # fmt: skip
     return rows
+
+
+def steered_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per arm and steered evaluation (``Analysis.steered``): the seed means of its misses
+    per token and perplexity, and their seed-paired relative changes against the same
+    run unsteered and against the baseline unsteered (the gain of steering stacked on an
+    arm, as the published study reports rerouting on its trained model)."""
+    values = {(r["arm"], r["seed"]): r["metrics"] for r in records if r.get("status") == "done"}
+    rows = []
+    for arm in spec.arms:
+        for label, cap, _, _ in spec.analysis.steered():
+            name, plain = f"{label}/cap{cap}", f"lru/cap{cap}/misses_per_token"
+            seeds = [s for s in spec.seeds if f"{name}/perplexity" in values.get((arm, s), {})]
+            if not seeds:
+                continue
+            run = [values[(arm, s)] for s in seeds]
+            row: dict[str, Any] = {"arm": arm, "steering": label, "capacity": cap, "n": len(seeds)}
+            row["misses_per_token"] = _mean_or_none([m[f"{name}/misses_per_token"] for m in run])
+            row["perplexity"] = _mean_or_none([m[f"{name}/perplexity"] for m in run])
+            row["misses_vs_unsteered"] = _mean_or_none(
+                [m[f"{name}/misses_per_token"] / m[plain] - 1 for m in run if m[plain]]
+            )
+            row["perplexity_vs_unsteered"] = _mean_or_none(
+                [m[f"{name}/perplexity"] / m["perplexity"] - 1 for m in run]
+            )
+            base = [(m, values.get((spec.baseline, s))) for m, s in zip(run, seeds, strict=True)]
+            base = [(m, b) for m, b in base if b is not None]
+            row["misses_vs_baseline"] = _mean_or_none(
+                [m[f"{name}/misses_per_token"] / b[plain] - 1 for m, b in base if b[plain]]
+            )
+            row["perplexity_vs_baseline"] = _mean_or_none(
+                [m[f"{name}/perplexity"] / b["perplexity"] - 1 for m, b in base]
+            )
+            rows.append(row)
+    return rows
+
+
+def _mean_or_none(values: Sequence[float]) -> float | None:
+    return mean(values) if values else None
 
 
 def _ci_verdict(lo: float, hi: float, op: str, threshold: float) -> str:

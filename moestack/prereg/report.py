@@ -18,6 +18,7 @@ from moestack.prereg.analysis import (
     collect,
     control_rows,
     evaluate_hypotheses,
+    steered_rows,
     tested_against,
 )
 from moestack.prereg.analysis import recheck as recheck_runs
@@ -154,6 +155,7 @@ def render_markdown(
         lines += _joint_table(h) if h["comparison"] == "joint" else _arm_table(h)
         lines += _gap_lines(h)
     lines += _control_lines(spec, records)
+    lines += _steered_lines(steered_rows(spec, records))
     lines += _runs_table(spec, records)
     if figures:
         lines += ["## Figures", ""] + [f"![{f}]({f})" for f in figures] + [""]
@@ -440,6 +442,34 @@ def _control_lines(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]
     return lines
 
 
+def _steered_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The steered evaluations: each arm's misses and perplexity with its tokens steered
+    toward the cache, against itself and against the baseline, both unsteered."""
+    if not rows:
+        return []
+    lines = [
+        "## Steered routing",
+        "",
+        "Each run evaluated again with its tokens steered one at a time toward an LRU cache "
+        "(rerouteT: a non-resident pick goes to a resident expert scoring at least (1 - T) of "
+        "the token's best; biasB: B added to the resident experts' scores). Seed means; "
+        "changes paired by seed.",
+        "",
+        "| arm | steering | capacity | seeds | misses per token | vs unsteered | vs baseline "
+        "unsteered | perplexity | vs unsteered | vs baseline unsteered |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {md(r['arm'])} | {r['steering']} | {r['capacity']} | {r['n']} | "
+            f"{_fmt(r['misses_per_token'])} | {_fmt(r['misses_vs_unsteered'], pct=True)} | "
+            f"{_fmt(r['misses_vs_baseline'], pct=True)} | {_fmt(r['perplexity'])} | "
+            f"{_fmt(r['perplexity_vs_unsteered'], pct=True)} | "
+            f"{_fmt(r['perplexity_vs_baseline'], pct=True)} |"
+        )
+    return lines + [""]
+
+
 def _runs_table(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
     a = spec.analysis
     metrics = ["perplexity"] + [f"{p}/cap{c}/hit_rate" for p in a.policies for c in a.capacities]
@@ -619,6 +649,7 @@ def analyze(
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hypotheses": hypotheses,
         "controls": control_rows(spec, records),
+        "steered": steered_rows(spec, records),
         "recheck": checks,
         "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }

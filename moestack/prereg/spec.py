@@ -44,6 +44,9 @@ SCALAR_METRICS = ("perplexity", "val_loss")
 RESERVED_KEYS = ("seed", "out_dir", "resume")  # set by the runner, one value per run
 # <policy>/cap<c>[/b<batch>]/<stat>; \Z: "$" lets a newline end it
 _CACHE_METRIC = re.compile(r"^([a-z+]+)/cap(\d+)/(?:b(\d+)/)?([a-z_]+)\Z")
+# a steered evaluation's metric: reroute<tau>/cap<c>/<stat> or bias<b>/cap<c>/<stat>
+_STEERED_METRIC = re.compile(r"^((?:reroute|bias)[0-9.e+-]+)/cap(\d+)/([a-z_]+)\Z")
+STEERED_STATS = (*SCALAR_METRICS, *CACHE_STATS)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
 _BUDGET = ("steps", "batch_size", "grad_accum")  # each becomes the override KEY=VALUE
 _COUNTS = ("eval_batches", "eval_batch_size", "eval_seq_len", "scatter_capacity")
@@ -134,6 +137,12 @@ def _cache_metric(metric: str) -> tuple[str, int, str] | None:
     """(policy, capacity, statistic) of a cache metric name, or None: not of that form."""
     match = _CACHE_METRIC.match(metric)
     return (match.group(1), int(match.group(2)), match.group(4)) if match else None
+
+
+def steered_metric(metric: str) -> tuple[str, int, str] | None:
+    """(label, capacity, statistic) of a steered evaluation's metric name, or None."""
+    match = _STEERED_METRIC.match(metric)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
 
 
 def serve_batch(metric: str) -> int:
@@ -240,14 +249,22 @@ class Hypothesis:
             )
         if metric not in SCALAR_METRICS:
             parts = _cache_metric(metric)
-            if parts is None:
+            steered = steered_metric(metric)
+            if parts is None and steered is None:
                 raise _fail(
                     f"{at}.metric",
                     f"{metric!r} is not a metric",
-                    f"use one of {SCALAR_METRICS} or "
-                    f"<policy>/cap<capacity>/<{'|'.join(CACHE_STATS)}>",
+                    f"use one of {SCALAR_METRICS}, "
+                    f"<policy>/cap<capacity>/<{'|'.join(CACHE_STATS)}> or "
+                    f"reroute<tau>/cap<capacity>/<{'|'.join(STEERED_STATS)}>",
                 )
-            if parts[2] not in CACHE_STATS:
+            if steered is not None and steered[2] not in STEERED_STATS:
+                raise _fail(
+                    f"{at}.metric",
+                    f"statistic {steered[2]!r} is unknown",
+                    f"use one of {STEERED_STATS}",
+                )
+            if parts is not None and parts[2] not in CACHE_STATS:
                 raise _fail(
                     f"{at}.metric",
                     f"statistic {parts[2]!r} is unknown",
@@ -282,6 +299,14 @@ class Analysis:
     correction: str = "none"  # "holm": Holm over the arms of each hypothesis (one-sided rules)
     decision_reason: str = ""  # why a "mean" rule decides a budget (lock refuses it otherwise)
     scatter_capacity: int = 0  # capacity of the hit-rate-vs-perplexity scatter (0 = 2nd)
+    # Steered evaluations (moestack.cache.steering: one stream, each token steered toward its
+    # layer's LRU cache of each steer capacity): training-free rerouting at each tau in
+    # (0, 1], moestack's cache-aware bias at each value > 0; one more evaluation pass each
+    # (value x capacity), metrics reroute<tau>/cap<c>/<stat> and bias<b>/cap<c>/<stat> with
+    # stat one of perplexity, val_loss, hit_rate, miss_rate, misses_per_token
+    reroute_taus: tuple[float, ...] = ()
+    cache_biases: tuple[float, ...] = ()
+    steer_capacities: tuple[int, ...] = ()  # some of analysis.capacities (empty: the smallest)
     device: str = "auto"  # where the evaluation runs
     given: InitVar[frozenset[str] | None] = None  # the keys the file gave (None: from Python)
 
@@ -319,12 +344,51 @@ class Analysis:
         self._check_rule(given)
         if self.device not in _DEVICES:
             raise _fail("analysis.device", f"{self.device!r}", "use auto, cpu or cuda")
+        self._check_steering()
         if self.scatter_capacity and self.scatter_capacity not in self.capacities:
             raise _fail(
                 "analysis.scatter_capacity",
                 f"{self.scatter_capacity} is not in analysis.capacities",
                 "pick one of them",
             )
+
+    def _check_steering(self) -> None:
+        """The steered evaluations: taus in (0, 1], biases > 0, capacities analysed."""
+        lists = {}
+        for name in ("reroute_taus", "cache_biases", "steer_capacities"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise _fail(f"analysis.{name}", f"{value!r} is not a list", "e.g. [0.25, 0.5]")
+            kind = int if name == "steer_capacities" else float
+            lists[name] = tuple(
+                _number(v, f"analysis.{name}[{i}]", kind) for i, v in enumerate(value)
+            )
+            if len(set(lists[name])) != len(lists[name]):
+                raise _fail(f"analysis.{name}", f"{list(value)} repeats a value", "list each once")
+            _set(self, name, lists[name])
+        for i, tau in enumerate(self.reroute_taus):
+            if not 0 < tau <= 1:
+                raise _fail(f"analysis.reroute_taus[{i}]", f"{tau} not in (0, 1]", "e.g. 0.25")
+        for i, bias in enumerate(self.cache_biases):
+            if bias <= 0:
+                raise _fail(f"analysis.cache_biases[{i}]", f"{bias} <= 0", "give a bias > 0")
+        for i, cap in enumerate(self.steer_capacities):
+            if cap not in self.capacities:
+                raise _fail(
+                    f"analysis.steer_capacities[{i}]",
+                    f"{cap} is not in analysis.capacities",
+                    "pick some of them",
+                )
+
+    def steered(self) -> tuple[tuple[str, int, float, float], ...]:
+        """Each steered evaluation as (label, capacity, reroute tau, cache-aware bias); its
+        metrics are ``<label>/cap<capacity>/<stat>``."""
+        if not (self.reroute_taus or self.cache_biases):
+            return ()
+        caps = self.steer_capacities or (min(self.capacities),)
+        values = [(f"reroute{t:g}", t, 0.0) for t in self.reroute_taus]
+        values += [(f"bias{b:g}", 0.0, b) for b in self.cache_biases]
+        return tuple((label, c, tau, bias) for label, tau, bias in values for c in caps)
 
     def _policies(self) -> tuple[str, ...]:
         policies = self.policies
@@ -647,6 +711,15 @@ class Prereg:
                     f"{at}.metric",
                     f"batch {batch} is not in analysis.serve_batches",
                     "add it there",
+                )
+        elif (steered := steered_metric(hyp.metric)) is not None:
+            known = {(label, cap) for label, cap, _, _ in self.analysis.steered()}
+            if steered[:2] not in known:
+                raise _fail(
+                    f"{at}.metric",
+                    f"{steered[0]} at capacity {steered[1]} is not a steered evaluation",
+                    "add its value to analysis.reroute_taus or cache_biases and its capacity "
+                    "to analysis.steer_capacities",
                 )
 
     def _check_power(self, power: Power) -> None:

@@ -94,21 +94,26 @@ def test_load_names_the_file(tmp_path: Path) -> None:
 def test_shipped_studies_are_valid_and_compose() -> None:
     for name, runs in (
         ("prereg_cpu", 8),
-        ("prereg_137m", 12),
+        ("prereg_137m", 21),
         ("prereg_cpu_v2", 240),
         ("prereg_hf_finetune", 24),
-        ("prereg_cpu_v3", 60),
+        ("prereg_cpu_v3_e16", 60),
     ):
         spec = prereg.load(EXPERIMENTS / f"{name}.yaml")
         assert spec.study == name and len(prereg.plan(spec)) == runs
-    v3 = prereg.load(EXPERIMENTS / "prereg_cpu_v3.yaml")  # a draft: its pilot comes first
-    assert not (EXPERIMENTS / "prereg_cpu_v3.yaml.lock.json").exists()
-    shapes = {}
-    for arm in v3.arms:
-        moe = prereg.compose_config(v3.overrides(arm, 0)).model.moe
-        shapes[arm] = (moe.num_experts, moe.top_k, moe.top_k * moe.d_ff)
-    assert shapes["baseline"] == (64, 8, 512) and v3.runs.controls == ("fewer", "dense")
-    assert shapes["fewer"] == (9, 8, 512) and shapes["dense"] == (1, 1, 512)  # same active
+    # v3's two models: the controls as few experts as the top_k + 1 (fine64) and the 25%
+    # (16 experts) cache holds, and a dense FFN, all at the same active size
+    for name, base, fewer in (("prereg_cpu_v3", (64, 8), 9), ("prereg_cpu_v3_e16", (16, 2), 4)):
+        v3 = prereg.load(EXPERIMENTS / f"{name}.yaml")
+        if (EXPERIMENTS / f"{name}.yaml.lock.json").exists():
+            prereg.verify(v3.path)
+        shapes = {}
+        for arm in v3.arms:
+            moe = prereg.compose_config(v3.overrides(arm, 0)).model.moe
+            shapes[arm] = (moe.num_experts, moe.top_k, moe.top_k * moe.d_ff)
+        assert shapes["baseline"] == (*base, 512) and v3.runs.controls == ("fewer", "dense")
+        assert shapes["fewer"] == (fewer, base[1], 512) and shapes["dense"] == (1, 1, 512)
+        assert fewer in v3.analysis.capacities
     spec = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
     cfg = prereg.compose_config(spec.overrides("pin", 1))
     assert (cfg.seed, cfg.steps, cfg.router.pin, cfg.model.moe.num_experts) == (1, 150, 0.1, 8)

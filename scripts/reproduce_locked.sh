@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Train and analyse pre-registered studies with the code their locks record, whatever this
+# checkout holds now (docs/prereg.md, "The code in the lock"). For each STUDY: the commit that
+# added experiments/STUDY.yaml.lock.json is checked out in a worktree (.study/<commit>, with
+# its own virtual environment: `make setup`, TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for
+# a GPU build), so moestack's sources match the lock's code hash without an amendment; a study
+# whose file names corpus/stdlib.jsonl gets it packed by scripts/pack_corpus.py there (with
+# this interpreter) or copied from this checkout, and the sha256 the file states is checked.
+# The runs live in this checkout's runs/prereg/STUDY (resumable: run the script again after a
+# stop); the report is written into docs/STUDY/.
+#   scripts/reproduce_locked.sh prereg_cpu_v3 prereg_cpu_v3_e16
+#   TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m
+set -euo pipefail
+[ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+for name in "$@"; do
+  f="experiments/$name.yaml"
+  [ -f "$f" ] || { echo "$f does not exist" >&2; exit 1; }
+  [ -f "$f.lock.json" ] || { echo "$f is not locked: its pilot, then its lock committed alone" >&2; exit 1; }
+  commit=$(git log -n 1 --format=%H -- "$f.lock.json")
+  [ -n "$commit" ] || { echo "$f.lock.json is not committed: commit it alone first" >&2; exit 1; }
+  tree="$root/.study/${commit:0:12}"
+  [ -d "$tree" ] || git worktree add --detach "$tree" "$commit"
+  make -C "$tree" setup ${TORCH_SPEC:+TORCH_SPEC="$TORCH_SPEC"}
+  if grep -q "corpus/stdlib.jsonl" "$tree/$f"; then
+    want=$(grep -o "sha256 [0-9a-f]\{64\}" "$tree/$f" | head -n 1 | cut -d' ' -f2)
+    if [ ! -f "$tree/corpus/stdlib.jsonl" ]; then
+      if [ -f "$root/corpus/stdlib.jsonl" ]; then
+        mkdir -p "$tree/corpus" && cp "$root/corpus/stdlib.jsonl" "$tree/corpus/"
+      else
+        (cd "$tree" && .venv/bin/python scripts/pack_corpus.py corpus/stdlib.jsonl)
+      fi
+    fi
+    got=$(sha256sum "$tree/corpus/stdlib.jsonl" | cut -d' ' -f1)
+    [ "$got" = "$want" ] || { echo "corpus/stdlib.jsonl has sha256 $got, not the $want $f states: pack it with the Python it names" >&2; exit 1; }
+  fi
+  m="$tree/.venv/bin/moestack"
+  out="$root/runs/prereg/$name"
+  (cd "$tree" && "$m" prereg run "$f" --out "$out" --jobs "${JOBS:-2}")
+  (cd "$tree" && "$m" prereg analyze "$f" --out "$out" --jobs "${JOBS:-2}" --report "$root/docs/$name")
+done
