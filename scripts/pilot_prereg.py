@@ -11,7 +11,8 @@ pilot never reads the windows of the confirmatory test. ``--candidate NAME=OVERR
 arms the study does not list (its weights tried in the pilot: ``temporal0.1=router=temporal,
 router.temporal=0.1``); ``--bias-grid 0.01,0.03`` evaluates the baseline's runs again with
 each cache-aware bias, steered as the study steers (one stream), for the study's choice of
-``analysis.cache_biases``. Per budget it reports
+``analysis.cache_biases``; otherwise the pilot leaves the study's steered evaluations out,
+so it gives no spread for a hypothesis on a steered metric. Per budget it reports
 the baseline's seed-to-seed spread of perplexity and the paired spread of each arm's
 perplexity change (arm / baseline - 1 on the same seed), and the seeds
 ``moestack.prereg.seeds_needed`` derives from it.
@@ -279,6 +280,7 @@ def parse_args() -> argparse.Namespace:
         "--bias-grid", default="", help="cache-aware biases tried on the baseline's runs"
     )
     parser.add_argument("--json", default="", help="write the summary here (and per budget)")
+    parser.add_argument("--plot", default="", help="draw the arms' trade-off into this PNG")
     parser.add_argument("--check-pairing", action="store_true", help="check paired seeds first")
     parser.add_argument(
         "--collect", action="store_true", help="train nothing: summarise the finished runs only"
@@ -335,8 +337,42 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     print(table)
+    if args.plot and summary["budgets"]:
+        plot_tradeoff(summary, Path(args.plot))
     if "pairing" in summary:
         print(json.dumps(summary["pairing"], indent=2))
+
+
+def plot_tradeoff(summary: dict[str, Any], path: Path) -> None:
+    """One panel per budget: each arm's paired perplexity change against its change of LRU
+    misses per token (seed means, bars from the seeds' extremes), the +1% budget dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = summary["budgets"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.2 * len(budgets), 4.2), squeeze=False)
+    for ax, (steps, budget) in zip(axes[0], budgets.items(), strict=True):
+        for arm, row in budget["study_eval"]["arms"].items():
+            x = [100 * v for v in row["d_miss"]]
+            y = [100 * v for v in row["d_ppl"]]
+            mx, my = statistics.fmean(x), statistics.fmean(y)
+            ax.errorbar(mx, my, xerr=[[mx - min(x)], [max(x) - mx]],
+                        yerr=[[my - min(y)], [max(y) - my]], fmt="o", capsize=3, label=arm)  # fmt: skip
+            ax.annotate(arm, (mx, my), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(1.0, color="grey", ls="--", lw=1, label="+1% perplexity")
+        ax.axhline(0.0, color="black", lw=0.5)
+        ax.set_xlabel("change of LRU misses per token, smallest capacity (%)")
+        ax.set_ylabel("paired perplexity change (%)")
+        windows = budget.get("eval_windows", [0.0, 1.0])
+        ax.set_title(f"{steps} steps; validation windows {windows[0]:g}-{windows[1]:g}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def out_runs(out: Path, steps: int) -> Path:

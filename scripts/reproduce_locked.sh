@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Train and analyse pre-registered studies with the code their locks record, whatever this
 # checkout holds now (docs/prereg.md, "The code in the lock"). For each STUDY: the commit that
-# added experiments/STUDY.yaml.lock.json is checked out in a worktree (.study/<commit>, with
-# its own virtual environment: `make setup`, TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for
-# a GPU build), so moestack's sources match the lock's code hash without an amendment; a study
-# whose file names corpus/stdlib.jsonl gets it packed by scripts/pack_corpus.py there (with
-# this interpreter) or copied from this checkout, and the sha256 the file states is checked.
+# last changed experiments/STUDY.yaml.lock.json (its newest lock record, committed alone) is
+# checked out in a worktree (.study/<commit>, with its own virtual environment: `make setup`,
+# TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for a GPU build), so moestack's sources match
+# the newest lock's code hash without an amendment; a study whose file names
+# corpus/stdlib.jsonl gets it copied from this checkout or packed by scripts/pack_corpus.py
+# there (with this interpreter), and checked against the file's "corpus sha256: <hex>" line.
 # The runs live in this checkout's runs/prereg/STUDY (resumable: run the script again after a
 # stop); the report is written into docs/STUDY/.
 #   scripts/reproduce_locked.sh prereg_cpu_v3 prereg_cpu_v3_e16
-#   TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m
+#   JOBS=1 TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m   # one run at a time on a GPU
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
@@ -24,7 +25,8 @@ for name in "$@"; do
   [ -d "$tree" ] || git worktree add --detach "$tree" "$commit"
   make -C "$tree" setup ${TORCH_SPEC:+TORCH_SPEC="$TORCH_SPEC"}
   if grep -q "corpus/stdlib.jsonl" "$tree/$f"; then
-    want=$(grep -o "sha256 [0-9a-f]\{64\}" "$tree/$f" | head -n 1 | cut -d' ' -f2)
+    want=$(grep -o "corpus sha256: [0-9a-f]\{64\}" "$tree/$f" | head -n 1 | cut -d' ' -f3) || true
+    [ -n "$want" ] || { echo "$f names corpus/stdlib.jsonl but states no 'corpus sha256: <hex>'" >&2; exit 1; }
     if [ ! -f "$tree/corpus/stdlib.jsonl" ]; then
       if [ -f "$root/corpus/stdlib.jsonl" ]; then
         mkdir -p "$tree/corpus" && cp "$root/corpus/stdlib.jsonl" "$tree/corpus/"
@@ -33,7 +35,7 @@ for name in "$@"; do
       fi
     fi
     got=$(sha256sum "$tree/corpus/stdlib.jsonl" | cut -d' ' -f1)
-    [ "$got" = "$want" ] || { echo "corpus/stdlib.jsonl has sha256 $got, not the $want $f states: pack it with the Python it names" >&2; exit 1; }
+    [ "$got" = "$want" ] || { echo "$tree/corpus/stdlib.jsonl has sha256 $got, not the $want $f states: delete it and bring the file the study names (pack it with the Python it names)" >&2; exit 1; }
   fi
   m="$tree/.venv/bin/moestack"
   out="$root/runs/prereg/$name"

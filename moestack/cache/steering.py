@@ -24,6 +24,7 @@ experts, so replaying it through LRU at ``capacity`` gives the steered misses.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,10 +48,10 @@ class Steering:
     def __post_init__(self) -> None:
         if self.capacity < 1:
             raise ValueError(f"steering capacity={self.capacity} must be >= 1 expert slot")
-        if not 0 <= self.reroute_tau <= 1:
+        if not 0 <= self.reroute_tau <= 1:  # NaN fails this too
             raise ValueError(f"reroute_tau={self.reroute_tau} must be in [0, 1]")
-        if self.cache_aware_bias < 0:
-            raise ValueError(f"cache_aware_bias={self.cache_aware_bias} must be >= 0")
+        if not (math.isfinite(self.cache_aware_bias) and self.cache_aware_bias >= 0):
+            raise ValueError(f"cache_aware_bias={self.cache_aware_bias} must be finite and >= 0")
 
 
 def rerouted_picks(

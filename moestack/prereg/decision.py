@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.spec import ONE_SIDED, SCALAR_METRICS, Hypothesis, Prereg
+from moestack.prereg.spec import ONE_SIDED, Hypothesis, Prereg, is_quality_metric
 from moestack.prereg.stats import bound, holm
 
 __all__ = ["ONE_SIDED", "check_rules", "decide", "is_budget", "rule", "state", "verdict"]
@@ -42,7 +42,7 @@ def is_budget(hyp: Hypothesis) -> bool:
     return (
         hyp.comparison in ("relative_change", "difference", "gap_fraction")
         and hyp.op == "<="
-        and hyp.metric in SCALAR_METRICS
+        and is_quality_metric(hyp.metric)
     )
 
 

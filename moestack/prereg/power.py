@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.spec import SCALAR_METRICS, Hypothesis, Prereg, load
+from moestack.prereg.spec import Hypothesis, Prereg, is_quality_metric, load
 from moestack.prereg.stats import compare, half_width, sample_sd, t_quantile
 
 DEFAULT_HALF_WIDTH = 0.005  # 0.5 pp of relative change: half the 1% perplexity budget
@@ -134,7 +134,7 @@ def analyse(
                 "arm": arm,
                 "metric": hyp.metric,
                 "comparison": hyp.comparison,
-                "budget": hyp.metric in SCALAR_METRICS,
+                "budget": is_quality_metric(hyp.metric),
                 "pilot_seeds": len(values) if values else 0,
                 "sd": sd,
                 "source": "pilot" if values else ("pooled" if sd is not None else "none"),

@@ -145,6 +145,14 @@ def steered_metric(metric: str) -> tuple[str, int, str] | None:
     return (match.group(1), int(match.group(2)), match.group(3)) if match else None
 
 
+def is_quality_metric(metric: str) -> bool:
+    """Whether ``metric`` measures the model's quality (perplexity or val_loss), plain or
+    under a steered evaluation: what a budget hypothesis may let rise by at most its
+    threshold."""
+    steered = steered_metric(metric)
+    return metric in SCALAR_METRICS or (steered is not None and steered[2] in SCALAR_METRICS)
+
+
 def serve_batch(metric: str) -> int:
     """The batch a cache metric's replay serves (``lru/cap4/b8/miss_rate``: 8; 1 without)."""
     match = _CACHE_METRIC.match(metric)
@@ -256,7 +264,7 @@ class Hypothesis:
                     f"{metric!r} is not a metric",
                     f"use one of {SCALAR_METRICS}, "
                     f"<policy>/cap<capacity>/<{'|'.join(CACHE_STATS)}> or "
-                    f"reroute<tau>/cap<capacity>/<{'|'.join(STEERED_STATS)}>",
+                    f"<reroute<tau>|bias<b>>/cap<capacity>/<{'|'.join(STEERED_STATS)}>",
                 )
             if steered is not None and steered[2] not in STEERED_STATS:
                 raise _fail(
@@ -379,16 +387,40 @@ class Analysis:
                     f"{cap} is not in analysis.capacities",
                     "pick some of them",
                 )
+        steered = self.reroute_taus or self.cache_biases
+        if self.steer_capacities and not steered:
+            raise _fail(
+                "analysis.steer_capacities",
+                f"{list(self.steer_capacities)} without reroute_taus or cache_biases",
+                "give the taus or biases to evaluate, or remove it",
+            )
+        if steered and "lru" not in self.policies:
+            raise _fail(
+                "analysis.policies",
+                f"{list(self.policies)} without lru, which steered evaluations replay",
+                "add lru",
+            )
+        labels = [label for label, _, _ in self._steer_values()]
+        if len(set(labels)) != len(labels):
+            raise _fail(
+                "analysis.reroute_taus" if self.reroute_taus else "analysis.cache_biases",
+                f"values whose metrics would be named alike ({labels})",
+                "give values that differ in their first 6 significant digits",
+            )
 
     def steered(self) -> tuple[tuple[str, int, float, float], ...]:
         """Each steered evaluation as (label, capacity, reroute tau, cache-aware bias); its
         metrics are ``<label>/cap<capacity>/<stat>``."""
-        if not (self.reroute_taus or self.cache_biases):
+        values = self._steer_values()
+        if not values:
             return ()
         caps = self.steer_capacities or (min(self.capacities),)
-        values = [(f"reroute{t:g}", t, 0.0) for t in self.reroute_taus]
-        values += [(f"bias{b:g}", 0.0, b) for b in self.cache_biases]
         return tuple((label, c, tau, bias) for label, tau, bias in values for c in caps)
+
+    def _steer_values(self) -> list[tuple[str, float, float]]:
+        """(label, tau, bias) of each steering value: the label names its metrics."""
+        values = [(f"reroute{t:g}", t, 0.0) for t in self.reroute_taus]
+        return values + [(f"bias{b:g}", 0.0, b) for b in self.cache_biases]
 
     def _policies(self) -> tuple[str, ...]:
         policies = self.policies
@@ -715,9 +747,11 @@ class Prereg:
         elif (steered := steered_metric(hyp.metric)) is not None:
             known = {(label, cap) for label, cap, _, _ in self.analysis.steered()}
             if steered[:2] not in known:
+                names = sorted(f"{label}/cap{cap}" for label, cap in known) or "none"
                 raise _fail(
                     f"{at}.metric",
-                    f"{steered[0]} at capacity {steered[1]} is not a steered evaluation",
+                    f"{steered[0]} at capacity {steered[1]} is not a steered evaluation "
+                    f"(the analysis has {names})",
                     "add its value to analysis.reroute_taus or cache_biases and its capacity "
                     "to analysis.steer_capacities",
                 )

@@ -190,3 +190,10 @@ def test_bad_steering_is_refused() -> None:
     no_router = stream_steered(torch.nn.Linear(2, 2), Steering(2, reroute_tau=0.5))
     with pytest.raises(ValueError, match="no moestack Router"), no_router:
         pass
+
+
+@pytest.mark.parametrize("kw", [{"reroute_tau": float("nan")}, {"cache_aware_bias": float("inf")},
+                                {"cache_aware_bias": float("nan")}])  # fmt: skip
+def test_non_finite_steering_is_refused(kw) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        Steering(2, **kw)

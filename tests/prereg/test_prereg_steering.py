@@ -149,3 +149,44 @@ def test_steered_rows_against_hand_worked_numbers(tmp_path: Path) -> None:
     assert rows["baseline"]["misses_vs_unsteered"] == pytest.approx((-0.5 - 0.75) / 2)
     text = "\n".join(prereg.report._steered_lines(steered_rows(spec, records)))
     assert "| a | reroute0.25 | 2 | 2 | 0.75 | -50.0% | -75.0% |" in text
+
+
+def test_the_shipped_studies_keep_their_evaluation_keys() -> None:
+    """Keys computed before steered evaluations existed (prereg_cpu_v2's is in its pilot's
+    records): a study that uses none of the new fields reuses its cached evaluations."""
+    from helpers.paths import EXPERIMENTS
+
+    for name, key in (("prereg_cpu", "8aef0d7b1fcde549"), ("prereg_cpu_v2", "656cce0565adb2c0"),
+                      ("prereg_hf_finetune", "a9c504d71d94d25e")):  # fmt: skip
+        assert analysis_key(prereg.load(EXPERIMENTS / f"{name}.yaml")) == key
+
+
+@pytest.mark.parametrize(
+    ("analysis", "named"),
+    [
+        ({"steer_capacities": [2]}, r"analysis\.steer_capacities: \[2\] without reroute_taus"),
+        ({"reroute_taus": [0.5], "policies": ["static"]}, r"analysis\.policies: .* without lru"),
+        ({"reroute_taus": [0.1, 0.1000001]}, r"analysis\.reroute_taus: values whose metrics"),
+        ({"cache_biases": [0.2, 0.20000001]}, r"analysis\.cache_biases: values whose metrics"),
+    ],
+)
+def test_steering_that_could_not_be_reported_is_refused(tmp_path, analysis, named) -> None:
+    with pytest.raises(MoestackError, match=named):
+        prereg.parse(steered_study(**analysis), tmp_path / "s.yaml")
+
+
+def test_a_steered_perplexity_is_a_budget(tmp_path: Path) -> None:
+    """A budget on the steered perplexity needs a one-sided rule (or a reason for the mean)
+    as the plain perplexity's does; the refusal of an unknown label lists the known ones."""
+    from moestack.prereg.decision import check_rules, is_budget
+
+    data = steered_study(reroute_taus=[0.25])
+    data["hypotheses"] = [{**hypothesis_on("reroute0.25/cap2/perplexity"), "op": "<=",
+                           "threshold": 0.01}]  # fmt: skip
+    spec = prereg.parse(data, tmp_path / "s.yaml")
+    assert is_budget(spec.hypotheses[0])
+    with pytest.raises(MoestackError, match="mean"):
+        check_rules(spec)
+    data["hypotheses"] = [hypothesis_on("bias0.5/cap2/perplexity")]
+    with pytest.raises(MoestackError, match=r"the analysis has \['reroute0\.25/cap2'\]"):
+        prereg.parse(data, tmp_path / "s.yaml")
