@@ -76,7 +76,9 @@ def pilot_analysis(spec: Prereg, *, steering: bool = False) -> Analysis:
     ``steering`` its steered evaluations are left out (``--bias-grid`` runs them apart)."""
     analysis = spec.analysis
     if not steering:
-        analysis = dataclasses.replace(analysis, reroute_taus=(), cache_biases=())
+        analysis = dataclasses.replace(
+            analysis, reroute_taus=(), cache_biases=(), steer_capacities=()
+        )
     if spec.selection is None:
         return analysis
     return dataclasses.replace(analysis, eval_windows=spec.selection.windows)
@@ -434,7 +436,9 @@ def bias_grid(
     bias of ``grid`` (steered one stream at the study's steer capacity): per bias, the seeds'
     perplexity change and misses-per-token change against the same run unsteered. Cached in
     each run folder (``pilot_bias.json``)."""
-    analysis = dataclasses.replace(pilot_analysis(spec, steering=False), cache_biases=grid)
+    analysis = dataclasses.replace(
+        pilot_analysis(spec), cache_biases=grid, steer_capacities=spec.analysis.steer_capacities
+    )
     cap = analysis.steered()[0][1]
     plain = f"lru/cap{cap}/misses_per_token"
     out: dict[str, Any] = {"capacity": cap, "biases": {}}
