@@ -22,7 +22,7 @@ from moestack.prereg.provenance import check_identities, check_identity, check_r
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
-from moestack.prereg.stats import compare, margin, mean, mean_ci, one_sided, passes
+from moestack.prereg.stats import compare, gap_form, margin, mean, mean_ci, one_sided, passes
 
 log = logging.getLogger(__name__)
 
@@ -500,7 +500,7 @@ def _arm_row(
             gap = compare("relative_change", c[hyp.metric], base)
             changes.append(change)
             gaps.append(gap)
-            per_seed.append(change - hyp.threshold * gap)
+            per_seed.append(gap_form(a[hyp.metric], base, c[hyp.metric], hyp.threshold))
         else:
             per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
     row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}

@@ -21,7 +21,7 @@ from typing import Any
 
 from moestack.errors import MoestackError
 from moestack.prereg.spec import Hypothesis, Prereg, is_quality_metric, load
-from moestack.prereg.stats import compare, half_width, sample_sd, t_quantile
+from moestack.prereg.stats import compare, gap_form, half_width, sample_sd, t_quantile
 
 DEFAULT_HALF_WIDTH = 0.005  # 0.5 pp of relative change: half the 1% perplexity budget
 MAX_SEEDS = 100_000
@@ -95,7 +95,8 @@ def load_pilot(path: Path | str) -> list[dict[str, Any]]:
 def _paired(
     hyp: Hypothesis, arm: str, baseline: str, records: Sequence[dict[str, Any]]
 ) -> list[float]:
-    """The per-seed comparisons of ``arm`` with ``baseline`` in the pilot (as the analysis)."""
+    """The per-seed comparisons of ``arm`` with ``baseline`` in the pilot (as the analysis;
+    a gap_fraction one also needs the control's run of the seed)."""
     by = {(r["arm"], r["seed"]): r["metrics"] for r in records}
     out = []
     for (name, seed), metrics in sorted(by.items(), key=lambda kv: str(kv[0])):
@@ -105,7 +106,13 @@ def _paired(
         if hyp.comparison != "value" and (base is None or hyp.metric not in base):
             continue
         base_value = base[hyp.metric] if base is not None else math.nan
-        value = compare(hyp.comparison, metrics[hyp.metric], base_value)
+        if hyp.comparison == "gap_fraction":
+            control = by.get((hyp.control, seed))
+            if control is None or hyp.metric not in control:
+                continue
+            value = gap_form(metrics[hyp.metric], base_value, control[hyp.metric], hyp.threshold)
+        else:
+            value = compare(hyp.comparison, metrics[hyp.metric], base_value)
         if not math.isnan(value):
             out.append(value)
     return out

@@ -110,6 +110,13 @@ def compare(comparison: str, arm: float, base: float) -> float:
     return arm
 
 
+def gap_form(arm: float, base: float, control: float, fraction: float) -> float:
+    """One seed's gap_fraction comparison: ``(arm/base - 1) - fraction x (control/base - 1)``,
+    tested against 0 (the arm's change is at most ``fraction`` of the control's gap)."""
+    change = compare("relative_change", arm, base)
+    return change - fraction * compare("relative_change", control, base)
+
+
 def passes(value: float, op: str, threshold: float) -> bool:
     """Whether ``value`` is on the passing side of ``threshold`` (op "<=" or ">=")."""
     return value <= threshold if op == "<=" else value >= threshold

@@ -139,3 +139,22 @@ def test_batched_replay_metrics_are_named_and_keyed_apart(tmp_path) -> None:
     explicit["analysis"]["serve_batches"] = [1]
     assert analysis_key(prereg.parse(explicit, tmp_path / "s.yaml")) == analysis_key(plain)
     assert analysis_key(batched) != analysis_key(plain)
+
+
+def test_power_of_a_gap_hypothesis_uses_the_per_seed_linear_form(tmp_path: Path) -> None:
+    """The power table's spread of H5 is that of (arm/base - 1) - 0.25 x (control/base - 1)
+    per seed, worked by hand from PERPLEXITY, not the spread of the arm's perplexity."""
+    import statistics
+
+    from moestack.prereg.power import analyse
+
+    spec = prereg.parse(controlled(), tmp_path / "s.yaml")
+    rows = {(r["hypothesis"], r["arm"]): r for r in analyse(spec, records(spec), 0.005, 0.95)}
+    base = PERPLEXITY["baseline"]
+    for arm in ("a", "b"):
+        per_seed = [
+            (a / b - 1) - 0.25 * (c / b - 1)
+            for a, b, c in zip(PERPLEXITY[arm], base, PERPLEXITY["fewer"], strict=True)
+        ]
+        assert rows[("H5", arm)]["sd"] == pytest.approx(statistics.stdev(per_seed))
+        assert rows[("H5", arm)]["budget"] and rows[("H5", arm)]["pilot_seeds"] == 3
