@@ -150,11 +150,10 @@ def plan_offload(
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
     buffers: the next step's land beside the ones the update reads) and copies weights back.
     A pipelined step (``pipeline``: :func:`moestack.optim.switches.decide`, where every
-    parameter is on a GPU and ``overlap`` is on) runs
-    the staged mode, its gradients crossing in their own dtype when all are bf16. Sharded
-    state with ``reduce_on_device`` (``switches.decide``, on GPUs; ``backend``:
-    the process group's) keeps only this rank's gradient shard on the host, in the
-    gradients' dtype, and bf16 weights staged for the way back."""
+    parameter is on a GPU and ``overlap`` is on) runs the staged mode, its gradients crossing
+    in their own dtype when all are bf16. Sharded state with ``reduce_on_device``
+    (:func:`_reduces_on_device`; ``backend``: the process group's) keeps only this rank's
+    gradient shard on the host, in the gradients' dtype, and bf16 weights staged back."""
     distributed = world_size > 1
     why_not = buckets.refusal(
         specs,
@@ -172,15 +171,8 @@ def plan_offload(
     steps_in_place = transfer.choose_in_place(
         False if (update_delay or pipelined) else in_place, specs, distributed
     )
-    why_not_device = device_comm.refusal(
-        specs,
-        num_shards=num_shards,
-        fused_step=fused_step,
-        backend=backend,
-        skip_idle_experts=skip_idle_experts,
-    )
-    device_reduce = switches.decide(
-        "reduce_on_device", reduce_on_device, why_not_device, pays=buckets.on_devices(specs)
+    device_reduce = _reduces_on_device(
+        specs, reduce_on_device, num_shards, fused_step, backend, skip_idle_experts
     )
     mode = _fused_mode(specs, fused_step, pipelined, steps_in_place, update_delay, distributed,
                        num_shards)  # fmt: skip
@@ -205,6 +197,26 @@ def plan_offload(
         *(shards, steps_in_place, mode, split, staging, host, scratch),
         *(pipelined, grad_dtype, device_reduce, comm),
     )
+
+
+def _reduces_on_device(
+    specs: Sequence[ParamSpec],
+    requested: bool | str,
+    num_shards: int,
+    fused_step: str,
+    backend: str | None,
+    skip_idle_experts: bool,
+) -> bool:
+    """Whether the ranks reduce their gradients on the devices (``reduce_on_device``): where
+    ``device_comm.refusal`` allows it and, on "auto", every parameter is on a GPU."""
+    why_not = device_comm.refusal(
+        specs,
+        num_shards=num_shards,
+        fused_step=fused_step,
+        backend=backend,
+        skip_idle_experts=skip_idle_experts,
+    )
+    return switches.decide("reduce_on_device", requested, why_not, pays=buckets.on_devices(specs))
 
 
 def _grad_dtype(specs: Sequence[ParamSpec], pipelined: bool, device_reduce: bool) -> torch.dtype:

@@ -78,13 +78,12 @@ def evaluate_run(
     ``corpora`` caches loaded corpora between runs (keyed by the data config and, for a
     transformers model folder, its path: its own tokenizer reads the text, as in training).
     """
-    import torch
 
     from moestack import checkpoint
     from moestack.data import eval_batches
-    from moestack.evaluation import evaluate, resolve_device
+    from moestack.evaluation import resolve_device
     from moestack.runs import load_run, run_corpus
-    from moestack.telemetry import attach, simulate
+    from moestack.telemetry import simulate
 
     run = load_run(run_dir)
     cfg, ckpt, step = run.cfg, run.checkpoint, run.step
@@ -104,16 +103,8 @@ def evaluate_run(
     val = windows_of(corpora[key].val, analysis.eval_windows, seq_len)
     batches = eval_batches(val, batch_size, seq_len, analysis.eval_batches)
     tokens = batch_size * seq_len * analysis.eval_batches
-    tel = attach(
-        model,
-        policies=analysis.policies,
-        capacities=analysis.capacities,
-        max_memory_tokens=tokens + 1,
-        entropy=False,
-    )
-    with tel, torch.no_grad():
-        result = evaluate(model, batches, device)
-    trace = tel.trace
+    result, trace = traced_evaluation(model, batches, device, analysis.policies,
+                                      analysis.capacities, tokens)  # fmt: skip
     metrics: dict[str, float] = {
         "perplexity": result["eval/perplexity"],
         "val_loss": result["loss/val"],
@@ -144,26 +135,44 @@ def evaluate_run(
     }
 
 
+def traced_evaluation(
+    model: Any,
+    batches: list,
+    device: Any,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    tokens: int,
+) -> tuple[dict[str, float], Any]:
+    """One eval-mode pass over ``batches``: its loss and perplexity, and the routing trace
+    telemetry recorded of its ``tokens`` tokens."""
+    import torch
+
+    from moestack.evaluation import evaluate
+    from moestack.telemetry import attach
+
+    tel = attach(model, policies=tuple(policies), capacities=tuple(capacities),
+                 max_memory_tokens=tokens + 1, entropy=False)  # fmt: skip
+    with tel, torch.no_grad():
+        result = evaluate(model, batches, device)
+    return result, tel.trace
+
+
 def steered_metrics(
     model: Any, batches: list, device: Any, analysis: Analysis, tokens: int
 ) -> dict[str, float]:
     """Perplexity and LRU misses of each steered evaluation (``Analysis.steered``): one
     pass each, its tokens steered one at a time toward an LRU cache of its capacity
     (``moestack.cache.steering``), the served experts replayed with ``analysis.warmup``."""
-    import torch
 
     from moestack.cache.steering import Steering, stream_steered
-    from moestack.evaluation import evaluate
-    from moestack.telemetry import attach, simulate
+    from moestack.telemetry import simulate
 
     metrics: dict[str, float] = {}
     for label, cap, tau, bias in analysis.steered():
         steering = Steering(cap, reroute_tau=tau, cache_aware_bias=bias)
-        tel = attach(model, policies=("lru",), capacities=(cap,), max_memory_tokens=tokens + 1,
-                     entropy=False)  # fmt: skip
-        with tel, stream_steered(model, steering), torch.no_grad():
-            result = evaluate(model, batches, device)
-        stats = simulate(tel.trace, "lru", cap, warmup=analysis.warmup, reuse=False)
+        with stream_steered(model, steering):
+            result, trace = traced_evaluation(model, batches, device, ("lru",), (cap,), tokens)
+        stats = simulate(trace, "lru", cap, warmup=analysis.warmup, reuse=False)
         name = f"{label}/cap{cap}"
         metrics[f"{name}/perplexity"] = result["eval/perplexity"]
         metrics[f"{name}/val_loss"] = result["loss/val"]
