@@ -7,7 +7,7 @@ state (torch AdamW on the device; OffloadAdamW's flat host buffers, sharded ZeRO
 ``model.checkpointing``. With expert parallelism (``parallel.ep``) each rank holds
 ``num_experts / ep`` experts of every layer, and OffloadAdamW shards the experts' state over
 their data-parallel group (``ranks / ep``). The optimizer state is what the optimizers' own
-plans say they allocate (:func:`moestack.optim.offload.plan_offload`,
+plans say they allocate (:func:`moestack.optim.offload_plan.plan_offload`,
 :func:`moestack.optim.plan.adamw_state_bytes`): no placement rule is written here.
 ``moestack plan`` prints it; the training run logs it at start (and on CUDA the measured
 peak beside it). How the activation formulas were derived, and how well they match a real
@@ -30,7 +30,7 @@ from moestack.config import HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
 from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
-from moestack.optim.offload import OffloadPlan, plan_offload
+from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
@@ -219,7 +219,7 @@ def _offload_lines(
     label: str = "",
 ) -> None:
     """The buffers of the OffloadAdamW over ``named`` whose process group has ``world``
-    ranks, as its own plan lists them (:func:`moestack.optim.offload.plan_offload`), for
+    ranks, as its own plan lists them (:func:`moestack.optim.offload_plan.plan_offload`), for
     the rank with the largest shard; the native kernel is assumed to load."""
     if not named:
         return

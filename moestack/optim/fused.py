@@ -272,7 +272,7 @@ class FusedHostStep:
     Args:
         requested: a :data:`CHOICES` entry other than "off".
         mode, split, staging_dtype: as the optimizer's plan decided them
-            (:func:`moestack.optim.offload.plan_offload`); with ``split`` the native kernel
+            (:func:`moestack.optim.offload_plan.plan_offload`); with ``split`` the native kernel
             is loaded now.
         dtypes: the parameters' dtypes.
         moment_dtype: the dtype of the host moments.

@@ -3,7 +3,7 @@
 Pure bookkeeping over shapes and indices; no tensor is allocated or moved here. What the
 optimizer's placement rules read of a parameter is a :class:`ParamSpec` (shape, device type,
 dtype), so that a memory plan can ask them about parameters it never allocates
-(:func:`moestack.optim.offload.plan_offload`); torch AdamW's state is planned here too
+(:func:`moestack.optim.offload_plan.plan_offload`); torch AdamW's state is planned here too
 (:func:`adamw_state_bytes`).
 
 Every parameter is cut into *units*: one per expert for stacked expert tensors ``[E, ...]``

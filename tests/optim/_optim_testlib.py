@@ -264,7 +264,7 @@ def bf16_device_worker(rank: int, world: int, init_method: str, out_dir: str) ->
 
 def _bf16_device_runs(rank: int, world: int, out_dir: str) -> None:
     from moestack.optim import OffloadAdamW
-    from moestack.optim.offload import plan_offload
+    from moestack.optim.offload_plan import plan_offload
     from moestack.optim.plan import ParamSpec
 
     out: dict[str, Any] = {}
