@@ -246,6 +246,14 @@ def read_meta(path: Path | str) -> dict[str, Any]:
     return meta
 
 
+def check_meta(meta: Any, where: Path | str) -> dict[str, Any]:
+    """A meta.json read apart from its checkpoint (a kept run's, moestack.prereg.kept): its
+    structure and its own digest checked, not the files it lists; ``where`` names it in
+    errors. Returns it."""
+    _check_meta(meta, Path(where))
+    return meta
+
+
 def _meta_digest(meta: dict[str, Any]) -> str:
     fields = {k: v for k, v in meta.items() if k != SELF_DIGEST}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

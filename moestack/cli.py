@@ -14,7 +14,8 @@
     moestack trace import SRC OUT [--num-experts N]           a routing trace recorded by
                                                               another tool, as a trace folder
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
-    moestack prereg lock|run|status|evaluate|analyze|power FILE        pre-registered experiments
+    moestack prereg lock|run|status|evaluate|keep|restore|analyze|power FILE
+                                                                      pre-registered experiments
     moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
     moestack --version
 
@@ -246,8 +247,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
     if args.action != "analyze" and args.interim:
         raise MoestackError(f"--interim belongs to `prereg analyze`, not `{args.action}`")
-    if args.action != "analyze" and args.recheck != 1:
-        raise MoestackError(f"--recheck belongs to `prereg analyze`, not `{args.action}`")
+    if args.action not in ("analyze", "audit") and args.recheck != 1:
+        raise MoestackError(
+            f"--recheck belongs to `prereg analyze` and `audit`, not `{args.action}`"
+        )
     if args.recheck < 0:
         raise MoestackError(f"--recheck {args.recheck}: give 0 or more runs per arm")
     if args.action not in ("run", "evaluate", "analyze") and args.jobs != 1:
@@ -260,6 +263,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         raise MoestackError(f"--force belongs to `prereg lock`, not `{args.action}`")
     if args.action not in ("lock", "run") and args.amend is not None:
         raise MoestackError(f"--amend belongs to `prereg lock` and `run`, not `{args.action}`")
+    if args.action not in ("keep", "restore", "audit") and args.kept:
+        raise MoestackError(
+            f"--kept belongs to `prereg keep`, `restore` and `audit`, not `{args.action}`"
+        )
     power_opts = (args.pilot, args.half_width, args.confidence)
     if args.action != "power" and any(v is not None for v in power_opts):
         raise MoestackError(
@@ -286,6 +293,15 @@ def cmd_prereg(args: argparse.Namespace) -> None:
     elif args.action == "evaluate":
         result = prereg.evaluate_finished(args.file, out_dir=args.out or None, jobs=args.jobs)
         print(prereg.render_evaluate(result))
+    elif args.action in ("keep", "restore"):
+        verb = prereg.keep if args.action == "keep" else prereg.restore
+        kept = verb(args.file, out_dir=args.out or None, kept_dir=args.kept or None)
+        print(prereg.render_kept(kept, args.action))
+    elif args.action == "audit":
+        if not args.out:
+            raise MoestackError("prereg audit needs --out: an empty scratch folder for the runs")
+        result = prereg.audit(args.file, args.out, args.kept or None, per_arm=args.recheck)
+        print(prereg.render_audit(result, args.file))
     else:
         report = prereg.analyze(
             args.file, out_dir=args.out or None, report_dir=args.report or None,
@@ -458,14 +474,32 @@ def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
     p.add_argument(
         "action",
-        choices=("lock", "run", "status", "evaluate", "analyze", "power"),
+        choices=(
+            "lock",
+            "run",
+            "status",
+            "evaluate",
+            "keep",
+            "restore",
+            "audit",
+            "analyze",
+            "power",
+        ),  # fmt: skip
         help="lock, run, status (runs done and left, no results), evaluate (the finished runs, "
-        "ahead of the analysis; no results), analyze, or power (the seeds a pilot's spread "
-        "needs)",
+        "ahead of the analysis; no results), keep (copy the finished, evaluated runs' records "
+        "into the repository, to carry a study to another machine), restore (copy kept "
+        "records back into the run folders), audit (train kept runs picked at random again in "
+        "a scratch --out and compare their weights: two calls), analyze, or power (the seeds a "
+        "pilot's spread needs)",
     )
     p.add_argument("file", help="a pre-registration YAML, e.g. experiments/prereg_cpu.yaml")
     p.add_argument("--out", default="", help="where the runs live (default: runs/prereg/<study>)")
     p.add_argument("--report", default="", help="analyze: report folder (default: <out>/report)")
+    p.add_argument(
+        "--kept",
+        default="",
+        help="keep, restore, audit: the folder of kept run records (default: docs/<study>/runs)",
+    )
     p.add_argument(
         "--jobs",
         type=int,
@@ -486,7 +520,8 @@ def _prereg_parser(verbs: Any) -> None:
         default=1,
         metavar="N",
         help="analyze: evaluate again N runs per arm whose evaluation is cached, picked at "
-        "random, and refuse a difference; 0: none (default: 1)",
+        "random, and refuse a difference; 0: none; audit: kept runs per arm to train again "
+        "(default: 1)",
     )
     p.add_argument(
         "--force", action="store_true", help="lock: re-lock before any run exists (default: off)"

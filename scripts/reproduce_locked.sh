@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# Train and analyse pre-registered studies with the code their locks record, whatever this
-# checkout holds now (docs/prereg.md, "The code in the lock"). For each STUDY: the commit that
-# last changed experiments/STUDY.yaml.lock.json (its newest lock record, committed alone) is
-# checked out in a worktree (.study/<commit>, with its own virtual environment: `make setup`,
-# TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for a GPU build), so moestack's sources match
-# the newest lock's code hash without an amendment; a study whose file names
+# Train and analyse pre-registered studies, training with the code their locks record,
+# whatever this checkout holds now (docs/prereg.md, "The code in the lock"). For each STUDY: the
+# commit that last changed experiments/STUDY.yaml.lock.json (its newest lock record, committed
+# alone) is checked out in a worktree (.study/<commit>, with its own virtual environment:
+# `make setup`, TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for a GPU build), so moestack's
+# sources match the newest lock's code hash without an amendment; a study whose file names
 # corpus/stdlib.jsonl gets it copied from this checkout or packed by scripts/pack_corpus.py
 # there (with this interpreter), and checked against the file's "corpus sha256: <hex>" line.
 # The runs live in this checkout's runs/prereg/STUDY (resumable: run the script again after a
-# stop); the report is written into docs/STUDY/.
+# stop). A study trained in pieces on several machines carries its finished runs in
+# docs/STUDY/runs (their records, "kept runs"): they are restored first, so only the rest
+# trains. Then this checkout's moestack (`make setup` here) evaluates the finished runs,
+# keeps their records in docs/STUDY/runs (commit them) and, once every run is done, writes
+# the report into docs/STUDY/.
 #   scripts/reproduce_locked.sh prereg_cpu_v3 prereg_cpu_v3_e16
 #   JOBS=1 TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m   # one run at a time on a GPU
+#   TRAIN=0 scripts/reproduce_locked.sh prereg_cpu_v3   # evaluate, keep and analyse only
+#   AUDIT=1 scripts/reproduce_locked.sh prereg_cpu_v3   # and train 1 kept run per arm again
+#     (picked at random, in runs/prereg/STUDY-audit): its weights must be the kept ones
+#     (docs/STUDY/audit.txt)
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
@@ -37,8 +45,24 @@ for name in "$@"; do
     got=$(sha256sum "$tree/corpus/stdlib.jsonl" | cut -d' ' -f1)
     [ "$got" = "$want" ] || { echo "$tree/corpus/stdlib.jsonl has sha256 $got, not the $want $f states: delete it and bring the file the study names (pack it with the Python it names)" >&2; exit 1; }
   fi
-  m="$tree/.venv/bin/moestack"
+  make -C "$root" setup ${TORCH_SPEC:+TORCH_SPEC="$TORCH_SPEC"}
+  here="$root/.venv/bin/moestack"  # reads kept runs; the lock's code trains
   out="$root/runs/prereg/$name"
-  (cd "$tree" && "$m" prereg run "$f" --out "$out" --jobs "${JOBS:-2}")
-  (cd "$tree" && "$m" prereg analyze "$f" --out "$out" --jobs "${JOBS:-2}" --report "$root/docs/$name")
+  kept="$root/docs/$name/runs"
+  [ ! -d "$kept" ] || "$here" prereg restore "$f" --out "$out" --kept "$kept"
+  [ "${TRAIN:-1}" = 0 ] || (cd "$tree" && "$tree/.venv/bin/moestack" prereg run "$f" --out "$out" --jobs "${JOBS:-2}")
+  "$here" prereg evaluate "$f" --out "$out" --jobs "${JOBS:-2}"
+  "$here" prereg keep "$f" --out "$out" --kept "$kept"
+  if [ "${AUDIT:-0}" -gt 0 ] && [ -d "$kept" ]; then  # AUDIT kept runs per arm trained again
+    scratch="$root/runs/prereg/$name-audit"
+    [ -f "$scratch/audit_picks.json" ] || { rm -rf "$scratch"; "$here" prereg audit "$f" --out "$scratch" --kept "$kept" --recheck "$AUDIT"; }
+    (cd "$tree" && "$tree/.venv/bin/moestack" prereg run "$f" --out "$scratch" --jobs "${JOBS:-2}")
+    "$here" prereg audit "$f" --out "$scratch" --kept "$kept" | tee "$root/docs/$name/audit.txt"
+  fi
+  done_all='import sys; from moestack import prereg; s = prereg.status(sys.argv[1], out_dir=sys.argv[2]); sys.exit(s["total"]["finished"] != s["runs"])'
+  if "$root/.venv/bin/python" -c "$done_all" "$f" "$out"; then
+    "$here" prereg analyze "$f" --out "$out" --jobs "${JOBS:-2}" --report "$root/docs/$name"
+  else
+    echo "$name: not every run is finished; run this script again (here or on another machine, after committing $kept)"
+  fi
 done

@@ -38,7 +38,8 @@ Layout: ``spec`` (the file format: one dataclass per part of the file, each chec
 itself), ``compose`` (hydra composition of a run's config), ``hashing`` (the study hash:
 the file and its config files), ``chain`` (the lock history's hash chain), ``locking``
 (lock and verify), ``provenance`` (the study hash each run was trained under, and its
-identity), ``records`` (sealed JSON records, written atomically), ``runner`` (the grid and
+identity), ``records`` (sealed JSON records, written atomically), ``kept`` (finished runs' records
+carried in the repository from one machine to the next), ``runner`` (the grid and
 the resumable runner), ``stats`` (the statistics: Student's t, seed means and intervals,
 the paired comparison, one-sided tests and bounds, Holm's correction; imports nothing of
 the package), ``analysis`` (per-run evaluation and the paired-seed verdicts), ``decision``
@@ -66,14 +67,26 @@ from moestack.prereg.evaluate import evaluate_finished
 from moestack.prereg.evaluate import render as render_evaluate
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.jobs import run_jobs
+from moestack.prereg.kept import (
+    KEPT_FILES,
+    KeepResult,
+    audit,
+    default_kept_dir,
+    keep,
+    render_audit,
+    restore,
+)
+from moestack.prereg.kept import render as render_kept
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
 from moestack.prereg.power import load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
 from moestack.prereg.provenance import (
+    KEPT_META,
     RUN_FILE,
     check_identities,
     check_identity,
     check_run,
+    is_kept,
     read_run_record,
     write_run_record,
 )
@@ -122,6 +135,8 @@ __all__ = [
     "CORRECTIONS",
     "DECISIONS",
     "EVAL_FILE",
+    "KEPT_FILES",
+    "KEPT_META",
     "LOCK_SUFFIX",
     "ONE_SIDED",
     "OPS",
@@ -134,12 +149,14 @@ __all__ = [
     "Budget",
     "Fingerprint",
     "Hypothesis",
+    "KeepResult",
     "Power",
     "Prereg",
     "Runs",
     "RunSpec",
     "analysis_key",
     "analyze",
+    "audit",
     "evaluate_finished",
     "check_identities",
     "check_identity",
@@ -153,9 +170,12 @@ __all__ = [
     "compose_config",
     "config_choices",
     "config_files",
+    "default_kept_dir",
     "default_out_dir",
     "evaluate_hypotheses",
     "evaluate_run",
+    "is_kept",
+    "keep",
     "fingerprint",
     "half_width",
     "holm",
@@ -172,10 +192,13 @@ __all__ = [
     "plot_scatter",
     "power",
     "read_run_record",
+    "render_audit",
     "render_markdown",
     "render_evaluate",
+    "render_kept",
     "render_power",
     "release",
+    "restore",
     "render_status",
     "run",
     "run_jobs",

@@ -18,7 +18,7 @@ from moestack.errors import MoestackError
 from moestack.interop.hf_model import HFModelConfig
 from moestack.prereg import decision as rules
 from moestack.prereg.locking import verify
-from moestack.prereg.provenance import check_identities, check_identity, check_run
+from moestack.prereg.provenance import check_identities, check_identity, check_run, is_kept
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
@@ -196,7 +196,8 @@ def collect(
     while the analysis settings are unchanged (``cached_evaluation``). ``identities`` are
     the finished runs' checked identity records (``provenance.check_identities``; checked
     here when not given). ``source`` says where a run's metrics came from: "cache" or
-    "evaluated" (now).
+    "evaluated" (now); ``kept`` that the run was restored from its kept records (no
+    checkpoint: ``kept``).
     """
     runs = plan(spec, out_dir)
     if identities is None:
@@ -211,7 +212,7 @@ def collect(
         if identity is None:
             record["status"] = "missing"
         elif (cached := cached_evaluation(item.run_dir, key, identity, names)) is not None:
-            record.update(cached, status="done", source="cache")
+            record.update(cached, status="done", source="cache", kept=is_kept(item.run_dir))
         elif evaluate:
             fresh = _evaluate(item, spec, key, corpora, identity)
             record.update(fresh, status="done", source="evaluated")
@@ -354,6 +355,12 @@ def _evaluate(
     item: Any, spec: Prereg, key: str, corpora: dict[str, Any], identity: dict[str, Any]
 ) -> dict[str, Any]:
     """Evaluate a run's final checkpoint and cache the result (``store_evaluation``)."""
+    if is_kept(item.run_dir):
+        raise MoestackError(
+            f"{item.run_dir} is a kept run (restored from its records, no checkpoint) with no "
+            f"evaluation under these analysis settings (key {key}): it cannot be evaluated "
+            "again; train it again (delete the folder and its kept records)"
+        )
     log.info("%s: evaluating the final checkpoint", item.name)
     import time
 
@@ -380,13 +387,15 @@ def recheck(
     count, host and device; the threads are set to the cached count, and a run cached
     under another torch version, host or device is evaluated again instead of compared
     (its fresh numbers replace the cached ones). Returns one entry per run rechecked:
-    ``run`` and ``outcome`` ("matched" or "re-evaluated")."""
+    ``run`` and ``outcome`` ("matched" or "re-evaluated"). Kept runs (no checkpoint) are
+    not picked: their audit is training them again (``kept``)."""
     if per_arm < 0:
         raise MoestackError(f"--recheck {per_arm}: give 0 (no recheck) or more runs per arm")
     rng = rng or random.Random(os.urandom(32))
     picked = []
     for arm in spec.arms:
-        cached = [r for r in records if r["arm"] == arm and r.get("source") == "cache"]
+        cached = [r for r in records if r["arm"] == arm and r.get("source") == "cache"
+                  and not r.get("kept")]  # fmt: skip
         picked += rng.sample(cached, min(per_arm, len(cached)))
     corpora: dict[str, Any] = {}
     return [_recheck_one(spec, r, identities[r["run"]], corpora) for r in picked]

@@ -13,6 +13,10 @@ arm, the seed, and the name, step and weights sha256 of its final checkpoint (fr
 checkpoint's verified meta.json), sealed with a digest of its own fields (``records``).
 ``check_identity`` ties a finished folder to the run the grid registered there and to the
 weights it finished with, so a record or a checkpoint copied from another run is refused.
+
+A **kept** run (``kept``: restored on another machine from the records kept in the
+repository) has no checkpoint; its final checkpoint's meta.json is kept beside the records
+(``KEPT_META``, its own digest checked), and the identity is checked against that.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ SUMMARY_FILE = "summary.json"
 RUN_SEAL = "record_sha256"  # the run record's digest of its other fields
 # What a finished run's record names: the run, and the final checkpoint it finished with.
 IDENTITY = ("run", "arm", "seed", "study_sha256", "checkpoint", "step", "model_sha256")
+# A kept run's final checkpoint: {"checkpoint": its folder's name, "meta": its meta.json}.
+KEPT_META = "kept_checkpoint_meta.json"
 
 
 def default_out_dir(spec: Prereg) -> Path:
@@ -40,6 +46,13 @@ def default_out_dir(spec: Prereg) -> Path:
 
 def is_finished(run_dir: Path) -> bool:
     return (run_dir / SUMMARY_FILE).is_file()
+
+
+def is_kept(run_dir: Path) -> bool:
+    """A run restored from its kept records (``kept.restore``): its final checkpoint's
+    meta.json is kept, and it has no checkpoints of its own."""
+    run_dir = Path(run_dir)
+    return (run_dir / KEPT_META).is_file() and not (run_dir / "checkpoints").exists()
 
 
 def find_run(spec: Prereg, out_dir: Path | str | None = None) -> Path | None:
@@ -129,6 +142,37 @@ def final_checkpoint(run_dir: Path, *, verify: bool = False) -> tuple[Path, int,
     return ckpt, int(meta["step"]), sha
 
 
+def kept_checkpoint(run_dir: Path) -> tuple[str, int, str]:
+    """A kept run's final checkpoint: its name, step and weights sha256, from its kept
+    meta.json (structure and digest checked: ``checkpoint.check_meta``)."""
+    from moestack import checkpoint
+
+    path = Path(run_dir) / KEPT_META
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = None
+    if not isinstance(kept, dict) or not isinstance(kept.get("checkpoint"), str):
+        raise MoestackError(
+            f"{path} is not a kept checkpoint record ({{'checkpoint': name, 'meta': meta.json}}); "
+            "restore the run's kept records again"
+        )
+    meta = checkpoint.check_meta(kept.get("meta"), path)
+    sha = meta.get("sha256", {}).get(checkpoint.MODEL_FILE)
+    if not isinstance(sha, str):
+        raise MoestackError(f"{path}: its meta records no sha256 of {checkpoint.MODEL_FILE}")
+    return kept["checkpoint"], int(meta["step"]), sha
+
+
+def final_weights(run_dir: Path) -> tuple[str, int, str]:
+    """The name, step and weights sha256 of the run's final checkpoint: its own
+    (``final_checkpoint``), or a kept run's (``kept_checkpoint``)."""
+    if is_kept(run_dir):
+        return kept_checkpoint(run_dir)
+    ckpt, step, sha = final_checkpoint(run_dir)
+    return ckpt.name, step, sha
+
+
 def _retrain(run_dir: Path) -> str:
     return f"retrain it: delete {run_dir} and run `moestack prereg run` on the study again"
 
@@ -165,10 +209,11 @@ def check_identity(item: RunSpec, study: str) -> dict[str, Any]:
             f"{path} is the identity of another run ({', '.join(differs)}): a record copied "
             f"from another run's folder; restore this run's own, or {_retrain(run_dir)}"
         )
-    ckpt, step, sha = final_checkpoint(run_dir)
-    if (ckpt.name, step, sha) != (record["checkpoint"], record["step"], record["model_sha256"]):
+    name, step, sha = final_weights(run_dir)
+    if (name, step, sha) != (record["checkpoint"], record["step"], record["model_sha256"]):
+        where = run_dir / KEPT_META if is_kept(run_dir) else run_dir / "checkpoints" / name
         raise MoestackError(
-            f"{ckpt}: the final checkpoint of {item.name} holds weights sha256 {sha[:12]} "
+            f"{where}: the final checkpoint of {item.name} holds weights sha256 {sha[:12]} "
             f"(step {step}), not the {record['model_sha256'][:12]} ({record['checkpoint']}) "
             f"the run finished with ({RUN_FILE}): the checkpoint was replaced, copied from "
             f"another run?; restore it, or {_retrain(run_dir)}"

@@ -24,6 +24,7 @@ from moestack.prereg.analysis import (
 from moestack.prereg.analysis import recheck as recheck_runs
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
+from moestack.prereg.hashing import changed_files, code_files
 from moestack.prereg.runner import is_finished
 from moestack.prereg.spec import Prereg, is_control
 from moestack.prereg.stats import t_quantile
@@ -179,6 +180,7 @@ def _provenance(
         f"- Locked at {md(lock_record.get('locked_at'))} (git commit "
         f"{md(lock_record.get('git_commit'), code=True)}); the file matches its lock.",
         *_lock_lines(lock_record, records),
+        _analysis_code_line(lock_record),
         *_integrity_lines(records, checks),
         f"- Runs: {len(done)} of {len(records)} finished and evaluated "
         f"({len(spec.arms)} arms x {len(spec.seeds)} seeds).",
@@ -248,6 +250,32 @@ def _power_lines(spec: Prereg) -> list[str]:
     ]
 
 
+def analysis_code(lock_record: dict[str, Any]) -> dict[str, Any] | None:
+    """The moestack sources this analysis runs with against the newest lock's: ``changed``
+    lists the files that differ (None: a lock older than the code hash)."""
+    locked = lock_record.get("code")
+    if not isinstance(locked, dict):
+        return None
+    return {"changed": changed_files(locked, code_files())}
+
+
+def _analysis_code_line(lock_record: dict[str, Any]) -> str:
+    """Whether the analysis ran with the code that trained (the lock's) or with newer code."""
+    code = analysis_code(lock_record)
+    if code is None:
+        return "- Analysis code: not compared (the lock predates the code hash)."
+    changed = code["changed"]
+    if not changed:
+        return "- Analysis code: the lock's moestack sources, the code the runs trained with."
+    shown = ", ".join(md(name, code=True) for name in changed[:8])
+    more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+    return (
+        f"- Analysis code: moestack sources that differ from the lock's in {len(changed)} "
+        f"files ({shown}{more}); the runs trained with the lock's (`prereg run` refuses "
+        "other code), and each evaluation is cached with the run it scored."
+    )
+
+
 def _integrity_lines(
     records: Sequence[dict[str, Any]], checks: Sequence[dict[str, Any]] | None
 ) -> list[str]:
@@ -260,6 +288,16 @@ def _integrity_lines(
         "each cached evaluation matches its digest and names that run and those weights "
         "(edit evidence, no signature)."
     ]
+    kept = [r for r in records if r.get("kept")]
+    if kept:
+        lines.append(
+            f"- Kept runs: {len(kept)} of the finished runs were trained on other machines and "
+            "restored here from the records kept in the repository (no checkpoint): each "
+            "identity was checked against its kept checkpoint meta.json and the evaluation is "
+            "the kept one. The recheck cannot evaluate them again; their audit is to train some "
+            "again (training is deterministic) and compare their weights' sha256 with their "
+            "records (`moestack prereg audit`)."
+        )
     if checks is None:
         lines.append("- Recheck: none (the analysis evaluated nothing).")
     elif not checks:
@@ -651,6 +689,7 @@ def analyze(
         "controls": control_rows(spec, records),
         "steered": steered_rows(spec, records),
         "recheck": checks,
+        "analysis_code": analysis_code(record),
         "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }
     (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")

@@ -86,7 +86,8 @@ def write(tmp_path: Path, data: dict[str, Any], name: str = "study.yaml") -> Pat
 
 def fake_checkpoint(run_dir: Path, step: int) -> Path:
     """A real checkpoint (``save_checkpoint``) of a tiny module whose weights depend on the
-    run folder's name, so that different runs hold different weights, as trained runs do."""
+    run folder's name only, so that different runs hold different weights and a run trained
+    again holds the same, as trained runs do."""
     import torch
 
     from moestack import checkpoint
@@ -96,6 +97,7 @@ def fake_checkpoint(run_dir: Path, step: int) -> Path:
     module = torch.nn.Linear(4, 4)
     with torch.no_grad():
         module.weight.copy_(torch.randn(4, 4, generator=gen))
+        module.bias.copy_(torch.randn(4, generator=gen))  # trained again: the same weights
     root = Path(run_dir) / "checkpoints"
     return checkpoint.save_checkpoint(root, step, module, ModelConfig(), {}, keep_last=1)
 
@@ -145,6 +147,52 @@ def finished_run(
     identity = prereg.read_run_record(item.run_dir)
     result = {"step": steps, "metrics": metrics}
     prereg.analysis.store_evaluation(item.run_dir, identity, key, result)
+
+
+def fake_metrics(arm: str, seed: int, caps: tuple[int, ...]) -> dict[str, float]:
+    """The fake evaluation of a run: helpers.prereg's numbers, every capacity filled in."""
+    if arm in ARMS and caps == (2, 4):
+        return full_metrics(ARMS[arm][seed])
+    base = BASE if arm == "baseline" else ARMS.get(arm, [BASE] * 3)[seed % 3]
+    out = {
+        f"{p}/cap{c}/{s}": 0.5 for p in ("lru", "static") for c in caps for s in prereg.CACHE_STATS
+    }
+    return {**out, "val_loss": math.log(base["perplexity"]), **base}
+
+
+def evaluating_train(spec: prereg.Prereg, calls: list[tuple[str, bool]] | None = None):
+    """A train_fn that leaves a finished run (a final checkpoint, no real training); its
+    evaluation is cached once the runner recorded the run's identity (``fake_evaluations``)."""
+
+    def train(cfg, out_dir: Path) -> dict[str, Any]:
+        if calls is not None:
+            calls.append((Path(out_dir).name, cfg.resume))
+        fake_finish(cfg, out_dir)
+        return {}
+
+    return train
+
+
+def fake_evaluations(path: Path, out: Path) -> None:
+    """Cache the fake evaluation (``fake_metrics``) of every finished run, as ``prereg evaluate``
+    caches a real one: sealed, with the run's identity."""
+    spec = prereg.load(path)
+    key = prereg.analysis_key(spec)
+    for item in prereg.plan(spec, out):
+        identity = prereg.read_run_record(item.run_dir)
+        metrics = fake_metrics(item.arm, item.seed, spec.analysis.capacities)
+        result = {"step": identity["step"], "metrics": metrics}
+        prereg.analysis.store_evaluation(item.run_dir, identity, key, result)
+
+
+def trained_study(tmp_path: Path) -> tuple[Path, Path, str]:
+    """A locked study whose 9 runs finished under the lock: (file, out dir, study hash)."""
+    path = write(tmp_path, study())
+    prereg.lock(path)
+    out = tmp_path / "out"
+    prereg.run(path, out, train_fn=evaluating_train(prereg.load(path)), progress=False)
+    fake_evaluations(path, out)
+    return path, out, prereg.verify(path)["study_sha256"]
 
 
 def micro_study(width: int, layers: int, max_bytes: int, train: list[str] | None = None):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,57 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers.paths import EXPERIMENTS, REPO
-from helpers.prereg import ARMS, BASE, fake_finish, full_metrics, study, write
+from helpers.prereg import evaluating_train, fake_evaluations, study, trained_study, write
 
 import moestack.configs
 from moestack import cli, prereg
 from moestack.errors import MoestackError
-
-
-def _metrics(arm: str, seed: int, caps: tuple[int, ...]) -> dict[str, float]:
-    """The fake evaluation of a run: helpers.prereg's numbers, every capacity filled in."""
-    if arm in ARMS and caps == (2, 4):
-        return full_metrics(ARMS[arm][seed])
-    base = BASE if arm == "baseline" else ARMS.get(arm, [BASE] * 3)[seed % 3]
-    out = {
-        f"{p}/cap{c}/{s}": 0.5 for p in ("lru", "static") for c in caps for s in prereg.CACHE_STATS
-    }
-    return {**out, "val_loss": math.log(base["perplexity"]), **base}
-
-
-def evaluating_train(spec: prereg.Prereg, calls: list[tuple[str, bool]] | None = None):
-    """A train_fn that leaves a finished run (a final checkpoint, no real training); its
-    evaluation is cached once the runner recorded the run's identity (``fake_evaluations``)."""
-
-    def train(cfg, out_dir: Path) -> dict[str, Any]:
-        if calls is not None:
-            calls.append((Path(out_dir).name, cfg.resume))
-        fake_finish(cfg, out_dir)
-        return {}
-
-    return train
-
-
-def fake_evaluations(path: Path, out: Path) -> None:
-    """Cache the fake evaluation (``_metrics``) of every finished run, as ``prereg evaluate``
-    caches a real one: sealed, with the run's identity."""
-    spec = prereg.load(path)
-    key = prereg.analysis_key(spec)
-    for item in prereg.plan(spec, out):
-        identity = prereg.read_run_record(item.run_dir)
-        metrics = _metrics(item.arm, item.seed, spec.analysis.capacities)
-        result = {"step": identity["step"], "metrics": metrics}
-        prereg.analysis.store_evaluation(item.run_dir, identity, key, result)
-
-
-def trained_study(tmp_path: Path) -> tuple[Path, Path, str]:
-    """A locked study whose 9 runs finished under the lock: (file, out dir, study hash)."""
-    path = write(tmp_path, study())
-    prereg.lock(path)
-    out = tmp_path / "out"
-    prereg.run(path, out, train_fn=evaluating_train(prereg.load(path)), progress=False)
-    fake_evaluations(path, out)
-    return path, out, prereg.verify(path)["study_sha256"]
 
 
 def move_threshold(path: Path, value: float) -> None:

@@ -1,0 +1,343 @@
+"""Kept runs: a study's finished runs carried from one machine to the next as their records.
+
+A study of many CPU hours is trained in pieces, on machines that keep nothing but the
+repository. A run's checkpoint (tens of MB) does not belong in git; its records (a few KB)
+do: what it was trained under and its identity (``prereg_run.json``), its evaluation
+(``prereg_eval.json``), its summary, config, overrides and training curve, and its final
+checkpoint's ``meta.json`` (which names the weights' sha256, sealed by its own digest).
+
+- ``keep`` copies them from the finished, evaluated run folders into the study's folder of
+  kept runs (default ``docs/<study>/runs/<run>/``), to be committed as runs finish;
+- ``restore`` copies them back into the run folders of the next machine, where the runner
+  skips the run (it has ``summary.json``) and ``provenance.check_identity`` accepts it
+  without a checkpoint: the record's weights sha256 must be the one the kept ``meta.json``
+  names, and the evaluation must be the kept one (a kept run cannot be evaluated again).
+
+What a kept run cannot show is its weights, so the audit that re-evaluates a run from its
+checkpoint (``analysis.recheck``) cannot reach it; training is deterministic for one torch
+version and thread count, so the audit of a kept run is to train it again and compare the
+final weights' sha256 with its record: ``audit_prepare`` lays out a scratch study folder in
+which only runs picked at random are left to train (by the lock's runner), and
+``audit_compare`` compares what they end with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from moestack.atomic import install_dir
+from moestack.errors import MoestackError
+from moestack.prereg.analysis import EVAL_FILE, analysis_key, cached_evaluation, metric_names
+from moestack.prereg.locking import verify
+from moestack.prereg.provenance import (
+    KEPT_META,
+    RUN_FILE,
+    SUMMARY_FILE,
+    check_identity,
+    check_run,
+    final_checkpoint,
+    is_kept,
+)
+from moestack.prereg.records import write_json
+from moestack.prereg.runner import claimed, is_finished, plan
+from moestack.prereg.spec import Prereg, RunSpec, load
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AUDIT_FILE", "KEPT_FILES", "KeepResult", "audit", "audit_compare", "audit_prepare", "default_kept_dir", "keep",
+    "render", "render_audit", "restore",
+]  # fmt: skip
+
+# A run's records that are kept, besides its final checkpoint's meta.json (KEPT_META); the
+# first three must exist, the rest are kept when the run has them.
+KEPT_FILES = (
+    RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml", "metrics.jsonl",
+)  # fmt: skip
+_REQUIRED = KEPT_FILES[:3]
+
+
+class KeepResult(NamedTuple):
+    """What ``keep`` or ``restore`` did, run names only (no metric)."""
+
+    done: list[str]  # kept (or restored) now
+    already: list[str]  # kept (or restored) before, unchanged
+    waiting: list[str]  # finished but not evaluated yet (keep), or not kept (restore)
+    where: Path  # the folder of kept runs
+
+
+def default_kept_dir(spec: Prereg) -> Path:
+    return Path("docs") / spec.study / "runs"
+
+
+def keep(
+    path: Path | str, out_dir: Path | str | None = None, kept_dir: Path | str | None = None
+) -> KeepResult:
+    """Copy the records of every finished and evaluated run of the study into ``kept_dir``
+    (default docs/<study>/runs), each run checked first as ``analyze`` checks it (the lock
+    covers it, its identity is its own checkpoint's, its evaluation is sealed, of those
+    weights and under the study's analysis settings). A run kept before is replaced only by
+    the records of the same weights (a newer evaluation); records of other weights are
+    refused. Each run's folder is written whole or not at all."""
+    spec, lock_info = load(path), verify(path)
+    where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
+    key, names = analysis_key(spec), metric_names(spec.analysis)
+    done: list[str] = []
+    already: list[str] = []
+    waiting: list[str] = []
+    for item in plan(spec, out_dir):
+        if not is_finished(item.run_dir) or claimed(item.run_dir):
+            continue
+        check_run(item.run_dir, lock_info)
+        identity = check_identity(item, spec.study)
+        if cached_evaluation(item.run_dir, key, identity, names) is None:
+            waiting.append(item.name)
+            continue
+        files = _records_of(item)
+        target = where / item.name
+        if _same_files(target, files):
+            already.append(item.name)
+            continue
+        _refuse_other_weights(target, identity, item)
+        _install(target, files)
+        done.append(item.name)
+    return KeepResult(done, already, waiting, where)
+
+
+def restore(
+    path: Path | str, out_dir: Path | str | None = None, kept_dir: Path | str | None = None
+) -> KeepResult:
+    """Copy the kept records of every run the study registers back into its run folder
+    (``out_dir``, default runs/prereg/<study>), so that the runner skips it and the analysis
+    takes its kept evaluation. A run folder that holds the same run finished is left alone; a
+    folder holding an unfinished run (or another run's records) is refused, naming it. Each
+    restored run is checked like a finished one (lock, identity); a kept run that fails is
+    removed again and refused, naming its kept files."""
+    spec, lock_info = load(path), verify(path)
+    where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
+    if not where.is_dir():
+        raise MoestackError(f"{where} does not exist: no kept runs of {spec.study} to restore")
+    done: list[str] = []
+    already: list[str] = []
+    waiting: list[str] = []
+    for item in plan(spec, out_dir):
+        source = where / item.name
+        if not source.is_dir():
+            waiting.append(item.name)
+            continue
+        if is_finished(item.run_dir):
+            _check_same_run(item, source, spec.study)
+            already.append(item.name)
+            continue
+        if item.run_dir.exists() and any(item.run_dir.iterdir()):
+            raise MoestackError(
+                f"{item.run_dir} holds an unfinished run, and {source} keeps it finished "
+                f"elsewhere: delete {item.run_dir} to restore the kept run, or delete "
+                f"{source} to train it here"
+            )
+        files = {p.name: p.read_bytes() for p in sorted(source.iterdir()) if p.is_file()}
+        _install(item.run_dir, files)
+        try:
+            check_run(item.run_dir, lock_info)
+            check_identity(item, spec.study)
+        except MoestackError as err:  # named where the records are kept: fixed there
+            shutil.rmtree(item.run_dir, ignore_errors=True)
+            raise MoestackError(str(err).replace(str(item.run_dir), str(source))) from None
+        done.append(item.name)
+    unknown = sorted({p.name for p in where.iterdir()} - {r.name for r in plan(spec, out_dir)})
+    if unknown:
+        log.warning("%s: %s are not runs of %s; left alone", where, unknown, spec.study)
+    return KeepResult(done, already, waiting, where)
+
+
+def render(result: KeepResult, verb: str) -> str:
+    """One line per outcome, run names only."""
+    done = "kept" if verb == "keep" else "restored"
+    lines = [f"{len(result.done)} runs {done} now ({result.where})"]
+    if result.already:
+        lines.append(f"{len(result.already)} {done} before, unchanged")
+    if result.waiting:
+        why = "finished, not evaluated yet (run `moestack prereg evaluate` first)"
+        if verb != "keep":
+            why = "not kept (to train here)"
+        lines.append(f"{len(result.waiting)} {why}: {', '.join(result.waiting)}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the steps
+def _records_of(item: RunSpec) -> dict[str, bytes]:
+    """The run's kept files by name: KEPT_FILES it has, and its final checkpoint's
+    meta.json with the checkpoint's name (KEPT_META)."""
+    files = {name: (item.run_dir / name).read_bytes() for name in KEPT_FILES
+             if (item.run_dir / name).is_file()}  # fmt: skip
+    missing = [name for name in _REQUIRED if name not in files]
+    if missing:
+        raise MoestackError(f"{item.run_dir} has no {', '.join(missing)}: nothing to keep")
+    if is_kept(item.run_dir):  # restored here from kept records: keep them as they are
+        files[KEPT_META] = (item.run_dir / KEPT_META).read_bytes()
+        return files
+    ckpt, _, _ = final_checkpoint(item.run_dir)
+    from moestack.checkpoint import META_FILE
+
+    meta = json.loads((ckpt / META_FILE).read_text())
+    kept = {"checkpoint": ckpt.name, "meta": meta}
+    files[KEPT_META] = (json.dumps(kept, indent=2) + "\n").encode()
+    return files
+
+
+def _same_files(target: Path, files: dict[str, bytes]) -> bool:
+    if not target.is_dir():
+        return False
+    present = {p.name for p in target.iterdir() if p.is_file()}
+    return present == set(files) and all((target / n).read_bytes() == b for n, b in files.items())
+
+
+def _refuse_other_weights(target: Path, identity: dict[str, Any], item: RunSpec) -> None:
+    """Refuse to replace kept records of other weights than the run's (a retrained run,
+    or another run's folder)."""
+    path = target / RUN_FILE
+    if not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        old = {}
+    if old.get("model_sha256") != identity["model_sha256"]:
+        raise MoestackError(
+            f"{path} keeps run {item.name} with weights sha256 {str(old.get('model_sha256'))[:12]}"
+            f", {item.run_dir} holds {identity['model_sha256'][:12]}: the run was trained "
+            f"again; delete {target} to keep the new one"
+        )
+
+
+def _check_same_run(item: RunSpec, source: Path, study: str) -> None:
+    """A finished run folder and its kept records must name the same weights."""
+    here = check_identity(item, study)["model_sha256"]
+    try:
+        kept = json.loads((source / RUN_FILE).read_text()).get("model_sha256")
+    except (OSError, ValueError):
+        kept = None
+    if kept != here:
+        raise MoestackError(
+            f"{item.run_dir} holds run {item.name} with weights sha256 {here[:12]}, "
+            f"{source} keeps {str(kept)[:12]}: two trainings of one run; delete one of them"
+        )
+
+
+def _install(target: Path, files: dict[str, bytes]) -> None:
+    """Write ``files`` into a fresh folder beside ``target`` and move it into place
+    (``atomic.install_dir``): a kill leaves the old folder or the new one, never half."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for name, data in files.items():
+            with open(tmp / name, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)
+        install_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# --------------------------------------------------------------------------- the audit
+def audit_prepare(
+    path: Path | str,
+    scratch: Path | str,
+    kept_dir: Path | str | None = None,
+    per_arm: int = 1,
+    *,
+    rng: random.Random | None = None,
+) -> list[str]:
+    """Pick ``per_arm`` kept runs of each arm at random (``rng``, default seeded from
+    os.urandom) and lay out ``scratch`` as a study folder in which only they are left to
+    train: every other kept run restored. The lock's runner (``prereg run FILE --out
+    SCRATCH``) then trains exactly the picks from scratch, and ``audit_compare`` compares
+    their weights with their kept records. Returns the picked run names."""
+    spec = load(path)
+    where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
+    scratch = Path(scratch)
+    if scratch.exists() and any(scratch.iterdir()):
+        raise MoestackError(f"{scratch} is not empty: give an empty folder for the audit")
+    rng = rng or random.Random(os.urandom(32))
+    kept = [item for item in plan(spec, scratch) if (where / item.name).is_dir()]
+    picks = []
+    for arm in spec.arms:
+        mine = [item.name for item in kept if item.arm == arm]
+        picks += rng.sample(mine, min(per_arm, len(mine)))
+    restore(path, scratch, where)
+    for name in picks:
+        shutil.rmtree(scratch / "runs" / name)
+    return picks
+
+
+def audit_compare(
+    path: Path | str, scratch: Path | str, picks: list[str], kept_dir: Path | str | None = None
+) -> list[dict[str, Any]]:
+    """Each picked run trained again in ``scratch`` against its kept record: ``run``,
+    ``kept`` and ``retrained`` weights sha256 and ``outcome`` ("matched"). Raises, naming
+    the kept record, when a run is not trained or ends with other weights: its kept records
+    are not what this training gives (edited, or trained under other code or settings)."""
+    spec = load(path)
+    where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
+    items = {item.name: item for item in plan(spec, scratch)}
+    rows = []
+    for name in picks:
+        item = items[name]
+        if not is_finished(item.run_dir):
+            raise MoestackError(f"{item.run_dir}: the audit's run {name} was not trained")
+        again = check_identity(item, spec.study)["model_sha256"]
+        record = where / name / RUN_FILE
+        kept = json.loads(record.read_text()).get("model_sha256")
+        if again != kept:
+            raise MoestackError(
+                f"{record}: run {name} trained again ends with weights sha256 {again[:12]}, its "
+                f"kept record names {str(kept)[:12]}: the kept records are not this training's "
+                "(edited, or trained under other code, torch or threads); retrain the run"
+            )
+        rows.append({"run": name, "kept": kept, "retrained": again, "outcome": "matched"})
+    return rows
+
+
+AUDIT_FILE = "audit_picks.json"  # in the scratch folder: the runs audit_prepare picked
+
+
+def audit(
+    path: Path | str,
+    scratch: Path | str,
+    kept_dir: Path | str | None = None,
+    per_arm: int = 1,
+) -> dict[str, Any]:
+    """The audit of kept runs in two calls over one scratch folder: the first picks the runs
+    (``audit_prepare``, the picks recorded in ``scratch/audit_picks.json``) and returns
+    ``rows`` None: train them with the lock's code (``prereg run FILE --out SCRATCH``); the
+    second compares what they ended with (``audit_compare``) and returns its rows."""
+    scratch = Path(scratch)
+    picks_file = scratch / AUDIT_FILE
+    if not picks_file.is_file():
+        picks = audit_prepare(path, scratch, kept_dir, per_arm)
+        write_json(picks_file, {"picks": picks})
+        return {"picks": picks, "rows": None, "scratch": str(scratch)}
+    picks = json.loads(picks_file.read_text())["picks"]
+    rows = audit_compare(path, scratch, picks, kept_dir)
+    return {"picks": picks, "rows": rows, "scratch": str(scratch)}
+
+
+def render_audit(result: dict[str, Any], path: Path | str) -> str:
+    if result["rows"] is None:
+        return (
+            f"picked {len(result['picks'])} kept runs to train again: {', '.join(result['picks'])}"
+            f"\ntrain them with the lock's code: moestack prereg run {path} --out "
+            f"{result['scratch']}; then run this again to compare their weights"
+        )
+    lines = [f"{r['run']}: weights sha256 {r['retrained'][:12]} as kept" for r in result["rows"]]
+    return "\n".join([*lines, f"{len(lines)} kept runs trained again: every one matched"])
