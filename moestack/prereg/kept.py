@@ -118,12 +118,15 @@ def restore(
     (``out_dir``, default runs/prereg/<study>), so that the runner skips it and the analysis
     takes its kept evaluation. A run folder that holds the same run finished is left alone; a
     folder holding an unfinished run (or another run's records) is refused, naming it. Each
-    restored run is checked like a finished one (lock, identity); a kept run that fails is
-    removed again and refused, naming its kept files."""
+    restored run is checked as ``analyze`` checks a finished one (lock, identity, its sealed
+    evaluation under the study's analysis settings); a kept run that fails is removed again
+    and refused, naming its kept files. Only the kept files (``KEPT_FILES``, ``KEPT_META``)
+    are copied."""
     spec, lock_info = load(path), verify(path)
     where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
     if not where.is_dir():
         raise MoestackError(f"{where} does not exist: no kept runs of {spec.study} to restore")
+    key, names = analysis_key(spec), metric_names(spec.analysis)
     done: list[str] = []
     already: list[str] = []
     waiting: list[str] = []
@@ -142,11 +145,16 @@ def restore(
                 f"elsewhere: delete {item.run_dir} to restore the kept run, or delete "
                 f"{source} to train it here"
             )
-        files = {p.name: p.read_bytes() for p in sorted(source.iterdir()) if p.is_file()}
-        _install(item.run_dir, files)
+        _install(item.run_dir, _kept_files(source))
         try:
             check_run(item.run_dir, lock_info)
-            check_identity(item, spec.study)
+            identity = check_identity(item, spec.study)
+            if cached_evaluation(item.run_dir, key, identity, names) is None:
+                raise MoestackError(
+                    f"{source / EVAL_FILE} is no sealed evaluation under the study's analysis "
+                    f"settings (key {key}): a kept run cannot be evaluated again; train it "
+                    f"here (delete {source})"
+                )
         except MoestackError as err:  # named where the records are kept: fixed there
             shutil.rmtree(item.run_dir, ignore_errors=True)
             raise MoestackError(str(err).replace(str(item.run_dir), str(source))) from None
@@ -189,6 +197,17 @@ def _records_of(item: RunSpec) -> dict[str, bytes]:
     meta = json.loads((ckpt / META_FILE).read_text())
     kept = {"checkpoint": ckpt.name, "meta": meta}
     files[KEPT_META] = (json.dumps(kept, indent=2) + "\n").encode()
+    return files
+
+
+def _kept_files(source: Path) -> dict[str, bytes]:
+    """The kept files of a run's kept folder by name; refused, naming the folder, without
+    the records a finished run needs."""
+    names = (*KEPT_FILES, KEPT_META)
+    files = {name: (source / name).read_bytes() for name in names if (source / name).is_file()}
+    missing = [name for name in (*_REQUIRED, KEPT_META) if name not in files]
+    if missing:
+        raise MoestackError(f"{source} has no {', '.join(missing)}: not a kept run's records")
     return files
 
 
@@ -302,7 +321,7 @@ def audit_compare(
             raise MoestackError(
                 f"{record}: run {name} trained again ends with weights sha256 {again[:12]}, its "
                 f"kept record names {str(kept)[:12]}: the kept records are not this training's "
-                "(edited, or trained under other code, torch or threads); retrain the run"
+                "(edited, or trained under other code, torch, threads or CPU kind); retrain the run"
             )
         rows.append({"run": name, "kept": kept, "retrained": again, "outcome": "matched"})
     return rows

@@ -138,17 +138,34 @@ def test_restore_refuses_another_runs_records(tmp_path) -> None:
     assert "identity of another run" in text and "b-s0" in text
 
 
-def test_an_edited_kept_evaluation_is_refused_by_the_analysis(tmp_path) -> None:
+def test_an_edited_kept_evaluation_is_refused(tmp_path) -> None:
     path, _, kept = kept_study(tmp_path)
     eval_path = kept / "a-s1" / prereg.EVAL_FILE
     cached = json.loads(eval_path.read_text())
     cached["metrics"]["perplexity"] = 9.0  # a better perplexity, digest not recomputed
     eval_path.write_text(json.dumps(cached))
     fresh = tmp_path / "elsewhere"
-    prereg.restore(path, fresh, kept)
     with pytest.raises(MoestackError) as err:
-        prereg.analyze(path, fresh, tmp_path / "report")
+        prereg.restore(path, fresh, kept)
+    assert "edited after it was written" in one_line(err) and str(eval_path) in one_line(err)
+    # restored behind restore's back, the analysis refuses it too
+    shutil.copytree(kept / "a-s1", fresh / "runs" / "a-s1")
+    with pytest.raises(MoestackError) as err:
+        prereg.analyze(path, fresh, tmp_path / "report", interim=True)
     assert "edited after it was written" in one_line(err) and "a-s1" in one_line(err)
+
+
+def test_restore_copies_only_the_kept_records(tmp_path) -> None:
+    path, _, kept = kept_study(tmp_path)
+    (kept / "b-s1" / "notes.txt").write_text("not a record")
+    fresh = tmp_path / "elsewhere"
+    prereg.restore(path, fresh, kept)
+    assert not (fresh / "runs" / "b-s1" / "notes.txt").exists()
+    (kept / "b-s2" / "summary.json").unlink()
+    shutil.rmtree(fresh)
+    with pytest.raises(MoestackError) as err:
+        prereg.restore(path, fresh, kept)
+    assert str(kept / "b-s2") in one_line(err) and "summary.json" in one_line(err)
 
 
 def test_keep_refuses_to_replace_a_kept_run_of_other_weights(tmp_path) -> None:
