@@ -3,7 +3,7 @@
 A study of many CPU hours is trained in pieces, on machines that keep nothing but the
 repository. A run's checkpoint (tens of MB) does not belong in git; its records (a few KB)
 do: what it was trained under and its identity (``prereg_run.json``), its evaluation
-(``prereg_eval.json``), its summary, config, overrides and training curve, and its final
+(``prereg_eval.json``), its summary, config and overrides, and its final
 checkpoint's ``meta.json`` (which names the weights' sha256, sealed by its own digest).
 
 - ``keep`` copies them from the finished, evaluated run folders into the study's folder of
@@ -57,10 +57,9 @@ __all__ = [
 ]  # fmt: skip
 
 # A run's records that are kept, besides its final checkpoint's meta.json (KEPT_META); the
-# first three must exist, the rest are kept when the run has them.
-KEPT_FILES = (
-    RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml", "metrics.jsonl",
-)  # fmt: skip
+# first three must exist, the rest are kept when the run has them. Not its training curve
+# (metrics.jsonl, about 100 KB a run): the analysis does not read it.
+KEPT_FILES = (RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml")
 _REQUIRED = KEPT_FILES[:3]
 
 
