@@ -17,8 +17,8 @@
 #   JOBS=1 TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m   # one run at a time on a GPU
 #   TRAIN=0 scripts/reproduce_locked.sh prereg_cpu_v3   # evaluate, keep and analyse only
 #   AUDIT=1 scripts/reproduce_locked.sh prereg_cpu_v3   # and train 1 kept run per arm again
-#     (picked at random, in runs/prereg/STUDY-audit): its weights must be the kept ones
-#     (docs/STUDY/audit.txt)
+#     (picked at random, in runs/prereg/STUDY-audit): on the machine kind it was kept from its
+#     weights must be the kept ones; elsewhere its metrics are compared (docs/STUDY/audit.txt)
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
@@ -57,6 +57,7 @@ for name in "$@"; do
     scratch="$root/runs/prereg/$name-audit"
     [ -f "$scratch/audit_picks.json" ] || { rm -rf "$scratch"; "$here" prereg audit "$f" --out "$scratch" --kept "$kept" --recheck "$AUDIT"; }
     (cd "$tree" && "$tree/.venv/bin/moestack" prereg run "$f" --out "$scratch" --jobs "${JOBS:-2}")
+    "$here" prereg evaluate "$f" --out "$scratch" --jobs "${JOBS:-2}"
     "$here" prereg audit "$f" --out "$scratch" --kept "$kept" | tee "$root/docs/$name/audit.txt"
   fi
   done_all='import sys; from moestack import prereg; s = prereg.status(sys.argv[1], out_dir=sys.argv[2]); sys.exit(s["total"]["finished"] != s["runs"])'

@@ -14,9 +14,9 @@ checkpoint's ``meta.json`` (which names the weights' sha256, sealed by its own d
   names, and the evaluation must be the kept one (a kept run cannot be evaluated again).
 
 What a kept run cannot show is its weights, so the audit that re-evaluates a run from its
-checkpoint (``analysis.recheck``) cannot reach it; training is deterministic for one torch
-version and thread count, so the audit of a kept run is to train it again and compare the
-final weights' sha256 with its record: ``audit_prepare`` lays out a scratch study folder in
+checkpoint (``analysis.recheck``) cannot reach it; training is bitwise repeatable on one
+machine kind (CPU, torch, threads; ``KEPT_MACHINE`` records it), so the audit of a kept run
+is to train it again and compare the final weights' sha256 with its record: ``audit_prepare`` lays out a scratch study folder in
 which only runs picked at random are left to train (by the lock's runner), and
 ``audit_compare`` compares what they end with.
 """
@@ -60,6 +60,9 @@ __all__ = [
 # first three must exist, the rest are kept when the run has them. Not its training curve
 # (metrics.jsonl, about 100 KB a run): the analysis does not read it.
 KEPT_FILES = (RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml")
+# The machine a kept run was trained on (where ``keep`` found its checkpoint): training is
+# bitwise repeatable only on the same CPU kind and torch (docs/prereg.md).
+KEPT_MACHINE = "kept_machine.json"
 _REQUIRED = KEPT_FILES[:3]
 
 
@@ -188,7 +191,9 @@ def _records_of(item: RunSpec) -> dict[str, bytes]:
     if missing:
         raise MoestackError(f"{item.run_dir} has no {', '.join(missing)}: nothing to keep")
     if is_kept(item.run_dir):  # restored here from kept records: keep them as they are
-        files[KEPT_META] = (item.run_dir / KEPT_META).read_bytes()
+        for name in (KEPT_META, KEPT_MACHINE):
+            if (item.run_dir / name).is_file():
+                files[name] = (item.run_dir / name).read_bytes()
         return files
     ckpt, _, _ = final_checkpoint(item.run_dir)
     from moestack.checkpoint import META_FILE
@@ -196,13 +201,38 @@ def _records_of(item: RunSpec) -> dict[str, bytes]:
     meta = json.loads((ckpt / META_FILE).read_text())
     kept = {"checkpoint": ckpt.name, "meta": meta}
     files[KEPT_META] = (json.dumps(kept, indent=2) + "\n").encode()
+    files[KEPT_MACHINE] = (json.dumps(machine(), indent=2) + "\n").encode()
     return files
+
+
+def machine() -> dict[str, str]:
+    """This machine's kind as far as float results go: the CPU (vendor, family, model), the
+    vector instructions torch dispatches to, and the torch version."""
+    import platform
+
+    import torch
+
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("vendor_id", "cpu family", "model", "model name") and key not in fields:
+                fields[key] = value.strip()
+    except OSError:
+        pass
+    cpu = " / ".join(fields.get(k, "?") for k in ("model name", "cpu family", "model"))
+    return {
+        "cpu": cpu if fields else platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
 
 
 def _kept_files(source: Path) -> dict[str, bytes]:
     """The kept files of a run's kept folder by name; refused, naming the folder, without
     the records a finished run needs."""
-    names = (*KEPT_FILES, KEPT_META)
+    names = (*KEPT_FILES, KEPT_META, KEPT_MACHINE)
     files = {name: (source / name).read_bytes() for name in names if (source / name).is_file()}
     missing = [name for name in (*_REQUIRED, KEPT_META) if name not in files]
     if missing:
@@ -302,12 +332,18 @@ def audit_compare(
     path: Path | str, scratch: Path | str, picks: list[str], kept_dir: Path | str | None = None
 ) -> list[dict[str, Any]]:
     """Each picked run trained again in ``scratch`` against its kept record: ``run``,
-    ``kept`` and ``retrained`` weights sha256 and ``outcome`` ("matched"). Raises, naming
-    the kept record, when a run is not trained or ends with other weights: its kept records
-    are not what this training gives (edited, or trained under other code or settings)."""
+    ``kept`` and ``retrained`` weights sha256, ``outcome`` and, where the run trained again
+    is evaluated (``prereg evaluate FILE --out SCRATCH``), the relative ``differences`` of
+    its metrics from the kept evaluation. On the machine kind the run was kept from
+    (``kept_machine.json``: CPU, the instructions torch uses, torch) the weights must be the
+    same bits ("matched"); otherwise training is not bitwise repeatable and the row says so
+    ("other machine") with the metric differences to read. Raises, naming the kept record,
+    when a run was not trained, or ends with other weights on the same machine kind: its
+    kept records are not what this training gives."""
     spec = load(path)
     where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
     items = {item.name: item for item in plan(spec, scratch)}
+    here = machine()
     rows = []
     for name in picks:
         item = items[name]
@@ -316,14 +352,38 @@ def audit_compare(
         again = check_identity(item, spec.study)["model_sha256"]
         record = where / name / RUN_FILE
         kept = json.loads(record.read_text()).get("model_sha256")
-        if again != kept:
+        then = _read_json(where / name / KEPT_MACHINE)
+        same_kind = then == here
+        if again != kept and same_kind:
             raise MoestackError(
                 f"{record}: run {name} trained again ends with weights sha256 {again[:12]}, its "
-                f"kept record names {str(kept)[:12]}: the kept records are not this training's "
-                "(edited, or trained under other code, torch, threads or CPU kind); retrain the run"
+                f"kept record names {str(kept)[:12]}, on the machine kind it was kept from: "
+                "the kept records are not this training's (edited, or trained under other code "
+                "or settings); retrain the run"
             )
-        rows.append({"run": name, "kept": kept, "retrained": again, "outcome": "matched"})
+        outcome = "matched" if again == kept else "other machine"
+        row = {"run": name, "kept": kept, "retrained": again, "outcome": outcome}
+        row["differences"] = _differences(where / name / EVAL_FILE, item.run_dir / EVAL_FILE)
+        row["kept_machine"], row["machine"] = then, here
+        rows.append(row)
     return rows
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _differences(kept: Path, again: Path) -> dict[str, float] | None:
+    """Relative differences of the retrained run's metrics from the kept ones, for the
+    metrics both evaluations hold (None: the retrained run is not evaluated)."""
+    old, new = _read_json(kept), _read_json(again)
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None
+    a, b = old.get("metrics", {}), new.get("metrics", {})
+    return {k: b[k] / a[k] - 1.0 for k in sorted(set(a) & set(b)) if a[k]}
 
 
 AUDIT_FILE = "audit_picks.json"  # in the scratch folder: the runs audit_prepare picked
@@ -357,5 +417,21 @@ def render_audit(result: dict[str, Any], path: Path | str) -> str:
             f"\ntrain them with the lock's code: moestack prereg run {path} --out "
             f"{result['scratch']}; then run this again to compare their weights"
         )
-    lines = [f"{r['run']}: weights sha256 {r['retrained'][:12]} as kept" for r in result["rows"]]
-    return "\n".join([*lines, f"{len(lines)} kept runs trained again: every one matched"])
+    lines = []
+    for r in result["rows"]:
+        if r["outcome"] == "matched":
+            lines.append(f"{r['run']}: weights sha256 {r['retrained'][:12]}, the kept ones")
+            continue
+        diff = r["differences"] or {}
+        said = (
+            f"perplexity differs by {diff['perplexity']:+.2%}"
+            if "perplexity" in diff
+            else "evaluate the scratch folder to compare its metrics"
+        )
+        lines.append(
+            f"{r['run']}: trained on another machine kind (kept: {r['kept_machine']}; here: "
+            f"{r['machine']}), where training is not bitwise repeatable; {said}"
+        )
+    same = sum(r["outcome"] == "matched" for r in result["rows"])
+    lines.append(f"{len(result['rows'])} kept runs trained again, {same} to the kept bits")
+    return "\n".join(lines)

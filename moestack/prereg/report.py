@@ -295,8 +295,8 @@ def _integrity_lines(
             "restored here from the records kept in the repository (no checkpoint): each "
             "identity was checked against its kept checkpoint meta.json and the evaluation is "
             "the kept one. The recheck cannot evaluate them again; their audit is to train some "
-            "again (training is deterministic) and compare their weights' sha256 with their "
-            "records (`moestack prereg audit`)."
+            "again and compare their weights' sha256 with their records (bit for bit on the "
+            "machine kind they were kept from: `moestack prereg audit`)."
         )
     if checks is None:
         lines.append("- Recheck: none (the analysis evaluated nothing).")

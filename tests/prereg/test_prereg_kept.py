@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.prereg import evaluating_train, trained_study
+from helpers.prereg import evaluating_train, fake_evaluations, trained_study
 
 from moestack import cli, prereg
 from moestack.errors import MoestackError
@@ -220,7 +220,7 @@ def test_the_audit_trains_picked_kept_runs_again_and_compares_their_weights(tmp_
     assert sorted(name for name, _ in calls) == sorted(first["picks"])
     second = prereg.audit(path, scratch, kept, per_arm=1)
     assert [r["outcome"] for r in second["rows"]] == ["matched"] * 3
-    assert "every one matched" in prereg.render_audit(second, path)
+    assert "3 kept runs trained again, 3 to the kept bits" in prereg.render_audit(second, path)
 
 
 def test_the_audit_refuses_a_kept_record_that_training_does_not_give(tmp_path) -> None:
@@ -242,6 +242,38 @@ def test_the_audit_refuses_a_kept_record_that_training_does_not_give(tmp_path) -
         prereg.kept.audit_compare(path, scratch, picks, kept)
     text = one_line(err)
     assert str(record_path) in text and "eeeeeeeeeeee" in text and "trained again" in text
+
+
+def test_the_audit_reports_a_run_kept_from_another_machine_kind(tmp_path) -> None:
+    """Training is bitwise repeatable on one machine kind only: a run kept from another CPU
+    that ends with other weights is reported with its metric differences, not refused."""
+    path, _, kept = kept_study(tmp_path)
+    machine = json.loads((kept / "a-s0" / prereg.kept.KEPT_MACHINE).read_text())
+    assert machine == prereg.kept.machine() and machine["cpu_capability"]
+    scratch = tmp_path / "audit"
+
+    class Picks:
+        @staticmethod
+        def sample(names, k):
+            return sorted(names)[:k]
+
+    picks = prereg.kept.audit_prepare(path, scratch, kept, per_arm=1, rng=Picks())
+    prereg.run(path, scratch, train_fn=evaluating_train(prereg.load(path)), progress=False)
+    fake_evaluations(path, scratch)
+    _reseal_record(kept / "a-s0" / "prereg_run.json", model_sha256="e" * 64)
+    other = {**machine, "cpu_capability": "AVX512", "cpu": "another CPU"}
+    (kept / "a-s0" / prereg.kept.KEPT_MACHINE).write_text(json.dumps(other))
+    eval_path = kept / "a-s0" / prereg.EVAL_FILE
+    cached = json.loads(eval_path.read_text())
+    cached["metrics"]["perplexity"] *= 1.01  # the kept run's perplexity, 1% above this one's
+    eval_path.write_text(json.dumps(cached))
+    rows = {r["run"]: r for r in prereg.kept.audit_compare(path, scratch, picks, kept)}
+    assert rows["a-s0"]["outcome"] == "other machine"
+    assert rows["a-s0"]["differences"]["perplexity"] == pytest.approx(1 / 1.01 - 1)
+    assert rows["b-s0"]["outcome"] == "matched"
+    text = prereg.render_audit({"rows": list(rows.values()), "picks": picks}, path)
+    assert "another machine kind" in text and "perplexity differs by -0.99%" in text
+    assert "3 kept runs trained again, 2 to the kept bits" in text
 
 
 def test_the_audit_needs_an_empty_scratch_folder(tmp_path) -> None:
