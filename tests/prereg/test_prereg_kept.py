@@ -30,17 +30,34 @@ def verdicts(report: Path) -> dict[str, str]:
     return {h["id"]: h["verdict"] for h in results["hypotheses"]}
 
 
-def kept_study(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A finished study, its runs kept: (file, out dir, kept dir)."""
-    path, out, _ = trained_study(tmp_path)
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A locked study whose 9 runs finished and were evaluated, trained once per module."""
+    root = tmp_path_factory.mktemp("finished")
+    trained_study(root)
+    return root
+
+
+@pytest.fixture
+def study_copy(finished: Path, tmp_path: Path):
+    """A copy of the finished study for one test: (file, out dir)."""
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    return tmp_path / "study.yaml", tmp_path / "out"
+
+
+def kept_study(study_copy: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path, Path]:
+    """The finished study, its runs kept: (file, out dir, kept dir)."""
+    path, out = study_copy
     kept = tmp_path / "kept"
     result = prereg.keep(path, out, kept)
     assert len(result.done) == 9 and not result.already and not result.waiting
     return path, out, kept
 
 
-def test_kept_records_restore_a_study_on_a_machine_without_its_checkpoints(tmp_path) -> None:
-    path, out, kept = kept_study(tmp_path)
+def test_kept_records_restore_a_study_on_a_machine_without_its_checkpoints(
+    study_copy, tmp_path
+) -> None:
+    path, out, kept = kept_study(study_copy, tmp_path)
     for run_dir in sorted(kept.iterdir()):
         names = {p.name for p in run_dir.iterdir()}
         assert {"prereg_run.json", "prereg_eval.json", "summary.json", prereg.KEPT_META} <= names
@@ -67,8 +84,8 @@ def test_kept_records_restore_a_study_on_a_machine_without_its_checkpoints(tmp_p
     assert all(r["kept"] for r in runs)
 
 
-def test_keep_and_restore_again_change_nothing(tmp_path) -> None:
-    path, out, kept = kept_study(tmp_path)
+def test_keep_and_restore_again_change_nothing(study_copy, tmp_path) -> None:
+    path, out, kept = kept_study(study_copy, tmp_path)
     before = {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()}
     again = prereg.keep(path, out, kept)
     assert not again.done and len(again.already) == 9
@@ -80,8 +97,10 @@ def test_keep_and_restore_again_change_nothing(tmp_path) -> None:
     assert len(prereg.keep(path, fresh, kept).already) == 9
 
 
-def test_a_study_in_pieces_keeps_what_is_evaluated_and_trains_the_rest(tmp_path) -> None:
-    path, out, _ = trained_study(tmp_path)
+def test_a_study_in_pieces_keeps_what_is_evaluated_and_trains_the_rest(
+    study_copy, tmp_path
+) -> None:
+    path, out = study_copy
     for name in ("a-s2", "b-s2"):
         (out / "runs" / name / prereg.EVAL_FILE).unlink()  # finished, not evaluated yet
     shutil.rmtree(out / "runs" / "baseline-s2")  # not trained on this machine
@@ -105,8 +124,10 @@ def _reseal_record(path: Path, **changes) -> None:
     path.write_text(json.dumps(seal({**record, **changes}, "record_sha256")))
 
 
-def test_restore_refuses_records_that_do_not_tie_to_their_kept_weights(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_restore_refuses_records_that_do_not_tie_to_their_kept_weights(
+    study_copy, tmp_path
+) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     # another weights sha256 written into the record and resealed: the kept meta says otherwise
     _reseal_record(kept / "a-s0" / "prereg_run.json", model_sha256="0" * 64)
     fresh = tmp_path / "elsewhere"
@@ -117,8 +138,8 @@ def test_restore_refuses_records_that_do_not_tie_to_their_kept_weights(tmp_path)
     assert not (fresh / "runs" / "a-s0").exists()  # the refused run is not left behind
 
 
-def test_restore_refuses_an_edited_kept_meta(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_restore_refuses_an_edited_kept_meta(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     meta_path = kept / "b-s1" / prereg.KEPT_META
     kept_meta = json.loads(meta_path.read_text())
     kept_meta["meta"]["step"] = 4  # digest not recomputed
@@ -128,8 +149,8 @@ def test_restore_refuses_an_edited_kept_meta(tmp_path) -> None:
     assert "meta_sha256" in one_line(err) and str(meta_path) in one_line(err)
 
 
-def test_restore_refuses_another_runs_records(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_restore_refuses_another_runs_records(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     shutil.rmtree(kept / "b-s0")
     shutil.copytree(kept / "a-s0", kept / "b-s0")  # a's records offered as b's
     with pytest.raises(MoestackError) as err:
@@ -138,8 +159,8 @@ def test_restore_refuses_another_runs_records(tmp_path) -> None:
     assert "identity of another run" in text and "b-s0" in text
 
 
-def test_an_edited_kept_evaluation_is_refused(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_an_edited_kept_evaluation_is_refused(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     eval_path = kept / "a-s1" / prereg.EVAL_FILE
     cached = json.loads(eval_path.read_text())
     cached["metrics"]["perplexity"] = 9.0  # a better perplexity, digest not recomputed
@@ -155,8 +176,8 @@ def test_an_edited_kept_evaluation_is_refused(tmp_path) -> None:
     assert "edited after it was written" in one_line(err) and "a-s1" in one_line(err)
 
 
-def test_restore_copies_only_the_kept_records(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_restore_copies_only_the_kept_records(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     (kept / "b-s1" / "notes.txt").write_text("not a record")
     fresh = tmp_path / "elsewhere"
     prereg.restore(path, fresh, kept)
@@ -168,8 +189,8 @@ def test_restore_copies_only_the_kept_records(tmp_path) -> None:
     assert str(kept / "b-s2") in one_line(err) and "summary.json" in one_line(err)
 
 
-def test_keep_refuses_to_replace_a_kept_run_of_other_weights(tmp_path) -> None:
-    path, out, kept = kept_study(tmp_path)
+def test_keep_refuses_to_replace_a_kept_run_of_other_weights(study_copy, tmp_path) -> None:
+    path, out, kept = kept_study(study_copy, tmp_path)
     _reseal_record(kept / "b-s2" / "prereg_run.json", model_sha256="f" * 64)
     with pytest.raises(MoestackError) as err:
         prereg.keep(path, out, kept)
@@ -177,8 +198,8 @@ def test_keep_refuses_to_replace_a_kept_run_of_other_weights(tmp_path) -> None:
     assert "trained again" in text and str(kept / "b-s2") in text
 
 
-def test_restore_refuses_a_folder_holding_the_run_unfinished(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_restore_refuses_a_folder_holding_the_run_unfinished(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     fresh = tmp_path / "elsewhere"
     partial = fresh / "runs" / "a-s0" / "checkpoints"
     partial.mkdir(parents=True)  # an interrupted run of this machine
@@ -187,8 +208,8 @@ def test_restore_refuses_a_folder_holding_the_run_unfinished(tmp_path) -> None:
     assert "unfinished run" in one_line(err) and str(fresh / "runs" / "a-s0") in one_line(err)
 
 
-def test_cli_keep_and_restore(tmp_path, capsys) -> None:
-    path, out, _ = trained_study(tmp_path)
+def test_cli_keep_and_restore(study_copy, tmp_path, capsys) -> None:
+    path, out = study_copy
     kept = tmp_path / "kept"
     cli.main(["prereg", "keep", str(path), "--out", str(out), "--kept", str(kept)])
     assert f"9 runs kept now ({kept})" in capsys.readouterr().out
@@ -206,8 +227,10 @@ def test_cli_keep_and_restore(tmp_path, capsys) -> None:
     assert "prereg audit needs --out" in capsys.readouterr().err
 
 
-def test_the_audit_trains_picked_kept_runs_again_and_compares_their_weights(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_the_audit_trains_picked_kept_runs_again_and_compares_their_weights(
+    study_copy, tmp_path
+) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     scratch = tmp_path / "audit"
     first = prereg.audit(path, scratch, kept, per_arm=1)
     assert first["rows"] is None and len(first["picks"]) == 3  # one of each arm
@@ -223,8 +246,8 @@ def test_the_audit_trains_picked_kept_runs_again_and_compares_their_weights(tmp_
     assert "3 kept runs trained again, 3 to the kept bits" in prereg.render_audit(second, path)
 
 
-def test_the_audit_refuses_a_kept_record_that_training_does_not_give(tmp_path) -> None:
-    path, _, kept = kept_study(tmp_path)
+def test_the_audit_refuses_a_kept_record_that_training_does_not_give(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
     scratch = tmp_path / "audit"
 
     class Picks:  # the audit's picks, made known: every run of each arm
@@ -244,10 +267,10 @@ def test_the_audit_refuses_a_kept_record_that_training_does_not_give(tmp_path) -
     assert str(record_path) in text and "eeeeeeeeeeee" in text and "trained again" in text
 
 
-def test_the_audit_reports_a_run_kept_from_another_machine_kind(tmp_path) -> None:
+def test_the_audit_reports_a_run_kept_from_another_machine_kind(study_copy, tmp_path) -> None:
     """Training is bitwise repeatable on one machine kind only: a run kept from another CPU
     that ends with other weights is reported with its metric differences, not refused."""
-    path, _, kept = kept_study(tmp_path)
+    path, _, kept = kept_study(study_copy, tmp_path)
     machine = json.loads((kept / "a-s0" / prereg.kept.KEPT_MACHINE).read_text())
     assert machine == prereg.kept.machine() and machine["cpu_capability"]
     scratch = tmp_path / "audit"
@@ -276,8 +299,8 @@ def test_the_audit_reports_a_run_kept_from_another_machine_kind(tmp_path) -> Non
     assert "3 kept runs trained again, 2 to the kept bits" in text
 
 
-def test_the_audit_needs_an_empty_scratch_folder(tmp_path) -> None:
-    path, out, kept = kept_study(tmp_path)
+def test_the_audit_needs_an_empty_scratch_folder(study_copy, tmp_path) -> None:
+    path, out, kept = kept_study(study_copy, tmp_path)
     with pytest.raises(MoestackError) as err:
         prereg.audit(path, out, kept)
     assert str(out) in one_line(err) and "not empty" in one_line(err)
