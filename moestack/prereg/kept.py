@@ -317,7 +317,15 @@ def audit_prepare(
     if scratch.exists() and any(scratch.iterdir()):
         raise MoestackError(f"{scratch} is not empty: give an empty folder for the audit")
     rng = rng or random.Random(os.urandom(32))
-    kept = [item for item in plan(spec, scratch) if (where / item.name).is_dir()]
+    grid = plan(spec, scratch)
+    kept = [item for item in grid if (where / item.name).is_dir()]
+    if len(kept) < len(grid):
+        missing = [item.name for item in grid if item not in kept]
+        raise MoestackError(
+            f"{where} keeps {len(kept)} of the {len(grid)} runs of {spec.study} (not "
+            f"{', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): audit once every "
+            "run is kept, or the runner would train the missing ones too in the scratch folder"
+        )
     picks = []
     for arm in spec.arms:
         mine = [item.name for item in kept if item.arm == arm]

@@ -299,6 +299,15 @@ def test_the_audit_reports_a_run_kept_from_another_machine_kind(study_copy, tmp_
     assert "3 kept runs trained again, 2 to the kept bits" in text
 
 
+def test_the_audit_waits_for_every_run_to_be_kept(study_copy, tmp_path) -> None:
+    path, _, kept = kept_study(study_copy, tmp_path)
+    shutil.rmtree(kept / "b-s2")
+    with pytest.raises(MoestackError) as err:
+        prereg.audit(path, tmp_path / "audit", kept)
+    assert "keeps 8 of the 9 runs" in one_line(err) and "b-s2" in one_line(err)
+    assert not (tmp_path / "audit").exists()
+
+
 def test_the_audit_needs_an_empty_scratch_folder(study_copy, tmp_path) -> None:
     path, out, kept = kept_study(study_copy, tmp_path)
     with pytest.raises(MoestackError) as err:
