@@ -470,21 +470,24 @@ def _report_parser(verbs: Any) -> None:
     p.set_defaults(func=cmd_report)
 
 
+PREREG_ACTIONS = (
+    "lock",
+    "run",
+    "status",
+    "evaluate",
+    "keep",
+    "restore",
+    "audit",
+    "analyze",
+    "power",
+)
+
+
 def _prereg_parser(verbs: Any) -> None:
     p = verbs.add_parser("prereg", help="lock, run and analyze a pre-registered study")
     p.add_argument(
         "action",
-        choices=(
-            "lock",
-            "run",
-            "status",
-            "evaluate",
-            "keep",
-            "restore",
-            "audit",
-            "analyze",
-            "power",
-        ),  # fmt: skip
+        choices=PREREG_ACTIONS,
         help="lock, run, status (runs done and left, no results), evaluate (the finished runs, "
         "ahead of the analysis; no results), keep (copy the finished, evaluated runs' records "
         "into the repository, to carry a study to another machine), restore (copy kept "
@@ -508,6 +511,13 @@ def _prereg_parser(verbs: Any) -> None:
         "processes evaluating the runs (default: 1)",
     )
     p.add_argument("--quiet", action="store_true", help="run: no progress bar (default: off)")
+    _prereg_lock_and_analysis_options(p)
+    _prereg_power_options(p)
+    p.set_defaults(func=cmd_prereg)
+
+
+def _prereg_lock_and_analysis_options(p: argparse.ArgumentParser) -> None:
+    """`prereg`'s options of analyze, audit and lock."""
     p.add_argument(
         "--interim",
         action="store_true",
@@ -533,6 +543,10 @@ def _prereg_parser(verbs: Any) -> None:
         help="lock: re-lock after runs exist; run: train although moestack's sources differ "
         "from the lock's; the reason is kept in the lock and the report (default: none)",
     )
+
+
+def _prereg_power_options(p: argparse.ArgumentParser) -> None:
+    """`prereg power`'s options."""
     p.add_argument(
         "--pilot",
         default=None,
@@ -551,7 +565,6 @@ def _prereg_parser(verbs: Any) -> None:
         default=None,
         help="power: two-sided confidence of that interval (default: the file's, else 0.95)",
     )
-    p.set_defaults(func=cmd_prereg)
 
 
 def build_parser() -> argparse.ArgumentParser:
