@@ -253,13 +253,10 @@ def _refuse_other_weights(target: Path, identity: dict[str, Any], item: RunSpec)
     path = target / RUN_FILE
     if not path.is_file():
         return
-    try:
-        old = json.loads(path.read_text())
-    except ValueError:
-        old = {}
-    if old.get("model_sha256") != identity["model_sha256"]:
+    old = _kept_weights(target)
+    if old != identity["model_sha256"]:
         raise MoestackError(
-            f"{path} keeps run {item.name} with weights sha256 {str(old.get('model_sha256'))[:12]}"
+            f"{path} keeps run {item.name} with weights sha256 {str(old)[:12]}"
             f", {item.run_dir} holds {identity['model_sha256'][:12]}: the run was trained "
             f"again; delete {target} to keep the new one"
         )
@@ -268,10 +265,7 @@ def _refuse_other_weights(target: Path, identity: dict[str, Any], item: RunSpec)
 def _check_same_run(item: RunSpec, source: Path, study: str) -> None:
     """A finished run folder and its kept records must name the same weights."""
     here = check_identity(item, study)["model_sha256"]
-    try:
-        kept = json.loads((source / RUN_FILE).read_text()).get("model_sha256")
-    except (OSError, ValueError):
-        kept = None
+    kept = _kept_weights(source)
     if kept != here:
         raise MoestackError(
             f"{item.run_dir} holds run {item.name} with weights sha256 {here[:12]}, "
@@ -359,7 +353,7 @@ def audit_compare(
             raise MoestackError(f"{item.run_dir}: the audit's run {name} was not trained")
         again = check_identity(item, spec.study)["model_sha256"]
         record = where / name / RUN_FILE
-        kept = json.loads(record.read_text()).get("model_sha256")
+        kept = _kept_weights(where / name)
         then = _read_json(where / name / KEPT_MACHINE)
         same_kind = then == here
         if again != kept and same_kind:
@@ -375,6 +369,12 @@ def audit_compare(
         row["kept_machine"], row["machine"] = then, here
         rows.append(row)
     return rows
+
+
+def _kept_weights(folder: Path) -> str | None:
+    """The weights sha256 a kept run's record names (None: no readable record)."""
+    record = _read_json(folder / RUN_FILE)
+    return record.get("model_sha256") if isinstance(record, dict) else None
 
 
 def _read_json(path: Path) -> Any:
