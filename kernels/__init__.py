@@ -9,13 +9,26 @@ import sys
 
 if __name__ != "moestack.kernels":
     # This folder imported as a top-level `kernels`: the repository root is on sys.path (a
-    # checkout's cwd under `python -m`) and a library probed for the PyPI package of that
-    # name (transformers imports it to read its version). A second copy of these modules
-    # would register the custom ops (moestack::triton_*) again, pointing them at itself; so
-    # the name stands for moestack.kernels instead (no __version__: not the PyPI package).
+    # checkout's cwd under `python -m`) ahead of site-packages, where transformers (>= 5.25
+    # requires it) finds the PyPI package of that name and imports it. That package, where
+    # installed, takes this name: found on sys.path without the checkout's root, loaded here
+    # and left in sys.modules in this module's place. Where it is not installed, the name
+    # stands for moestack.kernels (no __version__: not the PyPI package), never a second copy
+    # of these modules that would register the custom ops (moestack::triton_*) again.
     import importlib
+    import importlib.machinery
+    import importlib.util
+    import os
 
-    sys.modules[__name__] = importlib.import_module("moestack.kernels")
+    _checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _checkout]
+    _spec = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _module
+        _spec.loader.exec_module(_module)
+    else:
+        sys.modules[__name__] = importlib.import_module("moestack.kernels")
 else:
     from . import reference
     from .gemm import grouped_gemm

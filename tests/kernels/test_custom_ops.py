@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,22 +109,41 @@ def test_backward_without_saved_tensors_is_refused():
         y.sum().backward()
 
 
+def _import_kernels_from_the_checkout(*extra_path: str) -> subprocess.CompletedProcess:
+    """`import kernels` in a fresh interpreter whose cwd is the checkout's root, after
+    moestack.kernels loaded, with site-packages taken off sys.path (so an installed PyPI
+    `kernels` is invisible) and `extra_path` put after the root."""
+    code = (
+        "import sys, moestack.kernels; "
+        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p] + sys.argv[1:]; "
+        "import kernels; print(kernels is moestack.kernels, getattr(kernels, 'ORIGIN', '-'), "
+        "sorted(m for m in sys.modules if m.startswith('kernels.')))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-c", code, *extra_path]
+    return subprocess.run(argv, cwd=root, capture_output=True, text=True)
+
+
 def test_top_level_kernels_name_is_moestack_kernels():
     """From a checkout's root, `import kernels` (transformers does it, probing for the PyPI
     package of that name) must not load a second copy that registers the custom ops again
-    and points them at itself."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    and points them at itself: with no PyPI `kernels`, the name is moestack.kernels."""
+    out = _import_kernels_from_the_checkout()
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "-", "[]"]
 
-    code = (
-        "import moestack.kernels, kernels, sys; "
-        "assert kernels is moestack.kernels; "
-        "assert not [m for m in sys.modules if m.startswith('kernels.')]; print('ok')"
-    )
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+def test_an_installed_pypi_kernels_takes_the_top_level_name(tmp_path):
+    """transformers >= 5.25 requires the PyPI `kernels` and, seeing it installed, runs
+    `from kernels import ...`: from a checkout's root that import must reach the installed
+    package, submodules included, not this repository's kernels/ folder."""
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("ORIGIN = 'pypi'\nfrom . import layer\n")
+    (fake / "layer.py").write_text("")
+    out = _import_kernels_from_the_checkout(str(tmp_path / "site"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "pypi", "['kernels.layer']"]
 
 
 def test_eager_backward_is_in_place_and_compiled_is_functional(monkeypatch):
