@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from moestack.config import TrainConfig
@@ -12,7 +16,31 @@ from moestack.prereg.spec import Prereg
 
 def _compose(overrides: Sequence[str], *, choices: bool) -> Any:
     """Compose ``train`` with ``overrides``: the TrainConfig, or (``choices``) the config
-    group options hydra selected (``hydra.runtime.choices``: group -> option or None)."""
+    group options hydra selected (``hydra.runtime.choices``: group -> option or None).
+
+    A composition costs about half a second, and locking, verifying and analysing a study
+    ask for each arm's several times: they are remembered per overrides and config files'
+    bytes (an edited file composes afresh), and each caller gets its own copy."""
+    composed = _compose_files(tuple(overrides), choices, _configs_digest())
+    return copy.deepcopy(composed)
+
+
+def _configs_digest() -> str:
+    """sha256 over the relative names and bytes of every file under moestack.configs."""
+    import moestack.configs
+
+    root = Path(moestack.configs.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _compose_files(overrides: tuple[str, ...], choices: bool, configs_digest: str) -> Any:
+    """_compose's work, for configs whose files have ``configs_digest``."""
     from hydra import compose, initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
