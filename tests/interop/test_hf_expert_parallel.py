@@ -1,11 +1,16 @@
 """Expert parallelism on a transformers model (Qwen3-MoE architecture, 6 experts): two gloo
 ranks at parallel.ep=2 train with the same losses as one process, each reading only its own
-experts from the folder, and their checkpoint (rank files) resumes in one process."""
+experts from the folder, and their checkpoint (rank files) resumes in one process.
+
+The runs are launched once for the module and the tests that only read them share them; the
+two one-process launches run side by side (one alone would leave a core idle)."""
 
 from __future__ import annotations
 
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,24 +42,36 @@ def train(tmp_path, model_dir, out_dir, nproc, *overrides) -> list[float]:
     return [r["loss/train"] for r in read_metrics(out_dir / "metrics.jsonl") if "loss/train" in r]
 
 
-def test_transformers_model_trains_expert_parallel_as_one_process(tmp_path, hf_dir):
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory, hf_dir) -> tuple[Path, Path, dict[str, list[float]]]:
+    """The 4-step model=hf run on 2 ranks at ep=2 ("ep2"), then side by side the same run in
+    one process ("one") and ep2's step-2 checkpoint resumed in one process ("resumed"):
+    (their folder, the transformers folder, each run's losses)."""
+    tmp = tmp_path_factory.mktemp("hf_runs")
     model_dir = hf_dir("qwen3_moe")
-    one = train(tmp_path, model_dir, tmp_path / "one", 1)
-    ep2 = train(tmp_path, model_dir, tmp_path / "ep2", 2, "parallel.ep=2")
+    ep2 = train(tmp, model_dir, tmp / "ep2", 2, "parallel.ep=2")
+    resumed = tmp / "resumed"
+    shutil.copytree(tmp / "ep2", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_000004")
+    with ThreadPoolExecutor(2) as pool:
+        one = pool.submit(train, tmp, model_dir, tmp / "one", 1)
+        after = pool.submit(train, tmp, model_dir, resumed, 1, "resume=true")
+    return tmp, model_dir, {"one": one.result(), "ep2": ep2, "resumed": after.result()}
+
+
+def test_transformers_model_trains_expert_parallel_as_one_process(hf_runs):
+    run_dir, _, losses = hf_runs
+    one, ep2 = losses["one"], losses["ep2"]
     assert len(one) == len(ep2) == 4
     assert ep2 == pytest.approx(one, rel=2e-5)
-    records = read_metrics(tmp_path / "ep2" / "metrics.jsonl")
+    records = read_metrics(run_dir / "ep2" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in records if "ep/rank0/tokens_sent" in r]
     assert len(sent) == 4 and min(sent) > 0  # tokens really crossed ranks
 
     # its checkpoint: each rank's experts in its own file; step 2's resumes in one process
     assert "rank00001.experts.safetensors" in checkpoint.read_meta(
-        checkpoint.latest_checkpoint(tmp_path / "ep2" / "checkpoints"))["parts"]  # fmt: skip
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ep2", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000004")
-    after = train(tmp_path, model_dir, resumed, 1, "resume=true")
-    assert after[-2:] == pytest.approx(ep2[-2:], rel=2e-5)
+        checkpoint.latest_checkpoint(run_dir / "ep2" / "checkpoints"))["parts"]  # fmt: skip
+    assert losses["resumed"][-2:] == pytest.approx(ep2[-2:], rel=2e-5)
 
 
 def test_a_rank_reads_only_its_own_experts_from_the_folder(hf_dir, monkeypatch):
@@ -77,24 +94,16 @@ def test_a_rank_reads_only_its_own_experts_from_the_folder(hf_dir, monkeypatch):
         assert torch.equal(mine.w1, theirs.w1[3:]) and torch.equal(mine.w2, theirs.w2[3:])
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, hf_dir):
-    """A 2-step model=hf run in one process: (its folder, the transformers folder)."""
-    tmp = tmp_path_factory.mktemp("hf_run")
-    model_dir = hf_dir("qwen3_moe")
-    train(tmp, model_dir, tmp / "one", 1, "steps=2")
-    return tmp / "one", model_dir
-
-
 @pytest.mark.parametrize("ep", [1, 2])
-def test_a_resumed_build_reads_no_weight_of_the_folder(trained_run, monkeypatch, ep):
+def test_a_resumed_build_reads_no_weight_of_the_folder(hf_runs, monkeypatch, ep):
     """A resumed model=hf run builds on meta and fills each tensor once, from its checkpoint
     (at ep=1 whole, at ep=2 rank 1's experts alone): no tensor of the transformers folder is
     read, and the weights are the checkpoint's."""
     from moestack import distributed, meta_load, runs, trainer
     from moestack.interop import hf_model
 
-    run_dir, model_dir = trained_run
+    runs_dir, model_dir, _ = hf_runs
+    run_dir = runs_dir / "one"
     ckpt = checkpoint.latest_checkpoint(run_dir / "checkpoints")
     cfg = runs.load_run_config(run_dir)
     cfg.parallel.ep = ep
@@ -118,7 +127,7 @@ def test_a_resumed_build_reads_no_weight_of_the_folder(trained_run, monkeypatch,
             lambda model, world, rank, ep: (_cut(model, ep), None),
         )
     model, _, _, step = trainer._build_model(cfg, distributed.DistInfo(0, 1, 0), ckpt)
-    assert step == 2 and not [p for p in opened if p.startswith(str(model_dir))]
+    assert step == 4 and not [p for p in opened if p.startswith(str(model_dir))]
     saved = checkpoint.read_weights(ckpt)
     for name, tensor in model.state_dict().items():
         assert not tensor.is_meta, name

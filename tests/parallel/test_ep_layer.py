@@ -1,6 +1,10 @@
 """The expert-parallel MoE layer (gloo, 2 and 4 CPU processes) against the single-process
 layer on the same weights and tokens: outputs, input gradients and every parameter gradient
-(after averaging over the ranks that share it), fp32."""
+(after averaging over the ranks that share it), fp32.
+
+Every layout runs in one start of 4 processes (each start imports torch and runs the Triton
+interpreter once per process): a world of 4 at ep=4, then at ep=2, then ranks 0 and 1 in a
+world of 2 of their own (a new default group, the first one closed) at ep=2."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from moestack import MoE, MoEConfig, RouterConfig
 from moestack.parallel import average_gradients, build_mesh, shard_experts
 
 D_MODEL, D_FF = 12, 10
+LAYOUTS = [(2, 2), (4, 4), (4, 2)]  # (world, ep)
 
 # name -> (num_experts, top_k, tokens of each rank (by world size), experts never chosen,
 # expert impl: the triton kernels run in the interpreter on the CPU, conftest.py)
@@ -55,23 +60,44 @@ def build_case(name: str, world: int) -> tuple[OneLayer, list[torch.Tensor], lis
     return model, xs, gs
 
 
-def _worker(rank: int, world: int, ep: int, init_method: str, out: str) -> None:
-    run_gloo_rank(rank, world, init_method, _run_cases, rank, world, ep, out)
+def _worker(rank: int, inits: dict[int, str], out: str) -> None:
+    """Rank ``rank`` of a world of 4 at each EP degree, then (ranks 0 and 1) of a world of 2."""
+    for world, init_method in inits.items():
+        if rank < world:
+            eps = [ep for w, ep in LAYOUTS if w == world]
+            run_gloo_rank(rank, world, init_method, _run_cases, rank, world, eps, out)
 
 
-def _run_cases(rank: int, world: int, ep: int, out: str) -> None:
-    mesh = build_mesh(world, rank, ep)
-    results = {}
-    for name in CASES:
-        model, xs, gs = build_case(name, world)
-        shard_experts(model, mesh)
-        x = xs[rank].clone().requires_grad_()
-        y = model.moe(x)
-        (y * gs[rank]).sum().backward()
-        average_gradients(model)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results[name] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
-    torch.save(results, f"{out}/rank{rank}.pt")
+def _run_cases(rank: int, world: int, eps: list[int], out: str) -> None:
+    for ep in eps:
+        mesh = build_mesh(world, rank, ep)
+        results = {}
+        for name in CASES:
+            model, xs, gs = build_case(name, world)
+            shard_experts(model, mesh)
+            x = xs[rank].clone().requires_grad_()
+            y = model.moe(x)
+            (y * gs[rank]).sum().backward()
+            average_gradients(model)
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            results[name] = {"y": y.detach(), "x_grad": x.grad, "grads": grads}
+        torch.save(results, f"{out}/world{world}_ep{ep}_rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list[dict]]:
+    """(world, ep) -> every rank's results of every case, from one start of 4 ranks."""
+    out = tmp_path_factory.mktemp("ep_layer")
+    inits = {world: file_rendezvous(out) for world in (4, 2)}  # a store for each world
+    what = "4 gloo ranks of the EP layer at ep=4 and ep=2, then 2 of them at ep=2"
+    spawn_ranks(_worker, (inits, str(out)), 4, what)
+    return {
+        (world, ep): [
+            torch.load(out / f"world{world}_ep{ep}_rank{r}.pt", weights_only=True)
+            for r in range(world)
+        ]
+        for world, ep in LAYOUTS
+    }
 
 
 def reference(name: str, world: int) -> dict:
@@ -85,11 +111,9 @@ def reference(name: str, world: int) -> dict:
     return {"y": y.detach(), "x_grad": x.grad, "model": model, "sizes": [len(t) for t in xs]}
 
 
-@pytest.mark.parametrize("world, ep", [(2, 2), (4, 4), (4, 2)])
-def test_ep_layer_matches_single_process(tmp_path, world, ep):
-    what = f"{world} gloo ranks of the EP layer at ep={ep}"
-    spawn_ranks(_worker, (world, ep, file_rendezvous(tmp_path), str(tmp_path)), world, what)
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+@pytest.mark.parametrize("world, ep", LAYOUTS)
+def test_ep_layer_matches_single_process(rank_results, world, ep):
+    got = rank_results[world, ep]
     for name in CASES:
         ref = reference(name, world)
         ys, x_grads = ref["y"].split(ref["sizes"]), ref["x_grad"].split(ref["sizes"])

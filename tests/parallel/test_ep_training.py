@@ -1,11 +1,18 @@
 """Training with expert parallelism under torchrun (gloo, CPU) against one process: the
-same losses at (dp, ep) = (1, 2), (2, 2) and (1, 4), checkpoints that resume at another
-layout, and bad layouts refused in one line."""
+same losses at (dp, ep) = (1, 4) and (2, 2) from step 0, and their checkpoints resumed at
+another layout, (1, 2) and one without expert parallelism, with the losses they had; bad
+layouts refused in one line.
+
+Launches are what these tests cost (each process imports torch; gloo ranks share the cores),
+so each layout runs once where the optimizer is not what it shows, and launches that do not
+depend on each other run side by side."""
 
 from __future__ import annotations
 
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -18,6 +25,7 @@ from moestack.errors import MoestackError
 from moestack.metrics import read_metrics
 from moestack.parallel import check_layout
 
+STEPS, CKPT_EVERY = 8, 4  # a resumed run starts from the step-4 checkpoint: steps 5..8
 TINY = [
     "model.d_model=32",
     "model.n_layers=2",
@@ -28,12 +36,12 @@ TINY = [
     "data.seq_len=32",
     "data.max_bytes=1000000",
     "telemetry=off",
-    "steps=20",
+    f"steps={STEPS}",
     "batch_size=8",
     "log_every=1",
     "eval_every=0",
     "eval_batches=1",
-    "ckpt_every=10",
+    f"ckpt_every={CKPT_EVERY}",
     "keep_last=5",
     "progress=false",
     "wandb_mode=disabled",
@@ -41,9 +49,10 @@ TINY = [
     # load_balance off: its batch statistics are per rank, so not comparable to one process
     "router.load_balance=0",
 ]
+Losses = dict[int, tuple[float, float]]
 
 
-def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, tuple[float, float]]:
+def train(tmp_path: Path, out_dir: Path, nproc: int, *overrides: str) -> Losses:
     """Run moestack.train on ``nproc`` processes; the train and router (aux) losses of every
     step (the router losses see the same routing with experts sharded or not)."""
     launcher = [sys.executable, "-m", "moestack.train"]
@@ -57,52 +66,86 @@ def train(tmp_path, out_dir, nproc, *overrides) -> dict[int, tuple[float, float]
     return {r["step"]: (r["loss/train"], r["loss/aux"]) for r in records if "loss/train" in r}
 
 
-def assert_same_losses(got: dict, want: dict, steps: range) -> None:
+def train_side_by_side(tmp_path: Path, runs: list[tuple[Path, int, list[str]]]) -> list[Losses]:
+    """``train(tmp_path, out_dir, nproc, *overrides)`` of every run, all launched at once (one
+    thread each): a one-process run or torchrun's own start leaves a core idle that another
+    launch uses. Each launch ends its own processes; the first failure is raised."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(train, tmp_path, out, nproc, *over) for out, nproc, over in runs]
+    return [future.result() for future in futures]
+
+
+def assert_same_losses(got: Losses, want: Losses, steps: range) -> None:
     for step in steps:
         assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
 
 
-@pytest.mark.parametrize("optim", ["adamw", "offload_adamw"])
+def resumable_copy(tmp_path: Path, source: str, name: str) -> Path:
+    """A copy of run ``source`` whose newest checkpoint is the mid-run one (step 4)."""
+    copy = tmp_path / name
+    shutil.copytree(tmp_path / source, copy)
+    shutil.rmtree(copy / "checkpoints" / f"step_{STEPS:06d}")
+    assert checkpoint.latest_checkpoint(copy / "checkpoints").name == f"step_{CKPT_EVERY:06d}"
+    return copy
+
+
+# optimizer -> the (ranks, ep) it trains from step 0, the (ranks, ep) its step-4 checkpoint
+# resumes at, and the expert rows of that checkpoint's rank files. One 4-rank layout each
+# from step 0 (the layouts' initial weights and routing are the optimizer's concern of
+# neither; tests/model/test_seeding.py draws every rank's rows at both): torch AdamW at
+# (4, 4), one expert a rank, whose states two ranks join when they read them at (2, 2);
+# OffloadAdamW at (4, 2) (dp = 2 with ep = 2), whose experts' state is split over their
+# expert data-parallel group and its replicated state over 4 ranks, both cut again at
+# (2, 2). Each checkpoint also resumes without expert parallelism: AdamW in one process (a
+# data-parallel rank reads its state as one process does), OffloadAdamW on 2 ranks (whole
+# experts' state, in 2 ZeRO shards).
+LAYOUTS = {
+    "adamw": ((4, 4), [(2, 2), (1, 1)], [[0, 1], [1, 2], [2, 3], [3, 4]]),
+    "offload_adamw": ((4, 2), [(2, 2), (2, 1)], [[0, 2], [2, 4]]),
+}
+
+
+@pytest.mark.parametrize("optim", list(LAYOUTS))
 def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, optim):
-    single = train(tmp_path, tmp_path / "single", 1, f"optim={optim}")
-    ep2 = train(tmp_path, tmp_path / "ep2", 2, f"optim={optim}", "parallel.ep=2")
-    dp2_ep2 = train(tmp_path, tmp_path / "dp2_ep2", 4, f"optim={optim}", "parallel.ep=2")
-    assert sorted(single) == list(range(1, 21))
-    assert_same_losses(ep2, single, range(1, 21))
-    assert_same_losses(dp2_ep2, single, range(1, 21))
-    if optim == "offload_adamw":  # (ranks, ep) = (4, 4) from the start (once: the layout's
-        # initial weights and routing are the optimizer's concern of neither)
-        ep4 = train(tmp_path, tmp_path / "ep4", 4, f"optim={optim}", "parallel.ep=4", "steps=10")
-        assert_same_losses(ep4, single, range(1, 11))
-    metrics = read_metrics(tmp_path / "ep2" / "metrics.jsonl")
+    """Every step's losses at the optimizer's 4-rank layout are one process's; its rank files
+    hold what one process saves; its step-4 checkpoint resumes at the other layouts with the
+    losses of steps 5..8 it had."""
+    (nproc, ep), resumes, rows = LAYOUTS[optim]
+    single, source = train_side_by_side(tmp_path, [
+        (tmp_path / "single", 1, [f"optim={optim}"]),
+        (tmp_path / "source", nproc, [f"optim={optim}", f"parallel.ep={ep}"]),
+    ])  # fmt: skip
+    assert sorted(single) == list(range(1, STEPS + 1))
+    assert_same_losses(source, single, range(1, STEPS + 1))
+    metrics = read_metrics(tmp_path / "source" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in metrics if "ep/rank0/tokens_sent" in r]
-    assert len(sent) == 20 and all(s > 0 for s in sent)  # tokens really crossed ranks
-    check_rank_files(tmp_path, "ep2", "single")
+    assert len(sent) == STEPS and all(s > 0 for s in sent)  # tokens really crossed ranks
+    check_rank_files(tmp_path, "source", "single", rows, nproc)
 
-    # The (1, 2) run's step-10 checkpoint resumes at (2, 1), (1, 1) and (1, 4).
-    for nproc, ep in [(2, 1), (1, 1), (4, 4)]:
-        resumed = tmp_path / f"resumed_{nproc}_{ep}"
-        shutil.copytree(tmp_path / "ep2", resumed)
-        shutil.rmtree(resumed / "checkpoints" / "step_000020")
-        assert checkpoint.latest_checkpoint(resumed / "checkpoints").name == "step_000010"
-        after = train(
-            tmp_path, resumed, nproc, f"optim={optim}", f"parallel.ep={ep}", "resume=true"
-        )
-        assert_same_losses(after, ep2, range(11, 21))
+    runs = [(resumable_copy(tmp_path, "source", f"resumed_{n}_{e}"), n, e) for n, e in resumes]
+    resumed = train_side_by_side(
+        tmp_path,
+        [(out, n, [f"optim={optim}", f"parallel.ep={e}", "resume=true"]) for out, n, e in runs],
+    )
+    for after in resumed:
+        assert_same_losses(after, source, range(CKPT_EVERY + 1, STEPS + 1))
 
 
-def check_rank_files(tmp_path, ep2: str, single: str) -> None:
-    """An ep=2 checkpoint: each rank wrote its own experts' weights and optimizer state, the
-    shared weights file holds no expert; read whole, it has the one-process checkpoint's
-    tensors. A flipped byte in a rank file is refused naming the file."""
-    ckpt = checkpoint.latest_checkpoint(tmp_path / ep2 / "checkpoints")
+def check_rank_files(
+    tmp_path: Path, run: str, single: str, rows: list[list[int]], nproc: int
+) -> None:
+    """An expert-parallel checkpoint: each EP rank of the first replica wrote its own
+    experts' weights (``rows``), every rank its optimizer state, and the shared weights file
+    holds no expert; read whole, it has the one-process checkpoint's tensors. A flipped byte
+    in a rank file is refused naming the file."""
+    ckpt = checkpoint.latest_checkpoint(tmp_path / run / "checkpoints")
     parts = checkpoint.read_meta(ckpt)["parts"]
     assert {n: r["rows"] for n, r in parts.items() if r["kind"] == "experts"} == {
-        "rank00000.experts.safetensors": [0, 2],
-        "rank00001.experts.safetensors": [2, 4],
+        f"rank{r:05d}.experts.safetensors": block for r, block in enumerate(rows)
     }
     assert sorted(n for n, r in parts.items() if r["kind"] == "optimizer") == [
-        "rank00000.optim.pt", "rank00001.optim.pt"]  # fmt: skip
+        f"rank{r:05d}.optim.pt" for r in range(nproc)
+    ]
     shared = safetensors.torch.load_file(ckpt / checkpoint.MODEL_FILE)
     assert shared and not [k for k in shared if ".moe.w" in k]
     one = checkpoint.read_weights(checkpoint.latest_checkpoint(tmp_path / single / "checkpoints"))
@@ -110,15 +153,15 @@ def check_rank_files(tmp_path, ep2: str, single: str) -> None:
     assert whole.keys() == one.keys()
     for name, tensor in one.items():
         torch.testing.assert_close(whole[name], tensor, rtol=1e-3, atol=1e-5)
-    corrupt = tmp_path / f"{ep2}_corrupt"
-    shutil.copytree(tmp_path / ep2 / "checkpoints", corrupt)
+    corrupt = tmp_path / f"{run}_corrupt"
+    shutil.copytree(tmp_path / run / "checkpoints", corrupt)
     rank_file = corrupt / ckpt.name / "rank00001.experts.safetensors"
     data = bytearray(rank_file.read_bytes())
     data[-7] ^= 0x10
     rank_file.write_bytes(bytes(data))
     with pytest.raises(MoestackError, match=r"rank00001\.experts\.safetensors.*sha256"):
         checkpoint.verify_checkpoint(corrupt / ckpt.name)
-    assert checkpoint.newest_verified(corrupt).name == "step_000010"
+    assert checkpoint.newest_verified(corrupt).name == f"step_{CKPT_EVERY:06d}"
 
 
 def test_bad_layouts_are_refused_naming_both_numbers(tmp_path):
@@ -143,9 +186,12 @@ def test_expert_parallel_lora_matches_one_process_and_resumes_on_one(tmp_path):
     """LoRA adapters on the experts shard with their experts: an ep=2 run trains as one
     process does, and its layout-free checkpoint (every expert's adapters) resumes there."""
     lora = ["trainable=routers+lora", "lora.rank=4", "lora.targets=both", "optim.lr=1e-2"]
-    single = train(tmp_path, tmp_path / "single", 1, *lora)
     ep2 = train(tmp_path, tmp_path / "ep2", 2, *lora, "parallel.ep=2")
-    assert_same_losses(ep2, single, range(1, 21))
+    resumed = resumable_copy(tmp_path, "ep2", "resumed")
+    single, after = train_side_by_side(tmp_path, [
+        (tmp_path / "single", 1, lora), (resumed, 1, [*lora, "resume=true"]),
+    ])  # fmt: skip
+    assert_same_losses(ep2, single, range(1, STEPS + 1))
     tensors = {
         name: checkpoint.read_weights(checkpoint.latest_checkpoint(tmp_path / name / "checkpoints"))
         for name in ("single", "ep2")
@@ -155,8 +201,4 @@ def test_expert_parallel_lora_matches_one_process_and_resumes_on_one(tmp_path):
     assert tensors["ep2"].keys() == tensors["single"].keys()  # every expert's, whole
     for k in adapters:
         torch.testing.assert_close(tensors["ep2"][k], tensors["single"][k], rtol=1e-4, atol=1e-6)
-    resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "ep2", resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_000020")
-    after = train(tmp_path, resumed, 1, *lora, "resume=true")
-    assert_same_losses(after, ep2, range(11, 21))
+    assert_same_losses(after, ep2, range(CKPT_EVERY + 1, STEPS + 1))

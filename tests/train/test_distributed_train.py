@@ -1,7 +1,14 @@
-"""torchrun data parallel on the CPU (gloo, 2 processes) against the single-process run."""
+"""torchrun data parallel on the CPU (gloo, 2 processes) against the single-process run.
+
+Launches are what these tests cost (each process imports torch), so launches that do not
+depend on each other run side by side: a one-process run, or torchrun's own start, leaves a
+core idle that the other launch uses."""
 
 import shutil
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from helpers.multiprocess import file_rendezvous, run_gloo_rank, run_launch, spawn_ranks
@@ -52,19 +59,29 @@ def run(tmp_path, out_dir, nproc, *overrides):
     }
 
 
-@pytest.mark.parametrize(
-    "optim, router",
-    [("adamw", "baseline"), ("offload_adamw", "baseline"), ("offload_adamw", "aux_free")],
-)
+def side_by_side(*calls: tuple[Any, ...]) -> list[Any]:
+    """Each ``(function, *args)`` of ``calls`` called in a thread of its own, all at once;
+    their results in order (the first failure raised once all are done)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(*call) for call in calls]
+    return [future.result() for future in futures]
+
+
+# OffloadAdamW with the aux-free router (its bias updates use the routing counts summed over
+# the ranks) and torch AdamW with the baseline router: each optimizer and each router once
+# (the router's part of a step is the model's, whichever optimizer steps after it).
+@pytest.mark.parametrize("optim, router", [("adamw", "baseline"), ("offload_adamw", "aux_free")])
 def test_two_gloo_ranks_match_one_process(tmp_path, optim, router):
     overrides = [f"optim={optim}", f"router={router}"]
-    single = run(tmp_path, tmp_path / "single", 1, *overrides)
-    double = run(tmp_path, tmp_path / "double", 2, *overrides)
+    single, double = side_by_side(
+        (run, tmp_path, tmp_path / "single", 1, *overrides),
+        (run, tmp_path, tmp_path / "double", 2, *overrides),
+    )
     assert sorted(single) == sorted(double) == list(range(1, 11))
     for step in single:
         assert double[step] == pytest.approx(single[step], rel=2e-5), step
 
-    if optim == "offload_adamw" and router == "baseline":  # a 2-rank checkpoint resumes on 1 rank
+    if optim == "offload_adamw":  # a 2-rank checkpoint (ZeRO shards, router biases) on 1 rank
         resumed = tmp_path / "resumed"
         shutil.copytree(tmp_path / "double", resumed)
         shutil.rmtree(resumed / "checkpoints" / "step_000010")
@@ -181,16 +198,27 @@ def _end_groups(tmp_path, order: str):
     return done, lefts
 
 
-def test_process_groups_end_with_their_gloo_threads_before_the_exit(tmp_path):
-    done, lefts = _end_groups(tmp_path, "first")
+@pytest.fixture(scope="module")
+def ended_groups(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[subprocess.CompletedProcess, list[int]]]:
+    """order -> (the launch, each rank's gloo threads left) of GROUPS_SCRIPT with
+    moestack.distributed imported first and late, the two launched side by side."""
+    tmp = tmp_path_factory.mktemp("groups")
+    orders = ["first", "late"]
+    return dict(zip(orders, side_by_side(*[(_end_groups, tmp, o) for o in orders]), strict=True))
+
+
+def test_process_groups_end_with_their_gloo_threads_before_the_exit(ended_groups):
+    done, lefts = ended_groups["first"]
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-3000:]
     assert lefts == [0, 0], done.stdout + done.stderr[-3000:]
 
 
-def test_a_group_that_existed_when_torch_distributed_nn_was_imported_is_never_freed(tmp_path):
+def test_a_group_that_existed_when_torch_distributed_nn_was_imported_is_never_freed(ended_groups):
     """The cause of the random abort at exit, kept in view: torch's lazy import of
     torch.distributed.nn (from the first optimizer) after init_process_group binds the default
     group into its functions' defaults, so that group's threads outlive every teardown;
     moestack.distributed is imported before any group exists for this reason."""
-    _, lefts = _end_groups(tmp_path, "late")
+    _, lefts = ended_groups["late"]
     assert lefts and all(left > 0 for left in lefts), lefts
