@@ -16,23 +16,36 @@ kernel can drop), and the bytes of the model's tensors that hold memory (counted
   and one forward pass of ``--tokens`` tokens with the experts served by an LRU cache of
   2 x top_k experts per layer (what ``moestack eval DIR --offload`` does).
 
-The contenders run one after another on the same folder; the ratios are to ``whole``.
+The contenders run one after another on the same folder; the ratios are to ``whole``. Each
+starts a fresh interpreter, or with ``--start-method forkserver`` is forked from one server
+process that imported their modules (torch, transformers, moestack) once: at a toy size,
+those imports are most of the run's time.
 
     python scripts/bench_hf_offload.py [--layers 8 --experts 32] [--json out.json]
+        [--start-method spawn]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 CONTENDERS = ("import", "whole", "without_experts", "served")
+# What measure() imports before it measures (the fork server's preload).
+CHILD_MODULES = (
+    "torch", "transformers.models.qwen3_moe.modeling_qwen3_moe", "moestack.cache",
+    "moestack.cache.policies", "moestack.config", "moestack.interop.hf_experts",
+    "moestack.interop.hf_model",
+)  # fmt: skip
 
 
 def write_folder(root: Path, args: argparse.Namespace) -> Path:
@@ -147,6 +160,23 @@ def run_contender(contender: str, folder: Path, store: Path, tokens: int) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def start_fork_server() -> None:
+    """Start the server the contenders fork from: it imports CHILD_MODULES (while this
+    process writes the folder)."""
+    multiprocessing.set_forkserver_preload(["__main__", *CHILD_MODULES])
+    multiprocessing.forkserver.ensure_running()
+
+
+def fork_contenders(folder: Path, store: Path, tokens: int) -> list[dict]:
+    """Each contender in a fresh process forked from the server, one after another."""
+    ctx = multiprocessing.get_context("forkserver")
+    rows = []
+    for contender in CONTENDERS:
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:  # one process, one contender
+            rows.append(pool.submit(measure, contender, str(folder), str(store), tokens).result())
+    return rows
+
+
 def print_table(rows: list[dict], folder_bytes: int) -> None:
     whole = next(r for r in rows if r["contender"] == "whole")
     print(f"model folder: {folder_bytes / 2**20:.1f} MiB of safetensors")
@@ -175,6 +205,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of the served pass")
     parser.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
+    parser.add_argument(
+        "--start-method", default="spawn", choices=("spawn", "forkserver"),
+        help="how each contender's process starts (default spawn: a fresh interpreter that "
+        "imports everything itself; forkserver: forked from one server that imported the "
+        "contenders' modules once)",
+    )  # fmt: skip
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,10 +219,15 @@ def main() -> None:
         print(json.dumps(measure(contender, folder, store, int(tokens))))
         return
     root = Path(tempfile.mkdtemp(prefix="bench_hf_offload.", dir=args.dir or None))
+    if args.start_method == "forkserver":
+        start_fork_server()
     try:
         folder = write_folder(root, args)
         folder_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        rows = [run_contender(c, folder, root / "store", args.tokens) for c in CONTENDERS]
+        if args.start_method == "forkserver":
+            rows = fork_contenders(folder, root / "store", args.tokens)
+        else:
+            rows = [run_contender(c, folder, root / "store", args.tokens) for c in CONTENDERS]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_table(rows, folder_bytes)

@@ -23,6 +23,7 @@ Measures, in one process:
 
     python scripts/bench_optim.py [--params 8e6] [--experts 8] [--reps 10] [--json out.json]
         [--only throughput] [--thread-counts 1,2,all] [--rounds 3]
+        [--skip-variants master_bf16_compile]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -172,17 +174,21 @@ def thread_counts(arg: str) -> list[int]:
     return sorted(set(counts))
 
 
-def throughput(n: float, experts: int, reps: int, threads: list[int], rounds: int) -> dict:
-    """Host step params/s of every variant against torch.optim.AdamW(fused=True), and as a
-    fraction of its bandwidth bound (its bytes at the copy bandwidth measured in the same
-    process, :func:`copy_bandwidth`), for each thread count.
+def throughput(
+    n: float, experts: int, reps: int, threads: list[int], rounds: int, skip: Sequence[str] = ()
+) -> dict:
+    """Host step params/s of every variant (but those in ``skip``) against
+    torch.optim.AdamW(fused=True), and as a fraction of its bandwidth bound (its bytes at the
+    copy bandwidth measured in the same process, :func:`copy_bandwidth`), for each thread
+    count.
 
     Other jobs may share the cores, so each round measures every thread count and variant
     once (the median of ``reps`` steps), and each (thread count, variant) keeps its best
     round; the ratios are of those best rounds.
     """
+    variants = {name: v for name, v in VARIANTS.items() if name not in skip}
     built: dict[str, tuple[Any, int]] = {}
-    for name, (dtype, _, build) in VARIANTS.items():
+    for name, (dtype, _, build) in variants.items():
         params = make_params(n, experts, dtype, "cpu")
         set_grads(params, 2)
         built[name] = (build(params), sum(p.numel() for _, p in params))
@@ -197,7 +203,7 @@ def throughput(n: float, experts: int, reps: int, threads: list[int], rounds: in
     out: dict[str, Any] = {"params": built["torch_adamw_fused"][1], "rounds": rounds}
     for nt in threads:
         rows = {}
-        for name, (_, nbytes, _) in VARIANTS.items():
+        for name, (_, nbytes, _) in variants.items():
             rows[name] = {
                 "backend": getattr(built[name][0], "host_step", "torch"),
                 "bytes_per_param": nbytes,
@@ -362,6 +368,13 @@ def main() -> None:
         help="throughput: thread counts to measure ('all' = every core; --threads overrides)",
     )
     ap.add_argument("--rounds", type=int, default=5, help="throughput: interleaved rounds")
+    ap.add_argument(
+        "--skip-variants",
+        default="",
+        help="throughput: comma-separated variants to leave out (default: none; e.g. "
+        "master_bf16_compile, whose torch.compile takes most of a toy run); "
+        "torch_adamw_fused, the baseline of the ratios, always runs",
+    )
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
     ap.add_argument(
         "--only",
@@ -374,6 +387,12 @@ def main() -> None:
         "--delay-loss-steps", type=int, default=200, help="delay_loss: training steps per mode"
     )
     args = ap.parse_args()
+    skip = [v for v in args.skip_variants.split(",") if v]
+    unknown = sorted(set(skip) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--skip-variants: unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if "torch_adamw_fused" in skip:
+        ap.error("--skip-variants: torch_adamw_fused is the baseline of the ratios; it always runs")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -385,6 +404,7 @@ def main() -> None:
             args.reps,
             [args.threads] if args.threads else thread_counts(args.thread_counts),
             args.rounds,
+            skip,
         ),
         "kernels": lambda: kernel_streams(
             args.params,

@@ -10,7 +10,10 @@ per-expert layout, a byte-level tokenizer) is fine-tuned by 4 gloo processes on 
 
 Each phase runs in fresh processes (``mp.spawn``, one torch thread each), built and stepped as
 ``moestack-train model=hf parallel.ep=P`` builds them (``trainer.build_run``,
-``trainer.train_step``, ``trainer.save``). For every process it records:
+``trainer.train_step``, ``trainer.save``). ``--start-method forkserver`` forks them instead
+from one server process that imported the run's modules (torch, transformers, dynamo,
+moestack) once: at a toy size, the 12 processes' own imports are most of the run's time. For
+every process it records:
 
 - peak resident memory: ``VmHWM`` of /proc/self/status (which counts the pages of the
   memory-mapped safetensors files being read, page cache the kernel may drop), and the peak
@@ -33,6 +36,7 @@ glibc's adaptive default instead, ``--mmap-threshold N`` sets ``MALLOC_MMAP_THRE
 the processes' environment (which the run then keeps). BENCHMARKS.md compares them.
 
     python scripts/bench_shards.py [--gb 3] [--steps 3] [--trainable routers] [--json out.json]
+        [--max-bytes 400000] [--start-method spawn]
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import datetime
 import importlib
 import json
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import platform
 import re
@@ -61,6 +67,11 @@ EOS, PAD = "<|endoftext|>", "<pad>"
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=20)  # a deadlock fails instead of hanging
 _EXPERT = re.compile(r"\.layers\.\d+\.mlp\.experts\.")
 _ROUTER = re.compile(r"\.layers\.\d+\.mlp\.gate\.weight$")
+# Code the build imports (the optimizer imports torch._dynamo): imported by each process
+# before it measures its start, and by the fork server (--start-method forkserver) once.
+BUILD_MODULES = ("torch._dynamo", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+WORKER_MODULES = (*BUILD_MODULES, "moestack.distributed", "moestack.trainer",
+                  "moestack.prereg.compose")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the folder
@@ -273,7 +284,7 @@ def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -
     info = distributed.DistInfo(rank=rank, world_size=world, local_rank=rank)
     try:
         cfg = compose_config(phase["overrides"]).resolve()
-        for module in ("torch._dynamo", "transformers.models.qwen3_moe.modeling_qwen3_moe"):
+        for module in BUILD_MODULES:
             importlib.import_module(module)  # code the build imports: counted in the start
 
         before, anon_before = _status_kb("VmRSS"), _status_kb("RssAnon")
@@ -319,7 +330,8 @@ def run_phase(name: str, overrides: list[str], args: Any, tmp: Path, folder: Pat
     out = tmp / f"{name}.json"
     init = tmp / f"init-{name}"
     print(f"[{name}] {args.ranks} processes ...", flush=True)
-    mp.spawn(_worker, args=(args.ranks, str(init), phase, str(out)), nprocs=args.ranks)
+    mp.start_processes(_worker, args=(args.ranks, str(init), phase, str(out)),
+                       nprocs=args.ranks, start_method=args.start_method)  # fmt: skip
     return json.loads(out.read_text())
 
 
@@ -329,7 +341,7 @@ def overrides_for(folder: Path, ep: int, args: Any, resume: bool) -> list[str]:
         "optim=adamw", "telemetry=off", "wandb_mode=disabled", "progress=false", "threads=1",
         "eval_every=0", "eval_batches=1", "ckpt_every=0", "log_every=1000",
         "model.moe.impl=torch", f"batch_size={args.ranks * 2}", "data.seq_len=64",
-        "data.max_bytes=400000", f"steps={2 * args.steps}",  # the resume goes on to the end
+        f"data.max_bytes={args.max_bytes}", f"steps={2 * args.steps}",  # resume: to the end
         f"resume={str(resume).lower()}", "keep_last=1",
         *([f"parallel.host_mmap_threshold_kb={args.host_mmap_threshold_kb}"]
           if args.host_mmap_threshold_kb is not None else []),
@@ -366,6 +378,15 @@ def main() -> None:
     parser.add_argument("--trainable", default="routers", choices=("routers", "all"))
     parser.add_argument("--folder", default="", help="reuse (or keep) the model folder here")
     parser.add_argument(
+        "--max-bytes", type=int, default=400_000,
+        help="bytes of the corpus the runs read and tokenise (data.max_bytes; default 400000)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--start-method", default="spawn", choices=("spawn", "forkserver"),
+        help="how the processes start (default spawn: each imports everything itself; "
+        "forkserver: forked from one server that imported the run's modules once)",
+    )  # fmt: skip
+    parser.add_argument(
         "--mmap-threshold", type=int, default=0,
         help="MALLOC_MMAP_THRESHOLD_ for the processes (glibc then returns freed blocks above "
         "it to the system; default 0: glibc's adaptive default)",
@@ -380,6 +401,9 @@ def main() -> None:
     start, load0 = time.perf_counter(), os.getloadavg()
     if args.mmap_threshold:  # read by glibc when each spawned process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    if args.start_method == "forkserver":  # it imports them while the folder is written
+        multiprocessing.set_forkserver_preload(["__main__", *WORKER_MODULES])
+        multiprocessing.forkserver.ensure_running()
     with tempfile.TemporaryDirectory(prefix="bench_shards.") as tmp_name:
         tmp = Path(tmp_name)
         folder = Path(args.folder) if args.folder else tmp / "model"

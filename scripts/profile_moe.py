@@ -14,7 +14,8 @@ ratio bench_moe reports. Prints a table per shape; --json writes them.
 
     python scripts/profile_moe.py                          # GPU: every bench_moe shape
     python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
-    TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run (the tests')
+    TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run
+    TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny --steps 1 --no-warmup  # the tests'
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ def profile_shape(
     timer: LaunchTimer,
     dense_tflops: float,
     steps: int,
+    warmup: bool = True,
 ) -> dict:
-    """One shape: the Triton step's launches by role, the rest, and the torch step."""
+    """One shape: the Triton step's launches by role, the rest, and the torch step (after
+    warm-up passes unless ``warmup`` is false)."""
     name, E, k, D, F, T = shape
     torch.manual_seed(0)
     cfg = MoEConfig(num_experts=E, top_k=k, d_ff=F, impl="torch")
@@ -134,8 +137,9 @@ def profile_shape(
     grad = torch.randn(1, T, D, device=device, dtype=dtype)
     triton_step = bench_moe.fwd_bwd(triton_moe, x, grad)
     torch_step = bench_moe.fwd_bwd(torch_moe, x, grad)
-    for step in (triton_step, torch_step, triton_step):  # compile, tune, warm the allocator
-        step()
+    if warmup:
+        for step in (triton_step, torch_step, triton_step):  # compile, tune, warm the allocator
+            step()
     torch_ms = step_ms(torch_step, device, steps)
     triton_total = step_ms(triton_step, device, steps)  # untimed launches: no event overhead
     timer.ms.clear()
@@ -196,6 +200,12 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="one tiny fp32 shape (CPU tests)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     parser.add_argument("--json", default="", help="write the profiles here (after each shape)")
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the warm-up passes (compile, tune, warm the allocator): the interpreter has "
+        "none of those to do, and each of its passes takes seconds",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
@@ -215,7 +225,9 @@ def main() -> None:
     install(timer)
     profiles = []
     for shape in shapes:
-        profiles.append(profile_shape(shape, device, dtype, timer, dense, args.steps))
+        profiles.append(
+            profile_shape(shape, device, dtype, timer, dense, args.steps, not args.no_warmup)
+        )
         print_profile(profiles[-1])
         if args.json:
             out = {

@@ -263,6 +263,9 @@ def test_megablocks_missing_gives_clear_error():
 
 
 _COMPILE_PRELUDE = r"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -283,9 +286,16 @@ def compile_for(fn, ptr, constexprs, num_warps, num_stages=3):
         src = ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
     except TypeError:  # another triton version's compiler API
         print("API-MISMATCH")
-        raise SystemExit(0)
+        raise SystemExit(0)  # re-raised in the main thread by compile_all
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+def compile_all(launches):
+    # Triton lowers and runs ptxas without the GIL: a thread per core (at most 4, for the
+    # memory) compiles in parallel.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with ThreadPoolExecutor(min(cores or 1, 4)) as pool:
+        return list(pool.map(lambda launch: compile_for(*launch), launches))
 """
 _COMPILE_CHECK = (
     _COMPILE_PRELUDE
@@ -295,16 +305,18 @@ _COMPILE_CHECK = (
 # unit strides, given here as such, so that what compiles is what a real launch runs.
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32")
 unit_mm = dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1)
-fwd = compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=True,
-                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=True, STORE_Z=True, BLOCK_E=128), 8)
-compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=False,
-            SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)
-dx = compile_for(tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1,
-                 stride_cn=1, stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False,
-                 SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8)  # A @ W^T: W's K is unit
-compile_for(tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1,
-            stride_cn=1, GATHER_A=False, GATHER_B=True), 8)
-compile_for(tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4)
+fwd, _, dx, _, _ = compile_all([
+    (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=True, SCATTER_C=False,
+     HAS_SCALE=False, SWIGLU=True, STORE_Z=True, BLOCK_E=128), 8),
+    (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=False, SCATTER_C=True,
+     HAS_SCALE=True, SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8),
+    (tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1, stride_cn=1,
+     stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False, SWIGLU=False,
+     STORE_Z=False, BLOCK_E=128), 8),  # A @ W^T: W's K is unit
+    (tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1, stride_cn=1,
+     GATHER_A=False, GATHER_B=True), 8),
+    (tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4),
+])
 # Software pipelining (several K tiles in flight through shared memory) is what makes the
 # main loop fast: one stage of a 128x128x64 bf16 tile pair is 32 KiB.
 print("SHARED", fwd.metadata.shared, dx.metadata.shared)
@@ -324,6 +336,43 @@ def test_kernels_compile_for_sm90():
     assert "COMPILED" in out.stdout, out.stderr[-3000:]
     shared = [int(v) for v in out.stdout.split("SHARED", 1)[1].split()[:2]]
     assert min(shared) > 32 * 1024, f"main loops not pipelined: shared memory {shared} bytes"
+
+
+# The launch variants of each kind, their flags in _CANDIDATES_CHECK, and the one that keeps
+# the most tile buffers in flight: the mm variants keep the same buffers (their shared
+# memory is equal at every candidate), a gathered weight gradient loses a stage to its index
+# loads (less than the plain one).
+VARIANTS = {
+    "mm": ("fwd_down", "bwd_G", "plain"),
+    "mm_swiglu": ("fwd_up",),
+    "wgrad": ("gather_a", "gather_b", "plain"),
+}
+WIDEST = {"mm": "plain", "mm_swiglu": "fwd_up", "wgrad": "plain"}
+
+
+def compiled_launches() -> list[tuple[str, int, str]]:
+    """(kind, candidate index, variant) of every launch the sm_90 check compiles: every
+    candidate in its widest variant, and every variant at the default tile (each kind's
+    first candidate) and at the weight gradient's five-stage 128x128x64 tile (the stage
+    check below compares the gathered ones at three and five stages)."""
+    launches = []
+    for kind, cands in tuning.CANDIDATES.items():
+        for i, cfg in enumerate(cands):
+            tile = (kind, cfg.block_m, cfg.block_n, cfg.block_k)
+            every = i == 0 or tile == ("wgrad", 128, 128, 64)
+            launches += [(kind, i, name) for name in (VARIANTS[kind] if every else [WIDEST[kind]])]
+    return launches
+
+
+def shared_bound(kind: str, cfg: tuning.KernelConfig) -> int:
+    """Bytes of shared memory no launch variant of a candidate needs more of: num_stages
+    buffers of its bf16 A and B tiles (two B tiles, gate and up, for the fused SwiGLU) and of
+    the int32 row indices a gathered operand loads with them (block_k token rows for the
+    weight gradient, block_m rows otherwise). Computed without compiling; the test checks it
+    against every launch it compiles."""
+    b_tiles = 2 if kind == "mm_swiglu" else 1
+    rows = cfg.block_k if kind == "wgrad" else cfg.block_m
+    return cfg.num_stages * (2 * cfg.block_k * (cfg.block_m + b_tiles * cfg.block_n) + 4 * rows)
 
 
 _CANDIDATES_CHECK = (
@@ -350,17 +399,17 @@ variants = {
         "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=False),
     },
 }
-for kind, cands in tuning.CANDIDATES.items():
+launches = []
+for kind, index, name in LAUNCHES:
+    cfg = tuning.CANDIDATES[kind][index]
+    cx = dict(variants[kind][name], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+              BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, DOT_PRECISION="tf32")
+    if kind != "wgrad":
+        cx["BLOCK_E"] = 128
     fn = tk.grouped_wgrad_kernel if kind == "wgrad" else tk.grouped_mm_kernel
-    for cfg in cands:
-        for name, flags in variants[kind].items():
-            cx = dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m, DOT_PRECISION="tf32")
-            if kind != "wgrad":
-                cx["BLOCK_E"] = 128
-            k = compile_for(fn, "*bf16", cx, cfg.num_warps, cfg.num_stages)
-            print("CFG", kind, name, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
-                  k.metadata.shared, flush=True)
+    launches.append((fn, "*bf16", cx, cfg.num_warps, cfg.num_stages))
+for (kind, index, name), k in zip(LAUNCHES, compile_all(launches)):
+    print("CFG", kind, name, index, k.metadata.shared)
 print("COMPILED")
 """
 )
@@ -368,11 +417,14 @@ SM90_SHARED_LIMIT = 232_448  # bytes of shared memory one block may use on H100/
 
 
 def test_every_candidate_compiles_for_sm90_within_shared_memory():
-    """Every candidate tile of every kind compiles for Hopper in bf16 and fits its shared
-    memory (a config that cannot would only cost autotuning time there), and the
-    five-stage weight-gradient tiles do keep one more buffer in flight than three stages."""
+    """Every candidate tile of every kind compiles for Hopper in bf16, in the launch variant
+    that keeps the most tile buffers in flight (every variant at the default tile), and fits
+    its shared memory in every variant (a config that cannot would only cost autotuning time
+    there): as compiled, and by a bound that holds for every launch compiled. The five-stage
+    weight-gradient tiles do keep one more buffer in flight than three stages."""
     pytest.importorskip("triton.backends.nvidia")
-    out = _run(_CANDIDATES_CHECK)
+    launches = compiled_launches()
+    out = _run(f"LAUNCHES = {launches!r}\n" + _CANDIDATES_CHECK)
     if "API-MISMATCH" in out.stdout:
         pytest.skip("this check speaks the triton 3.9 compiler API")
     if "COMPILED" not in out.stdout and ("ptxas" in out.stderr and "not found" in out.stderr):
@@ -381,14 +433,26 @@ def test_every_candidate_compiles_for_sm90_within_shared_memory():
     shared = {}
     for line in out.stdout.splitlines():
         if line.startswith("CFG "):
-            kind, name, bm, bn, bk, stages, nbytes = line.split()[1:]
-            shared[(kind, name, int(bm), int(bn), int(bk), int(stages))] = int(nbytes)
-    want = sum(len(c) for c in tuning.CANDIDATES.values())
-    assert len({key[:1] + key[2:] for key in shared}) == want
+            kind, name, index, nbytes = line.split()[1:]
+            shared[(kind, int(index), name)] = int(nbytes)
+    assert sorted(shared) == sorted(launches)
+    want = {(kind, i) for kind, cands in tuning.CANDIDATES.items() for i in range(len(cands))}
+    assert {key[:2] for key in shared} == want  # every candidate compiled
+    assert {(kind, name) for kind, _, name in shared} == {
+        (kind, name) for kind, names in VARIANTS.items() for name in names
+    }  # every variant compiled
     too_big = {key: n for key, n in shared.items() if n > SM90_SHARED_LIMIT}
     assert not too_big, f"candidates over sm_90's shared memory: {too_big}"
+    bounds = {(k, i): shared_bound(k, c) for k, cands in tuning.CANDIDATES.items()
+              for i, c in enumerate(cands)}  # fmt: skip
+    over_bound = {key: (n, bounds[key[:2]]) for key, n in shared.items() if n > bounds[key[:2]]}
+    assert not over_bound, f"compiled above shared_bound (bytes, bound): {over_bound}"
+    too_big = {key: n for key, n in bounds.items() if n > SM90_SHARED_LIMIT}
+    assert not too_big, f"candidates whose variants may exceed sm_90's shared memory: {too_big}"
+    tiles = [(c.block_m, c.block_n, c.block_k, c.num_stages) for c in tuning.CANDIDATES["wgrad"]]
+    at_three, at_five = (tiles.index((128, 128, 64, stages)) for stages in (3, 5))
     for gathered in ("gather_a", "gather_b"):
-        three = shared[("wgrad", gathered, 128, 128, 64, 3)]
-        five = shared[("wgrad", gathered, 128, 128, 64, 5)]
+        three = shared[("wgrad", at_three, gathered)]
+        five = shared[("wgrad", at_five, gathered)]
         stage = (128 * 64 + 64 * 128) * 2  # one bf16 A and B tile
         assert three < 3 * stage <= five < 101_376, (gathered, three, five)  # fits 99 KiB

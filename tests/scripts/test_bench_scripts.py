@@ -23,12 +23,14 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_optim_sections_at_toy_size(tmp_path):
+    """Every section runs at a toy size (one throughput round; the torch.compile'd variant,
+    which tests/optim/test_fused.py compiles, left out) and reports the fields read here."""
     out = tmp_path / "optim.json"
     run_script(
         "bench_optim.py",
         *("--only", "memory,throughput,drift,gpu,train_step,delay_loss", "--params", "2e4"),
         *("--reps", "2", "--drift-steps", "4", "--threads", "1", "--json", str(out)),
-        *("--delay-loss-steps", "12"),
+        *("--delay-loss-steps", "12", "--rounds", "1", "--skip-variants", "master_bf16_compile"),
     )
     results = json.loads(out.read_text())
     assert {"memory", "throughput", "drift", "gpu", "train_step", "delay_loss"} <= set(results)
@@ -55,7 +57,8 @@ def test_bench_optim_sections_at_toy_size(tmp_path):
 
 
 def test_bench_hf_offload_at_toy_size(tmp_path):
-    """Loaded without its experts, the model holds less than loaded whole (counted bytes)."""
+    """Loaded without its experts, the model holds less than loaded whole (counted bytes).
+    The contenders fork from one server that imported their modules once."""
     pytest.importorskip("transformers")
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("bench_hf_offload.py reads Linux's /proc/self memory counters")
@@ -63,7 +66,8 @@ def test_bench_hf_offload_at_toy_size(tmp_path):
     run_script(
         "bench_hf_offload.py",
         *("--layers", "2", "--experts", "4", "--d-model", "32", "--d-ff", "32"),
-        *("--vocab", "320", "--tokens", "128", "--json", str(out)),
+        *("--vocab", "320", "--tokens", "128", "--start-method", "forkserver"),
+        *("--json", str(out)),
     )
     rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"import", "whole", "without_experts", "served"}
@@ -74,12 +78,13 @@ def test_bench_hf_offload_at_toy_size(tmp_path):
 
 def test_profile_moe_labels_every_launch_at_toy_size(tmp_path):
     """Each of the seven launches of the Triton experts is found and labelled by its role;
-    the GEMMs' useful FLOPs are worked by hand for the tiny shape."""
+    the GEMMs' useful FLOPs are worked by hand for the tiny shape. No warm-up passes: the
+    interpreter has nothing to compile, tune or warm."""
     pytest.importorskip("triton")
     out = tmp_path / "profile.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "profile_moe.py"), "--tiny", "--steps", "1",
-         "--json", str(out)],
+         "--no-warmup", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -103,11 +108,14 @@ def test_profile_moe_labels_every_launch_at_toy_size(tmp_path):
 def test_bench_shards_at_toy_size(tmp_path):
     """4 gloo processes at ep=4, ep=2 and a resume: each reads exactly its share of the model
     folder (the backbone and 1/ep of the experts) and of the checkpoint its weights' share
-    (plus the routers' persistent buffers, which the share from the folder leaves out)."""
+    (plus the routers' persistent buffers, which the share from the folder leaves out). A
+    2-layer folder, 40 kB of corpus, and processes forked from one server that imported
+    torch, transformers and moestack once (their imports were most of the time)."""
     pytest.importorskip("transformers")
     out = tmp_path / "shards.json"
     run_script(
-        "bench_shards.py", "--gb", "0.004", "--d-model", "64", "--experts", "16", "--steps", "1",
+        "bench_shards.py", "--gb", "0.0005", "--d-model", "64", "--experts", "16", "--steps", "1",
+        "--max-bytes", "40000", "--start-method", "forkserver",
         "--folder", str(tmp_path / "model"), "--json", str(out),
     )  # fmt: skip
     phases = json.loads(out.read_text())["phases"]
