@@ -1,4 +1,4 @@
-"""The report: markdown tables, the two figures, results.json, and ``analyze``."""
+"""The report: markdown tables, the figures, results.json, and ``analyze``."""
 
 from __future__ import annotations
 
@@ -613,6 +613,72 @@ def plot_capacity(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) ->
     return path
 
 
+def batch_curves(
+    spec: Prereg, records: Sequence[dict[str, Any]], policy: str = "lru"
+) -> dict[int, dict[str, dict[str, list[float]]]]:
+    """Misses per token against the serving batch (``analysis.serve_batches``), per capacity
+    and arm: {capacity: {arm: {"batch", "mean", "min", "max"}}} over the arm's finished seeds.
+    Batch 1 is the one-stream replay (``<policy>/cap<c>/misses_per_token``)."""
+    a = spec.analysis
+    done = [r for r in records if r.get("status") == "done"]
+    batches = sorted(set(a.serve_batches) | {1})
+
+    def metric(cap: int, batch: int) -> str:
+        at = f"{policy}/cap{cap}" + (f"/b{batch}" if batch > 1 else "")
+        return f"{at}/misses_per_token"
+
+    curves: dict[int, dict[str, dict[str, list[float]]]] = {}
+    for cap in a.capacities:
+        for arm in spec.arms:
+            runs = [r["metrics"] for r in done if r["arm"] == arm]
+            runs = [m for m in runs if all(metric(cap, b) in m for b in batches)]
+            if not runs:
+                continue
+            values = [[m[metric(cap, b)] for m in runs] for b in batches]
+            curves.setdefault(cap, {})[arm] = {
+                "batch": [float(b) for b in batches],
+                "mean": [sum(v) / len(v) for v in values],
+                "min": [min(v) for v in values],
+                "max": [max(v) for v in values],
+            }
+    return curves
+
+
+def plot_batches(
+    spec: Prereg, records: Sequence[dict[str, Any]], out: Path, policy: str = "lru"
+) -> Path | None:
+    """Misses per token against the serving batch, a panel per capacity: whether an arm's
+    gain at one stream survives batched serving (a batch loads the union of its sequences'
+    experts). None when the study replays one stream only or has no finished run."""
+    if len(set(spec.analysis.serve_batches) | {1}) < 2 or policy not in spec.analysis.policies:
+        return None
+    curves = batch_curves(spec, records, policy)
+    if not curves:
+        return None
+    colors = _arm_colors(list(spec.arms))
+    fig = _figure(4.2 * len(curves), 3.8)
+    for i, (cap, arms) in enumerate(curves.items()):
+        ax = fig.add_subplot(1, len(curves), i + 1)
+        for arm, c in arms.items():
+            low = [max(0.0, m - lo) for m, lo in zip(c["mean"], c["min"], strict=True)]
+            high = [max(0.0, hi - m) for m, hi in zip(c["mean"], c["max"], strict=True)]
+            ax.errorbar(c["batch"], c["mean"], yerr=[low, high], color=colors[arm], marker="o",
+                        capsize=3, label=arm)  # fmt: skip
+        batches = next(iter(arms.values()))["batch"]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(int(b)) for b in batches])
+        ax.set_xlabel("sequences served together (batch)")
+        ax.set_ylabel(f"{policy} misses per token")
+        ax.set_title(f"{policy} cache, {cap} slots/layer")
+        ax.grid(alpha=0.3)
+        if i == 0:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "misses_vs_batch.png"
+    fig.savefig(path)
+    return path
+
+
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -643,13 +709,14 @@ def analyze(
 
     ``out_dir`` is the study directory given to ``run``; the report goes to ``report_dir``
     (default ``<out_dir>/report``): report.md, results.json, hit_rate_vs_perplexity.png,
-    hit_rate_vs_capacity.png. A study with unfinished runs is refused unless ``interim``:
-    then the report says on its first line that it is an interim look, not a verdict, and
-    the missing runs make hypotheses "incomplete". ``jobs`` > 1 evaluates the runs in that
-    many processes first (each with its share of the cores). ``recheck`` runs of each arm
-    whose numbers came from the cache are picked at random and evaluated again, and a
-    difference beyond float noise is refused (``analysis.recheck``; 0: none). With
-    ``evaluate=False`` nothing is evaluated, the recheck included (cached runs only).
+    hit_rate_vs_capacity.png and, when it replays batches, misses_vs_batch.png. A study with
+    unfinished runs is refused unless ``interim``: then the report says on its first line that
+    it is an interim look, not a verdict, and the missing runs make hypotheses "incomplete".
+    ``jobs`` > 1 evaluates the runs in that many processes first (each with its share of the
+    cores). ``recheck`` runs of each arm whose numbers came from the cache are picked at
+    random and evaluated again, and a difference beyond float noise is refused
+    (``analysis.recheck``; 0: none). With ``evaluate=False`` nothing is evaluated, the recheck
+    included (cached runs only).
     """
     if recheck < 0:
         raise MoestackError(f"--recheck {recheck}: give 0 (no recheck) or more runs per arm")
@@ -674,7 +741,11 @@ def analyze(
     hypotheses = evaluate_hypotheses(spec, records)
     figures = [
         p.name
-        for p in (plot_scatter(spec, records, report), plot_capacity(spec, records, report))
+        for p in (
+            plot_scatter(spec, records, report),
+            plot_capacity(spec, records, report),
+            plot_batches(spec, records, report),
+        )
         if p is not None
     ]
     results = {

@@ -7,6 +7,7 @@ import json
 import math
 import multiprocessing
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -448,6 +449,45 @@ def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:
     ]
     path = plot_capacity(spec, records, tmp_path)
     assert path is not None and path.stat().st_size > 0
+
+
+def test_batch_curves_are_each_arms_seed_mean_and_range(tmp_path) -> None:
+    """Misses per token against the serving batch: batch 1 is the one-stream replay, each
+    point the mean of the arm's finished seeds with their min and max (worked by hand); an
+    unfinished run counts for nothing. The figure is drawn; a one-stream study has none."""
+    from moestack.prereg.report import batch_curves, plot_batches
+
+    spec = prereg.load(EXPERIMENTS / "prereg_cpu_v3.yaml")
+    a = spec.analysis
+    assert sorted(set(a.serve_batches) | {1}) == [1, 8, 32]
+    rng = random.Random(7)
+    records = []
+    for arm in spec.arms:
+        for seed in range(3):
+            metrics = {}
+            for c in a.capacities:
+                metrics[f"lru/cap{c}/misses_per_token"] = rng.uniform(0.5, 4)
+                for b in (8, 32):
+                    metrics[f"lru/cap{c}/b{b}/misses_per_token"] = rng.uniform(0.05, 1)
+            records.append({"arm": arm, "seed": seed, "status": "done", "metrics": metrics})
+    records.append({"arm": spec.baseline, "seed": 9, "status": "failed", "metrics": {}})
+    curves = batch_curves(spec, records)
+    assert sorted(curves) == sorted(a.capacities)
+    cap, arm = a.capacities[1], "temporal"
+    seeds = [r["metrics"] for r in records if r["arm"] == arm and r["status"] == "done"]
+    b8 = [m[f"lru/cap{cap}/b8/misses_per_token"] for m in seeds]
+    one = [m[f"lru/cap{cap}/misses_per_token"] for m in seeds]
+    got = curves[cap][arm]
+    assert got["batch"] == [1.0, 8.0, 32.0]
+    assert got["mean"][0] == pytest.approx((one[0] + one[1] + one[2]) / 3)
+    assert got["mean"][1] == pytest.approx((b8[0] + b8[1] + b8[2]) / 3)
+    assert (got["min"][1], got["max"][1]) == (min(b8), max(b8))
+    assert set(curves[cap]) == set(spec.arms)
+    path = plot_batches(spec, records, tmp_path)
+    assert path is not None and path.name == "misses_vs_batch.png" and path.stat().st_size > 0
+    one_stream = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
+    assert set(one_stream.analysis.serve_batches) <= {1}
+    assert plot_batches(one_stream, records, tmp_path / "none") is None
 
 
 def test_evaluate_ahead_fills_the_cache_and_shows_nothing(tmp_path: Path, capsys, monkeypatch):
