@@ -33,7 +33,7 @@ format: setup
 	$(BIN)/ruff format .
 
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)  # the slowest 25 listed: the suite must stay under 20 min in CI
 
 bench: setup
 	$(BIN)/python scripts/bench_moe.py
