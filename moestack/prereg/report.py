@@ -535,6 +535,32 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
+def _finish_panel(ax: Any, first: bool, xlabel: str, ylabel: str, title: str) -> None:
+    """Label one panel; the first of a figure carries the legend (one colour per arm)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if first:
+        ax.legend(fontsize=8)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def _spread_bars(
+    mean: Sequence[float], low: Sequence[float], high: Sequence[float]
+) -> list[list[float]]:
+    """matplotlib's asymmetric ``yerr`` for a min..max bar about each mean, clamped at 0: the
+    mean of equal values can round past them (0.1 x 3 / 3)."""
+    below = [max(0.0, m - lo) for m, lo in zip(mean, low, strict=True)]
+    above = [max(0.0, hi - m) for m, hi in zip(mean, high, strict=True)]
+    return [below, above]
+
+
 def plot_scatter(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> Path | None:
     """Hit rate (each policy) vs validation perplexity: one point per run, one colour per arm."""
     a = spec.analysis
@@ -560,16 +586,11 @@ def plot_scatter(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> 
         if base:
             budget = sum(base) / len(base) * 1.01
             ax.axvline(budget, color="grey", ls="--", lw=1, label="baseline +1% ppl")
-        ax.set_xlabel("validation perplexity")
-        ax.set_ylabel(f"{policy} hit rate, capacity {cap}")
-        ax.set_title(f"{policy} cache, {cap} slots/layer")
-        ax.grid(alpha=0.3)
-        if i == 0:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "hit_rate_vs_perplexity.png"
-    fig.savefig(path)
-    return path
+        title = f"{policy} cache, {cap} slots/layer"
+        _finish_panel(
+            ax, i == 0, "validation perplexity", f"{policy} hit rate, capacity {cap}", title
+        )
+    return _save(fig, out / "hit_rate_vs_perplexity.png")
 
 
 def plot_capacity(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> Path | None:
@@ -588,29 +609,13 @@ def plot_capacity(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) ->
                 continue
             ys = [[r["metrics"][f"{policy}/cap{c}/hit_rate"] for r in pts] for c in a.capacities]
             mean = [sum(y) / len(y) for y in ys]
-            # clamped at 0: the mean of equal values can round past them (0.1 x 3 / 3)
-            low = [max(0.0, m - min(y)) for m, y in zip(mean, ys, strict=True)]
-            high = [max(0.0, max(y) - m) for m, y in zip(mean, ys, strict=True)]
+            yerr = _spread_bars(mean, [min(y) for y in ys], [max(y) for y in ys])
             ax.errorbar(
-                a.capacities,
-                mean,
-                yerr=[low, high],
-                color=colors[arm],
-                marker="o",
-                capsize=3,
-                label=arm,
+                a.capacities, mean, yerr=yerr, color=colors[arm], marker="o", capsize=3, label=arm
             )
-        ax.set_xlabel("cache capacity (experts per layer)")
-        ax.set_ylabel("hit rate")
-        ax.set_title(f"{policy}")
         ax.set_xticks(list(a.capacities))
-        ax.grid(alpha=0.3)
-        if i == 0:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "hit_rate_vs_capacity.png"
-    fig.savefig(path)
-    return path
+        _finish_panel(ax, i == 0, "cache capacity (experts per layer)", "hit rate", policy)
+    return _save(fig, out / "hit_rate_vs_capacity.png")
 
 
 def batch_curves(
@@ -660,23 +665,23 @@ def plot_batches(
     for i, (cap, arms) in enumerate(curves.items()):
         ax = fig.add_subplot(1, len(curves), i + 1)
         for arm, c in arms.items():
-            low = [max(0.0, m - lo) for m, lo in zip(c["mean"], c["min"], strict=True)]
-            high = [max(0.0, hi - m) for m, hi in zip(c["mean"], c["max"], strict=True)]
-            ax.errorbar(c["batch"], c["mean"], yerr=[low, high], color=colors[arm], marker="o",
-                        capsize=3, label=arm)  # fmt: skip
+            yerr = _spread_bars(c["mean"], c["min"], c["max"])
+            ax.errorbar(
+                c["batch"],
+                c["mean"],
+                yerr=yerr,
+                color=colors[arm],
+                marker="o",
+                capsize=3,
+                label=arm,
+            )
         batches = next(iter(arms.values()))["batch"]
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(int(b)) for b in batches])
-        ax.set_xlabel("sequences served together (batch)")
-        ax.set_ylabel(f"{policy} misses per token")
-        ax.set_title(f"{policy} cache, {cap} slots/layer")
-        ax.grid(alpha=0.3)
-        if i == 0:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "misses_vs_batch.png"
-    fig.savefig(path)
-    return path
+        title = f"{policy} cache, {cap} slots/layer"
+        xlabel = "sequences served together (batch)"
+        _finish_panel(ax, i == 0, xlabel, f"{policy} misses per token", title)
+    return _save(fig, out / "misses_vs_batch.png")
 
 
 def _json_safe(value: Any) -> Any:
