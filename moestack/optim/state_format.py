@@ -83,9 +83,7 @@ def pack_state(
     for i, p in enumerate(params):
         if steps[i] == 0:
             continue
-        buffers = {n: buf for n, buf in gathered.items() if buf is not None}
-        if p.dtype == torch.float32:
-            buffers.pop("master", None)
+        buffers = saved_buffers(gathered, p)
         shape = p.shape[1:] if is_expert[i] else p.shape
         entries = entry_keys(plan, i, names[i], is_expert[i])
         state.update(pack_entries(plan, entries, shape, steps[i], buffers))
