@@ -684,6 +684,24 @@ def plot_batches(
     return _save(fig, out / "misses_vs_batch.png")
 
 
+def plot_all(spec: Prereg, records: Sequence[dict[str, Any]], out: Path) -> list[str]:
+    """Draw every figure of the report into ``out``; the file names of those drawn."""
+    drawn = (
+        plot_scatter(spec, records, out),
+        plot_capacity(spec, records, out),
+        plot_batches(spec, records, out),
+    )
+    return [p.name for p in drawn if p is not None]
+
+
+def _interim_banner(finished: int, registered: int) -> str:
+    return (
+        f"> **Interim look: {finished} of {registered} registered runs "
+        "finished. Not a verdict**: the decision rules hold for the registered seeds only, "
+        "and stopping on what an interim look shows is optional stopping."
+    )
+
+
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -744,15 +762,7 @@ def analyze(
             r["source"] = "evaluated"
     checks = recheck_runs(spec, records, identities, recheck) if evaluate else None
     hypotheses = evaluate_hypotheses(spec, records)
-    figures = [
-        p.name
-        for p in (
-            plot_scatter(spec, records, report),
-            plot_capacity(spec, records, report),
-            plot_batches(spec, records, report),
-        )
-        if p is not None
-    ]
+    figures = plot_all(spec, records, report)
     results = {
         "study": spec.study,
         "interim": {"finished": len(grid) - len(unfinished), "registered": len(grid)}
@@ -772,12 +782,7 @@ def analyze(
     md_file = report / "report.md"
     text = render_markdown(spec, record, records, hypotheses, figures, checks)
     if unfinished:
-        banner = (
-            f"> **Interim look: {len(grid) - len(unfinished)} of {len(grid)} registered runs "
-            "finished. Not a verdict**: the decision rules hold for the registered seeds only, "
-            "and stopping on what an interim look shows is optional stopping."
-        )
-        text = banner + "\n\n" + text
+        text = _interim_banner(len(grid) - len(unfinished), len(grid)) + "\n\n" + text
     md_file.write_text(text)
     log.info("report: %s", md_file)
     return md_file
