@@ -472,7 +472,8 @@ def print_device_rows(rows: list[dict], args: argparse.Namespace) -> None:
               f"LoRA step <= 1.3x router-only: {lora['step_x_routers']:.3f}")  # fmt: skip
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, checked."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -506,6 +507,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.warmup >= args.steps:
         ap.error(f"--warmup={args.warmup} leaves no timed step of --steps={args.steps}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(message)s")  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="bench_lora.", dir=args.dir or None))

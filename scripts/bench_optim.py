@@ -355,7 +355,8 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The command line; the parser too, for the checks that need the sections."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=8e6, help="parameters per measurement")
     ap.add_argument("--experts", type=int, default=8, help="experts in the stacked tensors")
@@ -386,7 +387,26 @@ def main() -> None:
     ap.add_argument(
         "--delay-loss-steps", type=int, default=200, help="delay_loss: training steps per mode"
     )
-    args = ap.parse_args()
+    return ap, ap.parse_args()
+
+
+def print_section(name: str, rows: dict[str, Any]) -> None:
+    """One section's figures: its table where it has one, then every scalar."""
+    print(f"\n[{name}]")
+    if name == "throughput":
+        print_table(rows)
+    if name == "kernels":
+        print_kernel_table(rows)
+    for k, v in rows.items():
+        if k.startswith("threads_"):
+            continue
+        if isinstance(v, float):
+            v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+        print(f"  {k:<45} {v}", flush=True)
+
+
+def main() -> None:
+    ap, args = parse_args()
     skip = [v for v in args.skip_variants.split(",") if v]
     unknown = sorted(set(skip) - set(VARIANTS))
     if unknown:
@@ -424,18 +444,8 @@ def main() -> None:
     results: dict[str, Any] = {"torch": torch.__version__, "machine": machine()}
     print(f"torch: {torch.__version__}; {results['machine']}")
     for name in wanted:  # printed and saved section by section: a stopped run keeps them
-        rows = results[name] = sections[name]()
-        print(f"\n[{name}]")
-        if name == "throughput":
-            print_table(rows)
-        if name == "kernels":
-            print_kernel_table(rows)
-        for k, v in rows.items():
-            if k.startswith("threads_"):
-                continue
-            if isinstance(v, float):
-                v = f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
-            print(f"  {k:<45} {v}", flush=True)
+        results[name] = sections[name]()
+        print_section(name, results[name])
         if args.json:
             tmp = Path(args.json + ".tmp")
             tmp.write_text(json.dumps(results, indent=2) + "\n")
