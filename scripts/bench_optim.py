@@ -356,7 +356,7 @@ def machine() -> str:
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    """The command line; the parser too, for the checks that need the sections."""
+    """The command line, checked; the parser too, for the --only check, which needs the sections."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=8e6, help="parameters per measurement")
     ap.add_argument("--experts", type=int, default=8, help="experts in the stacked tensors")
@@ -387,7 +387,14 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap.add_argument(
         "--delay-loss-steps", type=int, default=200, help="delay_loss: training steps per mode"
     )
-    return ap, ap.parse_args()
+    args = ap.parse_args()
+    skip = [v for v in args.skip_variants.split(",") if v]
+    unknown = sorted(set(skip) - set(VARIANTS))
+    if unknown:
+        ap.error(f"--skip-variants: unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if "torch_adamw_fused" in skip:
+        ap.error("--skip-variants: torch_adamw_fused is the baseline of the ratios; it always runs")
+    return ap, args
 
 
 def print_section(name: str, rows: dict[str, Any]) -> None:
@@ -408,11 +415,6 @@ def print_section(name: str, rows: dict[str, Any]) -> None:
 def main() -> None:
     ap, args = parse_args()
     skip = [v for v in args.skip_variants.split(",") if v]
-    unknown = sorted(set(skip) - set(VARIANTS))
-    if unknown:
-        ap.error(f"--skip-variants: unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    if "torch_adamw_fused" in skip:
-        ap.error("--skip-variants: torch_adamw_fused is the baseline of the ratios; it always runs")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
