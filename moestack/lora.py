@@ -11,7 +11,8 @@ small trained tensors whose product is added to W's output, scaled by ``alpha / 
   ``lora_A [r, in]`` and ``lora_B [out, r]``, added by a forward hook, so the projection
   keeps its name and its weight's state_dict key.
 
-``B`` starts at zero, so the adapted model equals the base model until it trains; ``A`` is
+``B`` starts at zero, so the adapted model equals the base model until it trains (bitwise on
+the torch path; within rounding on triton's, whose adapted experts leave the fused kernel); ``A`` is
 drawn from a generator seeded by the run's seed and the tensor's name (an expert's rows: and
 its global expert id), so it does not depend on how many processes build the model; a rank
 whose experts were built on meta draws its own rows only (``init_expert_adapters``). ``merge_adapters`` folds them into the base weights
@@ -35,6 +36,7 @@ from moestack.moe import EXPERT_ADAPTERS, MoE
 LORA_TARGETS = ("experts", "attention", "both")  # lora.targets
 LORA_TRAINABLE = ("lora", "routers+lora")  # the trainable= values that add adapters
 LINEAR_ADAPTERS = ("lora_A", "lora_B")  # on an attention projection
+LORA_BASE_DTYPES = ("float32", "bfloat16")  # lora.base_dtype
 
 
 @dataclass
@@ -45,6 +47,9 @@ class LoRAConfig:
     alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
     dropout: float = 0.0  # dropout on each adapter's input while training (0 = none)
     targets: str = "experts"  # "experts", "attention" (its projections) or "both"
+    # the frozen base weights' dtype: "bfloat16" holds them in half the memory (the adapters,
+    # and the routers of routers+lora, stay float32; the layers then compute in bfloat16)
+    base_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         check(self.rank >= 1, f"lora.rank={self.rank} must be >= 1 (16 is usual)")
@@ -56,6 +61,10 @@ class LoRAConfig:
         check(
             self.targets in LORA_TARGETS,
             f"lora.targets={self.targets!r} is unknown; use one of {LORA_TARGETS}",
+        )
+        check(
+            self.base_dtype in LORA_BASE_DTYPES,
+            f"lora.base_dtype={self.base_dtype!r} is unknown; use one of {LORA_BASE_DTYPES}",
         )
 
     def check_fits(self, d_model: int, d_ff: int) -> None:
@@ -81,10 +90,39 @@ class LoRAConfig:
 
 
 def add_adapters_for(model: nn.Module, trainable: str, cfg: LoRAConfig, seed: int) -> int:
-    """``add_adapters`` where ``trainable`` asks for adapters (``LORA_TRAINABLE``), else
-    nothing (0): the one rule every builder of a run's model follows (the trainer, the run
-    loader, the memory plan)."""
-    return add_adapters(model, cfg, seed) if trainable in LORA_TRAINABLE else 0
+    """``add_adapters`` where ``trainable`` asks for adapters (``LORA_TRAINABLE``), then the
+    frozen weights cast to ``cfg.base_dtype``; else nothing (0): the one rule every builder
+    of a run's model follows (the trainer, the run loader, the memory plan)."""
+    if trainable not in LORA_TRAINABLE:
+        return 0
+    added = add_adapters(model, cfg, seed)
+    cast_frozen(model, trainable, getattr(torch, cfg.base_dtype))
+    return added
+
+
+def frozen_parameters(model: nn.Module, trainable: str) -> list[nn.Parameter]:
+    """The parameters a ``trainable`` run of ``model`` (``LORA_TRAINABLE``) does not train:
+    all but the adapters and, for ``routers+lora``, the routers (as ``set_trainable`` keeps
+    them)."""
+    trained = {id(p) for _, p in adapter_parameters(model)}
+    if trainable == "routers+lora":
+        trained |= {id(moe.router.weight) for moe in model.moe_layers}
+    return [p for p in model.parameters() if id(p) not in trained]
+
+
+def cast_frozen(model: nn.Module, trainable: str, dtype: torch.dtype) -> int:
+    """Hold the frozen weights of a ``trainable`` run in ``dtype`` (``lora.base_dtype``: the
+    adapters stay float32); returns how many parameters were cast. Meta tensors take the
+    dtype too, so what a meta-built rank later materialises, and the memory plan, follow.
+    The layers compute in their weights' dtype: the experts cast their input and the
+    adapters at the grouped GEMMs (``moe.run_experts``), an attention adapter its factors
+    to the projection's output dtype."""
+    cast = 0
+    for p in frozen_parameters(model, trainable):
+        if p.dtype != dtype and p.is_floating_point():
+            p.data = p.data.to(dtype)
+            cast += p.numel()
+    return cast
 
 
 def add_adapters(model: nn.Module, cfg: LoRAConfig, seed: int = 0) -> int:

@@ -163,19 +163,27 @@ def _specs(tensors: Any, device: str, dtype: torch.dtype) -> list[ParamSpec]:
 
 
 def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) -> None:
-    """Every parameter in the device dtype plus the buffers; a gradient per trained one."""
+    """Every parameter in the device dtype plus the buffers; a gradient per trained one.
+
+    In float32 a parameter keeps the dtype the model was built with (``lora.base_dtype``
+    holds frozen weights in bfloat16); a lower device dtype casts every parameter to it
+    (``apply_param_dtype``)."""
     size = pdtype.itemsize
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     trained = sum(p.numel() for p in params if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    plan.lines.append(
-        Line(
-            "device",
-            "weights",
-            total * size + buffers,
-            f"{_mib(total)} params x {size} B ({pdtype}) + {buffers} B buffers",
+    keep = pdtype == torch.float32
+    weight_bytes = sum(p.numel() * (p.element_size() if keep else size) for p in params)
+    narrow = sum(p.numel() for p in params if keep and p.element_size() != size)
+    how = f"{_mib(total)} params x {size} B ({pdtype})"
+    if narrow:
+        how = (
+            f"{_mib(total - narrow)} params x {size} B ({pdtype}) + {_mib(narrow)} frozen "
+            "params in their own dtype (lora.base_dtype)"
         )
+    plan.lines.append(
+        Line("device", "weights", weight_bytes + buffers, f"{how} + {buffers} B buffers")
     )
     plan.lines.append(
         Line("device", "gradients", trained * size, f"{_mib(trained)} trained params x {size} B")

@@ -2,9 +2,10 @@
 
 Every token reaches all of its top-k experts (no capacity factor, no padding, no drops).
 The expert computation has interchangeable implementations that compute the same function:
-``torch`` (``torch._grouped_mm`` where dtype and alignment allow, else a loop over the
-sorted groups), ``triton`` (moestack.kernels, fused gather/scatter) and ``megablocks``
-(an optional baseline). ``auto`` picks triton on CUDA and torch elsewhere.
+``torch`` (``torch._grouped_mm`` where the device and dtype allow, odd widths padded with
+zeros to its 16-byte rows; else a loop over the sorted groups), ``triton``
+(moestack.kernels, fused gather/scatter) and ``megablocks`` (an optional baseline).
+``auto`` picks triton on CUDA and torch elsewhere.
 
 Where the experts run is the layer's one experts back-end slot, set with ``MoE.set_experts``:
 ``LocalExperts`` (the default: the stacked ``w1``/``w2`` in memory, with ``impl``),
@@ -80,31 +81,47 @@ def sort_by_expert(
     return order_N, token_N, offsets_E
 
 
-def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm needs fp32/bf16/fp16 (CPU) or bf16 on sm90+ (CUDA) and 16-byte rows."""
+def _grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs on ``x``'s device and dtype at all: fp32/bf16/fp16 on
+    the CPU, bf16 on sm90+ CUDA. Its other need, 16-byte rows, ``_padded_grouped_mm`` meets."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
-        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
-            return False
-    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    row_bytes = 16 // x.element_size()
-    return x.shape[-1] % row_bytes == 0 and w.shape[-1] % row_bytes == 0
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def grouped_mm_torch(
+def _aligned(size: int, x: torch.Tensor) -> int:
+    """``size`` rounded up to a whole number of 16-byte rows of ``x``'s dtype."""
+    per_row = 16 // x.element_size()
+    return -(-size // per_row) * per_row
+
+
+def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
+    """``t`` with zero columns appended up to ``size`` in its last dim (``t`` if already)."""
+    return t if t.shape[-1] == size else F.pad(t, (0, size - t.shape[-1]))
+
+
+def _padded_grouped_mm(
     x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
 ) -> torch.Tensor:
-    """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable.
+    """torch._grouped_mm with K and M padded with zeros to 16-byte rows (rank-1 adapters, odd
+    widths): zero columns of x meet zero rows of w and add exact zeros, and the zero columns
+    of w give output columns that are sliced off, so the result is the unpadded product."""
+    k, m = w_EKM.shape[1:]
+    k_pad, m_pad = _aligned(k, x_NK), _aligned(m, x_NK)
+    x_NK = _pad_last(x_NK, k_pad).contiguous()
+    if (k_pad, m_pad) != (k, m):
+        w_EKM = F.pad(w_EKM, (0, m_pad - m, 0, k_pad - k))
+    y_NM = torch._grouped_mm(x_NK, w_EKM, offs=offsets_E)
+    return y_NM if m_pad == m else y_NM[:, :m]
 
-    Under torch.compile it is the custom op ``moestack::grouped_mm`` (opaque to dynamo, with
-    a fake implementation), so the graph neither breaks at the loop's ``tolist`` nor fails
-    in ``torch._grouped_mm``'s bf16-only fake check; eager runs keep the code below."""
-    if torch.compiler.is_compiling():
-        return torch.ops.moestack.grouped_mm(x_NK, w_EKM, offsets_E)
-    if x_NK.shape[0] > 0 and _grouped_mm_applies(x_NK, w_EKM):
-        return torch._grouped_mm(x_NK.contiguous(), w_EKM, offs=offsets_E)
+
+def _grouped_mm_loop(
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """One matmul per non-empty group: where torch._grouped_mm cannot run (float64, CUDA
+    other than bf16 on sm90+)."""
     parts, start = [], 0
     for e, end in enumerate(offsets_E.tolist()):
         if end > start:
@@ -113,12 +130,30 @@ def grouped_mm_torch(
     return torch.cat(parts) if parts else x_NK.new_empty(x_NK.shape[0], w_EKM.shape[-1])
 
 
+def grouped_mm_torch(
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """y rows of group e = x rows of group e @ w[e]; plain torch, differentiable.
+
+    ``torch._grouped_mm`` wherever the device and dtype allow (any widths: padded to its
+    16-byte rows), else a loop over the groups. Under torch.compile it is the custom op
+    ``moestack::grouped_mm`` (opaque to dynamo, with a fake implementation), so the graph
+    neither breaks at the loop's ``tolist`` nor fails in ``torch._grouped_mm``'s bf16-only
+    fake check; eager runs keep the code below."""
+    if torch.compiler.is_compiling():
+        return torch.ops.moestack.grouped_mm(x_NK, w_EKM, offsets_E)
+    if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
+        return _padded_grouped_mm(x_NK, w_EKM, offsets_E)
+    return _grouped_mm_loop(x_NK, w_EKM, offsets_E)
+
+
 @torch.library.custom_op("moestack::grouped_mm", mutates_args=())
 def _grouped_mm_op(
     x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor
 ) -> torch.Tensor:
-    """``grouped_mm_torch`` as one opaque op for torch.compile (eager inside)."""
-    return grouped_mm_torch(x_NK, w_EKM, offsets_E)
+    """``grouped_mm_torch`` as one opaque op for torch.compile (eager inside; contiguous, as
+    its fake says, where padding left a view)."""
+    return grouped_mm_torch(x_NK, w_EKM, offsets_E).contiguous()
 
 
 @_grouped_mm_op.register_fake
@@ -130,7 +165,26 @@ def _(x_NK: torch.Tensor, w_EKM: torch.Tensor, offsets_E: torch.Tensor) -> torch
 def _grouped_mm_wgrad_op(
     x_NK: torch.Tensor, dy_NM: torch.Tensor, offsets_E: torch.Tensor
 ) -> torch.Tensor:
-    """dw[e] = x rows of group e ^T @ dy rows of group e: the weight gradient of grouped_mm."""
+    """dw[e] = x rows of group e ^T @ dy rows of group e: the weight gradient of grouped_mm.
+
+    torch._grouped_mm's 2D x 2D form (groups along the reduced dim) where it runs, widths
+    padded with zeros as in ``_padded_grouped_mm``; a group without rows gets zeros (forced:
+    some GPUs' kernels leave them undefined). Else a loop over the groups."""
+    k, m = x_NK.shape[1], dy_NM.shape[1]
+    if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
+        x_NK = _pad_last(x_NK, _aligned(k, x_NK)).contiguous()
+        dy_NM = _pad_last(dy_NM, _aligned(m, dy_NM)).contiguous()
+        dw_EKM = torch._grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)[:, :k, :m]
+        starts_E = F.pad(offsets_E[:-1], (1, 0))
+        empty_E11 = (offsets_E == starts_E).view(-1, 1, 1)
+        return torch.where(empty_E11, 0, dw_EKM)  # also a fresh tensor: no view of the pad
+    return _grouped_mm_wgrad_loop(x_NK, dy_NM, offsets_E)
+
+
+def _grouped_mm_wgrad_loop(
+    x_NK: torch.Tensor, dy_NM: torch.Tensor, offsets_E: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_mm_wgrad`` one group at a time (where torch._grouped_mm cannot run)."""
     dw_EKM = x_NK.new_zeros(offsets_E.shape[0], x_NK.shape[1], dy_NM.shape[1])
     start = 0
     for e, end in enumerate(offsets_E.tolist()):

@@ -5,7 +5,8 @@ A random Qwen3-MoE-architecture folder is built offline (``--d-model``, ``--laye
 and a byte-level BPE tokenizer of ``--vocab`` tokens trained on the default corpus, Python's
 stdlib). moestack then fine-tunes it (``moestack.trainer.train``, ``model.path=DIR``, the
 stdlib corpus capped at ``--max-bytes``, torch AdamW, the same lr, batches and seed) for the
-same ``--steps`` in three contenders, one after another in this process:
+same ``--steps`` in three contenders, one after another in this process, and all of it
+``--repeats`` times over (the contenders interleaved: all, routers, lora, all, ...):
 
 - ``all``: every weight trains (full fine-tune);
 - ``routers``: the MoE routers only (``trainable=routers``);
@@ -19,7 +20,10 @@ metrics.jsonl (``log_every=1``: each record's ``perf/tokens_per_s`` is one step'
 the seconds ``train_step`` took, evaluation and checkpoints apart), median and range over the
 steps after ``--warmup``; the train loss of the last step and the final validation loss.
 Ratios are to the full fine-tune (parameters, state, step time) and to router-only (step
-time). The counts are also worked from the shapes (``full_params``, ``router_params``,
+time), each repeat's from its own figures. Over the repeats the table and the JSON give the
+median and the range (min-max) of each repeat's figure: its median step, its ratios (the
+JSON row of a contender: ``X`` the median, ``X_range`` the range, ``repeats`` each repeat's
+row). The counts are also worked from the shapes (``full_params``, ``router_params``,
 ``lora_params``: the projection's formulas) and checked against the counted ones.
 
 The runs follow one another, so a neighbour that changes pace on shared cores moves one
@@ -33,7 +37,7 @@ Last, a projection for Qwen3-30B-A3B worked from its shapes (no model is built):
 parameters and AdamW state of a full fine-tune and of LoRA rank ``--rank`` on experts +
 attention, and the bf16 weights' bytes. Step times are not projected.
 
-    python scripts/bench_lora.py [--steps 30 --rank 16 --threads 2] [--json out.json]
+    python scripts/bench_lora.py [--steps 30 --rank 16 --threads 2 --repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -333,37 +337,97 @@ def add_ratios(rows: list[dict]) -> None:
                 r[f"{step}_best_vs_routers"] = r[f"{step}_s_min"] / routers[f"{step}_s_min"]
 
 
+# --------------------------------------------------------------------------- the repeats
+# Each repeat's figures that the repeats give a median and a range of.
+TIMED = tuple(
+    f"{step}{what}"
+    for step in ("step", "interleaved_step")
+    for what in ("_s_median", "_vs_all", "_vs_routers", "_best_vs_all", "_best_vs_routers")
+)
+SAME_EVERY_REPEAT = ("trainable_params", "trained_tensors", "adamw_state_bytes", "model_params",
+                     "params_vs_all", "state_vs_all")  # fmt: skip
+
+
+def run_repeats(folder: Path, root: Path, args: argparse.Namespace) -> list[list[dict]]:
+    """``args.repeats`` rounds of the three contenders' runs (and their interleaved step
+    timing), each round's rows with its own ratios: one list of rows per repeat."""
+    repeats = []
+    for _ in range(args.repeats):
+        rows = [run_contender(c, folder, root, args) for c in CONTENDERS]
+        if args.rounds:
+            add_interleaved(rows, interleaved_step_times(folder, root, args))
+        add_ratios(rows)
+        repeats.append(rows)
+    return repeats
+
+
+def combine_repeats(repeats: list[list[dict]]) -> list[dict]:
+    """One row per contender: the counts (which every repeat must give alike), the median
+    of each ``TIMED`` figure and of the losses over the repeats with its range
+    (``X_range``: [min, max]), every timed step of every repeat (``step_s``, its fastest and
+    slowest step ``step_s_min``/``step_s_max``) and the repeats' own rows (``repeats``)."""
+    rows = []
+    for i, contender in enumerate(CONTENDERS):
+        runs = [rows_of[i] for rows_of in repeats]
+        row: dict[str, Any] = {"contender": contender, "n_repeats": len(runs)}
+        for key in SAME_EVERY_REPEAT:
+            values = {r[key] for r in runs}
+            if len(values) != 1:
+                raise RuntimeError(f"{contender}: {key} differs between repeats: {values}")
+            row[key] = values.pop()
+        for key in (*TIMED, "loss_train_first", "loss_train_final", "loss_val_final"):
+            if key in runs[0]:
+                values = [r[key] for r in runs]
+                row[key] = statistics.median(values)
+                row[f"{key}_range"] = [min(values), max(values)]
+        row["step_s"] = [t for r in runs for t in r["step_s"]]
+        row["timed_steps"] = len(row["step_s"])
+        row["step_s_min"], row["step_s_max"] = min(row["step_s"]), max(row["step_s"])
+        if "interleaved_step_s" in runs[0]:
+            row["interleaved_step_s"] = [t for r in runs for t in r["interleaved_step_s"]]
+        row["repeats"] = runs
+        rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------- output
+def median_range(row: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
+    """``row[key]`` (a median over the repeats) and its range, as "m (lo-hi)"."""
+    lo, hi = row[f"{key}_range"]
+    return f"{scale * row[key]:{fmt}} ({scale * lo:{fmt}}-{scale * hi:{fmt}})"
+
+
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(
         f"{args.steps} steps of {args.batch_size} x {args.seq_len} tokens, {args.threads} "
-        f"thread(s); step times from metrics.jsonl after {args.warmup} warm-up steps"
+        f"thread(s), {args.repeats} repeat(s); step times from metrics.jsonl after "
+        f"{args.warmup} warm-up steps: median (range) over the repeats of each repeat's "
+        "median step, and of its ratios"
     )
-    head = ("contender", "params", "x all", "AdamW MiB", "x all", "step ms (range)", "x all",
-            "x routers", "loss train", "loss val")  # fmt: skip
-    print("{:<9} {:>11} {:>8} {:>10} {:>8} {:>19} {:>6} {:>9} {:>10} {:>9}".format(*head))
+    head = ("contender", "params", "x all", "AdamW MiB", "x all", "step ms (range)",
+            "x all (range)", "x routers (range)", "loss train", "loss val")  # fmt: skip
+    print("{:<9} {:>11} {:>8} {:>10} {:>8} {:>17} {:>17} {:>17} {:>10} {:>9}".format(*head))
     for r in rows:
-        ms = f"{1e3 * r['step_s_median']:.0f} ({1e3 * r['step_s_min']:.0f}-" \
-             f"{1e3 * r['step_s_max']:.0f})"  # fmt: skip
         print(
             f"{r['contender']:<9} {r['trainable_params']:>11,} {r['params_vs_all']:>8.4f} "
-            f"{r['adamw_state_bytes'] / 2**20:>10.2f} {r['state_vs_all']:>8.4f} {ms:>19} "
-            f"{r['step_vs_all']:>6.2f} {r['step_vs_routers']:>9.2f} "
+            f"{r['adamw_state_bytes'] / 2**20:>10.2f} {r['state_vs_all']:>8.4f} "
+            f"{median_range(r, 'step_s_median', 1e3, '.0f'):>17} "
+            f"{median_range(r, 'step_vs_all'):>17} {median_range(r, 'step_vs_routers'):>17} "
             f"{r['loss_train_final']:>10.3f} {r['loss_val_final']:>9.3f}"
         )
     if "interleaved_step_s_median" not in rows[0]:
         return
-    print(f"\ntrain_step timed interleaved, {args.rounds} rounds after 1 warm-up round:")
+    print(f"\ntrain_step timed interleaved, {args.rounds} rounds after 1 warm-up round, "
+          f"median (range) over the {args.repeats} repeat(s):")  # fmt: skip
     head = ("contender", "step ms (range)", "x all", "x routers", "best x all", "best x routers")
-    print("{:<9} {:>19} {:>6} {:>9} {:>10} {:>14}".format(*head))
+    print("{:<9} {:>17} {:>17} {:>17} {:>17} {:>17}".format(*head))
     for r in rows:
-        ms = f"{1e3 * r['interleaved_step_s_median']:.0f} (" \
-             f"{1e3 * r['interleaved_step_s_min']:.0f}-{1e3 * r['interleaved_step_s_max']:.0f})"  # fmt: skip
-        print(f"{r['contender']:<9} {ms:>19} {r['interleaved_step_vs_all']:>6.2f} "
-              f"{r['interleaved_step_vs_routers']:>9.2f} "
-              f"{r['interleaved_step_best_vs_all']:>10.2f} "
-              f"{r['interleaved_step_best_vs_routers']:>14.2f}")  # fmt: skip
-    print("best = each contender's fastest step (the one least slowed by other jobs)")
+        cells = [median_range(r, "interleaved_step_s_median", 1e3, ".0f")] + [
+            median_range(r, f"interleaved_step_{k}")
+            for k in ("vs_all", "vs_routers", "best_vs_all", "best_vs_routers")
+        ]
+        print(f"{r['contender']:<9} " + " ".join(f"{c:>17}" for c in cells))
+    print("best = each contender's fastest step of a repeat (the one least slowed by other jobs)")
 
 
 def print_projection(p: dict[str, Any]) -> None:
@@ -487,6 +551,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step times")
     ap.add_argument("--rounds", type=int, default=8, help="interleaved step timing (0 = none)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="run the three contenders this many times over (median and range); "
+                    "--moestack-model runs them once")  # fmt: skip
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-batches", type=int, default=4)
@@ -505,6 +572,8 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--device", default="cpu", help="with --moestack-model: cpu or cuda")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats={args.repeats} must be >= 1")
     if args.warmup >= args.steps:
         ap.error(f"--warmup={args.warmup} leaves no timed step of --steps={args.steps}")
     return args
@@ -531,12 +600,9 @@ def main() -> None:
         return
     try:
         folder, shapes = write_folder(root, args)
-        rows = [run_contender(c, folder, root, args) for c in CONTENDERS]
-        if args.rounds:
-            add_interleaved(rows, interleaved_step_times(folder, root, args))
+        rows = combine_repeats(run_repeats(folder, root, args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    add_ratios(rows)
     worked = {"all": full_params(shapes), "routers": router_params(shapes),
               "lora": lora_params(shapes, args.rank)}  # fmt: skip
     matches = {r["contender"]: (r["trainable_params"], r["trained_tensors"])
@@ -547,7 +613,8 @@ def main() -> None:
                             for k, (p, t) in worked.items()},
         counts_match_shapes=matches,
         step_time_source="metrics.jsonl perf/tokens_per_s at log_every=1 (train_step only); "
-        "interleaved: perf_counter around trainer.train_step, the three runs in turn",
+        "interleaved: perf_counter around trainer.train_step, the three runs in turn; "
+        f"median and range over {args.repeats} repeat(s) of the three runs",
         projection=projection(QWEN3_30B_A3B, args.rank),
     )  # fmt: skip
     print(f"torch {torch.__version__}; {results['machine']}")

@@ -14,8 +14,9 @@ import torch
 pytest.importorskip("transformers")
 
 from helpers.hf import FAMILIES, hf_config, reference_model, sample_tokens  # noqa: E402
+from helpers.runs import killed_at, losses  # noqa: E402
 
-from moestack import cli  # noqa: E402
+from moestack import checkpoint, cli  # noqa: E402
 from moestack.config import LoRAConfig, OptimConfig  # noqa: E402
 from moestack.errors import MoestackError  # noqa: E402
 from moestack.interop.hf_export import REPORT_FILE, export_hf  # noqa: E402
@@ -52,6 +53,32 @@ def lora_run(hf_dir, tmp_path_factory):
                     optim=OptimConfig(lr=2e-2, warmup_steps=1, weight_decay=0.0))  # fmt: skip
     train(cfg, tmp_path / "run")
     return tmp_path / "run"
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_a_killed_routers_lora_run_resumes_exactly(hf_dir, tmp_path, monkeypatch, base_dtype):
+    """The transformers-model resume (every weight from the checkpoint, none from the folder):
+    a routers+lora run with adapter dropout, killed after step 6 and resumed from its step-4
+    checkpoint, logs the uninterrupted run's losses, step for step; also with the frozen
+    weights held in bf16."""
+
+    def cfg(**changes):
+        lora = LoRAConfig(rank=2, alpha=4.0, targets="both", dropout=0.1, base_dtype=base_dtype)
+        return hf_config(hf_dir("qwen3_moe"), tmp_path, trainable="routers+lora", lora=lora,
+                         steps=8, ckpt_every=4, log_every=1, **changes)  # fmt: skip
+
+    train(cfg(), tmp_path / "reference")
+    with killed_at(6):
+        train(cfg(), tmp_path / "crashed")
+    assert max(losses(tmp_path / "crashed")) == 6  # the kill came after step 6
+    loaded = []
+    real = checkpoint.load_model_weights
+    monkeypatch.setattr(checkpoint, "load_model_weights",
+                        lambda path, *a: loaded.append(path.name) or real(path, *a))  # fmt: skip
+    train(cfg(resume=True), tmp_path / "crashed")
+    assert loaded == ["step_000004"]  # resumed from its checkpoint, not started again
+    want = losses(tmp_path / "reference")
+    assert len(want) == 8 and losses(tmp_path / "crashed") == want
 
 
 def test_a_lora_fine_tune_moves_only_the_adapters_and_routers(lora_run, hf_dir):

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from helpers.runs import killed_at, losses, small_config, small_model
 
+import moestack.moe as moe_module
 from moestack import checkpoint
 from moestack.config import LoRAConfig, OptimConfig, TelemetryConfig, TrainConfig
-from moestack.lora import adapter_parameters, add_adapters, merge_adapters
+from moestack.lora import adapter_parameters, add_adapters, add_adapters_for, merge_adapters
 from moestack.memory_plan import plan_memory
 from moestack.metrics import read_metrics
 from moestack.moe import ExpertAdapters, run_experts
@@ -76,13 +77,39 @@ CASES = {
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_adapter_output_and_gradients_match_a_per_expert_float64_reference(impl, case):
+    dtype = torch.float64 if impl == "torch" else torch.float32  # triton: fp32 kernels
+    check_against_reference(impl, dtype, case)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_adapters_of_any_rank_run_on_grouped_mm_not_a_loop(monkeypatch, case):
+    """fp32 on the torch path: every product (rank 1 and odd widths included, padded to
+    16-byte rows) is a torch._grouped_mm, forward and backward; no per-expert loop runs."""
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    def no_loop(*args):
+        raise AssertionError("a per-expert loop ran")
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    monkeypatch.setattr(moe_module, "_grouped_mm_loop", no_loop)
+    check_against_reference("torch", torch.float32, case)
+    assert len(calls) == 6  # forward: w1, A1, B1, w2, A2, B2 (their backward is autograd's)
+
+
+def check_against_reference(impl: str, dtype: torch.dtype, case: str) -> None:
+    """run_experts with adapters in ``dtype`` against ``reference_experts`` (float64):
+    output and the gradients of every input; an empty expert's adapters get exact zeros."""
     x, w1, w2, experts, weights, adapters = random_case(7, **CASES[case])
     scale = 1.7
     want = reference_experts(x, w1, w2, experts, weights, *adapters, scale)
     leaves = [x, w1, w2, *adapters]
     probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     want_grads = torch.autograd.grad((want * probe).sum(), leaves)
-    dtype = torch.float64 if impl == "torch" else torch.float32  # triton: fp32 kernels
     cast = [t.detach().to(dtype).requires_grad_() for t in leaves]
     got = run_experts(cast[0], cast[1], cast[2], experts, weights.to(dtype), impl,
                       ExpertAdapters(*cast[3:], scale, 0.0))  # fmt: skip
@@ -96,7 +123,7 @@ def test_adapter_output_and_gradients_match_a_per_expert_float64_reference(impl,
         assert all(float(g[2].abs().max()) == 0.0 for g in got_grads[3:])
 
 
-def test_dropout_on_the_adapter_inputs_trains_and_vanishes_in_eval():
+def test_dropout_on_the_expert_adapter_inputs_changes_their_term_only():
     x, w1, w2, experts, weights, adapters = random_case(3, **CASES["ragged groups"])
     torch.manual_seed(0)
     args = (x, w1, w2, experts, weights, "torch")
@@ -112,6 +139,35 @@ def test_dropout_on_the_adapter_inputs_trains_and_vanishes_in_eval():
         torch.zeros_like(adapters[3]),
     ]
     torch.testing.assert_close(run_experts(*args, ExpertAdapters(*zero_b, 1.0, 0.5)), base)
+
+
+def trained_looking_model(targets: str, dropout: float, **model_changes):
+    """small_model with adapters on ``targets`` whose B moved away from zero (as after
+    training), the same weights whatever ``dropout``."""
+    torch.manual_seed(0)
+    model = small_model(moe={"impl": "torch"}, **model_changes).build()
+    add_adapters(model, LoRAConfig(rank=4, targets=targets, dropout=dropout), seed=0)
+    with torch.no_grad():
+        for name, p in adapter_parameters(model):
+            if name.endswith("_B"):
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.mark.parametrize("targets", ["experts", "attention"])
+def test_adapter_dropout_acts_in_training_and_not_in_eval(targets):
+    """Dropout 0.5 on the adapters' inputs: two training forwards draw different masks;
+    in eval the model computes exactly what the same model with dropout 0 computes."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(6))
+    dropped, plain = trained_looking_model(targets, 0.5), trained_looking_model(targets, 0.0)
+    dropped.train()
+    first, second = dropped(tokens).logits, dropped(tokens).logits
+    assert not torch.allclose(first, second, atol=1e-4)  # a fresh mask each forward
+    plain.train()
+    assert not torch.allclose(first, plain(tokens).logits, atol=1e-4)  # the mask acts
+    dropped.eval()
+    plain.eval()
+    assert torch.equal(dropped(tokens).logits, plain(tokens).logits)
 
 
 @pytest.mark.parametrize("targets", ["experts", "attention", "both"])
@@ -140,6 +196,21 @@ def test_adapters_start_at_the_base_model_and_merge_into_its_function(targets):
     assert not any("lora" in k for k in model.state_dict())
     assert set(model.state_dict()) == set(base_state)  # the base model's tensors only
     torch.testing.assert_close(model(tokens).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS[1:])
+def test_triton_adapters_at_step_0_equal_the_base_model_within_rounding(impl):
+    """With adapters the triton path runs the base product on its unfused grouped GEMM (the
+    fused expert kernel has no low-rank term), so step 0 equals the fused base model up to
+    the order of fp32 sums, not bitwise (the torch path: bitwise, test above)."""
+    torch.manual_seed(0)
+    model = small_model(moe={"impl": impl}).build()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        base = model(tokens).logits
+        add_adapters(model, LoRAConfig(rank=4, targets="both"), seed=0)
+        adapted = model(tokens).logits
+    torch.testing.assert_close(adapted, base, rtol=1e-6, atol=1e-6)
 
 
 def test_adapters_do_not_depend_on_the_global_random_state():
@@ -195,14 +266,8 @@ def test_adapter_gradients_are_the_same_under_activation_checkpointing(checkpoin
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
 
     def grads(mode: str) -> dict[str, torch.Tensor]:
-        torch.manual_seed(0)
-        model = small_model(checkpointing=mode, moe={"impl": "torch"}).build()
-        add_adapters(model, LoRAConfig(rank=4, targets="both", dropout=0.2), seed=0)
+        model = trained_looking_model("both", 0.2, checkpointing=mode)
         model.set_trainable("lora")
-        with torch.no_grad():
-            for name, p in adapter_parameters(model):
-                if name.endswith("_B"):
-                    p.normal_(std=0.05, generator=torch.Generator().manual_seed(len(name)))
         torch.manual_seed(1)  # the same dropout masks in both runs
         model(tokens, tokens).loss.backward()
         return {n: p.grad for n, p in adapter_parameters(model)}
@@ -210,6 +275,75 @@ def test_adapter_gradients_are_the_same_under_activation_checkpointing(checkpoin
     want, got = grads("none"), grads(checkpointing)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+MIXED = [("torch", torch.bfloat16), ("torch", torch.float16),
+         pytest.param("triton", torch.float16, marks=IMPLS[1].marks)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("impl", "base_dtype"), MIXED)
+def test_experts_with_half_precision_weights_and_fp32_adapters(impl, base_dtype):
+    """lora.base_dtype's layout at the experts: w1/w2 in half precision, the input and the
+    adapters in fp32. The experts compute in the weights' dtype (the interpreter runs Triton
+    in fp16, not bf16) and give the float64 reference of the same values within that
+    dtype's rounding; the adapters' gradients come back in fp32."""
+    x, w1, w2, experts, weights, adapters = random_case(5, **CASES["ragged groups"])
+    w1, w2 = (w.detach().to(base_dtype) for w in (w1, w2))
+    x32, a32 = x.detach().float(), [a.detach().float().requires_grad_() for a in adapters]
+    got = run_experts(x32, w1, w2, experts, weights.float(), impl, ExpertAdapters(*a32, 1.5, 0.0))
+    assert got.dtype == base_dtype
+    got.float().square().sum().backward()
+    want = reference_experts(x32.to(base_dtype).double(), w1.double(), w2.double(), experts,
+                             weights, *(a.detach().double() for a in a32), 1.5)  # fmt: skip
+    torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
+    assert all(a.grad.dtype == torch.float32 and a.grad.abs().sum() > 0 for a in a32[1::2])
+
+
+@pytest.mark.parametrize("trainable", ["lora", "routers+lora"])
+def test_a_bf16_base_starts_at_the_bf16_base_model_with_fp32_adapters(trainable):
+    """lora.base_dtype=bfloat16: every frozen weight bf16, the adapters (and trained routers)
+    fp32, and at step 0 the logits of the base model held in bf16 (its routers in fp32
+    where they train), bitwise (the torch path)."""
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    base = small_model(moe={"impl": "torch"}).build()
+    routers = {id(moe.router.weight) for moe in base.moe_layers}
+    for p in base.parameters():
+        if not (trainable == "routers+lora" and id(p) in routers):
+            p.data = p.data.bfloat16()
+    torch.manual_seed(0)
+    model = small_model(moe={"impl": "torch"}).build()
+    lora = LoRAConfig(rank=4, targets="both", base_dtype="bfloat16")
+    add_adapters_for(model, trainable, lora, seed=0)
+    model.set_trainable(trainable)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(dtypes[n] == torch.float32 for n in trained)
+    assert {dtypes[n] for n in dtypes if n not in trained} == {torch.bfloat16}
+    assert any("router" in n for n in trained) == (trainable == "routers+lora")
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, base(tokens).logits)
+
+
+def test_a_bf16_base_lora_run_trains_only_its_fp32_adapters(tmp_path):
+    """A whole run with lora.base_dtype=bfloat16: the checkpoint holds the frozen weights in
+    bf16, unchanged from the base model's draw, and the adapters in fp32, trained."""
+    lora = LoRAConfig(rank=4, targets="both", base_dtype="bfloat16")
+    cfg = small_config(trainable="lora", lora=lora, steps=6, ckpt_every=0,
+                       optim=OptimConfig(lr=1e-2, warmup_steps=1))  # fmt: skip
+    initial = dict(cfg.model.build(seed=cfg.seed).named_parameters())  # the run's base
+    train(cfg, tmp_path / "run")
+    final = _tensors(checkpoint.latest_checkpoint(tmp_path / "run" / "checkpoints"))
+    adapters = [k for k in final if "lora" in k]
+    assert adapters and all(final[k].dtype == torch.float32 for k in adapters)
+    assert all(final[k].abs().sum() > 0 for k in adapters)  # B moved from zero, A its draw
+    frozen = [k for k in initial if k in final]
+    assert len(frozen) >= len(initial) - 1  # a tied head is stored once
+    for k in frozen:
+        assert final[k].dtype == torch.bfloat16, k
+        assert torch.equal(final[k], initial[k].detach().bfloat16()), k
+    steps = losses(tmp_path / "run")
+    assert len(steps) == 6 and all(math.isfinite(v) for v in steps.values())
 
 
 def test_the_memory_plan_counts_the_adapters_alone_as_trained():
@@ -222,6 +356,19 @@ def test_the_memory_plan_counts_the_adapters_alone_as_trained():
     weights = full.line("weights").bytes + 4 * trained  # the base model and its adapters
     assert plan.line("weights").bytes == weights
     assert plan.line("gradients").bytes < full.line("gradients").bytes / 4
+
+
+def test_the_memory_plan_counts_a_bf16_base_at_two_bytes():
+    """lora.base_dtype=bfloat16: the frozen weights 2 bytes each, the adapters 4."""
+    full = plan_memory(small_config(), 1, "cpu")
+    lora = LoRAConfig(rank=4, base_dtype="bfloat16")
+    plan = plan_memory(small_config(trainable="lora", lora=lora), 1, "cpu")
+    base = full.line("gradients").bytes // 4  # a full fine-tune trains every base weight
+    buffers = full.line("weights").bytes - 4 * base
+    trained = 2 * 2560  # the experts' adapters of small_model at rank 4 (worked above)
+    assert plan.line("weights").bytes == 2 * base + 4 * trained + buffers
+    assert plan.line("gradients").bytes == 4 * trained
+    assert "frozen params in their own dtype" in plan.line("weights").formula
 
 
 @pytest.mark.parametrize(

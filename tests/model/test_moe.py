@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers.moe import moe_layer, reference_moe
 
+import moestack.moe as moe_module
 from moestack import MoE, MoEConfig, RouterConfig
 from moestack.moe import grouped_mm_torch, moe_experts_torch, sort_by_expert
 
@@ -75,11 +76,106 @@ def test_grouped_mm_and_loop_agree_with_per_group_matmul():
     offsets = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 is empty
     expected = torch.cat([x[0:5] @ w[0], x[5:12] @ w[2], x[12:20] @ w[3]])
     torch.testing.assert_close(grouped_mm_torch(x, w, offsets), expected)
-    odd_w = torch.randn(4, 15, 33)  # not 16-byte aligned: the loop path
+    odd_w = torch.randn(4, 15, 33)  # not 16-byte aligned: padded to it
     torch.testing.assert_close(
         grouped_mm_torch(x[:, :15], odd_w, offsets),
         torch.cat([x[0:5, :15] @ odd_w[0], x[5:12, :15] @ odd_w[2], x[12:20, :15] @ odd_w[3]]),
     )
+
+
+def per_group_float64(x, w, offsets):
+    """y rows of group e = x rows of group e @ w[e], one group at a time in float64."""
+    starts = [0, *offsets.tolist()[:-1]]
+    rows = [
+        x[s:e].double() @ w[g].double()
+        for g, (s, e) in enumerate(zip(starts, offsets.tolist(), strict=True))
+    ]
+    return torch.cat(rows)
+
+
+@pytest.fixture
+def grouped_mm_calls(monkeypatch):
+    """Counts torch._grouped_mm's calls and makes both per-group loops fail if they run."""
+    calls = []
+    real = torch._grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].dim())  # 3: x @ w[e]; 2: the weight-gradient form
+        return real(*args, **kwargs)
+
+    def no_loop(*args):
+        raise AssertionError("the per-group loop ran where torch._grouped_mm can")
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted)
+    monkeypatch.setattr(moe_module, "_grouped_mm_loop", no_loop)
+    monkeypatch.setattr(moe_module, "_grouped_mm_wgrad_loop", no_loop)
+    return calls
+
+
+# (K, M): a rank-1 adapter's two products, odd widths, a width below one 16-byte row
+UNALIGNED = [(16, 1), (1, 24), (7, 5), (3, 3), (13, 8)]
+OFFSETS = [5, 5, 12, 12, 20]  # experts 1 and 3 are empty
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("k, m", UNALIGNED)
+def test_unaligned_widths_run_on_grouped_mm_padded_not_in_a_loop(
+    grouped_mm_calls, k, m, dtype, tol
+):
+    """Eager forward and backward (torch._grouped_mm's own autograd) against float64 groups."""
+    gen = torch.Generator().manual_seed(k * 100 + m)
+    x = torch.randn(20, k, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(len(OFFSETS), k, m, generator=gen).to(dtype).requires_grad_()
+    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+    y = grouped_mm_torch(x, w, offsets)
+    assert y.shape == (20, m) and y.dtype == dtype and grouped_mm_calls
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    want = per_group_float64(x64, w64, offsets)
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    probe = torch.randn(20, m, generator=gen, dtype=torch.float64)
+    (y.double() * probe).sum().backward()
+    (want * probe).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=tol, atol=tol)
+    assert (w.grad[[1, 3]] == 0).all()  # the empty experts
+
+
+@pytest.mark.parametrize("k, m", UNALIGNED + [(16, 8)])
+def test_the_compiled_paths_ops_take_grouped_mm_and_match_float64_groups(grouped_mm_calls, k, m):
+    """moestack::grouped_mm and its backward (moestack::grouped_mm_wgrad: torch._grouped_mm's
+    2D x 2D form) as torch.compile runs them, called directly: fp32, padded widths, empty
+    experts (first, middle, last) with exactly zero weight gradients."""
+    gen = torch.Generator().manual_seed(k * 10 + m)
+    offsets = torch.tensor([0, 6, 6, 13, 20, 20], dtype=torch.int32)
+    x = torch.randn(20, k, generator=gen).requires_grad_()
+    w = torch.randn(6, k, m, generator=gen).requires_grad_()
+    y = torch.ops.moestack.grouped_mm(x, w, offsets)
+    assert y.is_contiguous()  # as its fake implementation says
+    probe = torch.randn(20, m, generator=gen)
+    (y * probe).sum().backward()
+    assert 2 in grouped_mm_calls and 3 in grouped_mm_calls  # the wgrad form and the 3D form
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    want = per_group_float64(x64, w64, offsets)
+    (want * probe.double()).sum().backward()
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    assert (w.grad[[0, 2, 5]] == 0).all()
+
+
+def test_float64_keeps_the_loop_and_agrees():
+    """torch._grouped_mm has no float64: the loops run, forward and weight gradient."""
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([4, 4, 9], dtype=torch.int32)
+    x, w = (
+        torch.randn(9, 3, generator=gen, dtype=torch.float64),
+        torch.randn(3, 3, 5, generator=gen, dtype=torch.float64),
+    )
+    torch.testing.assert_close(grouped_mm_torch(x, w, offsets), per_group_float64(x, w, offsets))
+    dy = torch.randn(9, 5, generator=gen, dtype=torch.float64)
+    dw = torch.ops.moestack.grouped_mm_wgrad(x, dy, offsets)
+    torch.testing.assert_close(dw[2], x[4:9].t() @ dy[4:9])
+    assert (dw[1] == 0).all()
 
 
 def test_sort_by_expert_offsets():

@@ -13,7 +13,7 @@ TOY = (
     *("--d-model", "32", "--layers", "2", "--experts", "4", "--top-k", "2", "--d-ff", "16"),
     *("--heads", "4", "--kv-heads", "2", "--vocab", "320", "--rank", "2", "--steps", "3"),
     *("--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1"),
-    *("--max-bytes", "100000", "--threads", "1", "--rounds", "2"),
+    *("--max-bytes", "100000", "--threads", "1", "--rounds", "2", "--repeats", "2"),
 )
 
 
@@ -42,9 +42,25 @@ def test_the_three_fine_tunes_report_counts_times_and_losses(results):
             "interleaved_step_best_vs_all", "interleaved_step_best_vs_routers"}  # fmt: skip
     for row in rows.values():
         assert keys <= set(row)
-        assert row["timed_steps"] == 2 and len(row["step_s"]) == 2  # 3 steps, 1 warm-up
-        assert len(row["interleaved_step_s"]) == 2  # 2 rounds after the warm-up round
+        assert row["n_repeats"] == len(row["repeats"]) == 2
+        for run in row["repeats"]:  # each repeat: 3 steps after 1 warm-up, 2 rounds after 1
+            assert run["timed_steps"] == 2 and len(run["step_s"]) == 2
+            assert len(run["interleaved_step_s"]) == 2
+            assert run["trainable_params"] == row["trainable_params"]
+        assert len(row["step_s"]) == row["timed_steps"] == 4  # every repeat's steps
         assert 0 < row["step_s_min"] <= row["step_s_median"] <= row["step_s_max"]
+        # the median and range over the repeats of each repeat's own figure
+        for key in ("step_s_median", "interleaved_step_s_median", "step_vs_routers",
+                    "interleaved_step_best_vs_all"):  # fmt: skip
+            per_repeat = sorted(run[key] for run in row["repeats"])
+            assert row[key] == pytest.approx(sum(per_repeat) / 2)  # the median of two
+            assert row[f"{key}_range"] == per_repeat
+        first, second = row["repeats"]
+        assert (
+            first["step_vs_all"]
+            == first["step_s_median"] / rows["all"]["repeats"][0]["step_s_median"]
+        )
+        assert second["loss_train_final"] == first["loss_train_final"]  # same seed, same run
     assert results["shapes"]["vocab"] == 320
     # toy: D 32, 2 layers, 4 experts of width F 16, 4 query / 2 kv heads of head_dim 8, V 320.
     # Full: embeddings and untied head 2 x 320 x 32 = 20480, final norm 32; per layer
