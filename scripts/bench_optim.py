@@ -16,10 +16,14 @@ Measures, in one process:
   5. on a GPU (when present): optimizer step time with offload against torch AdamW on the
      device;
   6. a whole training step (forward, backward, clip, optimizer) of an MoE transformer with
-     OffloadAdamW (bf16 device weights, fp32 state on the host) against fused torch AdamW
-     on the device (fp32 weights under bf16 autocast), and torchao's CPUOffloadOptimizer when
-     it is installed (CUDA only): time and peak device memory. On a GPU the model is the
-     137M-parameter m137 config; on the CPU a tiny one (a dry run of the code).
+     OffloadAdamW (bf16 device weights, fp32 state on the host; pipelined, serial, updated in
+     backward, delayed) against fused torch AdamW on the device (fp32 weights under bf16
+     autocast), and torchao's CPUOffloadOptimizer when it is installed (CUDA only), each
+     clipped and unclipped: time, peak device memory, OffloadAdamW's step in parts, and on
+     CUDA the time the compute stream sits idle per step (CUDA events) and the pinned copy
+     bandwidth each way and both at once. On a GPU the model is the 137M-parameter m137
+     config; on the CPU a tiny one (a dry run of the code);
+  7. the loss of the delayed update over N steps against the exact one.
 
     python scripts/bench_optim.py [--params 8e6] [--experts 8] [--reps 10] [--json out.json]
         [--only throughput] [--thread-counts 1,2,all] [--rounds 3]
@@ -404,7 +408,10 @@ def print_section(name: str, rows: dict[str, Any]) -> None:
         print_table(rows)
     if name == "kernels":
         print_kernel_table(rows)
-    for k, v in rows.items():
+    items = list(rows.items())
+    if name == "train_step":  # the ratios first, then the step times (a summary's head)
+        items.sort(key=lambda kv: 0 if "_vs_" in kv[0] else 1 if "_step_ms" in kv[0] else 2)
+    for k, v in items:
         if k.startswith("threads_"):
             continue
         if isinstance(v, float):

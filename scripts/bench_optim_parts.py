@@ -1,8 +1,10 @@
 """The parts of bench_optim shared by its sections, and the ones that need a device model:
 synthetic parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, a
 whole training step of an MoE transformer (OffloadAdamW, exact and delayed, against torch
-AdamW and torchao's CPUOffloadOptimizer when installed, clipped and unclipped) and the loss
-of the delayed update against the exact one. ``python scripts/bench_optim.py`` runs them."""
+AdamW and torchao's CPUOffloadOptimizer when installed, each clipped and unclipped) with the
+time the compute stream sits idle per step and the pinned copy bandwidth each way and both
+at once, and the loss of the delayed update against the exact one.
+``python scripts/bench_optim.py`` runs them."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import gc
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -110,11 +113,13 @@ def _fresh_cuda_memory() -> int:
 
 
 # The training-step contenders: name -> (optimizer, update_delay, clipped, OffloadAdamW's
-# other settings). torchao copies gradients to the host inside backward, where a later clip
-# cannot reach them: it runs unclipped, beside the unclipped runs of the others (like for
-# like), the others clipped too. offload_adamw is the pipelined exact step (the default on a
-# GPU; its next forward waits per layer, as the trainer sets it up); _serial the one-pass
-# step before it; _in_backward updates each bucket as it lands (unclipped only).
+# other settings). Each runs clipped and unclipped (like for like: a clipped contender is
+# compared with clipped device AdamW, an unclipped one with unclipped). torchao copies the
+# gradients to the host inside backward, so its clip is taken where its step reads them:
+# the host copies, once landed, and the small parameters it keeps on the device
+# (_torchao_clip). offload_adamw is the pipelined exact step (the default on a GPU; its next
+# forward waits per layer, as the trainer sets it up); _serial the one-pass step before it;
+# _in_backward updates each bucket as it lands (unclipped only).
 TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
     "adamw": ("adamw", 0, True, {}),
     "adamw_unclipped": ("adamw", 0, False, {}),
@@ -129,7 +134,8 @@ TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
     ),
     "offload_adamw_delayed": ("offload_adamw", 1, True, {}),
     "offload_adamw_delayed_unclipped": ("offload_adamw", 1, False, {}),
-    "torchao_cpu_offload": ("torchao", 0, False, {}),
+    "torchao_cpu_offload": ("torchao", 0, True, {}),
+    "torchao_cpu_offload_unclipped": ("torchao", 0, False, {}),
 }
 
 
@@ -169,25 +175,172 @@ def _build_contender(
     return model, opt, clip, dtype
 
 
-def _step_fn(model: torch.nn.Module, opt: Any, clip: bool, tokens: torch.Tensor) -> Any:
-    """One training step of ``model`` on ``tokens`` (bf16 autocast on CUDA): its loss."""
+def _torchao_clip(opt: Any, max_norm: float) -> float:
+    """Clip a torchao CPUOffloadOptimizer's gradients where its step reads them: the host
+    copies its backward hooks queued (waited for first) and the device gradients of the
+    small parameters it steps on the device; one 2-norm over both, torch's formula."""
+    for landed in opt.queue.values():
+        landed.synchronize()
+    params = [opt.param_d2h_map[p] for p in opt.queue]
+    params += [p for g in opt.d_param_groups for p in g["params"] if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def _is_torchao(opt: Any) -> bool:
+    cls = _torchao_offload()
+    return cls is not None and isinstance(opt, cls)
+
+
+def _step_fn(
+    model: torch.nn.Module,
+    opt: Any,
+    clip: bool,
+    tokens: torch.Tensor,
+    probe: _IdleProbe | None = None,
+) -> Any:
+    """One training step of ``model`` on ``tokens`` (bf16 autocast on CUDA): its loss. With
+    ``probe``, the clip and the optimizer step are bracketed by its events."""
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if tokens.device.type == "cuda"
         else contextlib.nullcontext()
     )
+    torchao = _is_torchao(opt)
+
+    def update() -> None:
+        if clip and torchao:
+            _torchao_clip(opt, 1.0)
+        elif clip:
+            clip_grad_norm(model, opt, 1.0)
+        opt.step()
+
+    held = update if probe is None else probe.wrap(update)
 
     def step() -> float:
         with autocast:
             loss = model(tokens[:, :-1], tokens[:, 1:]).loss
         loss.backward()
-        if clip:
-            clip_grad_norm(model, opt, 1.0)
-        opt.step()
+        held()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
     return step
+
+
+class _IdleProbe:
+    """The time the compute stream sits idle where an optimizer holds it up, from CUDA
+    events: around each call it wraps (the clip and step, a pipelined bucket's release in
+    the next forward, a wait for a bucket's update in backward's hooks) an event is recorded
+    on the calling thread's current stream (the compute stream) before and after. The time
+    between the two on the GPU is the time the stream waited for the optimizer there: the
+    host blocked or the stream waited on a copy's event, beyond the work queued before (the
+    few small kernels the optimizer queues there in between count too). Calls nested in a
+    wrapped call count once."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Any, Any]] = []
+        self._spare: list[Any] = []
+        self._inside = threading.local()
+
+    def _event(self) -> Any:
+        return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+
+    def wrap(self, fn: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            if getattr(self._inside, "on", False):
+                return fn(*args, **kw)
+            self._inside.on = True
+            before = self._event()
+            before.record()
+            try:
+                return fn(*args, **kw)
+            finally:
+                after = self._event()
+                after.record()
+                self._inside.on = False
+                self._pairs.append((before, after))
+
+        return run
+
+    def take_ms(self) -> float:
+        """The idle milliseconds bracketed since the last call (the device synchronised)."""
+        torch.cuda.synchronize()
+        pairs, self._pairs = self._pairs, []
+        total = sum(before.elapsed_time(after) for before, after in pairs)
+        self._spare.extend(e for pair in pairs for e in pair)
+        return total
+
+
+def compute_idle(
+    model: torch.nn.Module, opt: Any, clip: bool, tokens: torch.Tensor, reps: int
+) -> float:
+    """CUDA: the median milliseconds per training step the compute stream sits idle waiting
+    for an offloading optimizer (:class:`_IdleProbe`), over ``reps`` extra steps."""
+    probe = _IdleProbe()
+    step = _step_fn(model, opt, clip, tokens, probe)
+    inner = getattr(opt, "optimizer", opt)
+    pipe = getattr(inner, "_pipe", None)
+    hooked = ("release", "wait_update") if pipe is not None else ()
+    for attr in hooked:
+        setattr(pipe, attr, probe.wrap(getattr(pipe, attr)))
+    per_step = []
+    try:
+        step()  # the first probed forward's waits belong to an unprobed step
+        probe.take_ms()
+        for _ in range(reps):
+            step()
+            per_step.append(probe.take_ms())
+    finally:
+        for attr in hooked:
+            delattr(pipe, attr)  # the class's methods again
+    return statistics.median(per_step)
+
+
+def pinned_copy_bandwidth(mib: int = 256, reps: int = 5) -> dict[str, Any]:
+    """CUDA: GB/s of copies between pinned host memory and the device, host-to-device and
+    device-to-host each alone, then both at once on two streams (as the pipelined step
+    runs gradients out beside weights back), timed with CUDA events; best of ``reps``
+    copies of ``mib`` MiB each way."""
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    n = mib * 2**20
+    to_dev = (torch.empty(n, dtype=torch.uint8, device="cuda"),
+              torch.empty(n, dtype=torch.uint8, pin_memory=True))  # fmt: skip
+    to_host = (torch.empty(n, dtype=torch.uint8, pin_memory=True),
+               torch.empty(n, dtype=torch.uint8, device="cuda"))  # fmt: skip
+    streams = {"h2d": torch.cuda.Stream(), "d2h": torch.cuda.Stream()}
+    pairs = {"h2d": to_dev, "d2h": to_host}
+
+    def copies(ways: Sequence[str]) -> dict[str, float]:
+        """Seconds of one copy each way of ``ways``, all started at once."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        ends = {}
+        for way in ways:
+            stream = streams[way]
+            stream.wait_event(start)
+            with torch.cuda.stream(stream):
+                dst, src = pairs[way]
+                dst.copy_(src, non_blocking=True)
+                ends[way] = torch.cuda.Event(enable_timing=True)
+                ends[way].record(stream)
+        torch.cuda.synchronize()
+        return {way: start.elapsed_time(end) / 1e3 for way, end in ends.items()}
+
+    out: dict[str, Any] = {"MiB": mib}
+    for ways in (["h2d"], ["d2h"], ["h2d", "d2h"]):
+        copies(ways)  # warm-up
+        best = [copies(ways) for _ in range(reps)]
+        together = len(ways) > 1
+        for way in ways:
+            s = min(b[way] for b in best)
+            out[f"{way}{'_while_both' if together else ''}_GBps"] = n / s / 1e9
+        if together:
+            out["both_total_GBps"] = 2 * n / min(max(b.values()) for b in best) / 1e9
+    del to_dev, to_host
+    return out
 
 
 def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any]:
@@ -197,12 +350,40 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
     out: dict[str, Any] = {"device": str(device), "tokens_per_step": batch * seq, "impl": impl}
+    out.update({f"pinned_{k}": v for k, v in pinned_copy_bandwidth().items()})
     contenders = [n for n in TRAIN_CONTENDERS if not n.startswith("torchao")]
     if device.type == "cuda" and _torchao_offload() is not None:
-        contenders.append("torchao_cpu_offload")
+        contenders += [n for n in TRAIN_CONTENDERS if n.startswith("torchao")]
+    elif device.type == "cuda":
+        out["torchao_skipped"] = "torchao is not importable (carry its wheel)"
     for name in contenders:
-        base = _fresh_cuda_memory() if device.type == "cuda" else 0
-        model, opt, clip, dtype = _build_contender(name, model_cfg, device)
+        try:
+            out.update(_time_contender(name, model_cfg, device, tokens, reps))
+        except Exception as exc:  # a baseline that fails is reported, not the end of the run
+            if not name.startswith("torchao"):
+                raise
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+    for name in contenders:
+        like = "adamw_unclipped" if name.endswith("unclipped") else "adamw"
+        if name in (like, "adamw") or f"{name}_step_ms" not in out:
+            continue
+        out[f"{name}_vs_{like}_step_time"] = out[f"{name}_step_ms"] / out[f"{like}_step_ms"]
+        if device.type == "cuda":
+            out[f"{name}_vs_{like}_peak_memory"] = (
+                out[f"{name}_peak_device_MiB"] / out[f"{like}_peak_device_MiB"]
+            )
+    return out
+
+
+def _time_contender(
+    name: str, model_cfg: ModelConfig, device: torch.device, tokens: torch.Tensor, reps: int
+) -> dict[str, Any]:
+    """Contender ``name``'s training step: median time, peak device memory, first and last
+    loss; OffloadAdamW's parts; an offloading optimizer's idle compute stream (CUDA)."""
+    out: dict[str, Any] = {}
+    base = _fresh_cuda_memory() if device.type == "cuda" else 0
+    model, opt, clip, dtype = _build_contender(name, model_cfg, device)
+    try:
         step = _step_fn(model, opt, clip, tokens)
         losses = [step(), step()]  # warm-up: lazy state, kernel compilation
         if device.type == "cuda":
@@ -225,21 +406,12 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         inner = getattr(opt, "optimizer", opt)
         if isinstance(inner, OffloadAdamW):
             out.update(offload_step_parts(inner, step, device, reps, prefix=f"{name}_part_"))
-        _release(opt)
-        del model, opt, step  # step holds both
-    for name in contenders:
-        like = (
-            "adamw_unclipped"
-            if name.endswith("unclipped") or name.startswith("torchao")
-            else "adamw"
-        )
-        if name in (like, "adamw"):
-            continue
-        out[f"{name}_vs_{like}_step_time"] = out[f"{name}_step_ms"] / out[f"{like}_step_ms"]
-        if device.type == "cuda":
-            out[f"{name}_vs_{like}_peak_memory"] = (
-                out[f"{name}_peak_device_MiB"] / out[f"{like}_peak_device_MiB"]
-            )
+        offloads = isinstance(inner, OffloadAdamW) or _is_torchao(opt)
+        if device.type == "cuda" and offloads:
+            idle = compute_idle(model, opt, clip, tokens, min(reps, 3))  # within the phase cap
+            out[f"{name}_compute_idle_ms"] = idle
+    finally:
+        _release(opt)  # its hooks off the parameters: the model and it are freed with this frame
     return out
 
 

@@ -37,7 +37,7 @@ PLAN=(
     "bench_moe|85|bench_moe.json,tuned_configs.json|default|issue-3 table, outputs checked vs torch first; checked tuned configs saved per shape"
     "profile_moe|45|profile_moe.json|default|the Triton layer's time launch by launch (fwd and bwd GEMMs, SwiGLU bwd, the rest) at three shapes"
     "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path, serial and pipelined, vs torch AdamW, also with every transfer stalled; per-layer waits on CUDA"
-    "bench_optim|95|bench_optim.json|default|optimizer step; training step of OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), clipped and unclipped, with its parts; 200-step loss delayed vs exact"
+    "bench_optim|95|bench_optim.json|default|optimizer step; training step of OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), each clipped and unclipped, with its parts and the compute stream's idle time (CUDA events); pinned copy GB/s each way and both at once; 200-step loss delayed vs exact"
     "memory|15|bench_optim_memory.json|optional|device and host bytes per parameter, offload vs device AdamW"
     "bench_serve|80|bench_serve.json|default|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel)"
     "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"

@@ -21,7 +21,9 @@ model's last parameters first). For each bucket:
 
 The arithmetic is the fused host step's, element by element, so the results are bitwise the
 serial step's (the clipping factor comes from the device norm: equal to float rounding).
-Nothing is allocated per step but the few bytes of the norms and the worker's futures.
+No buffer or event is made per step (the worker's futures and the norms' scalars, from the
+caching allocator, aside): the events, the norms' buffers and the slices each bucket steps
+are made once (the slices at a bucket's first step).
 """
 
 from __future__ import annotations
@@ -132,8 +134,21 @@ class Pipeline:
         n = len(buckets)
         self.landed_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
         self.back_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
+        # per bucket, the compute stream's work queued when its update was submitted
+        self.queued_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
+        # one stream's work so far, for the other to wait on (Stream.wait_stream would make
+        # an event per call); a wait is on the record made before it, so one event each serves
+        self._compute_mark = torch.cuda.Event() if cuda else None
+        self._d2h_mark = torch.cuda.Event() if cuda else None
         self._back_recorded = [False] * n
         self.norm_sq = torch.zeros(n, dtype=torch.float64, device=device)
+        # the norms of each bucket's gradients: bucket b's in [starts[b], starts[b + 1])
+        self._starts = [0]
+        for bucket in buckets:
+            self._starts.append(self._starts[-1] + len(bucket.pidxs))
+        self._norms = torch.zeros(self._starts[-1], dtype=torch.float32, device=device)
+        self._norms64 = torch.zeros(self._starts[-1], dtype=torch.float64, device=device)
+        self.span_cache: dict[tuple[int, tuple[int, ...]], list[tuple[int, int, int, int]]] = {}
         self.futures: list[concurrent.futures.Future | None] = [None] * n
         self.unreleased = [False] * n  # updated, not yet waited for by the compute stream
         self.covered = [False] * n  # a layer's forward pre-hook waits for it (wait_per_layer)
@@ -154,8 +169,18 @@ class Pipeline:
         compute stream has queued so far (it produced the gradients)."""
         if self.d2h is None:
             return contextlib.nullcontext()
-        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        assert self._compute_mark is not None
+        self._compute_mark.record(torch.cuda.current_stream(self.device))
+        self.d2h.wait_event(self._compute_mark)
         return torch.cuda.stream(self.d2h)
+
+    def _after_d2h(self) -> None:
+        """Order the current (compute) stream after the copies and norms queued so far on the
+        device-to-host stream (no host wait)."""
+        if self.d2h is not None:
+            assert self._d2h_mark is not None
+            self._d2h_mark.record(self.d2h)
+            torch.cuda.current_stream(self.device).wait_event(self._d2h_mark)
 
     def arrive(self, pidx: int) -> int | None:
         """Parameter ``pidx``'s gradient was queued to the host; its bucket if that was the
@@ -172,20 +197,24 @@ class Pipeline:
     def land(self, b: int, grads: Sequence[Tensor]) -> None:
         """Bucket ``b`` is complete: its squared norm taken on the device, from ``grads``
         (those of its parameters that have one), and its event recorded after its copies.
-        Call inside :meth:`d2h_stream`."""
+        Call inside :meth:`d2h_stream`. The fp32 norm of each gradient (one multi-tensor
+        launch, whose per-gradient scalars come from the caching allocator), widened, squared
+        and summed in fp64, into buffers made once."""
+        start = self._starts[b]
+        norms = self._norms[start : start + len(grads)]
         if grads:
-            norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
-            self.norm_sq[b] = torch.stack(norms).double().square().sum()
-        else:
-            self.norm_sq[b] = 0.0
+            torch.stack(torch._foreach_norm(list(grads), 2.0, dtype=torch.float32), out=norms)
+        wide = self._norms64[start : start + len(grads)]
+        wide.copy_(norms)
+        wide.square_()
+        torch.sum(wide, 0, out=self.norm_sq[b])
         if self.landed_events is not None:
             self.landed_events[b].record()
         self.landed[b] = True
 
     def total_norm(self) -> Tensor:
         """The 2-norm over every bucket (fp32, on the device), once all have landed."""
-        if self.d2h is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+        self._after_d2h()
         return self.norm_sq.sum().sqrt().float()
 
     # ------------------------------------------------------------------ host updates
@@ -211,27 +240,29 @@ class Pipeline:
         if self.back_events is not None and self._back_recorded[b]:
             self.back_events[b].synchronize()
 
-    def compute_marker(self) -> Any:
-        """An event recorded on the current (compute) stream, for :meth:`send_back` to wait
-        on (None without CUDA)."""
-        if self.h2d is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def mark_compute(self, todo: Sequence[int]) -> None:
+        """Record, for each bucket of ``todo`` about to be submitted, the work queued on the
+        current (compute) stream so far (it may still read the weights), for
+        :meth:`send_back` to wait on. A bucket's event is recorded again only once its last
+        update ended (its gradients landed after it), so no update waits on a later one's."""
+        if self.queued_events is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for b in todo:
+            self.queued_events[b].record(stream)
 
-    def send_back(self, b: int, copies: Callable[[], None], queued: Any = None) -> None:
+    def send_back(self, b: int, copies: Callable[[], None]) -> None:
         """Queue bucket ``b``'s weights back (``copies``) on the host-to-device stream, after
         its gradients left (so after backward last read its weights) and after the compute
-        ``queued`` before the update was submitted (:meth:`compute_marker`), and mark them
+        queued before the update was submitted (:meth:`mark_compute`), and mark them
         there."""
         if self.h2d is None:
             copies()
             return
         assert self.landed_events is not None and self.back_events is not None
+        assert self.queued_events is not None
         self.h2d.wait_event(self.landed_events[b])
-        if queued is not None:
-            self.h2d.wait_event(queued)
+        self.h2d.wait_event(self.queued_events[b])
         with torch.cuda.stream(self.h2d):
             copies()
         self.back_events[b].record(self.h2d)
@@ -257,8 +288,7 @@ class Pipeline:
     def after_copies(self) -> None:
         """Order the compute stream after every gradient copy queued so far (no host wait):
         a later write of the gradients (``zero_grad(set_to_none=False)``) waits for them."""
-        if self.d2h is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.d2h)
+        self._after_d2h()
 
     def drain(self) -> None:
         """Every update ended and every weight back on the device (the host waits): before
@@ -331,11 +361,25 @@ def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def bucket_spans(
-    plan: ShardPlan, pidxs: Sequence[int], gi: int, steps: Sequence[int]
+    plan: ShardPlan,
+    pidxs: Sequence[int],
+    gi: int,
+    steps: Sequence[int],
+    cache: dict[tuple[int, tuple[int, ...]], list[tuple[int, int, int, int]]] | None = None,
 ) -> list[tuple[int, int, int, int]]:
     """The slices ``(pidx, x_start, off, numel)`` of param group ``gi``'s parameters among
-    ``pidxs``, one parameter per slice (the staged step writes each one's weights)."""
+    ``pidxs``, one parameter per slice (the staged step writes each one's weights). Slices
+    never span two parameters, so the step counts split none: they are kept in ``cache``
+    by group and parameters (:attr:`Pipeline.span_cache`), as group_spans keeps its own."""
+    key = (gi, tuple(pidxs))
+    if cache is not None and key in cache:
+        return cache[key]
     want = set(pidxs)
     units = [plan.units[k] for k in plan.my_units]
     todo = [u for u in units if u.group == gi and u.pidx in want]
-    return contiguous_runs(todo, True, steps)
+    spans = contiguous_runs(todo, True, steps)
+    if cache is not None:
+        if len(cache) > 64 + 4 * len(plan.units):  # active sets keep changing: start over
+            cache.clear()
+        cache[key] = spans
+    return spans

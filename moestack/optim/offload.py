@@ -147,7 +147,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             default) where every parameter is on a GPU and ``overlap`` is on, one process,
             exact updates, fp32 or bf16 parameters; True forces it (CPU parameters too);
             False never.
-        bucket_mb: megabytes of gradients per bucket of the pipelined step.
+        bucket_mb: megabytes of gradients per bucket of the pipelined step (a byte at least).
         reduce_on_device: with sharded state over several ranks, reduce-scatter the
             gradients and all-gather the new weights on the devices, over ``process_group``
             (:mod:`moestack.optim.device_comm`): ``"auto"`` (the default) where every
@@ -192,6 +192,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")
         self.bucket_bytes = int(bucket_mb * 2**20)
+        if self.bucket_bytes < 1:
+            raise ValueError(
+                f"bucket_mb={bucket_mb!r} makes buckets of 0 bytes: give bucket_mb >= {2**-20:.3g}"
+                " (one byte; tens of megabytes pay)"
+            )
         self.update_in_backward = bool(update_in_backward)
         self.update_delay, self.delay_warmup = int(update_delay), int(delay_warmup)
         self.moment_dtype = update.parse_moment_dtype(moment_dtype)
@@ -263,19 +268,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._plan_with(in_place, fused_step, pipeline, on_device)
         needs_kernel = self._layout.pipelined or self._layout.device_reduce
         devices = {p.device for p in self._params}
+        forced = _forced(pipeline=pipeline, reduce_on_device=on_device)
         if needs_kernel and len(devices) > 1:  # their streams and events are one device's
-            if pipeline is True or on_device is True:
+            if forced:
                 raise ValueError(
-                    f"pipeline=True and reduce_on_device=True need every parameter on one "
-                    f"device, not {sorted(map(str, devices))}; use 'auto'"
+                    f"{forced} every parameter on one device, not "
+                    f"{sorted(map(str, devices))}; use 'auto'"
                 )
             self._plan_with(in_place, fused_step, False, False)
             needs_kernel = False
         if needs_kernel and not self._fused.resolve():
-            if pipeline is True or on_device is True:
+            if forced:
                 raise RuntimeError(
-                    "pipeline=True and reduce_on_device=True need the fused host step's "
-                    "kernel, and none builds here (the log says why); use 'auto'"
+                    f"{forced} the fused host step's kernel, and none builds here (the log "
+                    "says why); use 'auto'"
                 )
             self._plan_with(in_place, fused_step, False, False)
         if self.update_in_backward and not self._layout.pipelined:
@@ -483,15 +489,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._start_update(pidxs)
         steps, scale, want = list(self._steps), self._grad_scale, set(pidxs)
         hparams = [update.group_hparams(group) for group in self.param_groups]
-        queued = pipe.compute_marker()  # what the compute stream has queued reads the weights
+        pipe.mark_compute(todo)  # what the compute stream has queued reads the weights
         for b in todo:
             mine = [i for i in pipe.buckets[b].pidxs if i in want]
             jobs = []
             for gi, hp in enumerate(hparams):
-                spans = buckets.bucket_spans(self._plan, mine, gi, steps)
+                spans = buckets.bucket_spans(self._plan, mine, gi, steps, pipe.span_cache)
                 if spans:
                     jobs.append((spans, hp))
-            job = functools.partial(self._update_bucket, b, jobs, steps, scale, mine, queued)
+            job = functools.partial(self._update_bucket, b, jobs, steps, scale, mine)
             pipe.submit(b, job)
 
     def _update_bucket(
@@ -501,18 +507,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         steps: list[int],
         scale: float,
         pidxs: list[int],
-        queued: Any,
     ) -> None:
         """The worker's part of bucket b: once its gradients are on the host and its last
         weights have left, the host step of its slices, then its weights back (after the
-        compute ``queued`` when the update was submitted: it may still read them)."""
+        compute queued when the update was submitted: it may still read them)."""
         pipe = self._pipe
         assert pipe is not None
         pipe.wait_landed(b)
         pipe.wait_sent(b)
         with torch.no_grad():
             self._step_spans(jobs, self._host, steps, scale)
-            pipe.send_back(b, functools.partial(self._copy_back, pidxs), queued)
+            pipe.send_back(b, functools.partial(self._copy_back, pidxs))
 
     def _copy_back(self, pidxs: Sequence[int]) -> None:
         """Pipelined: the updated weights of parameters ``pidxs`` into them, bf16 ones from
@@ -865,7 +870,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters (before handing them to another
-        optimizer); later steps copy gradients synchronously."""
+        optimizer), with every update in flight applied first (:meth:`synchronize`) and the
+        worker threads stopped; later steps copy gradients synchronously (and start a
+        worker again where they need one)."""
+        self.synchronize()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -873,6 +881,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._pipe is not None:
             self._pipe.remove_layer_hooks()
             self._pipe.close()  # its worker thread (a later step starts another)
+        if self._worker is not None:  # the delayed update's, idle now
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def close(self) -> None:
+        """Done with this optimizer: the update in flight applied to the parameters, the
+        hooks removed and the worker threads stopped (:meth:`remove_hooks`). Dropping a
+        delayed optimizer without it would lose the update launched by its last step."""
+        self.remove_hooks()
 
     @torch.no_grad()
     def wait_per_layer(self, model: torch.nn.Module) -> None:
@@ -1013,6 +1030,15 @@ class _PendingUpdate:
     future: concurrent.futures.Future
     active: list[bool]
     idle: set[int]
+
+
+def _forced(**given: bool | str) -> str:
+    """The switches ``given`` as True (not "auto"), as the subject of a refusal
+    ("pipeline=True needs", "a=True and b=True need"); "" when none is."""
+    names = [f"{name}=True" for name, value in given.items() if value is True]
+    if not names:
+        return ""
+    return " and ".join(names) + (" needs" if len(names) == 1 else " need")
 
 
 def _check_delay(update_delay: int, delay_warmup: int, in_place: bool | None) -> None:

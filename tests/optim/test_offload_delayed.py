@@ -18,6 +18,8 @@ from _optim_testlib import (
     groups,
     lr_lambda,
     micro_step,
+    ours_state,
+    reference_run,
 )
 
 from moestack.config import OptimConfig
@@ -53,30 +55,37 @@ def test_the_delay_is_real() -> None:
     assert gap > 1e-4
 
 
-def test_update_delay_zero_is_the_exact_step_bitwise() -> None:
-    """update_delay=0 is today's exact step, bitwise; a warm-up as long as the run is the
-    exact step too, to rounding (a delayed update keeps a master copy and takes the clipping
-    norm over its packed gradients, summed in another order than over ``p.grad``)."""
-    runs = []
-    for kw in (
-        {},
+@pytest.mark.parametrize(
+    "kw",
+    [
         {"update_delay": 0},
-        {"in_place": False},
+        {"update_delay": 0, "in_place": False},
+        {"update_delay": 0, "fused_step": "off", "in_place": False},
         {"update_delay": 1, "delay_warmup": STEPS},
-    ):
-        model = TinyMoE()
-        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        for step in range(6):
-            micro_step(model, step)
-            opt.clip_grad_norm_(MAX_NORM)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
-    for n, p in runs[3].items():
-        assert_rel_close(p, runs[2][n], n, TOL)
+    ],
+    ids=["exact-in-place", "exact-master", "exact-reference-path", "warmup-all-run"],
+)
+def test_update_delay_zero_is_torch_adamw(kw: dict) -> None:
+    """update_delay=0 (and a warm-up as long as the run) is the exact step: every step's
+    weights, clipping norm and moments those of torch.optim.AdamW to rounding."""
+    model = TinyMoE()
+    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    want = reference_run()
+    for step in range(STEPS):
+        micro_step(model, step)
+        norm = float(opt.clip_grad_norm_(MAX_NORM))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert abs(norm - want[step]["norm"]) <= TOL * want[step]["norm"], step
+        for n, p in model.named_parameters():
+            assert_rel_close(p.detach(), want[step]["params"][n], f"step {step} {n}", TOL)
+    assert opt._pending is None  # nothing left in flight: every update was exact
+    saved = opt.state_dict()
+    for n, st in want[-1]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_rel_close(ours_state(saved, n, key), st[key], f"{key} {n}", TOL)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -129,6 +138,29 @@ def test_resume_from_a_checkpoint_taken_with_an_update_in_flight() -> None:
         assert all(torch.equal(a[n], b[n]) for n in a)
     want = delayed_reference(1, True, synced_after=frozenset({half - 1}))
     _assert_histories_close(history + went_on, want)
+
+
+@pytest.mark.parametrize("how", ["close", "remove_hooks"])
+def test_closing_applies_the_update_in_flight_and_stops_the_worker(how: str) -> None:
+    """Closing (or unhooking) a delayed optimizer applies the update its last step launched,
+    as a synchronize would, and stops its worker thread; a later step starts another."""
+    model = TinyMoE()
+    opt, sched = _delayed(model)
+    _train(model, opt, sched, range(3))
+    assert opt._pending is not None and opt._worker is not None
+    worker = opt._worker
+    getattr(opt, how)()
+    assert opt._pending is None and opt._worker is None and opt._hooks == []
+    assert all(not t.is_alive() for t in worker._threads)
+    want = delayed_reference(1, True, synced_after=frozenset({2, 3}))
+    for n, p in _weights(model).items():
+        assert_rel_close(p, want[2][n], f"closed after step 2 {n}", TOL)
+    after = _train(model, opt, sched, range(3, 4))
+    opt.synchronize()
+    for n, p in _weights(model).items():  # the update launched after closing applied too
+        assert_rel_close(p, want[3][n], f"after step 3 {n}", TOL)
+    assert not torch.equal(after[0]["moe.w1"], want[3]["moe.w1"])  # it was in flight
+    opt.close()
 
 
 def test_the_update_runs_in_a_worker_and_its_error_reaches_the_next_step(monkeypatch) -> None:

@@ -186,14 +186,96 @@ def test_device_side_norm_against_a_float64_norm(dtype):
     assert opt._pipe.norm_sq.dtype == torch.float64 and len(opt._pipe.norm_sq) > 1
 
 
+def _clipped_steps(model: torch.nn.Module, opt: OffloadAdamW, steps: range) -> None:
+    """Clipped steps of ``model`` (so every bucket's norm is taken), gradients from hooks."""
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x, y = batch(step, 0)
+        (model(x.to(dtype)).float() - y).square().mean().backward()
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
+def _buffers_of(opt: OffloadAdamW) -> dict[str, tuple[int, int, torch.dtype]]:
+    """Address, size and dtype of every buffer the optimizer and its pipeline own."""
+    pipe = opt._pipe
+    tensors = {**opt.host_buffers(), **opt.device_buffers()}
+    tensors.update(norm_sq=pipe.norm_sq, norms=pipe._norms, norms64=pipe._norms64)
+    return {k: (t.data_ptr(), t.numel(), t.dtype) for k, t in tensors.items()}
+
+
 def test_bf16_gradients_cross_as_bf16_with_no_device_scratch():
     model = _model(torch.bfloat16)
     opt = _optimizer(model, True)
     assert opt._host.comm.dtype == torch.bfloat16
-    _train(torch.bfloat16, True, steps=1)
-    assert opt.device_buffers() == {}
+    _clipped_steps(model, opt, range(2))
+    assert opt._steps[0] == 2 and opt.device_buffers() == {}  # stepped, and no dtype scratch
     fp32 = _optimizer(_model(torch.float32), True)
     assert fp32._host.comm.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_pipeline_allocates_nothing_per_step(dtype, monkeypatch):
+    """After the first step, later (clipped) steps use the same buffers at the same
+    addresses, make no device buffer (gradients cross in their own dtype), and reuse each
+    bucket's slices instead of working them out again."""
+    from moestack.optim import buckets
+
+    model = _model(dtype)
+    opt = _optimizer(model, True, bucket_mb=KB)
+    _clipped_steps(model, opt, range(1))
+    before, spans = _buffers_of(opt), dict(opt._pipe.span_cache)
+    assert len(spans) >= len(opt._pipe.buckets)
+    calls = []
+    real = buckets.contiguous_runs
+    monkeypatch.setattr(buckets, "contiguous_runs", lambda *a: calls.append(a) or real(*a))
+    _clipped_steps(model, opt, range(1, 5))
+    assert opt._steps[0] == 5
+    assert _buffers_of(opt) == before and opt.device_buffers() == {}
+    assert calls == []  # every bucket's slices came from the cache
+    assert all(opt._pipe.span_cache[k] is v for k, v in spans.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_pipeline_allocates_nothing_per_step_on_cuda(monkeypatch):
+    """On a GPU, after warm-up steps: no CUDA event is made, the optimizer's buffers and
+    events stay the same objects, and the device memory in use between steps does not
+    grow."""
+    model = _lm(torch.bfloat16).cuda()
+    cfg = OptimConfig(name="offload_adamw", pipeline=True, bucket_mb=0.02, grad_clip=1.0)
+    opt = build_training_optimizer(model, cfg)
+    inner = opt.optimizer
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+            opt.clip_grad_norm(1.0)
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        torch.cuda.synchronize()
+
+    steps(3)
+    pipe = inner._pipe
+    events = [id(e) for e in (*pipe.landed_events, *pipe.back_events, *pipe.queued_events)]
+    before, in_use = _buffers_of(inner), torch.cuda.memory_allocated()
+    made = []
+    real_event = torch.cuda.Event
+
+    def counting(*args, **kw):
+        made.append(1)
+        return real_event(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "Event", counting)
+    monkeypatch.setattr(torch.cuda.streams, "Event", counting)  # Stream.wait_stream's
+    steps(4)
+    assert made == []
+    assert [id(e) for e in (*pipe.landed_events, *pipe.back_events, *pipe.queued_events)] == events
+    assert _buffers_of(inner) == before
+    assert torch.cuda.memory_allocated() <= in_use
 
 
 # --------------------------------------------------------------------- update in backward
@@ -329,6 +411,10 @@ def test_bad_pipeline_settings_are_refused_naming_them():
         OffloadAdamW(groups(model), pipeline="yes")
     with pytest.raises(ValueError, match="bucket_mb"):
         OffloadAdamW(groups(model), pipeline=True, bucket_mb=0)
+    for pipeline in (True, "auto", False):  # 1e-8 MB rounds to buckets of 0 bytes
+        with pytest.raises(ValueError, match=r"bucket_mb=1e-08 .* give bucket_mb >= 9.54e-07"):
+            OffloadAdamW(groups(model), pipeline=pipeline, bucket_mb=1e-8)
+    assert OffloadAdamW(groups(model), pipeline=True, bucket_mb=9.54e-07).bucket_bytes == 1
     with pytest.raises(ValueError, match="update_in_backward"):
         OffloadAdamW(groups(model), pipeline=False, update_in_backward=True)
     with pytest.raises(ValueError, match="optim.pipeline"):
@@ -337,6 +423,22 @@ def test_bad_pipeline_settings_are_refused_naming_them():
         OptimConfig(name="offload_adamw", bucket_mb=-1)
     # "auto" on CPU parameters: the serial step (the pipeline pays where copies cross PCIe)
     assert not OffloadAdamW(groups(model)).pipelined
+
+
+def test_forcing_the_pipeline_without_its_kernel_names_only_the_pipeline(monkeypatch):
+    from moestack.optim import fused
+
+    monkeypatch.setattr(fused.FusedHostStep, "resolve", lambda self: False)
+    with pytest.raises(RuntimeError, match="^pipeline=True needs the fused host step's kernel"):
+        _optimizer(_model(torch.float32), True)
+    assert not _optimizer(_model(torch.float32), "auto").pipelined  # "auto": the serial step
+
+
+def test_forcing_the_pipeline_over_two_devices_names_only_the_pipeline():
+    model = _model(torch.float32)
+    model.scale = torch.nn.Parameter(torch.ones(8, device="meta"))  # a second device
+    with pytest.raises(ValueError, match=r"^pipeline=True needs every parameter on one device"):
+        _optimizer(model, True)
 
 
 def test_a_parameter_unfrozen_after_the_build_is_refused_naming_it():
