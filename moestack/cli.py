@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,10 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     batches = args.batch_sizes
     jobs = [(p, c, b) for b in batches for p in _csv(args.policies) for c in capacities]
     rows = []
+    # --expert-bytes sizes every load: bytes_loaded = misses x N in the rows
+    sizes = {} if estimate is None else {"expert_bytes": round(estimate.expert_bytes)}
     for policy, capacity, batch in tqdm(jobs, desc="simulate", unit="cache"):
-        found = sweep(trace, [policy], [capacity], warmup=args.warmup, batch_size=batch)
+        found = sweep(trace, [policy], [capacity], warmup=args.warmup, batch_size=batch, **sizes)
         rows += [{**row, "batch_size": batch} for row in _simulate_rows(found, estimate)]
     print(_warmup_note(args.warmup))
     layers = trace.num_layers
@@ -167,7 +170,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     )
     for row in rows:
         batch = f"{row['batch_size']:>6} " if batches != [1] else ""
-        rate = f" {row['est_tokens_per_s']:>10.2f}" if estimate is not None else ""
+        est = row.get("est_tokens_per_s")  # None: no bound (inf in the table)
+        rate = f" {math.inf if est is None else est:>10.2f}" if estimate is not None else ""
         print(
             f"{batch}{row['policy']:<12} {row['capacity']:>8} {row['hit_rate']:>9.4f} "
             f"{row['misses']:>10} {row['misses_per_token']:>13.3f} "
@@ -205,8 +209,9 @@ def _simulate_rows(results: list[Any], estimate: Any) -> list[dict[str, Any]]:
     rows = []
     for stats in results:
         row = stats.to_dict()
-        if estimate is not None:
-            row["est_tokens_per_s"] = estimate.est_tokens_per_s(stats.misses_per_token)
+        if estimate is not None:  # null: no bound (--compute-ms 0 and no misses)
+            rate = estimate.est_tokens_per_s(stats.misses_per_token)
+            row["est_tokens_per_s"] = rate if math.isfinite(rate) else None
         rows.append(row)
     return rows
 
@@ -383,7 +388,17 @@ def _telemetry_parser(verbs: Any) -> None:
 
 
 def _simulate_parser(verbs: Any) -> None:
-    p = verbs.add_parser("simulate", help="replay a routing trace through cache policies")
+    p = verbs.add_parser(
+        "simulate",
+        help="replay a routing trace through cache policies",
+        description="Replay a routing trace through cache policies and capacities: hit rate "
+        "and misses per token of each. With --expert-bytes N, --link-gbps G and --compute-ms "
+        "C, each row also gets the tokens/s those misses allow on such a machine: "
+        "est_tokens_per_s = 1000 / token_ms, token_ms = C + misses_per_token * N / (G * 1e6) "
+        "(N bytes per expert load, G GB/s, C ms of compute per token with every expert "
+        "resident; loads in series, none hidden behind compute), and bytes_loaded = misses "
+        "x N.",
+    )
     p.add_argument("trace", help="a trace folder (a run's trace/<part>, or RoutingTrace.save's)")
     p.add_argument("--policies", default=POLICIES, help="cache policies (default: %(default)s)")
     p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
@@ -427,8 +442,8 @@ def _simulate_parser(verbs: Any) -> None:
         type=float,
         default=None,
         metavar="C",
-        help="milliseconds of compute per token with every expert resident (default: none, "
-        "no estimate)",
+        help="milliseconds of compute per token with every expert resident, >= 0 (0: loads "
+        "only; default: none, no estimate)",
     )
     p.add_argument("--json", default="", help="also write the results to this file (default: none)")
     p.set_defaults(func=cmd_simulate)

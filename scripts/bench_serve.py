@@ -34,20 +34,24 @@ Each row: a warm-up (prefill of prompt A, ``--warmup`` decode steps), then a tim
 decode (transformers' KV cache: one token per forward, batch 1) of up to ``--decode-tokens``
 tokens or ``--row-seconds`` (at least 4 tokens), then a timed prefill of a fresh prompt B
 (batch 1, ``--prompt-tokens``). Per phase: tokens/s, the peak device memory since the
-phase began, bytes moved host to device per token (cache: experts loaded, prefetches
-included, x expert bytes; accelerate: every offloaded experts module's bytes at each of its
-forwards), the hit rate (the policy's: a request per token and slot; the ceiling's is 1) and
-the seconds the serving thread waited on expert loads (``ExpertCacheStats.stall_s``). The
+phase began, bytes moved host to device per token (cache: the bytes it copied into its
+device tier, prefetches included, ``ExpertCacheStats.bytes_to_device``; accelerate: every
+offloaded experts module's bytes at each of its forwards), the hit rate (the policy's: a
+request per token and slot; the ceiling's is 1) and the seconds the serving thread waited on
+expert loads (``ExpertCacheStats.stall_s``: reads and waits on the host; the copies
+themselves run on the device's copy stream, so on a GPU this is not the miss time). The
 decoded tokens are compared with the ceiling's (same weights, same prompt): the cache must
-give the same tokens.
+give the same tokens. ``--record-routing`` keeps the ceiling's routing in its row, so that
+the cache rows' hits and misses can be replayed independently.
 
 How much of the miss time prefetch hides, per policy and capacity, from the decode rows
-with prefetch off and on: ``hidden_wall = (s_off - s_on) / stall_off`` (s: seconds per
-decode token; stall_off: the seconds per token spent waiting on loads without prefetch,
-i.e. the measured load time of the misses; prefetch's own cost, the prediction and the
-wasted loads, counts against it) and ``hidden_stall = 1 - stall_on / stall_off`` (the load
-time the serving thread still waits for). The targets of issue 31 are judged on
-``hidden_wall``.
+with prefetch off and on: ``hidden_wall = (s_off - s_on) / miss_off`` (s: seconds per
+decode token; miss_off: the load time of the misses per token without prefetch: on a GPU
+over the host tier, misses per token x one expert's measured copy time (``link``), else
+the seconds per token the serving thread waited on loads; prefetch's own cost, the
+prediction and the wasted loads, counts against it) and ``hidden_stall = 1 - stall_on /
+stall_off`` (the load time the serving thread still waits for on the host). The targets of
+issue 31 are judged on ``hidden_wall``.
 
     python scripts/bench_serve.py [--layers 4] [--json out.json]          # on a GPU
     python scripts/bench_serve.py --tiny --device cpu --json out.json     # toy sizes, CPU
@@ -61,9 +65,9 @@ is 1.
 
 Glue this script writes because moestack lacks it (what the library should get): a
 KV-cached decode (``generate_offloaded`` re-runs the whole window at every step, so its
-tokens/s is no serving figure), a host tier filled ahead and shared between caches
-(``HostTier``; ExpertCache's own fills on misses and belongs to one cache), and a count of
-the bytes moved to the device (``ExpertCacheStats.bytes_read`` counts disk reads only).
+tokens/s is no serving figure; moestack's own model has no KV cache, here transformers'
+serves) and a host tier filled ahead and shared between caches (``HostTier``; ExpertCache's
+own fills on misses and belongs to one cache).
 The first layer is never prefetched (``CachedExperts`` predicts layer i + 1 from layer i),
 so at most (layers - 1) / layers of the misses can be predicted.
 """
@@ -93,6 +97,7 @@ from torch import nn
 
 from moestack.atomic import write_text
 from moestack.cache import ExpertCache, ExpertStore, offloaded
+from moestack.cache.device_tier import flat_view
 from moestack.interop.hf_model import HFMoEModel, load_hf_moe
 from moestack.runs import move_resident
 
@@ -238,14 +243,25 @@ class Probe:
 
 
 class ResidentProbe(Probe):
-    """Every request hits (the experts are all on the device); counts the requests."""
+    """Every request hits (the experts are all on the device); counts the requests, and
+    with ``record`` keeps every layer call's requests in order (``routing``: per forward,
+    per layer, the experts of the flattened tokens, slots in router order)."""
 
-    def __init__(self, model: HFMoEModel) -> None:
+    def __init__(self, model: HFMoEModel, record: bool = False) -> None:
         self.requests = 0
+        self.layers = len(model.moe_layers)
+        self.calls: list[list[int]] | None = [] if record else None
         self.handles = [m.router.register_forward_hook(self._count) for m in model.moe_layers]
 
     def _count(self, router: nn.Module, args: tuple, routing: Any) -> None:
         self.requests += routing.experts.numel()
+        if self.calls is not None:
+            self.calls.append(routing.experts.reshape(-1).tolist())
+
+    def routing(self) -> list[list[list[int]]]:
+        """The recorded requests: [forward][layer] -> expert ids in request order."""
+        calls = self.calls or []
+        return [calls[i : i + self.layers] for i in range(0, len(calls), self.layers)]
 
     def reset(self) -> None:
         self.requests = 0
@@ -278,8 +294,9 @@ class AccelerateProbe(Probe):
 
 
 class CacheProbe(Probe):
-    """The cache's counters; bytes moved = experts read from the host tier (or the store:
-    with no host tier each read is one expert copied to the device) x expert bytes."""
+    """The cache's counters; bytes moved = the bytes it copied into the device tier
+    (``ExpertCacheStats.bytes_to_device``, prefetches included); ``host_loads``: the experts
+    read from the host tier (each then copied once), counted here."""
 
     def __init__(self, cache: ExpertCache, host: HostTier | None) -> None:
         self.cache = cache
@@ -292,12 +309,14 @@ class CacheProbe(Probe):
 
     def read(self) -> dict[str, float | None]:
         s = self.cache.stats
-        moved = self.host.loads * self.cache.store.expert_bytes if self.host else s.bytes_read
-        return dict(
+        out = dict(
             requests=s.requests, hits=s.hits, misses=s.misses, loads=s.loads,
-            moved_bytes=moved, stall_s=s.stall_s, prefetch_issued=s.prefetch_issued,
+            moved_bytes=s.bytes_to_device, stall_s=s.stall_s, prefetch_issued=s.prefetch_issued,
             prefetch_hits=s.prefetch_hits, prefetch_wasted=s.prefetch_wasted,
         )  # fmt: skip
+        if self.host is not None:
+            out["host_loads"] = self.host.loads
+        return out
 
 
 # ---------------------------------------------------------------------------- serving
@@ -330,7 +349,7 @@ def phase_figures(
         "stall_s_per_token": stall / tokens if stall is not None else None,
     }
     for key in ("requests", "hits", "misses", "loads", "prefetch_issued", "prefetch_hits",
-                "prefetch_wasted"):  # fmt: skip
+                "prefetch_wasted", "host_loads"):  # fmt: skip
         if key in counts:
             out[key] = counts[key]
     return out
@@ -438,6 +457,17 @@ def expert_offload_map(model: nn.Module, device: Any) -> dict[str, Any]:
 
     visit("", model)
     return out
+
+
+def resident_row(
+    model: HFMoEModel, probe: ResidentProbe, prompts: dict[str, torch.Tensor],
+    args: argparse.Namespace, dev: Device,
+) -> dict[str, Any]:  # fmt: skip
+    """The ceiling: every expert on the device; with ``--record-routing``, its routing."""
+    row = serve(model.hf, probe, prompts, args, dev)
+    if args.record_routing:
+        row["routing"] = probe.routing()
+    return row
 
 
 def accelerate_row(
@@ -623,16 +653,21 @@ def prefetch_figures(
         stall_off, stall_on = d_off["stall_s_per_token"], d_on["stall_s_per_token"]
         s_on = 1 / d_on["tokens_per_s"] if d_on["tokens_per_s"] else None
         s_off = 1 / d_off["tokens_per_s"] if d_off["tokens_per_s"] else None
-        ok = stall_off and s_on is not None and s_off is not None
+        link = (
+            d_off["misses_per_token"] * expert_load_s
+            if expert_load_s and d_off["misses_per_token"] is not None and on["tier"] == "host"
+            else None
+        )
+        miss = link or stall_off  # the copies run on the device: the host waits on none
+        ok = miss and s_on is not None and s_off is not None
         misses = d_on.get("misses") or 0
         out.append({
             "tier": on["tier"], "policy": on["policy"], "capacity": on["capacity"],
             "capacity_label": on["capacity_label"],
             "miss_s_per_token": stall_off,
-            "link_miss_s_per_token": d_off["misses_per_token"] * expert_load_s
-            if expert_load_s and d_off["misses_per_token"] is not None else None,
-            "hidden_wall": (s_off - s_on) / stall_off if ok else None,
-            "hidden_stall": 1 - stall_on / stall_off if ok else None,
+            "link_miss_s_per_token": link,
+            "hidden_wall": (s_off - s_on) / miss if ok else None,
+            "hidden_stall": 1 - stall_on / stall_off if ok and stall_off else None,
             "predicted": d_on.get("prefetch_hits", 0) / misses if misses else None,
         })  # fmt: skip
     return out
@@ -698,7 +733,7 @@ def print_table(out: dict[str, Any]) -> None:
         "same: the tokens equal the ceiling's"
     )
     if out["prefetch"]:
-        print("prefetch: miss time hidden (wall = (s_off - s_on) / stall_off per decode token; "
+        print("prefetch: miss time hidden (wall = (s_off - s_on) / miss_off per decode token; "
               "stall = 1 - stall_on / stall_off; predicted = prefetch hits / misses)")  # fmt: skip
         for f in sorted(out["prefetch"], key=table_order):
             print(
@@ -759,19 +794,22 @@ CACHE_PLAN = (
 
 
 def link_figures(host: HostTier, dev: Device, samples: int = 16) -> dict[str, float | None]:
-    """One expert's copy from the host tier to the device, as the cache makes it (w1 and w2,
-    blocking): the median seconds and the GB/s it implies (None on the CPU)."""
+    """One expert's copy from the host tier to the device, as the cache makes it (its one
+    flat buffer, one copy), timed to its end: the median seconds and the GB/s it implies
+    (None on the CPU)."""
     if not dev.cuda:
         return {"expert_load_s": None, "h2d_gbps": None}
     times = []
+    slot = torch.empty(host.expert_bytes, dtype=torch.uint8, device=dev.device)
     for i in range(samples + 2):
-        tensors = host.load(0, i % host.num_experts)
+        flat = flat_view(host.load(0, i % host.num_experts))
+        assert flat is not None, "the host tier holds each expert as one buffer"
         dev.sync()
         start = time.perf_counter()
-        copies = {k: v.to(dev.device) for k, v in tensors.items()}
+        slot.copy_(flat, non_blocking=True)
         dev.sync()
         times.append(time.perf_counter() - start)
-        del copies
+    del slot
     host.loads = 0
     median = sorted(times[2:])[samples // 2]
     return {"expert_load_s": median, "h2d_gbps": host.expert_bytes / median / 1e9}
@@ -795,8 +833,8 @@ def run(args: argparse.Namespace, root: Path, start: float) -> Bench:
         store = ExpertStore.write(resident, root / "store")
     resident.to(dev.device)
     pins = calibration_pins(resident, prompts["calibration"], sorted(set(sizes.values())))
-    probe = ResidentProbe(resident)
-    serve_resident = partial(serve, resident.hf, probe, prompts, args, dev)
+    probe = ResidentProbe(resident, record=args.record_routing)
+    serve_resident = partial(resident_row, resident, probe, prompts, args, dev)
     bench.row("resident", {"tier": "device"}, serve_resident, always=True)
     probe.close()
     del resident, probe, serve_resident
@@ -893,6 +931,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "triton compiles per shape, bench_moe times it)",
     )
     parser.add_argument("--only", default="", help="comma-separated row-name prefixes")
+    parser.add_argument(
+        "--record-routing",
+        action="store_true",
+        help="keep the ceiling's routing in its row (routing[forward][layer]: expert ids in "
+        "request order; forwards: prefill A, the warm-up and timed decode steps, prefill B)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default="", help="scratch folder (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the model folder and store")

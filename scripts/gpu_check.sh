@@ -194,7 +194,7 @@ import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\")));
 import importlib.metadata as m; v = lambda n: m.version(n) if u.find_spec(n) else None; \
 print(\"transformers:\", v(\"transformers\"), \"accelerate:\", v(\"accelerate\"))'"
 MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
-    tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py
+    tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py tests/cache/test_cache_gpu.py
 # Autotunes on first use, checks every contender against the torch path, saves the checked
 # winners into the table after every shape.
 phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \

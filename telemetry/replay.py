@@ -100,7 +100,10 @@ class ServingEstimate:
         for name in ("expert_bytes", "link_gbps", "compute_ms"):
             value = getattr(self, name)
             ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and value > 0):
+            if name == "compute_ms":  # 0: the loads alone (token_ms stays > 0: N, G > 0)
+                if not (ok and math.isfinite(value) and value >= 0):
+                    raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+            elif not (ok and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value!r} must be a positive finite number")
 
     def token_ms(self, misses_per_token: float) -> float:
@@ -109,8 +112,10 @@ class ServingEstimate:
         return self.compute_ms + misses_per_token * self.expert_bytes / (self.link_gbps * 1e6)
 
     def est_tokens_per_s(self, misses_per_token: float) -> float:
-        """``1000 / token_ms(misses_per_token)``."""
-        return 1000.0 / self.token_ms(misses_per_token)
+        """``1000 / token_ms(misses_per_token)``; ``math.inf`` where that is 0 (no compute
+        and no misses)."""
+        token_ms = self.token_ms(misses_per_token)
+        return 1000.0 / token_ms if token_ms > 0 else math.inf
 
 
 def _resolve_warmup(warmup: int | float, n: int) -> int:

@@ -28,6 +28,7 @@ into place, so ``out`` holds a whole trace or does not exist.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -319,11 +320,33 @@ def _check_out(out: Path) -> None:
         raise MoestackError(f"{out}: exists; give a new folder for the imported trace")
 
 
+def _make_parents(out: Path) -> list[Path]:
+    """Create the missing folders above ``out``; the ones created, outermost first."""
+    missing = [p for p in reversed(out.parents) if not p.exists()]
+    created: list[Path] = []
+    try:
+        for folder in missing:
+            folder.mkdir()
+            created.append(folder)
+    except BaseException:
+        _remove_created(created)
+        raise
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the folders ``_make_parents`` created, innermost first (those still empty)."""
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def _write_trace(routing: ImportedRouting, src: Path, out: Path, progress: bool) -> None:
-    """Write ``routing`` as a trace folder at ``out``, whole or not at all."""
+    """Write ``routing`` as a trace folder at ``out``, whole or not at all (the folders
+    created above it are removed again on a failure)."""
     from tqdm.auto import tqdm
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    created = _make_parents(out)
     tmp = out.parent / f".{out.name}.import-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left by an import killed with this pid
     n = routing.num_tokens
@@ -355,6 +378,7 @@ def _write_trace(routing: ImportedRouting, src: Path, out: Path, progress: bool)
         install_dir(tmp, out)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_created(created)
         needed = sum(int(e.size) for e in routing.experts) * 2 + n * 12
         full = out_of_space(err, out.parent, needed, f"the trace {out}")
         if full is not None:

@@ -7,18 +7,27 @@ Tiers: the *device* tier (``device``: the GPU when there is one, else host memor
 device and the *disk* (the store). On a CPU device the device tier is host memory and
 the host tier is off.
 
-Policy state and prefetch: the policy sees exactly the caller's requests, in order, and
-nothing else. A prefetch does not touch the policy: it reads into a per-layer *staging
-buffer*. A request that the policy counts as a miss is served from the staging buffer when
-the expert was prefetched (a prefetch hit: no or a shorter I/O wait), else from the host
-tier or the disk. Hence hits and misses, with or without prefetch, are exactly the
-simulator's for the same request sequence; prefetch only changes ``stall_s``. Staged
-experts that are not requested before the layer's next batch of requests (``get_many``) or
-the next ``prefetch`` of that layer are dropped and counted as ``prefetch_wasted``.
+Device tier (``moestack.cache.device_tier``): an expert is one flat buffer (``w1`` then
+``w2``) and a load is one copy of it into a *slot* of one device buffer shared by all
+layers; its tensors on the device are views of the slot. ``serve`` hands a layer call the
+slots as they are plus an expert -> slot table on the device (no copy of a resident
+expert); on CUDA the loads run on one copy stream per cache and the compute stream waits on
+an event (no host synchronisation); on the CPU they are plain copies.
 
-Thread safety: each layer has a lock around its policy, resident set and staging buffer;
-the statistics have their own lock; store reads are positional reads on shared file
-descriptors. Prefetch reads run in a thread pool without holding the layer lock.
+Policy state and prefetch: the policy sees exactly the caller's requests, in order, and
+nothing else. A prefetch does not touch the policy: it reads into a free slot reserved for
+it (staged). A request that the policy counts as a miss is served from the staged slot
+when the expert was prefetched (a prefetch hit: no or a shorter I/O wait; the slot becomes
+the expert's), else from the host tier or the disk. Hence hits and misses, with or without
+prefetch, are exactly the simulator's for the same request sequence; prefetch only changes
+the waits. Staged experts that are not requested before the layer's next batch of requests
+(``get_many``/``serve``) or the next ``prefetch`` of that layer are dropped and counted as
+``prefetch_wasted``.
+
+Thread safety: one lock around the policies, slots and staging; each layer's host tier and
+the statistics have their own locks; store reads are positional reads on shared file
+descriptors. Prefetch reads and copies run in a thread pool without the lock, into slots
+reserved for them. ``serve``'s views are for one caller at a time (a model's forward).
 
 ``CacheConfig`` (the ``cache`` section of a run's config) sits here beside the cache it
 configures; moestack.config assembles it into the run's config.
@@ -26,6 +35,7 @@ configures; moestack.config assembles it into the run's config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -36,13 +46,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moestack.cache.device_tier import Copier, Expert, ExpertLayout, SlotPool
 from moestack.cache.policies import CachePolicy, check_policy, make_policy
 from moestack.cache.store import ExpertStore
 from moestack.checks import check
 
 log = logging.getLogger(__name__)
-
-Expert = dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -72,13 +81,16 @@ class CacheConfig:
 class ExpertCacheStats:
     """Counters of one cache. ``hits``/``misses`` are the policy's (one per request);
     ``loads`` are reads that went below the device tier (deduplicated within a ``get_many``),
-    ``bytes_read`` the bytes read from disk, ``stall_s`` the seconds callers waited on I/O."""
+    ``bytes_read`` the bytes read from disk, ``bytes_to_device`` the bytes copied into the
+    device tier (prefetches included), ``stall_s`` the seconds callers waited on the host for
+    reads (on CUDA the device copies are waited on by the compute stream, not counted)."""
 
     hits: int = 0
     misses: int = 0
     loads: int = 0
     host_hits: int = 0
     bytes_read: int = 0
+    bytes_to_device: int = 0
     stall_s: float = 0.0
     prefetch_issued: int = 0
     prefetch_hits: int = 0
@@ -99,17 +111,38 @@ class ExpertCacheStats:
         return out
 
 
+class _Staged:
+    """A prefetched expert: the slot reserved for it and the read that fills it."""
+
+    def __init__(self, slot: int, future: Future[None]) -> None:
+        self.slot = slot
+        self.future = future
+
+
 class _Layer:
-    """One layer's cache state; guarded by ``lock`` except the host tier (``host_lock``)."""
+    """One layer's cache state (guarded by the cache's lock, except the host tier:
+    ``host_lock``, which prefetch workers take)."""
 
     def __init__(self, policy: CachePolicy) -> None:
-        self.lock = threading.Lock()
         self.policy = policy
-        self.resident: dict[int, Expert] = {}
-        self.staged: dict[int, Future[Expert]] = {}
-        self.host: OrderedDict[int, Expert] = OrderedDict()  # guarded by host_lock
-        self.host_lock = threading.Lock()  # separate: prefetch workers take it, not ``lock``
+        self.slot_of: dict[int, int] = {}  # the policy's resident experts -> their slots
+        self.staged: dict[int, _Staged] = {}
+        self.host: OrderedDict[int, torch.Tensor] = OrderedDict()  # flat host buffers
+        self.host_lock = threading.Lock()
         self.log: list[tuple[int, bool]] | None = None
+        self.lut_E: torch.Tensor | None = None  # expert -> row, on the device
+        self.lut_rows: dict[int, int] = {}  # what lut_E holds (written entries only)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedExperts:
+    """One layer call's experts on the device: ``weights`` ``{"w1": [N, D, 2F], "w2": [N, F,
+    D]}`` (views of the device tier's slots, or of a buffer of this call's experts where
+    they do not all fit in slots at once) and ``lut_E`` ``[E]`` (int64, on the device), the
+    row of each requested expert in them; the other entries are stale."""
+
+    weights: Expert
+    lut_E: torch.Tensor
 
 
 class ExpertCache:
@@ -120,6 +153,8 @@ class ExpertCache:
     the pins of "static" / "lru+static", ``num_pinned`` splits "lru+static". ``top_k`` is the
     model's experts per token (default: the store's); a capacity below it is an error.
     ``record=True`` keeps each layer's (expert, hit) sequence for ``access_log``.
+    ``prefetch_slots`` (default top_k) is how many prefetched experts may wait on the
+    device at once, over all layers.
     """
 
     def __init__(
@@ -137,6 +172,7 @@ class ExpertCache:
         top_k: int | None = None,
         host_capacity: int = 0,
         prefetch_workers: int = 2,
+        prefetch_slots: int | None = None,
         record: bool = False,
     ) -> None:
         check_policy(policy, "policy", online=True)
@@ -164,9 +200,13 @@ class ExpertCache:
             )
         if host_capacity < 0:
             raise ValueError(f"host_capacity={host_capacity} must be >= 0")
+        if prefetch_slots is not None and prefetch_slots < 0:
+            raise ValueError(f"prefetch_slots={prefetch_slots} must be >= 0")
         self.capacity = capacity
         self.top_k = top_k
         on_gpu = self.device.type == "cuda"
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device} is not supported: use cpu or cuda")
         self.host_capacity = host_capacity if on_gpu else 0
         self._pin = on_gpu
         self._layers = [
@@ -186,12 +226,23 @@ class ExpertCache:
                 layer.log = []
         self._stats = ExpertCacheStats()
         self._stats_lock = threading.Lock()
+        self._lock = threading.Lock()  # policies, slots, staging (not the host tier)
         self.prefetch_enabled = bool(prefetch)
         self._pool = (
             ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="expert-prefetch")
             if prefetch
             else None
         )
+        self.layout = ExpertLayout.of_entry(store.entry(0, 0))
+        spare = max(1, top_k or 1)  # a call's experts the policy did not keep (static)
+        self.prefetch_slots = (
+            (spare if prefetch_slots is None else prefetch_slots) if prefetch else 0
+        )
+        self._slots = SlotPool(
+            store.num_layers * capacity + spare + self.prefetch_slots, self.layout, self.device
+        )
+        self._staged_count = 0
+        self._copier = Copier(self.device)  # one copy stream per cache
 
     # ------------------------------------------------------------------ public API
     @property
@@ -219,72 +270,64 @@ class ExpertCache:
 
         Every request goes through the policy (a hit or a miss each), but an expert is read
         at most once per call: a repeated miss reuses the copy this call already holds.
-        Staged prefetches of this layer left unused afterwards count as wasted.
+        Staged prefetches of this layer left unused afterwards count as wasted. The tensors
+        returned are the caller's own (a copy of the slot on the device: ``w1`` and ``w2``
+        views of one buffer); ``serve`` is the copy-free way for a layer's computation.
         """
-        state = self._layer(layer)
-        out: dict[int, Expert] = {}
-        hits = misses = 0
-        with state.lock:
-            policy, resident = state.policy, state.resident
-            for expert in experts:
-                expert = int(expert)
-                if not 0 <= expert < self.store.num_experts:
-                    raise ValueError(
-                        f"expert={expert} out of range: layer {layer} has "
-                        f"{self.store.num_experts} experts"
-                    )
-                hit, evicted = policy.access(expert)
-                if state.log is not None:
-                    state.log.append((expert, hit))
-                if hit:
-                    hits += 1
-                    tensors = resident.get(expert)
-                    if tensors is None:  # policy and resident set disagree: repair
-                        tensors = out.get(expert) or self._fetch(state, layer, expert)
-                else:
-                    misses += 1
-                    tensors = out.get(expert) or self._fetch(state, layer, expert)
-                out[expert] = tensors
-                if evicted is not None:
-                    resident.pop(evicted, None)
-                if policy.contains(expert):
-                    resident[expert] = tensors
-                if len(resident) > policy.capacity:
-                    self._resync(state)
-            wasted = 0
-            if _drop_staged and state.staged:
-                wasted = len(state.staged)
-                for fut in state.staged.values():
-                    fut.cancel()
-                state.staged.clear()
-        with self._stats_lock:
-            self._stats.hits += hits
-            self._stats.misses += misses
-            self._stats.prefetch_wasted += wasted
-        return out
+        with self._lock:
+            flat, rows = self._admit(layer, experts, drop_staged=_drop_staged)
+            return {
+                e: self.layout.views(flat[row, : self.layout.nbytes].clone())
+                for e, row in rows.items()
+            }
+
+    def serve(self, layer: int, experts: Sequence[int]) -> ServedExperts:
+        """Requests ``experts`` of ``layer`` as ``get_many`` does, for the layer's computation:
+        the experts stay where they are on the device (``ServedExperts``: views of the slots
+        and an expert -> row table), no copy of a resident expert. The views are valid for
+        work queued on the current stream before the next request of this cache; on CUDA the
+        current stream already waits for the loads (no host synchronisation)."""
+        with self._lock:
+            flat, rows = self._admit(layer, experts, drop_staged=True)
+            state = self._layers[layer]
+            weights = (
+                self._slots.stacked if flat is self._slots.flat_SB else self.layout.stacked(flat)
+            )
+            return ServedExperts(weights, self._lookup(state, rows))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start background reads of ``experts`` of ``layer`` that are not resident.
 
         Returns how many reads were started; a no-op when the cache was built without
         ``prefetch=True``. Earlier staged experts of the layer not in ``experts`` are dropped.
+        At most ``prefetch_slots`` experts wait on the device at once; the rest are skipped.
         """
         if self._pool is None:
             return 0
         state = self._layer(layer)
         wanted = [int(e) for e in dict.fromkeys(experts)]
+        for expert in wanted:
+            if not 0 <= expert < self.store.num_experts:
+                raise ValueError(f"expert={expert} out of range in prefetch(layer={layer})")
         started = wasted = 0
-        with state.lock:
+        with self._lock:
             for expert in list(state.staged):
                 if expert not in wanted:
-                    state.staged.pop(expert).cancel()
+                    self._drop(state.staged.pop(expert))
                     wasted += 1
+            marker = None
             for expert in wanted:
-                if not 0 <= expert < self.store.num_experts:
-                    raise ValueError(f"expert={expert} out of range in prefetch(layer={layer})")
                 if expert in state.staged or state.policy.contains(expert):
                     continue
-                state.staged[expert] = self._pool.submit(self._read_async, state, layer, expert)
+                if self._staged_count >= self.prefetch_slots or not self._slots.free:
+                    break
+                if marker is None:
+                    marker = self._copier.marker()
+                slot = self._slots.take()
+                self._staged_count += 1
+                dst = self._slots.row(slot)  # here: the buffer is allocated under the lock
+                fut = self._pool.submit(self._read_async, state, layer, expert, dst, marker)
+                state.staged[expert] = _Staged(slot, fut)
                 started += 1
         with self._stats_lock:
             self._stats.prefetch_issued += started
@@ -294,7 +337,7 @@ class ExpertCache:
     def resident(self, layer: int) -> list[int]:
         """Experts of ``layer`` resident in the device tier now, sorted."""
         state = self._layer(layer)
-        with state.lock:
+        with self._lock:
             return state.policy.resident()
 
     def access_log(self, layer: int) -> list[tuple[int, bool]]:
@@ -302,7 +345,7 @@ class ExpertCache:
         state = self._layer(layer)
         if state.log is None:
             raise ValueError("build the cache with record=True to keep access logs")
-        with state.lock:
+        with self._lock:
             return list(state.log)
 
     def close(self) -> None:
@@ -331,69 +374,210 @@ class ExpertCache:
             )
         return self._layers[layer]
 
-    def _resync(self, state: _Layer) -> None:
-        keep = set(state.policy.resident())
-        for key in [k for k in state.resident if k not in keep]:
-            del state.resident[key]
+    def _admit(
+        self, layer: int, experts: Sequence[int], *, drop_staged: bool
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        """Run the requests through the policy and put every requested expert on the device
+        (caller holds the lock). Returns the flat buffer ``[N, B]`` they are rows of and
+        {expert: row}: the slot buffer when the call's experts fit in slots beside the other
+        layers' residents, else a buffer of this call's experts only."""
+        state = self._layer(layer)
+        policy = state.policy
+        used: dict[int, None] = {}
+        hits = misses = 0
+        for expert in experts:
+            expert = int(expert)
+            if not 0 <= expert < self.store.num_experts:
+                raise ValueError(
+                    f"expert={expert} out of range: layer {layer} has "
+                    f"{self.store.num_experts} experts"
+                )
+            hit, _ = policy.access(expert)
+            if state.log is not None:
+                state.log.append((expert, hit))
+            hits += hit
+            misses += not hit
+            used[expert] = None
+        keep = {e for e in (*state.slot_of, *used) if policy.contains(e)}
+        staged_kept = (
+            {} if drop_staged else {e: s for e, s in state.staged.items() if e not in used}
+        )
+        wasted = [e for e in state.staged if e not in used and e not in staged_kept]
+        for expert in wasted:
+            self._drop(state.staged.pop(expert))
+        for expert in [e for e in state.slot_of if e not in keep and e not in used]:
+            self._slots.give(state.slot_of.pop(expert))  # evicted, not needed by this call
+        own = len(state.slot_of) + len(state.staged)
+        others = self._slots.held - own
+        need = len(keep | set(used)) + len(staged_kept)
+        if need <= self._slots.count - others:
+            rows = self._admit_slots(state, layer, sorted(used), keep)
+            flat = self._slots.flat_SB
+        else:
+            flat, rows = self._admit_buffer(state, layer, sorted(used), keep)
+        with self._stats_lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.prefetch_wasted += len(wasted)
+        return flat, rows
 
-    def _fetch(self, state: _Layer, layer: int, expert: int) -> Expert:
-        """Serve a miss (caller holds the layer lock): staged prefetch, host tier or disk."""
+    def _admit_slots(
+        self, state: _Layer, layer: int, used: list[int], keep: set[int]
+    ) -> dict[int, int]:
+        """Every requested expert into a slot: a resident one stays, a staged one keeps its
+        slot, the others are loaded into free slots (one copy each); the experts the policy
+        did not keep give their slots back after the call."""
+        copier = self._copier
+        rows = {e: state.slot_of[e] for e in used if e in state.slot_of}
+        loads = [e for e in used if e not in rows]
+        if loads:
+            copier.after_compute()
+        for expert in loads:
+            staged = state.staged.pop(expert, None)
+            if staged is not None:
+                self._staged_count -= 1
+                if self._wait_staged(staged, layer, expert):
+                    rows[expert] = staged.slot
+                    continue
+                slot = staged.slot  # the prefetch failed: read it here, into its slot
+            else:
+                slot = self._slots.take()
+            self._load(state, layer, expert, self._slots.row(slot))
+            rows[expert] = slot
+        if loads:
+            copier.compute_waits()
+        for expert in used:
+            if expert in keep:
+                state.slot_of[expert] = rows[expert]
+            else:  # served but not kept (static, lfu): its slot is free after this call
+                state.slot_of.pop(expert, None)
+                self._slots.give(rows[expert])
+        return rows
+
+    def _admit_buffer(
+        self, state: _Layer, layer: int, used: list[int], keep: set[int]
+    ) -> tuple[torch.Tensor, dict[int, int]]:
+        """More experts in this call than free slots (a long prompt on a small cache): copy
+        them into a buffer of their own (resident and staged ones from their slots, the
+        others loaded into it, one copy each), then the kept ones into slots."""
+        copier = self._copier
+        rows = {e: i for i, e in enumerate(used)}
+        flat = torch.empty(len(used), self._slots.slot_bytes, dtype=torch.uint8, device=self.device)
+        nbytes = self.layout.nbytes
+        on_device: dict[int, int] = {}  # expert -> slot holding it now
+        copier.after_compute()
+        for expert in used:
+            if expert in state.slot_of:
+                on_device[expert] = state.slot_of[expert]
+                continue
+            staged = state.staged.pop(expert, None)
+            if staged is not None:
+                self._staged_count -= 1
+                if self._wait_staged(staged, layer, expert):
+                    on_device[expert] = staged.slot
+                    state.slot_of[expert] = staged.slot  # released below unless kept
+                    continue
+                self._slots.give(staged.slot)
+            self._load(state, layer, expert, flat[rows[expert], :nbytes])
+        copier.compute_waits()
+        for expert, slot in on_device.items():  # device to device, on the compute stream
+            flat[rows[expert], :nbytes].copy_(self._slots.row(slot))
+        for expert in list(state.slot_of):
+            if expert not in keep:
+                self._slots.give(state.slot_of.pop(expert))
+        for expert in used:
+            if expert in keep and expert not in state.slot_of:
+                slot = self._slots.take()
+                self._slots.row(slot).copy_(flat[rows[expert], :nbytes])
+                state.slot_of[expert] = slot
+        return flat, rows
+
+    def _lookup(self, state: _Layer, rows: dict[int, int]) -> torch.Tensor:
+        """The layer's expert -> row table on the device, with ``rows`` written (only the
+        entries that changed: none when every expert hit in place)."""
+        if state.lut_E is None:
+            state.lut_E = torch.full(
+                (self.store.num_experts,), -1, dtype=torch.int64, device=self.device
+            )
+        changed = [(e, r) for e, r in rows.items() if state.lut_rows.get(e) != r]
+        if not changed:
+            return state.lut_E
+        if self.device.type == "cuda":  # one small async copy from page-locked memory
+            idx_rows = torch.tensor(changed, dtype=torch.int64).T.contiguous().pin_memory()
+            idx_rows = idx_rows.to(self.device, non_blocking=True)
+            state.lut_E.index_copy_(0, idx_rows[0], idx_rows[1])
+        else:
+            for expert, row in changed:
+                state.lut_E[expert] = row
+        state.lut_rows.update(changed)
+        return state.lut_E
+
+    def _wait_staged(self, staged: _Staged, layer: int, expert: int) -> bool:
+        """Wait for a prefetch's read (host time, counted as stall); False if it failed."""
         start = time.perf_counter()
-        tensors: Expert | None = None
-        prefetched = False
-        fut = state.staged.pop(expert, None)
-        if fut is not None:
-            try:
-                tensors = fut.result()
-                prefetched = True
-            except Exception as err:  # a failed prefetch is retried synchronously
-                log.warning("prefetch of layer %d expert %d failed: %s", layer, expert, err)
-        host_hit = False
-        nbytes = 0
-        if tensors is None:
-            host = self._host_get(state, expert)
-            host_hit = host is not None
-            if host is None:
-                host = self.store.load(layer, expert, pin_memory=self._pin)
-                nbytes = self.store.expert_bytes
-                self._host_put(state, expert, host)
-            tensors = self._to_device(host, blocking=True)
+        try:
+            staged.future.result()
+            ok = True
+        except Exception as err:  # a failed prefetch is retried synchronously
+            log.warning("prefetch of layer %d expert %d failed: %s", layer, expert, err)
+            ok = False
+        with self._stats_lock:
+            self._stats.stall_s += time.perf_counter() - start
+            if ok:
+                self._stats.loads += 1
+                self._stats.prefetch_hits += 1
+        return ok
+
+    def _drop(self, staged: _Staged) -> None:
+        """Give a staged expert's slot back (after its read, if running: it writes the slot)."""
+        if not staged.future.cancel():
+            with contextlib.suppress(Exception):
+                staged.future.result()
+        self._staged_count -= 1
+        self._slots.give(staged.slot)
+
+    def _host_flat(self, state: _Layer, layer: int, expert: int) -> tuple[torch.Tensor, bool, int]:
+        """The expert's flat host buffer: (buffer, from the host tier, bytes read from disk)."""
+        host = self._host_get(state, expert)
+        if host is not None:
+            return host, True, 0
+        loaded = self.store.load(layer, expert, pin_memory=self._pin)
+        host = self.layout.flat(loaded, pin=self._pin)
+        self._host_put(state, expert, host)
+        return host, False, self.store.expert_bytes
+
+    def _load(self, state: _Layer, layer: int, expert: int, dst: torch.Tensor) -> None:
+        """Serve a miss into ``dst`` (caller holds the lock): host tier or disk, one copy."""
+        start = time.perf_counter()
+        host, host_hit, nbytes = self._host_flat(state, layer, expert)
+        self._copier.copy(dst, host)
         stall = time.perf_counter() - start
         with self._stats_lock:
             s = self._stats
             s.stall_s += stall
             s.loads += 1
             s.bytes_read += nbytes
+            s.bytes_to_device += self.layout.nbytes
             s.host_hits += host_hit
-            s.prefetch_hits += prefetched
-        return tensors
+        log.debug("layer %d expert %d loaded (host tier: %s)", layer, expert, host_hit)
 
-    def _read_async(self, state: _Layer, layer: int, expert: int) -> Expert:
-        """Prefetch worker: disk (or host tier) to device, without the layer lock."""
-        host = self._host_get(state, expert)
-        nbytes = 0
-        if host is None:
-            host = self.store.load(layer, expert, pin_memory=self._pin)
-            nbytes = self.store.expert_bytes
-            self._host_put(state, expert, host)
-        if self.device.type == "cuda":
-            stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(stream):
-                tensors = self._to_device(host, blocking=False)
-            stream.synchronize()
-            # allocated on the side stream, used and freed on the compute stream: without
-            # this the allocator could hand the memory to the next prefetch while a kernel
-            # of the compute stream still reads it
-            compute = torch.cuda.default_stream(self.device)
-            for t in tensors.values():
-                t.record_stream(compute)
-        else:
-            tensors = self._to_device(host, blocking=True)
+    def _read_async(
+        self,
+        state: _Layer,
+        layer: int,
+        expert: int,
+        dst: torch.Tensor,
+        marker: torch.cuda.Event | None,
+    ) -> None:
+        """Prefetch worker: host tier or disk into ``dst`` (the reserved slot's row),
+        without the lock."""
+        host, _, nbytes = self._host_flat(state, layer, expert)
+        self._copier.copy(dst, host, after=marker)
         with self._stats_lock:
             self._stats.bytes_read += nbytes
-        return tensors
+            self._stats.bytes_to_device += self.layout.nbytes
 
-    def _host_get(self, state: _Layer, expert: int) -> Expert | None:
+    def _host_get(self, state: _Layer, expert: int) -> torch.Tensor | None:
         if not self.host_capacity:
             return None
         with state.host_lock:
@@ -402,7 +586,7 @@ class ExpertCache:
                 state.host.move_to_end(expert)
             return host
 
-    def _host_put(self, state: _Layer, expert: int, host: Expert) -> None:
+    def _host_put(self, state: _Layer, expert: int, host: torch.Tensor) -> None:
         if not self.host_capacity:
             return
         with state.host_lock:
@@ -410,8 +594,3 @@ class ExpertCache:
             state.host.move_to_end(expert)
             while len(state.host) > self.host_capacity:
                 state.host.popitem(last=False)
-
-    def _to_device(self, host: Expert, *, blocking: bool) -> Expert:
-        if self.device.type == "cpu":
-            return host
-        return {k: v.to(self.device, non_blocking=not blocking) for k, v in host.items()}

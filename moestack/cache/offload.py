@@ -8,9 +8,11 @@ meta tensors: no memory, and any use raises) and sets each layer's experts back-
    of the flattened ``[B*S]`` batch in order, a token's k slots in router order, one layer
    call after another), so the cache's hits and misses equal ``moestack.telemetry.simulate``
    on the trace of the same run;
-2. stacks the fetched experts (only those used, in expert order) and calls the same expert
-   function the in-memory layer uses (``moestack.moe.run_experts``) with remapped expert
-   ids: the stable sort keeps every row in the same place, so outputs are bitwise equal;
+2. calls the same expert function the in-memory layer uses (``moestack.moe.run_experts``)
+   on the cache's device slots as they are (``ExpertCache.serve``: views of one buffer, no
+   copy of a resident expert) with each expert id mapped to its slot by a table on the
+   device: the stable sort keeps each expert's rows in the same order, so every output row
+   is the same product of the same weights and outputs are bitwise equal;
 3. with ``prefetch``, first applies the *next* layer's router to this layer's input to
    predict that layer's experts and starts reading them in the background.
 
@@ -110,15 +112,11 @@ class CachedExperts:
         if self.next_router is not None and self.cache.prefetch_enabled:
             self.cache.prefetch(self.layer + 1, self.predict_next(x_TD))
         experts_TK = routing.experts
-        requests = experts_TK.reshape(-1).tolist()  # trace replay order
-        fetched = self.cache.get_many(self.layer, requests)
-        used = sorted(fetched)
+        requests = experts_TK.reshape(-1).tolist()  # trace replay order (the routing sync)
+        served = self.cache.serve(self.layer, requests)
         device = x_TD.device
-        w1 = torch.stack([fetched[e]["w1"] for e in used]).to(device)
-        w2 = torch.stack([fetched[e]["w2"] for e in used]).to(device)
-        lut_E = torch.full((self.num_experts,), -1, dtype=experts_TK.dtype)
-        lut_E[used] = torch.arange(len(used), dtype=experts_TK.dtype)
-        compact_TK = lut_E.to(device)[experts_TK]
+        w1, w2 = served.weights["w1"].to(device), served.weights["w2"].to(device)
+        compact_TK = served.lut_E.to(device)[experts_TK]  # expert -> slot, on the device
         return run_experts(x_TD, w1, w2, compact_TK, routing.weights, self.impl)
 
 
@@ -265,7 +263,8 @@ COUNTER_LEGEND = (
     "copied into the device tier to serve misses (from a prefetch, the host tier or the disk; "
     "an expert missed twice in one layer call is loaded once); cache/host_hits, "
     "cache/prefetch_hits: loads served by the host tier or by a prefetch; cache/bytes_read: "
-    "bytes read from the expert store on disk, prefetches included"
+    "bytes read from the expert store on disk, prefetches included; cache/bytes_to_device: "
+    "bytes copied into the device tier (one copy per expert loaded), prefetches included"
 )  # what _cache_metrics' counters count (ExpertCacheStats), one line for `eval --offload`
 
 

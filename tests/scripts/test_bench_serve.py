@@ -1,13 +1,15 @@
 """scripts/bench_serve.py end to end at toy size on the CPU: every row of issue 31's serving
 table is there with its figures, and the counts it reports agree with counts worked by hand
-(requests per token, bytes per load) and with what a cache must do (the ceiling hits every
-request, LRU hits never fall as its capacity grows, the cache decodes the ceiling's tokens).
+(requests per token, bytes per load), with a plain LRU replayed here on the ceiling's routing
+(hits and misses of every LRU row), and with what a cache must do (the ceiling hits every
+request, the cache decodes the ceiling's tokens).
 """
 
 import json
 import os
 import subprocess
 import sys
+from collections import OrderedDict
 
 import pytest
 from helpers.paths import REPO
@@ -37,7 +39,9 @@ def bench(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("bench_serve")
     out = tmp / "serve.json"
-    proc = run_script("--tiny", "--device", "cpu", "--dir", str(tmp), "--json", str(out))
+    proc = run_script(
+        "--tiny", "--device", "cpu", "--dir", str(tmp), "--json", str(out), "--record-routing"
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert not [p for p in tmp.iterdir() if p != out]  # the scratch folder was removed
     return json.loads(out.read_text()), proc.stdout
@@ -89,16 +93,73 @@ def test_hit_rates_and_counts_agree_with_counts_by_hand(bench):
             assert p["requests"] == p["tokens"] * LAYERS * TOP_K, (name, phase)
             assert p["hits"] + p["misses"] == p["requests"]
             assert p["hit_rate"] == pytest.approx(p["hits"] / p["requests"])
-            if row["tier"] == "host" and not row["prefetch"]:
-                # without prefetch every load is one expert copied from host memory
-                assert p["bytes_per_token"] * p["tokens"] == p["loads"] * EXPERT_BYTES
-    lru = [rows[f"cache lru {label}"]["decode"]["hit_rate"] for label in SIZES]
-    assert lru[0] >= 0 and 0 < lru[-1] <= 1
-    # LRU's stack property: on the same requests a larger cache never hits less
-    assert lru == sorted(lru), lru
+            moved = p["bytes_per_token"] * p["tokens"]
+            if row["tier"] == "host":
+                # every expert read from host memory is copied to the device once
+                assert moved == p["host_loads"] * EXPERT_BYTES, (name, phase)
+                fetched = p["loads"] - p["prefetch_hits"]  # loads not served by a prefetch
+                if not row["prefetch"]:
+                    assert p["host_loads"] == p["loads"], (name, phase)
+                else:  # plus the prefetches that were read (used or wasted)
+                    assert fetched <= p["host_loads"] <= fetched + p["prefetch_issued"]
+                    assert p["host_loads"] >= fetched + p["prefetch_hits"]
+            else:  # from disk: one read and one copy per load, or per prefetch read
+                copies = moved / EXPERT_BYTES
+                fetched = p["loads"] - p["prefetch_hits"]
+                assert fetched + p["prefetch_hits"] <= copies <= fetched + p["prefetch_issued"]
+                assert row["prefetch"] or copies == p["loads"]
     hits = rows["cache lru 2k+prefetch"]["decode"]
     assert hits["prefetch_issued"] > 0  # the next layer's experts were predicted and read
-    assert 0 <= hits["prefetch_hits"] <= hits["misses"]
+    assert 0 < hits["prefetch_hits"] <= hits["misses"]
+
+
+def lru_replay(calls: list[list[int]], capacity: int, counted: range) -> tuple[int, int]:
+    """Hits and misses of a plain LRU of ``capacity`` fed ``calls`` in order (one layer),
+    counting the requests of the calls in ``counted`` only."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = misses = 0
+    for i, call in enumerate(calls):
+        for expert in call:
+            hit = expert in cache
+            cache[expert] = None
+            cache.move_to_end(expert)
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+            if i in counted:
+                hits += hit
+                misses += not hit
+    return hits, misses
+
+
+def test_lru_rows_equal_a_plain_lru_on_the_ceilings_routing(bench):
+    """Each LRU row's hits and misses, decode and prefill, equal an OrderedDict LRU fed the
+    ceiling's routing in the order the row served it: prefill A, the warm-up and the row's
+    decode steps (the ceiling's first ones: same tokens), then prefill B."""
+    results, _ = bench
+    rows = {r["name"]: r for r in results["rows"]}
+    forwards = rows["resident"]["routing"]  # [forward][layer] -> expert ids
+    warmup = results["config"]["warmup"]
+    decoded = rows["resident"]["decode"]["tokens"]
+    assert len(forwards) == 1 + warmup + decoded + 1
+    assert all(len(f) == LAYERS for f in forwards)
+    checked = 0
+    for name, row in rows.items():
+        if row.get("policy") != "lru" or "decode" not in row:
+            continue
+        steps = row["decode"]["tokens"]
+        if steps > decoded:  # the ceiling decoded fewer tokens: nothing to replay it on
+            continue
+        order = [*forwards[: 1 + warmup + steps], forwards[-1]]
+        decode = range(1 + warmup, 1 + warmup + steps)
+        prefill = range(len(order) - 1, len(order))
+        for phase, counted in (("decode", decode), ("prefill", prefill)):
+            hits = misses = 0
+            for layer in range(LAYERS):
+                h, m = lru_replay([f[layer] for f in order], row["capacity"], counted)
+                hits, misses = hits + h, misses + m
+            assert (row[phase]["hits"], row[phase]["misses"]) == (hits, misses), (name, phase)
+        checked += 1
+    assert checked >= 8  # 4 sizes x prefetch off/on over host memory (+ the disk tier)
 
 
 def test_full_sizes_are_refused_on_the_cpu():
