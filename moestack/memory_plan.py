@@ -305,21 +305,21 @@ def _host_lines(plan: MemoryPlan, layout: OffloadPlan, label: str) -> None:
             formula += " (their bf16 halves are the weights; 4 B without a C++ compiler)"
         plan.lines.append(Line("host", what + label, _bytes(host, "master"), formula))
     if "grad_comm" in host:
-        comm = host["grad_comm"][0]
-        formula = f"{_mib(comm)} x 4 B"
+        comm, gsize = host["grad_comm"][0], host["grad_comm"][1].itemsize
+        formula = f"{_mib(comm)} x {gsize} B"
         if "grad_shard" in host:
             stride = host["grad_shard"][0]
-            formula = f"({shards} x {_mib(stride)} + {_mib(stride)}) x 4 B"
+            formula = f"({shards} x {_mib(stride)} + {_mib(stride)}) x {gsize} B"
         pack = _bytes(host, "grad_comm", "grad_shard")
         plan.lines.append(Line("host", "gradient pack buffers" + label, pack, formula))
     if "grad_spare" in host:
-        n = host["grad_spare"][0]
+        n, dtype = host["grad_spare"]
         plan.lines.append(
             Line(
                 "host",
                 "delayed update: spare gradient buffer" + label,
                 _bytes(host, "grad_spare"),
-                f"{_mib(n)} x 4 B (optim.update_delay=1)",
+                f"{_mib(n)} x {dtype.itemsize} B (optim.update_delay=1)",
             )
         )
     if "weight_staging" in host:

@@ -454,8 +454,8 @@ def offload_step_parts(
     parts = {"clip": "clip_grad_norm_", "wait_grads": "_sync_grads",
              "host_update": "_step_spans", "return_weights": "_return_weights"}  # fmt: skip
     owners: dict[str, Any] = dict.fromkeys(parts, opt)
-    if opt.update_delay:
-        parts["wait_update"] = "synchronize"
+    if opt.update_delay:  # the pipelined delayed step waits bucket by bucket
+        parts["wait_update"] = "_send_pending" if opt.pipelined else "synchronize"
         owners["wait_update"] = opt
     if opt.pipelined:
         parts["release"], owners["release"] = "release", opt._pipe

@@ -1,4 +1,4 @@
-"""The pipelined exact step of OffloadAdamW: gradient buckets stepped as they may be.
+"""The pipelined step of OffloadAdamW: gradient buckets stepped as they may be.
 
 Why: a serial offloaded step waits for every gradient, measures the clipping norm in a host
 pass over all of them, steps all the state, then sends every weight back while the device
@@ -9,8 +9,9 @@ model's last parameters first). For each bucket:
 1. its gradients leave the device from the post-accumulate-grad hooks, in their own dtype
    (bf16 gradients cross as bf16, into a bf16 host buffer the host kernel reads as it is),
    on a device-to-host stream; when its last gradient has landed an event is recorded there
-   and the bucket's squared 2-norm is taken on the device (one small reduction), so the
-   clipping norm needs no host pass;
+   and each of its gradients' fp32 2-norms is taken on the device (one small reduction)
+   into a per-parameter vector, so the clipping norm needs no host pass (the vector is
+   combined as the serial step combines its own: :func:`update.total_norm`);
 2. its host update runs in a worker thread: at ``step()`` (with the clipping factor of the
    summed norms, if ``clip_grad_norm_`` was called), buckets in forward order; or, with
    ``update_in_backward`` (no clipping then), at once when the bucket lands;
@@ -19,8 +20,14 @@ model's last parameters first). For each bucket:
    end of ``step()`` or, with :meth:`OffloadAdamW.wait_per_layer`, in the next forward just
    before the layer that uses them.
 
-The arithmetic is the fused host step's, element by element, so the results are bitwise the
-serial step's (the clipping factor comes from the device norm: equal to float rounding).
+With a delayed update (``update_delay=1``) steps 1 and 2 run as above, but every bucket's
+update is handed to the worker at ``step()`` and its weights stay on the host: the next
+``step()`` waits for each bucket's update and sends its weights back
+(:meth:`Pipeline.send_now`), after the compute queued by then (the backward that read the
+weights before the update).
+
+The arithmetic is the fused host step's, element by element, and the clipping norm is the
+serial step's, so the results are bitwise the serial step's, clipped or not.
 No buffer or event is made per step (the worker's futures and the norms' scalars, from the
 caching allocator, aside): the events, the norms' buffers and the slices each bucket steps
 are made once (the slices at a bucket's first step).
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from moestack.optim import update
 from moestack.optim.plan import ParamSpec, ShardPlan, contiguous_runs
 
 DEFAULT_BUCKET_MB = 32.0  # of gradient bytes: tens of MB, as DDP's and DeepSpeed's buckets
@@ -79,7 +87,6 @@ def refusal(
     specs: Sequence[ParamSpec],
     *,
     distributed: bool,
-    update_delay: int,
     skip_idle_experts: bool,
     fused_step: str,
     in_place: bool | None,
@@ -87,8 +94,6 @@ def refusal(
     """Why these settings cannot take the pipelined step (None: they can)."""
     if distributed:
         return "several ranks reduce their gradients on the host after backward"
-    if update_delay:
-        return "update_delay=1 runs the whole update in the next step's shadow instead"
     if skip_idle_experts:
         return "skip_idle_experts looks at every expert's gradient before any update"
     if fused_step == "off":
@@ -140,17 +145,19 @@ class Pipeline:
         # an event per call); a wait is on the record made before it, so one event each serves
         self._compute_mark = torch.cuda.Event() if cuda else None
         self._d2h_mark = torch.cuda.Event() if cuda else None
+        # delayed updates: this step's copies to the host, for the worker to wait on (made
+        # once; recorded only when an update is launched, so never for a later step's)
+        self.launched_event = torch.cuda.Event() if cuda else None
         self._back_recorded = [False] * n
-        self.norm_sq = torch.zeros(n, dtype=torch.float64, device=device)
-        # the norms of each bucket's gradients: bucket b's in [starts[b], starts[b + 1])
-        self._starts = [0]
-        for bucket in buckets:
-            self._starts.append(self._starts[-1] + len(bucket.pidxs))
-        self._norms = torch.zeros(self._starts[-1], dtype=torch.float32, device=device)
-        self._norms64 = torch.zeros(self._starts[-1], dtype=torch.float64, device=device)
+        # each parameter's gradient norm, in parameter order (0: no gradient), the one
+        # clipping norm's input (update.total_norm), and its fp64 scratch
+        self.norms_P = torch.zeros(num_params, dtype=torch.float32, device=device)
+        self._wide_P = torch.zeros(num_params, dtype=torch.float64, device=device)
+        self._slots = [torch.tensor(b.pidxs, device=device) for b in buckets]  # where they go
         self.span_cache: dict[tuple[int, tuple[int, ...]], list[tuple[int, int, int, int]]] = {}
         self.futures: list[concurrent.futures.Future | None] = [None] * n
         self.unreleased = [False] * n  # updated, not yet waited for by the compute stream
+        self._job_sends = [True] * n  # its last update's job sends its weights back itself
         self.covered = [False] * n  # a layer's forward pre-hook waits for it (wait_per_layer)
         self._layer_hooks: list[Any] = []
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -194,40 +201,63 @@ class Pipeline:
         self.waiting[b].discard(pidx)
         return b if not self.waiting[b] else None
 
-    def land(self, b: int, grads: Sequence[Tensor]) -> None:
-        """Bucket ``b`` is complete: its squared norm taken on the device, from ``grads``
-        (those of its parameters that have one), and its event recorded after its copies.
-        Call inside :meth:`d2h_stream`. The fp32 norm of each gradient (one multi-tensor
-        launch, whose per-gradient scalars come from the caching allocator), widened, squared
-        and summed in fp64, into buffers made once."""
-        start = self._starts[b]
-        norms = self._norms[start : start + len(grads)]
+    def land(self, b: int, pidxs: Sequence[int], grads: Sequence[Tensor]) -> None:
+        """Bucket ``b`` is complete: the 2-norms of ``grads`` (those of its parameters
+        ``pidxs`` that have one) taken on the device into :attr:`norms_P`
+        (:func:`update.grad_norms`, one small reduction), and its event recorded after its
+        copies. Call inside :meth:`d2h_stream`."""
+        slots = self._slots[b]
+        if len(pidxs) != len(self.buckets[b].pidxs):  # some have no gradient: theirs are 0
+            self.norms_P.index_fill_(0, slots, 0.0)
+            slots = torch.tensor(list(pidxs), dtype=torch.long, device=self.device)
         if grads:
-            torch.stack(torch._foreach_norm(list(grads), 2.0, dtype=torch.float32), out=norms)
-        wide = self._norms64[start : start + len(grads)]
-        wide.copy_(norms)
-        wide.square_()
-        torch.sum(wide, 0, out=self.norm_sq[b])
+            self.norms_P.index_copy_(0, slots, update.grad_norms(grads))
         if self.landed_events is not None:
             self.landed_events[b].record()
         self.landed[b] = True
 
     def total_norm(self) -> Tensor:
-        """The 2-norm over every bucket (fp32, on the device), once all have landed."""
+        """The 2-norm over every bucket (fp32, on the device), once all have landed: the
+        parameters' norms combined by :func:`update.total_norm`, as the serial step does."""
         self._after_d2h()
-        return self.norm_sq.sum().sqrt().float()
+        return update.total_norm(self.norms_P, self._wide_P)
 
     # ------------------------------------------------------------------ host updates
 
-    def submit(self, b: int, job: Callable[[], None]) -> None:
+    def submit(self, b: int, job: Callable[[], None], sends: bool = True) -> None:
         """Run bucket ``b``'s host update ``job`` in the worker thread (after those submitted
-        before it)."""
+        before it); ``sends``: the job sends the weights back itself (a delayed update's are
+        sent by :meth:`send_now` at the next step)."""
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="offload-adamw-buckets"
             )
-        self.submitted[b] = self.unreleased[b] = True
+        self.submitted[b] = True
+        self._job_sends[b] = sends
+        if sends:
+            self.unreleased[b] = True
         self.futures[b] = self._worker.submit(job)
+
+    def mark_launch(self) -> None:
+        """A delayed update is launched: mark the copies to the host queued so far (this
+        step's gradients) for :meth:`wait_launched`."""
+        if self.d2h is not None:
+            assert self.launched_event is not None
+            self.launched_event.record(self.d2h)
+
+    def wait_launched(self) -> None:
+        """Block (the worker) until the gradients of the launched update are on the host."""
+        if self.launched_event is not None:
+            self.launched_event.synchronize()
+
+    def send_now(self, b: int, copies: Callable[[], None]) -> None:
+        """A delayed update's bucket ``b``, ended: its weights back (``copies``) on the
+        host-to-device stream after the compute queued so far (it read the weights before
+        the update), for the compute stream to wait for (:meth:`release`)."""
+        self.wait_update(b)
+        self.mark_compute([b])
+        self.send_back(b, copies)
+        self.unreleased[b] = True
 
     def wait_landed(self, b: int) -> None:
         """Block (the worker) until bucket ``b``'s gradients are in host memory."""
@@ -280,7 +310,8 @@ class Pipeline:
         update); nothing when they were waited for already."""
         if not self.unreleased[b]:
             return
-        self.wait_update(b)
+        if self._job_sends[b]:  # its event is recorded when the job ends (a delayed update's
+            self.wait_update(b)  # were sent at the step, while the next update may run now)
         if self.back_events is not None:
             torch.cuda.current_stream(self.device).wait_event(self.back_events[b])
         self.unreleased[b] = False

@@ -24,10 +24,11 @@ bf16 halves are the weights themselves (or the staging buffer) and only 2-byte r
 sit in the master buffer (:mod:`moestack.optim.split_master`). Steps 1-3 stay as the
 reference path (``fused_step="off"``, and the fallback when no kernel builds).
 
-With every parameter on a GPU in one process (exact updates), the step is pipelined instead
+With every parameter on a GPU in one process, the step is pipelined instead
 (``pipeline="auto"``, :mod:`moestack.optim.buckets`): gradients cross in buckets, in their own
 dtype, each bucket stepped in a worker thread and its weights sent back on a stream of its own,
-the compute stream waiting per bucket (per layer with :meth:`OffloadAdamW.wait_per_layer`).
+the compute stream waiting per bucket (per layer with :meth:`OffloadAdamW.wait_per_layer`);
+a delayed update (below) goes through the same buckets.
 
 Sharded over several ranks with every parameter on a GPU, steps 1 and 3 run on the devices
 instead (``reduce_on_device="auto"``, :mod:`moestack.optim.device_comm`): a reduce-scatter of
@@ -54,15 +55,19 @@ the previous ``step()`` launched and copies its weights into the parameters, the
 the update with this step's gradients. So the gradient that moves ``w_t`` to ``w_{t+1}`` was
 computed at ``w_{t-1}``; AdamW itself is exact (its step count counts the updates, and each
 update takes the learning rate, clipping factor and gradients of the step that launched
-it). The first ``delay_warmup`` steps run exact. :meth:`OffloadAdamW.synchronize` applies
-the update in flight; ``state_dict``, ``load_state_dict``, evaluation and the end of
-training call it (docs/optim.md says when to prefer the delay).
+it). The first ``delay_warmup`` steps run exact. Pipelined, every bucket's update is
+launched at ``step()`` and its weights go back at the next one.
+:meth:`OffloadAdamW.synchronize` applies the update in flight; ``state_dict``,
+``load_state_dict``, evaluation and the end of training call it (docs/optim.md says when to
+prefer the delay).
 
 Gradient clipping must go through :meth:`OffloadAdamW.clip_grad_norm_`, which measures the
-norm of the reduced (averaged) gradients across all shards; ``torch.nn.utils.clip_grad_norm_``
-would see only the local, unreduced ``.grad`` and, on CUDA, run after the gradients were
-already copied to the host. Do not wrap the model in DDP: this optimizer reduces the
-gradients itself.
+norm of the reduced (averaged) gradients across all shards (in one process: each gradient's
+fp32 norm on the device, combined in fp64 in parameter order, the same for the serial and
+the pipelined step, :func:`moestack.optim.update.total_norm`);
+``torch.nn.utils.clip_grad_norm_`` would see only the local, unreduced ``.grad`` and, on
+CUDA, run after the gradients were already copied to the host. Do not wrap the model in DDP:
+this optimizer reduces the gradients itself.
 """
 
 from __future__ import annotations
@@ -145,8 +150,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             updates made, so a resumed run goes on as it was).
         pipeline: step bucket by bucket (:mod:`moestack.optim.buckets`): ``"auto"`` (the
             default) where every parameter is on a GPU and ``overlap`` is on, one process,
-            exact updates, fp32 or bf16 parameters; True forces it (CPU parameters too);
-            False never.
+            fp32 or bf16 parameters (exact or delayed updates); True forces it (CPU
+            parameters too); False never.
         bucket_mb: megabytes of gradients per bucket of the pipelined step (a byte at least).
         reduce_on_device: with sharded state over several ranks, reduce-scatter the
             gradients and all-gather the new weights on the devices, over ``process_group``
@@ -188,7 +193,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         fused.check_choice(fused_step)
         switches.check_switch("pipeline", pipeline)
         switches.check_switch("reduce_on_device", reduce_on_device)
-        _check_delay(update_delay, delay_warmup, in_place)
+        _check_delay(update_delay, delay_warmup, in_place, update_in_backward)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r}: give a positive number of megabytes")
         self.bucket_bytes = int(bucket_mb * 2**20)
@@ -335,8 +340,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._span_cache: dict[Any, list[tuple[int, int, int, int]]] = {}
         self._grads_ready = False
         self._moment_scratch: Tensor | None = None  # fp32 slices of bf16 moments
-        self._grad_scale = 1.0  # the clipping factor the fused step applies to the gradients
-        self._pending: _PendingUpdate | None = None  # delayed: the update in flight
+        # the clipping factors applied since the gradients landed: the fused step applies
+        # them as it reads the gradients, and a norm measured on p.grad is scaled by them
+        self._grad_scale = 1.0
+        self._pending: _PendingUpdate | _PendingBuckets | None = None  # delayed: in flight
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # delayed updates
         self._copies_done: Any = None  # CUDA event: the weights copied back have left the host
         self._idle: set[int] = set()  # indices (into the plan's units) of owned units skipped now
@@ -442,21 +449,24 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "with update_in_backward=True run every micro-batch but the last inside "
                 "optimizer.no_sync()"
             )
-        pipe.wait_update(b)  # the last step's update of this bucket reads its host memory
+        if self._pending is None:  # an exact update of this bucket reads its host memory (a
+            pipe.wait_update(b)  # delayed one reads the other gradient buffer)
         with pipe.d2h_stream():
             transfer.pack_grad(self._host.comm, self._plan, i, grad.view(-1), True, self._to_host)
             if grad.is_cuda:
                 grad.record_stream(torch.cuda.current_stream(grad.device))
             done = pipe.arrive(i)
             if done is not None:
-                pipe.land(done, self._grads_of(pipe.buckets[done].pidxs))
+                pipe.land(done, *self._grads_of(pipe.buckets[done].pidxs))
         self._hooked[i] = True
         self._grads_ready = False
         if done is not None and self.update_in_backward:
             self._submit_buckets([done], list(pipe.buckets[done].pidxs))
 
-    def _grads_of(self, pidxs: Sequence[int]) -> list[Tensor]:
-        return [g for g in (self._params[i].grad for i in pidxs) if g is not None]
+    def _grads_of(self, pidxs: Sequence[int]) -> tuple[list[int], list[Tensor]]:
+        """Those of parameters ``pidxs`` that have a gradient, and their gradients."""
+        have = [i for i in pidxs if self._params[i].grad is not None]
+        return have, [self._params[i].grad for i in have]  # type: ignore[misc]
 
     def _land_remaining(self) -> None:
         """Pipelined: pack the gradients no hook sent (no overlap, frozen or unused
@@ -466,7 +476,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         for b, bucket in enumerate(pipe.buckets):
             if pipe.landed[b]:
                 continue
-            pipe.wait_update(b)
+            if self._pending is None:
+                pipe.wait_update(b)
             with pipe.d2h_stream():
                 for i in sorted(pipe.waiting[b]):
                     g = self._params[i].grad
@@ -475,21 +486,31 @@ class OffloadAdamW(torch.optim.Optimizer):
                         transfer.pack_grad(
                             self._host.comm, self._plan, i, flat, True, self._to_host
                         )
-                grads = self._grads_of(bucket.pidxs)
+                have, grads = self._grads_of(bucket.pidxs)
                 for g in grads:  # read on the copy stream: not freed before it has read them
                     if g.is_cuda:
                         g.record_stream(torch.cuda.current_stream(g.device))
-                pipe.land(b, grads)
+                pipe.land(b, have, grads)
 
-    def _submit_buckets(self, todo: Sequence[int], pidxs: Sequence[int]) -> None:
+    def _submit_buckets(
+        self, todo: Sequence[int], pidxs: Sequence[int], grads: Tensor | None = None
+    ) -> list[tuple[int, list[int]]]:
         """Pipelined: start the host updates of buckets ``todo`` (in this order), whose
-        parameters with gradients are ``pidxs``, with this step's hyper-parameters."""
+        parameters with gradients are ``pidxs``, with this step's hyper-parameters; return
+        each bucket with the parameters it steps. A delayed update (``grads``: the gradient
+        buffer handed to it) leaves its weights on the host for :meth:`_send_pending`."""
         pipe = self._pipe
         assert pipe is not None
         self._start_update(pidxs)
         steps, scale, want = list(self._steps), self._grad_scale, set(pidxs)
         hparams = [update.group_hparams(group) for group in self.param_groups]
-        pipe.mark_compute(todo)  # what the compute stream has queued reads the weights
+        host = self._host
+        if grads is None:
+            pipe.mark_compute(todo)  # what the compute stream has queued reads the weights
+        else:
+            host = dataclasses.replace(self._host, grad=grads, comm=None)
+            pipe.mark_launch()  # the worker waits for this step's gradients by it
+        out = []
         for b in todo:
             mine = [i for i in pipe.buckets[b].pidxs if i in want]
             jobs = []
@@ -497,8 +518,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                 spans = buckets.bucket_spans(self._plan, mine, gi, steps, pipe.span_cache)
                 if spans:
                     jobs.append((spans, hp))
-            job = functools.partial(self._update_bucket, b, jobs, steps, scale, mine)
-            pipe.submit(b, job)
+            job = functools.partial(self._update_bucket, b, jobs, steps, scale, mine, host)
+            pipe.submit(b, job, sends=grads is None)
+            out.append((b, mine))
+        return out
 
     def _update_bucket(
         self,
@@ -507,17 +530,24 @@ class OffloadAdamW(torch.optim.Optimizer):
         steps: list[int],
         scale: float,
         pidxs: list[int],
+        host: transfer.HostBuffers,
     ) -> None:
         """The worker's part of bucket b: once its gradients are on the host and its last
-        weights have left, the host step of its slices, then its weights back (after the
-        compute queued when the update was submitted: it may still read them)."""
+        weights have left, the host step of its slices of ``host``, then (exact: ``host``
+        is the optimizer's own buffers) its weights back, after the compute queued when the
+        update was submitted (it may still read them)."""
         pipe = self._pipe
         assert pipe is not None
-        pipe.wait_landed(b)
+        exact = host is self._host
+        if exact:
+            pipe.wait_landed(b)
+        else:  # a later step's landing may have recorded the bucket's event again by now
+            pipe.wait_launched()
         pipe.wait_sent(b)
         with torch.no_grad():
-            self._step_spans(jobs, self._host, steps, scale)
-            pipe.send_back(b, functools.partial(self._copy_back, pidxs))
+            self._step_spans(jobs, host, steps, scale)
+            if exact:
+                pipe.send_back(b, functools.partial(self._copy_back, pidxs))
 
     def _copy_back(self, pidxs: Sequence[int]) -> None:
         """Pipelined: the updated weights of parameters ``pidxs`` into them, bf16 ones from
@@ -618,17 +648,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         """The 2-norm of the averaged gradients over every shard, as the step will read them
         (the first half of ``clip_grad_norm_``; expert parallelism combines two of them)."""
         self._sync_grads()
-        if self._pipe is not None:  # the buckets' norms, taken on the device
+        if self._pipe is not None:  # the buckets' norms, taken on the device as they landed
             return self._pipe.total_norm() * self._grad_scale
-        grads = [p.grad for p in self._params if p.grad is not None]
-        if self.in_place or self._direct:
-            total = update.norm_of(grads)
-        else:
-            assert self._host.grad is not None
-            local = update.sum_of_squares(self._host.grad[: self._plan.own_size])
-            if self._dist and self.num_shards > 1:
-                collectives.sum_over_ranks(local, self._ranks)
-            total = local.sqrt()
+        if not self._dist:  # one process: the gradients on the devices are the averaged ones
+            norms = update.param_norms([p.grad for p in self._params])
+            return update.total_norm(norms) * self._grad_scale
+        assert self._host.grad is not None
+        local = update.sum_of_squares(self._host.grad[: self._plan.own_size])
+        if self.num_shards > 1:
+            collectives.sum_over_ranks(local, self._ranks)
+        total = local.sqrt()
         if self._fused is not None:  # the norm of the gradients as the step will read them
             total = total * self._grad_scale
         return total
@@ -647,9 +676,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             torch._foreach_mul_([p.grad for p in self._params if p.grad is not None], coef)
         elif self._fused is not None:
             self._grad_scale *= float(coef)
-        else:
-            assert self._host.grad is not None
+        else:  # the reference path reads its host copy, scaled here; the factor is kept
+            assert self._host.grad is not None  # for the norm of the device gradients
             self._host.grad.mul_(coef)
+            self._grad_scale *= float(coef)
 
     # ------------------------------------------------------------------------- the step
 
@@ -662,7 +692,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._sync_grads()
-        if self._pipe is not None:
+        if self._pipe is not None and self._delays_now():
+            self._launch_buckets(self._pipe)
+        elif self._pipe is not None:
+            if self._pending is not None:  # not after a delayed update, but for safety
+                self.synchronize()
             self._finish_pipelined_step(self._pipe)
         elif self._delays_now():
             self._launch_update()
@@ -690,6 +724,36 @@ class OffloadAdamW(torch.optim.Optimizer):
         finally:
             pipe.new_step()
             self._grad_scale = 1.0
+
+    def _launch_buckets(self, pipe: buckets.Pipeline) -> None:
+        """Pipelined and delayed: the previous update's weights sent back (the compute
+        stream waits for each bucket's, here or in the next forward), this step's gradient
+        buffer handed to the worker with the spare in its place, and every bucket's update
+        launched (in forward order), its weights left on the host until the next step."""
+        try:
+            self._send_pending(pipe)
+            grads = self._host.swap_grads()
+            todo = list(reversed(range(len(pipe.buckets))))
+            pidxs = [i for b in todo for i in pipe.buckets[b].pidxs if self._active[i]]
+            self._pending = _PendingBuckets(self._submit_buckets(todo, pidxs, grads))
+            pipe.after_copies()  # later work on the gradients follows their copies
+        finally:
+            pipe.new_step()
+            self._grad_scale = 1.0
+
+    def _send_pending(self, pipe: buckets.Pipeline) -> None:
+        """Pipelined: wait for the delayed update in flight, bucket by bucket in the order
+        it runs, and send each one's weights back on the host-to-device stream; the compute
+        stream waits for them here, or before the layer using them (:meth:`wait_per_layer`)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        assert isinstance(pending, _PendingBuckets)
+        for b, pidxs in pending.buckets:
+            pipe.send_now(b, functools.partial(self._copy_back, pidxs))
+        for b, _ in pending.buckets:
+            if not pipe.covered[b]:
+                pipe.release(b)
 
     def _delays_now(self) -> bool:
         """Whether this step's update is delayed: past the first ``delay_warmup`` updates."""
@@ -772,10 +836,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         checkpoint of the model, the end of training); a no-op without ``update_delay``.
         A pipelined step's updates are waited for here too."""
         if self._pipe is not None:
+            self._send_pending(self._pipe)
             self._pipe.drain()
+            self._copies_done = None
+            return
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        assert isinstance(pending, _PendingUpdate)
         pending.future.result()
         self._return_weights(pending.active, pending.idle)
         self._copies_done = transfer.copies_done(self._side)
@@ -1032,6 +1100,15 @@ class _PendingUpdate:
     idle: set[int]
 
 
+@dataclass(frozen=True)
+class _PendingBuckets:
+    """A pipelined delayed update in flight: each bucket (in the order the worker runs
+    them, their futures in :attr:`buckets.Pipeline.futures`) and the parameters it steps,
+    whose weights go back when the next step (or a synchronize) applies it."""
+
+    buckets: list[tuple[int, list[int]]]
+
+
 def _forced(**given: bool | str) -> str:
     """The switches ``given`` as True (not "auto"), as the subject of a refusal
     ("pipeline=True needs", "a=True and b=True need"); "" when none is."""
@@ -1041,8 +1118,11 @@ def _forced(**given: bool | str) -> str:
     return " and ".join(names) + (" needs" if len(names) == 1 else " need")
 
 
-def _check_delay(update_delay: int, delay_warmup: int, in_place: bool | None) -> None:
-    """Refuse a delay other than 0 or 1, a negative warm-up, and a delay stepping in place."""
+def _check_delay(
+    update_delay: int, delay_warmup: int, in_place: bool | None, update_in_backward: bool
+) -> None:
+    """Refuse a delay other than 0 or 1, a negative warm-up, and a delay stepping in place
+    or updating in backward."""
     if update_delay not in (0, 1) or isinstance(update_delay, bool):
         raise ValueError(f"update_delay={update_delay!r}: use 0 (exact) or 1 (one step delayed)")
     if not isinstance(delay_warmup, int) or isinstance(delay_warmup, bool) or delay_warmup < 0:
@@ -1051,4 +1131,9 @@ def _check_delay(update_delay: int, delay_warmup: int, in_place: bool | None) ->
         raise ValueError(
             "in_place=True steps the parameters themselves, which a delayed update must leave "
             "as they are while the next step computes; use in_place=None with update_delay=1"
+        )
+    if update_delay and update_in_backward:
+        raise ValueError(
+            "update_in_backward=True updates each bucket during its own backward, exactly; "
+            "a delayed update runs in the next step's shadow: use one of them"
         )

@@ -60,7 +60,8 @@ def plan_offload(
     ``native`` says whether the native kernel loads, asked only where a split master
     depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
-    buffers: the next step's land beside the ones the update reads) and copies weights back.
+    buffers: the next step's land beside the ones the update reads) and copies weights back,
+    through the buckets where the step is pipelined.
     A pipelined step (``pipeline``: :func:`moestack.optim.switches.decide`, where every
     parameter is on a GPU and ``overlap`` is on) runs the staged mode, its gradients crossing
     in their own dtype when all are bf16. Sharded state with ``reduce_on_device``
@@ -70,7 +71,6 @@ def plan_offload(
     why_not = buckets.refusal(
         specs,
         distributed=distributed,
-        update_delay=update_delay,
         skip_idle_experts=skip_idle_experts,
         fused_step=fused_step,
         in_place=in_place,

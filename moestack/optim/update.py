@@ -158,12 +158,48 @@ def _all_zero(t: Tensor) -> bool:
     return bool(lo == 0) and bool(hi == 0)
 
 
-def norm_of(grads: Sequence[Tensor]) -> Tensor:
-    """The global 2-norm of ``grads`` (any float dtype), accumulated in fp32."""
+def grad_norms(grads: Sequence[Tensor]) -> Tensor:
+    """Each gradient's 2-norm as fp32 (``[len(grads)]``, on the first gradient's device).
+
+    The first half of the one clipping norm of OffloadAdamW (the serial step and the
+    pipelined buckets both call it): one multi-tensor launch per device and dtype, so a
+    gradient's norm is the same bits whichever list it is measured in."""
     if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        return torch.zeros(0)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for k, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(k)
+    norms: list[Tensor] = list(grads)  # each replaced by its norm below
+    for ks in groups.values():
+        got = torch._foreach_norm([grads[k] for k in ks], 2.0, dtype=torch.float32)
+        for k, n in zip(ks, got, strict=True):
+            norms[k] = n.to(grads[0].device)
+    return torch.stack(norms)
+
+
+def param_norms(grads: Sequence[Tensor | None]) -> Tensor:
+    """``norms_P``: each parameter's gradient 2-norm (:func:`grad_norms`) in parameter
+    order, 0 where a parameter has no gradient."""
+    have = [k for k, g in enumerate(grads) if g is not None]
+    if not have:
+        return torch.zeros(len(grads))
+    norms = grad_norms([grads[k] for k in have])  # type: ignore[misc]
+    if len(have) == len(grads):
+        return norms
+    out = norms.new_zeros(len(grads))
+    return out.index_copy_(0, torch.tensor(have, device=out.device), norms)
+
+
+def total_norm(norms_P: Tensor, wide_P: Tensor | None = None) -> Tensor:
+    """The global 2-norm (a 0-d fp32 tensor) from per-parameter fp32 norms ``norms_P`` in
+    parameter order: squared and summed in fp64, the root narrowed to fp32.
+
+    The second half of the one clipping norm: the serial step and the pipelined step combine
+    the same per-parameter norms with it, so their norms, clipping factors and results are
+    bitwise equal. ``wide_P`` (fp64, as long) is scratch made once by a caller that wants
+    nothing allocated per step."""
+    wide = norms_P.double() if wide_P is None else wide_P.copy_(norms_P)
+    return wide.square_().sum().sqrt().float()
 
 
 # Elements a chunk of :func:`sum_of_squares` squares at a time (16 MB of fp32).

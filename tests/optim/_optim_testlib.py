@@ -229,16 +229,18 @@ def delayed_run(
     fused_step: str = "auto",
     synced_after: frozenset[int] = frozenset(),
     rows: slice = slice(None),
+    **kw: Any,
 ) -> list[dict[str, torch.Tensor]]:
-    """OffloadAdamW(update_delay=1) on one process (or one rank's ``rows``), recorded as
-    :func:`delayed_reference` records the reference."""
+    """OffloadAdamW(update_delay=1, **kw) on one process (or one rank's ``rows``), recorded
+    as :func:`delayed_reference` records the reference."""
     from moestack.optim import OffloadAdamW
 
     model = TinyMoE()
     opt = OffloadAdamW(
         groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8,
-        update_delay=1, delay_warmup=warmup, fused_step=fused_step,
+        update_delay=1, delay_warmup=warmup, fused_step=fused_step, **kw,
     )  # fmt: skip
+    assert opt.pipelined == bool(kw.get("pipeline", False))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     out = []
     for step in range(STEPS):

@@ -1,5 +1,6 @@
 """OffloadAdamW's one-step-delayed update (``update_delay=1``) against a plain-torch
-reference of its equations (``_optim_testlib.delayed_reference``)."""
+reference of its equations (``_optim_testlib.delayed_reference``), serial and through the
+pipelined step's buckets (``pipeline=True``: on the CPU its logic, on a GPU its streams)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from _optim_testlib import (
     STEPS,
     TinyMoE,
     assert_rel_close,
+    batch,
     delayed_reference,
     delayed_run,
     groups,
@@ -24,6 +26,11 @@ from _optim_testlib import (
 
 from moestack.config import OptimConfig
 from moestack.optim import OffloadAdamW
+
+KB = 1 / 1024  # bucket_mb of one kilobyte
+# Buckets of 16 bytes (every parameter alone, most larger than a bucket), of a kilobyte (a
+# few parameters each) and one for all.
+BUCKETS = {"param-alone": KB / 64, "some": KB, "one": 64.0}
 
 # Relative error bound against the torch.optim.AdamW reference (max|a-b| / max|b|): the
 # fused host kernel and torch's differ by rounding only.
@@ -43,6 +50,16 @@ def _assert_histories_close(got: list, want: list, tol: float = TOL) -> None:
 )
 def test_delayed_update_follows_its_equations(warmup: int, clip: bool, fused_step: str) -> None:
     _assert_histories_close(delayed_run(warmup, clip, fused_step), delayed_reference(warmup, clip))
+
+
+@pytest.mark.parametrize("bucket", list(BUCKETS))
+@pytest.mark.parametrize(("warmup", "clip"), [(1, True), (0, True), (3, False)])
+def test_pipelined_delayed_update_follows_its_equations(warmup: int, clip: bool, bucket: str):
+    """Through the buckets (gradients landing as backward makes them, the norm from their
+    device-side norms, the update in the worker, the weights back at the next step): the
+    same equations, with an idle expert, a schedule and accumulated micro-batches."""
+    got = delayed_run(warmup, clip, pipeline=True, bucket_mb=BUCKETS[bucket])
+    _assert_histories_close(got, delayed_reference(warmup, clip))
 
 
 def test_the_delay_is_real() -> None:
@@ -92,9 +109,15 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _delayed(model: torch.nn.Module) -> tuple[OffloadAdamW, torch.optim.lr_scheduler.LambdaLR]:
-    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, update_delay=1)
+def _delayed(
+    model: torch.nn.Module, **kw
+) -> tuple[OffloadAdamW, torch.optim.lr_scheduler.LambdaLR]:
+    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), eps=1e-8, update_delay=1, **kw)
+    assert opt.pipelined == bool(kw.get("pipeline", False))
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+PIPELINES = {"serial": {}, "pipelined": {"pipeline": True, "bucket_mb": KB}}
 
 
 def _train(model, opt, sched, steps: range) -> list[dict[str, torch.Tensor]]:
@@ -110,13 +133,14 @@ def _train(model, opt, sched, steps: range) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def test_resume_from_a_checkpoint_taken_with_an_update_in_flight() -> None:
+@pytest.mark.parametrize("how", list(PIPELINES))
+def test_resume_from_a_checkpoint_taken_with_an_update_in_flight(how: str) -> None:
     """A checkpoint after step 9's launch applies that update first (state_dict calls
     synchronize); the run resumed from it goes on bitwise as the run that took it, and both
     follow the reference with a synchronize after step 9."""
-    half = STEPS // 2
+    half, kw = STEPS // 2, PIPELINES[how]
     model = TinyMoE()
-    opt, sched = _delayed(model)
+    opt, sched = _delayed(model, **kw)
     history = _train(model, opt, sched, range(half))
     assert opt._pending is not None  # the checkpoint is taken with an update in flight
     saved = {"optim": opt.state_dict(), "model": _weights(model), "sched": sched.state_dict()}
@@ -127,7 +151,7 @@ def test_resume_from_a_checkpoint_taken_with_an_update_in_flight() -> None:
 
     resumed = TinyMoE()
     resumed.load_state_dict(saved["model"])
-    opt2, sched2 = _delayed(resumed)
+    opt2, sched2 = _delayed(resumed, **kw)
     sched2.load_state_dict(saved["sched"])
     opt2.load_state_dict(saved["optim"])
     after_resume = _train(resumed, opt2, sched2, range(half, STEPS))
@@ -140,17 +164,22 @@ def test_resume_from_a_checkpoint_taken_with_an_update_in_flight() -> None:
     _assert_histories_close(history + went_on, want)
 
 
+def _worker_of(opt: OffloadAdamW):
+    return opt._pipe._worker if opt.pipelined else opt._worker
+
+
+@pytest.mark.parametrize("pipe", list(PIPELINES))
 @pytest.mark.parametrize("how", ["close", "remove_hooks"])
-def test_closing_applies_the_update_in_flight_and_stops_the_worker(how: str) -> None:
+def test_closing_applies_the_update_in_flight_and_stops_the_worker(how: str, pipe: str) -> None:
     """Closing (or unhooking) a delayed optimizer applies the update its last step launched,
     as a synchronize would, and stops its worker thread; a later step starts another."""
     model = TinyMoE()
-    opt, sched = _delayed(model)
+    opt, sched = _delayed(model, **PIPELINES[pipe])
     _train(model, opt, sched, range(3))
-    assert opt._pending is not None and opt._worker is not None
-    worker = opt._worker
+    assert opt._pending is not None and _worker_of(opt) is not None
+    worker = _worker_of(opt)
     getattr(opt, how)()
-    assert opt._pending is None and opt._worker is None and opt._hooks == []
+    assert opt._pending is None and _worker_of(opt) is None and opt._hooks == []
     assert all(not t.is_alive() for t in worker._threads)
     want = delayed_reference(1, True, synced_after=frozenset({2, 3}))
     for n, p in _weights(model).items():
@@ -163,9 +192,10 @@ def test_closing_applies_the_update_in_flight_and_stops_the_worker(how: str) -> 
     opt.close()
 
 
-def test_the_update_runs_in_a_worker_and_its_error_reaches_the_next_step(monkeypatch) -> None:
+@pytest.mark.parametrize("pipe", list(PIPELINES))
+def test_the_update_runs_in_a_worker_and_its_error_reaches_the_next_step(monkeypatch, pipe):
     model = TinyMoE()
-    opt = OffloadAdamW(groups(model), lr=LR, update_delay=1, delay_warmup=0)
+    opt = OffloadAdamW(groups(model), lr=LR, update_delay=1, delay_warmup=0, **PIPELINES[pipe])
     threads = []
     real = opt._step_spans
 
@@ -177,7 +207,8 @@ def test_the_update_runs_in_a_worker_and_its_error_reaches_the_next_step(monkeyp
     micro_step(model, 0)
     opt.step()
     opt.synchronize()
-    assert threads and threads[0].startswith("offload-adamw-update")
+    name = "offload-adamw-buckets" if opt.pipelined else "offload-adamw-update"
+    assert threads and all(t.startswith(name) for t in threads)
 
     def failing(*args):
         raise RuntimeError("host update failed")
@@ -201,6 +232,33 @@ def test_the_delayed_update_keeps_a_spare_gradient_buffer() -> None:
     assert delayed["master"].numel() == numel  # a master copy: never stepped in place
 
 
+def test_pipelined_delayed_gradients_cross_as_bf16_with_no_device_scratch() -> None:
+    """Through the buckets, bf16 gradients land as bf16 in two host buffers (the update in
+    flight reads one, the next step's gradients land in the other), and no fp32 device
+    scratch is made; the weights the forward sees are those before the update in flight."""
+    model = TinyMoE().bfloat16()
+    opt = OffloadAdamW(groups(model), lr=LR, update_delay=1, pipeline=True, bucket_mb=KB)
+    bufs = opt.host_buffers()
+    assert bufs["grad_comm"].dtype == bufs["grad_spare"].dtype == torch.bfloat16
+    numel = sum(p.numel() for p in model.parameters())
+    assert bufs["grad_comm"].numel() == bufs["grad_spare"].numel() == numel
+    seen = []
+    for step in range(4):
+        for micro in range(2):
+            x, y = batch(step, micro)
+            ((model(x.bfloat16()).float() - y).square().mean() / 2).backward()
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        seen.append(_weights(model))
+    assert opt._pending is not None and opt.device_buffers() == {}
+    assert all(torch.equal(seen[1][n], seen[0][n]) for n in seen[0])  # launched only
+    assert not torch.equal(seen[2]["moe.w1"], seen[1]["moe.w1"])  # applied at the next step
+    opt.synchronize()
+    assert opt._pending is None and not torch.equal(_weights(model)["inp.weight"], seen[3][
+        "inp.weight"])  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
@@ -208,6 +266,10 @@ def test_the_delayed_update_keeps_a_spare_gradient_buffer() -> None:
         ({"update_delay": True}, r"update_delay=True"),
         ({"update_delay": 1, "delay_warmup": -1}, r"delay_warmup=-1"),
         ({"update_delay": 1, "in_place": True}, r"in_place=True steps the parameters"),
+        (
+            {"update_delay": 1, "pipeline": True, "update_in_backward": True},
+            r"update_in_backward=True updates each bucket during its own backward",
+        ),
     ],
 )
 def test_bad_delay_settings_are_refused(kw: dict, match: str) -> None:

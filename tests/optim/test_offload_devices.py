@@ -136,14 +136,18 @@ def test_matches_torch_adamw_on_device(
             assert torch.equal(p.detach().cpu(), full("master").to(dtype)), n
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_delayed_update_on_device(device: str, dtype: torch.dtype) -> None:
-    """update_delay=1 with the copies of the device path: these gradients do not depend on
-    the weights, so the master weights follow torch AdamW exactly as without the delay, and
-    the weights the device sees after step k are the master's after update k - 1 (after
-    update k once synchronized)."""
-    params, ref, opt, ref_opt = _with_reference(device, dtype, update_delay=1)
+def test_delayed_update_on_device(device: str, dtype: torch.dtype, pipeline: bool) -> None:
+    """update_delay=1 with the copies of the device path, serial or through the buckets
+    (``pipeline``: on CUDA their streams): these gradients do not depend on the weights, so
+    the master weights follow torch AdamW exactly as without the delay, and the weights the
+    device sees after step k are the master's after update k - 1 (after update k once
+    synchronized)."""
+    kw = {"pipeline": pipeline, "bucket_mb": 0.004}  # 2 to 4 parameters a bucket
+    params, ref, opt, ref_opt = _with_reference(device, dtype, update_delay=1, **kw)
+    assert opt.pipelined == pipeline
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda)
     for step in range(STEPS):
@@ -219,6 +223,7 @@ def test_delayed_transfers_are_waited_for(monkeypatch) -> None:
     stall_transfers(monkeypatch)
     for pipeline in (False, True):
         test_matches_torch_adamw_on_device("cuda", torch.bfloat16, defer=True, pipeline=pipeline)
+        test_delayed_update_on_device("cuda", torch.bfloat16, pipeline=pipeline)
 
 
 @pytest.mark.parametrize("device", DEVICES)
