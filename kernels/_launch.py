@@ -188,6 +188,7 @@ def grouped_mm(
             HAS_SCALE=scale is not None,
             SWIGLU=swiglu,
             STORE_Z=z is not None,
+            EVEN_K=K % cfg.block_k == 0,
             DOT_PRECISION=precision,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -203,29 +204,53 @@ def grouped_mm(
         run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, run, interp))
 
 
+def gather_rows(src_ND: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    """``src[rows]`` as a contiguous [R, D] buffer (int32 ``rows``): the expert-sorted copy
+    of x or dy that the backward's GEMMs then read as plain contiguous tiles."""
+    out_RD = new_empty((rows_R.numel(), src_ND.shape[1]), src_ND.dtype, src_ND.device)
+    return torch.index_select(src_ND, 0, rows_R, out=out_RD)
+
+
+def grouped_wgrad_torch(a_NK: torch.Tensor, b_NM: torch.Tensor, offsets_E: torch.Tensor):
+    """out[e] = a[rows of e]^T @ b[rows of e] by ``torch._grouped_mm``'s 2D x 2D form (the
+    groups along the reduced dim), where ``tuning.torch_wgrad_runs`` says it runs. A group
+    without rows gets zeros, forced: some GPUs' kernels leave its output undefined."""
+    out_EKM = torch._grouped_mm(a_NK.contiguous().t(), b_NM.contiguous(), offs=offsets_E)
+    starts_E = torch.cat([offsets_E.new_zeros(1), offsets_E[:-1]])
+    return out_EKM.masked_fill_((offsets_E == starts_E).view(-1, 1, 1), 0)
+
+
 def grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
     offsets_E: torch.Tensor,
-    out_EKM: torch.Tensor,
     *,
     a_rows: torch.Tensor | None = None,
     b_rows: torch.Tensor | None = None,
-) -> None:
-    """out[e] = a[a_rows[r]]^T @ b[b_rows[r]] summed over the rows r of expert e.
+) -> torch.Tensor:
+    """out[e] = a[a_rows[r]]^T @ b[b_rows[r]] summed over the rows r of expert e: a new
+    [E, K, M] tensor in a's dtype (E from ``offsets_E``, K = a's width, M = b's).
 
-    Every element of ``out_EKM`` is written (zeros for experts without rows).
+    Every element is written (zeros for experts without rows). The backend (moestack's
+    kernel or ``torch._grouped_mm``) comes with the tile config: the table's entry, else
+    autotuning among both where torch's runs, else moestack's kernel. Without gathers both
+    read contiguous rows; a gathered operand goes to torch's backend as a gathered copy.
     """
-    interp = check_tensors(a, b, out_EKM)
+    interp = check_tensors(a, b)
     if a.dtype != b.dtype:
         raise TypeError(f"dtype mismatch: {a.dtype} and {b.dtype}")
     tk = kernels()
-    E, K, M = out_EKM.shape
+    E, K, M = offsets_E.shape[0], a.shape[1], b.shape[1]
     dummy = offsets_E
     flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}"
     precision = _dot_precision(a.dtype)
 
-    def run(cfg: tuning.KernelConfig) -> None:
+    def run(cfg: tuning.KernelConfig) -> torch.Tensor:
+        if cfg.backend == "torch":
+            a_g = a if a_rows is None else gather_rows(a, a_rows)
+            b_g = b if b_rows is None else gather_rows(b, b_rows)
+            return grouped_wgrad_torch(a_g, b_g, offsets_E)
+        out_EKM = new_empty((E, K, M), a.dtype, a.device)
         grid = ((-(-K // cfg.block_m)) * (-(-M // cfg.block_n)), E)
         tk.grouped_wgrad_kernel[grid](
             a,
@@ -245,6 +270,7 @@ def grouped_wgrad(
             out_EKM.stride(2),
             GATHER_A=a_rows is not None,
             GATHER_B=b_rows is not None,
+            EVEN_KM=K % cfg.block_m == 0 and M % cfg.block_n == 0,
             DOT_PRECISION=precision,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -253,11 +279,12 @@ def grouped_wgrad(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+        return out_EKM
 
     rows = a_rows.numel() if a_rows is not None else a.shape[0]  # the sorted rows
     key = tuning.make_key("wgrad", E, K, M, a.dtype, flags, rows)
     with _on_device(a):
-        run(tuning.choose_config("wgrad", key, a.device, K, M, a.dtype, run, interp))
+        return run(tuning.choose_config("wgrad", key, a.device, K, M, a.dtype, run, interp))
 
 
 def swiglu_bwd(

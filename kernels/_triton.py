@@ -92,6 +92,7 @@ def grouped_mm_kernel(
     HAS_SCALE: tl.constexpr,
     SWIGLU: tl.constexpr,
     STORE_Z: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,6 +109,8 @@ def grouped_mm_kernel(
     together and stores C = silu(gate) * up (and the pre-activations into Z when STORE_Z).
     The gate/up values are rounded to the storage dtype before the activation, so the
     backward pass, which recomputes the activation from Z, sees the same numbers.
+    EVEN_K (BLOCK_K divides K, decided on the host): the main loop's loads carry no mask
+    along K, only the row and column masks.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(M, BLOCK_N)
@@ -137,12 +140,18 @@ def grouped_mm_kernel(
         b2_ptrs = b_ptrs + M * stride_bn
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_end, BLOCK_K):
-        k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if EVEN_K:
+            a_mask = m_mask[:, None]
+            b_mask = n_mask[None, :]
+        else:
+            k_mask = offs_k < K - k0
+            a_mask = m_mask[:, None] & k_mask[None, :]
+            b_mask = k_mask[:, None] & n_mask[None, :]
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if SWIGLU:
-            b2 = tl.load(b2_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            b2 = tl.load(b2_ptrs, mask=b_mask, other=0.0)
             acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PRECISION)
             b2_ptrs += BLOCK_K * stride_bk
         a_ptrs += BLOCK_K * stride_ak
@@ -173,6 +182,59 @@ def grouped_mm_kernel(
 
 
 @triton.jit
+def _wgrad_rows(
+    acc,
+    a_ptr,
+    b_ptr,
+    a_rows_ptr,
+    b_rows_ptr,
+    rows,
+    row_end,
+    offs_k,
+    offs_n,
+    k_mask,
+    n_mask,
+    stride_am,
+    stride_ak,
+    stride_bm,
+    stride_bn,
+    GATHER_A: tl.constexpr,
+    GATHER_B: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    EVEN_KM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """acc += A[rows]^T @ B[rows] for one block of sorted rows; the tile loads carry the row
+    mask only where MASK_ROWS (the last, partial block of an expert), the K/M masks only
+    unless EVEN_KM. The row index of a gathered operand is a few ints: always masked."""
+    r_mask = rows < row_end
+    if GATHER_A:
+        a_rows = tl.load(a_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    if GATHER_B:
+        b_rows = tl.load(b_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+    else:
+        b_rows = rows.to(tl.int64)
+    a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak
+    b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_n[None, :] * stride_bn
+    if MASK_ROWS:
+        if EVEN_KM:
+            a = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    elif EVEN_KM:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=k_mask[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[None, :], other=0.0)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def grouped_wgrad_kernel(
     a_ptr,
     b_ptr,
@@ -191,6 +253,7 @@ def grouped_wgrad_kernel(
     stride_cn,
     GATHER_A: tl.constexpr,
     GATHER_B: tl.constexpr,
+    EVEN_KM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -201,8 +264,13 @@ def grouped_wgrad_kernel(
 
     Grid: (tiles of the [K, M] output, E). BLOCK_M x BLOCK_N is the output tile (over K and
     M), BLOCK_K the chunk of rows reduced per step. A rows are read through ``a_rows``
-    (GATHER_A) and B rows through ``b_rows`` (GATHER_B). Both operands go to the matrix
-    unit as loaded (a per-row scale belongs in the producer of A, see swiglu_bwd_kernel).
+    (GATHER_A) and B rows through ``b_rows`` (GATHER_B); the MoE backward passes contiguous
+    operands (rows gathered once beforehand), the gathered forms stay for other callers.
+    Both operands go to the matrix unit as loaded (a per-row scale belongs in the producer
+    of A, see swiglu_bwd_kernel). The main loop runs over an expert's whole blocks of
+    BLOCK_K rows without a row mask; its last, partial block runs once after it, masked.
+    EVEN_KM (BLOCK_M divides K and BLOCK_N divides M, decided on the host): the loads carry
+    no K/M mask either, so the main loop's loads are mask-free.
     An expert without rows stores a zero tile, so the gradient is always fully written.
     """
     pid = tl.program_id(0)
@@ -218,6 +286,7 @@ def grouped_wgrad_kernel(
     prev = tl.load(offsets_ptr + tl.maximum(expert - 1, 0))
     row_start = tl.where(expert > 0, prev, 0)
     row_end = tl.load(offsets_ptr + expert)
+    full_end = row_start + ((row_end - row_start) // BLOCK_K) * BLOCK_K
 
     offs_k = pid_k * BLOCK_M + tl.arange(0, BLOCK_M)
     k_mask = offs_k < K
@@ -225,22 +294,18 @@ def grouped_wgrad_kernel(
     n_mask = offs_n < M
     offs_r = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_K):
-        rows = r0 + offs_r
-        r_mask = rows < row_end
-        if GATHER_A:
-            a_rows = tl.load(a_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-        else:
-            a_rows = rows.to(tl.int64)
-        if GATHER_B:
-            b_rows = tl.load(b_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-        else:
-            b_rows = rows.to(tl.int64)
-        a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None] * stride_ak
-        a = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        b_ptrs = b_ptr + b_rows[:, None] * stride_bm + offs_n[None, :] * stride_bn
-        b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    for r0 in range(row_start, full_end, BLOCK_K):
+        acc = _wgrad_rows(
+            acc, a_ptr, b_ptr, a_rows_ptr, b_rows_ptr, r0 + offs_r, row_end,
+            offs_k, offs_n, k_mask, n_mask, stride_am, stride_ak, stride_bm, stride_bn,
+            GATHER_A, GATHER_B, False, EVEN_KM, DOT_PRECISION,
+        )  # fmt: skip
+    if full_end < row_end:
+        acc = _wgrad_rows(
+            acc, a_ptr, b_ptr, a_rows_ptr, b_rows_ptr, full_end + offs_r, row_end,
+            offs_k, offs_n, k_mask, n_mask, stride_am, stride_ak, stride_bm, stride_bn,
+            GATHER_A, GATHER_B, True, EVEN_KM, DOT_PRECISION,
+        )  # fmt: skip
 
     c_ptrs = (
         c_ptr

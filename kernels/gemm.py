@@ -78,8 +78,7 @@ def _gemm_bwd_op(
             _launch.grouped_mm(dy_NM, w_EKM.transpose(1, 2), offsets_E, dx_NK, N)
     if need_dw:
         if N:  # dW[e] = X_e^T @ dY_e, zeros for experts without rows
-            dw_EKM = _launch.new_empty(tuple(w_EKM.shape), w_EKM.dtype, w_EKM.device)
-            _launch.grouped_wgrad(x_NK, dy_NM, offsets_E, dw_EKM)
+            dw_EKM = _launch.grouped_wgrad(x_NK, dy_NM, offsets_E)
         else:
             dw_EKM = torch.zeros_like(w_EKM, memory_format=torch.contiguous_format)
     return dx_NK, dw_EKM

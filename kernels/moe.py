@@ -13,17 +13,23 @@ Saved for backward: x, W1, W2 (inputs), ``z`` [R, 2F] and the int32 sort bookkee
 ``h`` (needed for dW2 and the router-weight gradient) is recomputed from ``z`` by an
 elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after forward.
 That kernel works in place: ``dz`` overwrites the saved ``z`` and ``weight * h`` overwrites
-``G``, so the backward's largest live buffers are ``z`` and one [R, F] (2F + F elements a
-row, against 2F + F + 2F + F had each its own buffer: 1.3 GiB less at Mixtral's shape and 8k
-tokens). Only a backward that frees the graph when it ends works in place; with
+``G``, so the backward's largest live buffers are ``z``, one [R, F] and the [R, D] copy of
+dy's rows (2F + F + D elements a row, against 2F + F + 2F + F + D had dz and weight * h
+each their own buffer: 1.3 GiB less at Mixtral's shape and 8k tokens). Only a backward
+that frees the graph when it ends works in place; with
 ``retain_graph``/``create_graph``, and in traced code (torch.compile), a functional twin of
 the op gives dz and weight * h buffers of their own, so z is still z for a later backward.
 
-Backward, with ``G = dy[tok] @ W2[e]^T`` (a gathered grouped GEMM):
+Backward, with ``G = dy[tok] @ W2[e]^T`` (dy's rows gathered once into expert order, a
+contiguous [R, D] copy that G and dW2 share):
   ``dweight[pair] = <dy[tok], h @ W2[e]> = <G, h>``; ``dz = SwiGLU'(z, weight * G)``;
   ``dW2[e] = (weight * h)_e^T @ dy[tok]_e`` (the elementwise kernel writes weight * h, so
   the GEMM's main loop only loads and multiplies); ``dx = sum_slots dz @ W1[e]^T``;
-  ``dW1[e] = x[tok]_e^T @ dz_e``.
+  ``dW1[e] = x[tok]_e^T @ dz_e`` (x's rows gathered into expert order just before it).
+Both weight gradients thus read contiguous rows, by moestack's kernel or torch._grouped_mm
+(the tuned table's choice per shape, ``kernels/tuning.py``). Each gathered copy is freed
+as soon as its GEMMs ran: the backward's largest live set is z, G and dy's copy
+(2F + F + D elements a row), then z with dx's per-slot rows or x's copy.
 
 Forward and backward are the torch custom ops ``moestack::triton_moe_experts`` and
 ``moestack::triton_moe_experts_bwd_`` (in place; ``moestack::triton_moe_experts_bwd`` when
@@ -154,10 +160,12 @@ def _backward_kernels(
         return dx_TD, dw1, dw2, dweights_TK
     dy_TD = dy_TD.to(dt)
 
+    # dy's rows in expert order, gathered once: G and dW2 read them as contiguous tiles.
     # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward: dz, the
     # router-weight gradient and weight * h (what dW2 needs).
+    dys_RD = _launch.gather_rows(dy_TD, token_R)
     g_RF = _launch.new_empty((R, F), dt, dev)
-    _launch.grouped_mm(dy_TD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, a_rows=token_R)
+    _launch.grouped_mm(dys_RD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
     dz_RF2 = z_RF2 if in_place else _launch.new_empty((R, F2), dt, dev)
     hw_RF = g_RF if in_place or not need_w2 else _launch.new_empty((R, F), dt, dev)
@@ -169,17 +177,17 @@ def _backward_kernels(
         flat[pair_R.long()] = dweight_R  # pair_R is a permutation: every slot written
         dweights_TK = flat.view(T, top_k)
     if need_w2:
-        dw2 = _launch.new_empty((E, F, D), w2_EFD.dtype, dev)
-        _launch.grouped_wgrad(hw_RF, dy_TD, offsets_E, dw2, b_rows=token_R)
-    del hw_RF
+        dw2 = _launch.grouped_wgrad(hw_RF, dys_RD, offsets_E)
+    del hw_RF, dys_RD  # before dx's [R, D] rows and x's gathered rows
     if need_x:
         dxs_RD = _launch.new_empty((R, D), dt, dev)
         _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
         dx_TD = dxs_RD.view(T, top_k, D).sum(1) if top_k > 1 else dxs_RD.view(T, D)
         del dxs_RD  # with k > 1 the sum is a new tensor: free the per-slot rows before dW1
     if need_w1:
-        dw1 = _launch.new_empty((E, D, F2), w1_EDF2.dtype, dev)
-        _launch.grouped_wgrad(x_TD, dz_RF2, offsets_E, dw1, a_rows=token_R)
+        xs_RD = _launch.gather_rows(x_TD, token_R)
+        dw1 = _launch.grouped_wgrad(xs_RD, dz_RF2, offsets_E)
+        del xs_RD
     return dx_TD, dw1, dw2, dweights_TK
 
 

@@ -14,6 +14,14 @@ name, in this order:
    heuristic default instead, e.g. under CUDA-graph capture);
 4. under ``TRITON_INTERPRET=1``: one fixed small config, no timing.
 
+A config also names its backend. Every kind runs moestack's Triton kernels ("triton"); the
+weight gradient may instead run ``torch._grouped_mm``'s 2D x 2D form ("torch"), a candidate
+only where that runs (``torch_wgrad_runs``: bf16 on sm90+ CUDA; fp32/bf16/fp16 on the CPU;
+16-byte rows), so autotuning measures it against the tiles and the table records the
+winner. Without a table entry or autotuning, moestack's kernel is the default. A table's
+"torch" entry read where torch's form cannot run (another dtype or GPU class under the same
+name) gives moestack's default: chosen by capability, never by a failed launch.
+
 The flags name the kernel variant, including whether the weight is a transposed view (its
 K dimension has unit stride: another memory access pattern, so another best tile); the row
 bucket is the power of two at or above the number of sorted rows (the best tile for 2k rows
@@ -43,7 +51,11 @@ log = logging.getLogger(__name__)
 
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 # 2: keys carry the transposed-weight flag and the row bucket (format 1 tables are ignored).
-TABLE_FORMAT = 2
+# 3: entries may name their backend ("triton" or "torch"); format 2 entries, which have no
+# backend field, are read as "triton".
+TABLE_FORMAT = 3
+READABLE_FORMATS = (2, 3)
+BACKENDS = ("triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,11 @@ class KernelConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    backend: str = "triton"  # "torch": torch._grouped_mm (weight gradients only)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}")
 
 
 # One fixed config for the interpreter: big enough that few programs run (the interpreter
@@ -68,7 +85,8 @@ class KernelConfig:
 INTERPRET_CONFIG = KernelConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
 
 # Small sensible candidate sets for Hopper/Ampere-class GPUs. The first entry is the
-# default when autotuning is off and the table has no entry.
+# default when autotuning is off and the table has no entry. A 128x256 or 256x128 fp32
+# accumulator is 128 registers a thread at 8 warps: the largest one tile may hold.
 _MM_CANDIDATES = (
     KernelConfig(128, 128, 64, 8, 8, 3),
     KernelConfig(128, 128, 32, 8, 4, 4),
@@ -77,6 +95,7 @@ _MM_CANDIDATES = (
     KernelConfig(128, 64, 64, 8, 4, 4),
     KernelConfig(64, 64, 64, 8, 4, 4),
     KernelConfig(64, 256, 32, 8, 8, 4),
+    KernelConfig(256, 128, 64, 8, 8, 3),
 )
 # Two accumulators (gate and up) per tile: keep the register budget of one 128x256 tile.
 _SWIGLU_CANDIDATES = (
@@ -89,6 +108,8 @@ _SWIGLU_CANDIDATES = (
 # The gathered row index is loaded one step ahead of the tiles, so it takes a pipeline stage:
 # with num_stages=3 a gathered weight gradient keeps only two tile buffers in flight. The
 # num_stages=5 entries keep three (96.5 KiB at 128x128x64 in bf16, compiled for sm_90).
+# The MoE backward's operands are contiguous (rows gathered once beforehand): no index
+# stage, and 128 rows a step halve the main loop's trips over an expert's rows.
 _WGRAD_CANDIDATES = (
     KernelConfig(128, 128, 64, 8, 8, 3),
     KernelConfig(128, 128, 32, 8, 4, 4),
@@ -98,7 +119,12 @@ _WGRAD_CANDIDATES = (
     KernelConfig(64, 64, 64, 8, 4, 4),
     KernelConfig(128, 128, 64, 8, 8, 5),
     KernelConfig(128, 128, 32, 8, 4, 5),
+    KernelConfig(256, 128, 64, 8, 8, 3),
+    KernelConfig(128, 128, 128, 8, 8, 3),
 )
+# The weight gradient by torch._grouped_mm: a candidate where ``torch_wgrad_runs`` (its tile
+# fields are unused).
+TORCH_WGRAD = KernelConfig(128, 128, 64, backend="torch")
 CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
     "mm": _MM_CANDIDATES,
     "mm_swiglu": _SWIGLU_CANDIDATES,
@@ -127,14 +153,33 @@ def autotune_enabled() -> bool:
     return os.environ.get("MOESTACK_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off")
 
 
+def torch_wgrad_runs(device: torch.device, dtype: torch.dtype, K: int, M: int) -> bool:
+    """Whether torch._grouped_mm's 2D x 2D weight gradient runs here: bf16 on sm90+ CUDA,
+    fp32/bf16/fp16 on the CPU, with 16-byte rows of both operands (K and M columns)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    if (K * size) % 16 or (M * size) % 16:
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 @functools.lru_cache(maxsize=4)
-def _read_table(path: str) -> dict[str, dict[str, dict[str, int]]]:
+def _read_table(path: str) -> dict[str, dict[str, dict[str, int | str]]]:
     p = Path(path)
     if not p.is_file():
         return {}
     data = json.loads(p.read_text())
-    if data.get("format") != TABLE_FORMAT:
-        log.warning("ignoring tuned-config table %s: unknown format %r", p, data.get("format"))
+    if data.get("format") not in READABLE_FORMATS:
+        log.warning(
+            "ignoring tuned-config table %s: unknown format %r (this moestack reads formats "
+            "%s); rerun scripts/tune_kernels.py to rewrite it",
+            p,
+            data.get("format"),
+            ", ".join(map(str, READABLE_FORMATS)),
+        )
         return {}
     return data.get("gpus", {})
 
@@ -189,14 +234,32 @@ def fit(cfg: KernelConfig, kind: str, K: int, M: int, dtype: torch.dtype) -> Ker
     return c
 
 
-def candidates(kind: str, K: int, M: int, dtype: torch.dtype) -> list[KernelConfig]:
-    """The distinct candidate configs for one kernel kind, fitted to the problem size."""
+def candidates(
+    kind: str, K: int, M: int, dtype: torch.dtype, device: torch.device | None = None
+) -> list[KernelConfig]:
+    """The distinct candidate configs for one kernel kind, fitted to the problem size; for
+    the weight gradient on a ``device`` where ``torch_wgrad_runs``, torch's backend last."""
     out: list[KernelConfig] = []
     for cfg in CANDIDATES[kind]:
         c = fit(cfg, kind, K, M, dtype)
         if c not in out:
             out.append(c)
+    if kind == "wgrad" and device is not None and torch_wgrad_runs(device, dtype, K, M):
+        out.append(TORCH_WGRAD)
     return out
+
+
+def _runnable(
+    cfg: KernelConfig, kind: str, device: torch.device, K: int, M: int, dtype: torch.dtype
+) -> KernelConfig:
+    """``cfg``, or moestack's default where ``cfg`` names torch's backend and it cannot run
+    here (a table entry of another dtype or GPU class under the same name)."""
+    if cfg.backend == "torch" and not (kind == "wgrad" and torch_wgrad_runs(device, dtype, K, M)):
+        log.info(
+            "torch's weight gradient cannot run here (%s, %s): moestack's kernel", device, dtype
+        )
+        return fit(CANDIDATES[kind][0], kind, K, M, dtype)
+    return cfg
 
 
 @contextlib.contextmanager
@@ -206,6 +269,8 @@ def forced_config(kind: str, cfg: KernelConfig) -> Iterator[None]:
     table. For checking each candidate config against a reference; not thread-safe."""
     if kind not in CANDIDATES:
         raise ValueError(f"kind={kind!r} is unknown; use one of {sorted(CANDIDATES)}")
+    if cfg.backend == "torch" and kind != "wgrad":
+        raise ValueError(f"backend='torch' is for kind='wgrad' only, not {kind!r}")
     previous = _FORCED.get(kind)
     _FORCED[kind] = cfg
     try:
@@ -224,13 +289,13 @@ def choose_config(
     K: int,
     M: int,
     dtype: torch.dtype,
-    run: Callable[[KernelConfig], None],
+    run: Callable[[KernelConfig], object],
     interpret: bool,
 ) -> KernelConfig:
     """Pick the config for one launch; ``run(cfg)`` launches the kernel (used for timing)."""
     forced = _FORCED.get(kind)
     if forced is not None:
-        return fit(forced, kind, K, M, dtype)
+        return _runnable(fit(forced, kind, K, M, dtype), kind, device, K, M, dtype)
     if interpret:
         return INTERPRET_CONFIG
     gpu = torch.cuda.get_device_name(device)
@@ -239,8 +304,9 @@ def choose_config(
         return cached
     cfg = lookup_table(gpu, key)
     if cfg is None:
-        cands = candidates(kind, K, M, dtype)
+        cands = candidates(kind, K, M, dtype, device)
         cfg = _benchmark(key, cands, run) if autotune_enabled() else cands[0]
+    cfg = _runnable(cfg, kind, device, K, M, dtype)
     _AUTOTUNE_CACHE[(gpu, key)] = cfg
     return cfg
 
@@ -273,7 +339,7 @@ def _skippable(exc: BaseException) -> bool:
     )
 
 
-def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig], None]):
+def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig], object]):
     best, best_ms = None, float("inf")
     for cfg in cands:
         try:
@@ -295,9 +361,10 @@ def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig]
     return best
 
 
-def export_cache() -> dict[str, dict[str, dict[str, int]]]:
-    """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py)."""
-    out: dict[str, dict[str, dict[str, int]]] = {}
+def export_cache() -> dict[str, dict[str, dict[str, int | str]]]:
+    """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py);
+    each entry names its backend."""
+    out: dict[str, dict[str, dict[str, int | str]]] = {}
     for (gpu, key), cfg in sorted(_AUTOTUNE_CACHE.items()):
         out.setdefault(gpu, {})[key] = asdict(cfg)
     return out

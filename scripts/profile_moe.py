@@ -3,11 +3,13 @@
 bench_moe.py says how fast each path is; this says why. Every kernel launch of the Triton
 experts is timed on its own (CUDA events around it; on the CPU, the wall clock around the
 interpreter) and labelled by its role: the forward's gate/up GEMM (gather + SwiGLU epilogue)
-and down GEMM (router weight + scatter), the backward's G = dy @ W2^T, the elementwise SwiGLU
-backward, dW2, dx and dW1. Each GEMM row gives its useful TFLOP/s and the fraction of the
-dense bf16 matmul rate measured in the same run; "other" is the rest of the step (router,
-sort, gathers, the sum over the k slots, allocations), from an untimed pass of the same
-step. A launch's time runs from its start event, recorded before the Python launcher, to its
+and down GEMM (router weight + scatter), the backward's row gathers (dy's and x's rows copied
+into expert order for G and the weight gradients), G = dy @ W2^T, the elementwise SwiGLU
+backward, dW2, dx and dW1; a weight gradient that the tuned table gives to torch._grouped_mm
+is its own row, "[torch._grouped_mm]" after the role. Each GEMM row gives its useful TFLOP/s
+and the fraction of the dense bf16 matmul rate measured in the same run; "other" is the rest
+of the step (router, sort, the forward's index gathers, the sum over the k slots,
+allocations), from an untimed pass of the same step. A launch's time runs from its start event, recorded before the Python launcher, to its
 end event: while the GPU waits for the host (small shapes), launcher overhead lands in the
 launch's row rather than in "other". The torch path's whole step is timed beside it, for the
 ratio bench_moe reports. Prints a table per shape; --json writes them.
@@ -40,21 +42,33 @@ from moestack.kernels import _launch  # noqa: E402
 TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, tokens
 
 
-def grouped_mm_role(kw: dict) -> str:
+TORCH_TAG = " [torch._grouped_mm]"  # after the role of a weight gradient torch computed
+GATHER_ROLE = "bwd gather dy,x rows"
+
+
+def grouped_mm_role(args: tuple, kw: dict, dims: tuple[int, int]) -> str:
     """The role of a ``grouped_mm`` launch in the fused experts (kernels/moe.py)."""
     if kw.get("swiglu"):
         return "fwd x@W1 +SwiGLU"
     if kw.get("c_rows") is not None:
         return "fwd h@W2 +combine" if kw.get("scale") is not None else "bwd dx=dz@W1^T"
-    return "bwd G=dy@W2^T" if kw.get("a_rows") is not None else "grouped_mm"
+    w = args[1]
+    transposed = w.stride(2) != 1 and w.stride(1) == 1  # W2^T: a view with unit K stride
+    return "bwd G=dy@W2^T" if transposed or kw.get("a_rows") is not None else "grouped_mm"
 
 
-def wgrad_role(kw: dict) -> str:
-    return "bwd dW2=(wh)^T dy" if kw.get("b_rows") is not None else "bwd dW1=x^T dz"
+def wgrad_role(args: tuple, kw: dict, dims: tuple[int, int]) -> str:
+    """dW1 is [D, 2F] per expert, dW2 [F, D]: told apart by the operands' widths."""
+    D, F = dims
+    widths = (args[0].shape[1], args[1].shape[1])
+    if widths == (D, 2 * F):
+        return "bwd dW1=x^T dz"
+    return "bwd dW2=(wh)^T dy" if widths == (F, D) else "grouped_wgrad"
 
 
 def gemm_flops(role: str, R: int, D: int, F: int) -> float:
-    """Useful FLOPs of one launch (R = tokens x top_k rows)."""
+    """Useful FLOPs of one launch (R = tokens x top_k rows), whichever backend ran it."""
+    role = role.removesuffix(TORCH_TAG)
     two_f = {"fwd x@W1 +SwiGLU", "bwd dx=dz@W1^T", "bwd dW1=x^T dz"}
     one_f = {"fwd h@W2 +combine", "bwd G=dy@W2^T", "bwd dW2=(wh)^T dy"}
     if role in two_f:
@@ -63,33 +77,57 @@ def gemm_flops(role: str, R: int, D: int, F: int) -> float:
 
 
 class LaunchTimer:
-    """Wraps the launchers of moestack.kernels._launch; sums each role's time per step."""
+    """Wraps the launchers of moestack.kernels._launch; sums each role's time per step.
+
+    Only the outermost wrapped call is timed: a launcher called by another one (torch's
+    weight gradient inside ``grouped_wgrad``, a gather for it) adds its tag, if it has one,
+    to the caller's role instead of a row of its own, so no time is counted twice."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.ms: dict[str, float] = defaultdict(float)
         self.pending: list[tuple[str, object, object]] = []
         self.active = False
+        self.dims = (0, 0)  # (d_model, d_ff) of the shape being profiled
+        self.tags: list[list[str]] = []  # one list per wrapped call in progress
 
-    def wrap(self, fn: Callable, role_of: Callable[[dict], str]) -> Callable:
+    def wrap(self, fn: Callable, role_of: Callable[[tuple, dict, tuple], str]) -> Callable:
         @functools.wraps(fn)
         def timed(*args, **kw):
-            if not self.active:
+            if not self.active or self.tags:
                 return fn(*args, **kw)
-            role = role_of(kw)
+            self.tags.append([])
+            try:
+                if self.device.type == "cuda":
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
+                    out = fn(*args, **kw)
+                    end.record()
+                else:
+                    t0 = time.perf_counter()
+                    out = fn(*args, **kw)
+                    elapsed = (time.perf_counter() - t0) * 1e3
+            finally:
+                tags = self.tags.pop()
+            role = role_of(args, kw, self.dims) + "".join(tags)
             if self.device.type == "cuda":
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                out = fn(*args, **kw)
-                end.record()
                 self.pending.append((role, start, end))
             else:
-                t0 = time.perf_counter()
-                out = fn(*args, **kw)
-                self.ms[role] += (time.perf_counter() - t0) * 1e3
+                self.ms[role] += elapsed
             return out
 
         return timed
+
+    def tag(self, fn: Callable, tag: str) -> Callable:
+        """``fn``, adding ``tag`` to the role of the timed call it runs inside."""
+
+        @functools.wraps(fn)
+        def tagged(*args, **kw):
+            if self.active and self.tags and tag not in self.tags[-1]:
+                self.tags[-1].append(tag)
+            return fn(*args, **kw)
+
+        return tagged
 
     def collect(self) -> None:
         """Fold the CUDA events in (after a synchronise)."""
@@ -101,7 +139,9 @@ class LaunchTimer:
 def install(timer: LaunchTimer) -> None:
     _launch.grouped_mm = timer.wrap(_launch.grouped_mm, grouped_mm_role)
     _launch.grouped_wgrad = timer.wrap(_launch.grouped_wgrad, wgrad_role)
-    _launch.swiglu_bwd = timer.wrap(_launch.swiglu_bwd, lambda kw: "bwd SwiGLU' (elementwise)")
+    _launch.grouped_wgrad_torch = timer.tag(_launch.grouped_wgrad_torch, TORCH_TAG)
+    _launch.gather_rows = timer.wrap(_launch.gather_rows, lambda *_: GATHER_ROLE)
+    _launch.swiglu_bwd = timer.wrap(_launch.swiglu_bwd, lambda *_: "bwd SwiGLU' (elementwise)")
 
 
 def step_ms(step: Callable[[], None], device: torch.device, steps: int) -> float:
@@ -143,6 +183,7 @@ def profile_shape(
     torch_ms = step_ms(torch_step, device, steps)
     triton_total = step_ms(triton_step, device, steps)  # untimed launches: no event overhead
     timer.ms.clear()
+    timer.dims = (D, F)
     timer.active = True
     try:
         step_ms(triton_step, device, steps)
@@ -185,12 +226,12 @@ def print_profile(p: dict) -> None:
         f"\n{p['shape']}: triton {p['triton_ms']:.3f} ms fwd+bwd, torch {p['torch_ms']:.3f} "
         f"ms (x{p['speedup_over_torch']:.2f})"
     )
-    print(f"  {'launch':<28} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'of dense':>8}")
+    print(f"  {'launch':<40} {'ms':>9} {'% step':>7} {'TFLOP/s':>8} {'of dense':>8}")
     for r in p["rows"]:
         share = 100 * r["ms"] / p["triton_ms"] if p["triton_ms"] else 0.0
         dense = f"{100 * r['dense_fraction']:7.1f}%" if r["tflops"] else f"{'':>8}"
         tf = f"{r['tflops']:8.1f}" if r["tflops"] else f"{'':>8}"
-        print(f"  {r['role']:<28} {r['ms']:9.3f} {share:6.1f}% {tf} {dense}")
+        print(f"  {r['role']:<40} {r['ms']:9.3f} {share:6.1f}% {tf} {dense}")
 
 
 def main() -> None:

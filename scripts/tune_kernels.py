@@ -6,7 +6,8 @@ Run on the GPU the table is for (it needs CUDA):
     python scripts/tune_kernels.py --shapes 8,2,4096,14336 --dtype bfloat16
 
 Every kernel variant of the MoE forward and backward (and the plain grouped GEMM) is timed
-over the candidate configs of ``moestack.kernels.tuning`` at each shape; the winners are
+over the candidate configs of ``moestack.kernels.tuning`` at each shape (for the weight
+gradients torch._grouped_mm too, where it runs: each entry names its backend); the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
 first use of those shapes on that GPU needs no autotuning. Keys carry the power-of-two
 bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes the nearest
@@ -119,18 +120,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
     """Merge the autotune cache, less the keys in ``skip``, into the table at ``out``
-    (atomically: temp file, rename). A table of an older key format is replaced."""
+    (atomically: temp file, rename). A table of a format this moestack still reads keeps its
+    entries and is rewritten in the current format; one of an older key format is replaced."""
     from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
     found = {k: v for k, v in tuning.export_cache().get(gpu, {}).items() if k not in skip}
     table = json.loads(out.read_text()) if out.is_file() else {}
-    if table.get("format", tuning.TABLE_FORMAT) != tuning.TABLE_FORMAT:
+    if table.get("format", tuning.TABLE_FORMAT) not in tuning.READABLE_FORMATS:
         log.warning(
             "replacing %s: key format %s, not %s", out, table["format"], tuning.TABLE_FORMAT
         )
         table = {}
-    table.setdefault("format", tuning.TABLE_FORMAT)
+    table["format"] = tuning.TABLE_FORMAT
     table.setdefault("gpus", {}).setdefault(gpu, {}).update(found)
     table["gpus"][gpu] = dict(sorted(table["gpus"][gpu].items()))
     import triton

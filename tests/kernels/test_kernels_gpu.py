@@ -124,6 +124,24 @@ def test_every_candidate_config_matches_float64(kind, index, poisoned_buffers, m
     tuning.clear_cache()
 
 
+def test_torch_weight_gradient_matches_float64(poisoned_buffers, monkeypatch):
+    """The weight gradient by torch._grouped_mm (a candidate where it runs: bf16 on sm90+),
+    forced: ragged groups, empty experts (zeros forced), top_k = E, one token. Where it
+    cannot run, the forced backend gives moestack's default tile: the grouped GEMM's 300
+    columns are not 16-byte rows of bf16, so its dW goes there."""
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
+    tuning.clear_cache()
+    if not tuning.torch_wgrad_runs(torch.device("cuda"), torch.bfloat16, 192, 320):
+        pytest.skip("torch._grouped_mm's weight gradient needs bf16 on sm90+")
+    with tuning.forced_config("wgrad", tuning.TORCH_WGRAD):
+        check_grouped_gemm(torch.bfloat16, seed=5)
+        check_moe(torch.bfloat16, seed=5)
+        check_moe(torch.bfloat16, seed=6, T=64, D=128, F=64, E=4, k=4, empty=())
+        check_moe(torch.bfloat16, seed=7, T=1, D=128, F=64, E=4, k=2, empty=())
+    tuning.clear_cache()
+
+
 def _fp32_gemm_error() -> float:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(300, 256, generator=g, dtype=torch.float64)

@@ -65,8 +65,42 @@ def test_tables_of_the_old_key_format_are_ignored(tmp_path, monkeypatch, caplog)
         fmt=1,
     )
     assert tuning.lookup_table("Fancy GPU", key) is None
-    assert "unknown format 1" in caplog.text
+    assert "unknown format 1" in caplog.text and str(tmp_path / "old.json") in caplog.text
+    assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
     tuning.clear_cache()
+
+
+def test_format_2_tables_are_read_as_moestack_kernels(tmp_path, monkeypatch):
+    """Format 2 entries have no backend field: moestack's kernel, as they were tuned."""
+    key = tuning.make_key("wgrad", 8, 4096, 28672, torch.bfloat16, "g00", 16384)
+    write_table(tmp_path / "v2.json", {key: {"block_m": 64, "block_n": 64, "block_k": 32}},
+                monkeypatch, fmt=2)  # fmt: skip
+    assert tuning.lookup_table("Fancy GPU", key) == tuning.KernelConfig(64, 64, 32)
+    assert tuning.lookup_table("Fancy GPU", key).backend == "triton"
+    tuning.clear_cache()
+
+
+def test_table_entries_name_their_backend(tmp_path, monkeypatch):
+    key = tuning.make_key("wgrad", 8, 4096, 28672, torch.bfloat16, "g00", 16384)
+    entry = {"block_m": 128, "block_n": 128, "block_k": 64, "backend": "torch"}
+    write_table(tmp_path / "v3.json", {key: entry}, monkeypatch)
+    assert tuning.lookup_table("Fancy GPU", key) == tuning.TORCH_WGRAD
+    tuning._AUTOTUNE_CACHE[("Fancy GPU", key)] = tuning.TORCH_WGRAD
+    tuning._AUTOTUNE_CACHE[("Fancy GPU", "mm|k")] = tuning.CANDIDATES["mm"][0]
+    exported = tuning.export_cache()["Fancy GPU"]
+    assert exported[key]["backend"] == "torch" and exported["mm|k"]["backend"] == "triton"
+    tuning.clear_cache()
+
+
+def test_autotuning_may_choose_torchs_weight_gradient(monkeypatch):
+    """torch's backend is one more timed candidate: the faster one wins, either way."""
+    pytest.importorskip("triton")
+    cands = tuning.candidates("wgrad", 64, 64, torch.bfloat16, torch.device("cpu"))
+    assert cands[-1] == tuning.TORCH_WGRAD and cands[0].backend == "triton"
+    for fast in (cands[-1], cands[1]):
+        time_ms, run = _fake_timer({}, {fast: 0.5})
+        monkeypatch.setattr(tuning, "_time_ms", time_ms)
+        assert tuning._benchmark("wgrad|key", cands, run) == fast
 
 
 def test_candidates_clip_to_small_problems():
@@ -305,16 +339,18 @@ _COMPILE_CHECK = (
 # unit strides, given here as such, so that what compiles is what a real launch runs.
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32")
 unit_mm = dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1)
-fwd, _, dx, _, _ = compile_all([
+fwd, _, dx, _, _, _ = compile_all([
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=True, SCATTER_C=False,
-     HAS_SCALE=False, SWIGLU=True, STORE_Z=True, BLOCK_E=128), 8),
+     HAS_SCALE=False, SWIGLU=True, STORE_Z=True, EVEN_K=True, BLOCK_E=128), 8),
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=False, SCATTER_C=True,
-     HAS_SCALE=True, SWIGLU=False, STORE_Z=False, BLOCK_E=128), 8),
+     HAS_SCALE=True, SWIGLU=False, STORE_Z=False, EVEN_K=False, BLOCK_E=128), 8),
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1, stride_cn=1,
      stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False, SWIGLU=False,
-     STORE_Z=False, BLOCK_E=128), 8),  # A @ W^T: W's K is unit
+     STORE_Z=False, EVEN_K=True, BLOCK_E=128), 8),  # A @ W^T: W's K is unit
     (tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1, stride_cn=1,
-     GATHER_A=False, GATHER_B=True), 8),
+     GATHER_A=False, GATHER_B=True, EVEN_KM=False), 8),
+    (tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1, stride_cn=1,
+     GATHER_A=False, GATHER_B=False, EVEN_KM=True), 8),  # the MoE backward's contiguous dW
     (tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4),
 ])
 # Software pipelining (several K tiles in flight through shared memory) is what makes the
@@ -383,20 +419,25 @@ from moestack.kernels import tuning
 # The launch variants of the MoE layer and the plain grouped GEMM (unit strides constant).
 mm_variants = {
     "fwd_down": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
-                     SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False),
-    "bwd_G": dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_zn=1, GATHER_A=True,
-                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False),
+                     SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False,
+                     EVEN_K=False),
+    "bwd_G": dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_zn=1, GATHER_A=False,
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False, EVEN_K=True),
     "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
-                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False),
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False,
+                  EVEN_K=False),
 }
 variants = {
     "mm": mm_variants,
     "mm_swiglu": {"fwd_up": dict(mm_variants["plain"], GATHER_A=True, SWIGLU=True,
                                  STORE_Z=True)},
     "wgrad": {
-        "gather_a": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=True, GATHER_B=False),
-        "gather_b": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=True),
-        "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=False),
+        "gather_a": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=True, GATHER_B=False,
+                         EVEN_KM=False),
+        "gather_b": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=True,
+                         EVEN_KM=False),
+        "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=False, GATHER_B=False,
+                      EVEN_KM=True),
     },
 }
 launches = []

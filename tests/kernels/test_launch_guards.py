@@ -147,9 +147,10 @@ def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
     assert flags == {
         "mm_swiglu|g1s0c0z1t0",  # h = swiglu(x[tok] @ W1)
         "mm|g0s1c1z0t0",  # ys = w * h @ W2
-        "mm|g1s0c0z0t1",  # G = dy[tok] @ W2^T
+        "mm|g0s0c0z0t1",  # G = dy[tok] @ W2^T, dy's rows gathered beforehand
         "mm|g0s1c0z0t1",  # dx = dz @ W1^T
-        "wgrad|g01",  # dW2
-        "wgrad|g10",  # dW1
+        "wgrad|g00",  # dW2 and dW1, on contiguous gathered rows
     }, keys
+    wgrad = sorted(key.split("|")[2:4] for key in keys if key.startswith("wgrad"))
+    assert wgrad == [["K=16", "M=16"], ["K=8", "M=16"]], keys  # dW1 [D, 2F], dW2 [F, D]
     assert all(key.endswith("|R=32") for key in keys), keys
