@@ -63,11 +63,10 @@ rows are measured with the ones issue 31's targets judge first (lru at 25% and 2
 the disk tier, then the rest. A failed row is recorded with its error and the exit status
 is 1.
 
-Glue this script writes because moestack lacks it (what the library should get): a
-KV-cached decode (``generate_offloaded`` re-runs the whole window at every step, so its
-tokens/s is no serving figure; moestack's own model has no KV cache, here transformers'
-serves) and a host tier filled ahead and shared between caches (``HostTier``; ExpertCache's
-own fills on misses and belongs to one cache).
+The experts' host tier is ``moestack.cache.host_tier.HostTier``: read once, ahead, and
+shared by every cache row. What moestack still lacks, so transformers serves the decode
+here: a KV-cached decode of its own model (``generate_offloaded`` re-runs the whole window
+at every step, so its tokens/s is no serving figure).
 The first layer is never prefetched (``CachedExperts`` predicts layer i + 1 from layer i),
 so at most (layers - 1) / layers of the misses can be predicted.
 """
@@ -82,11 +81,9 @@ import math
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -98,6 +95,7 @@ from torch import nn
 from moestack.atomic import write_text
 from moestack.cache import ExpertCache, ExpertStore, offloaded
 from moestack.cache.device_tier import flat_view
+from moestack.cache.host_tier import HostTier
 from moestack.interop.hf_model import HFMoEModel, load_hf_moe
 from moestack.runs import move_resident
 
@@ -205,31 +203,6 @@ class Device:
 
 
 # ---------------------------------------------------------------------------- host tier
-class HostTier:
-    """Every expert of an ExpertStore read once into (pinned) host memory, served to
-    ExpertCache in the store's place: ``load`` returns the held copy (one buffer per expert,
-    w1 and w2 adjacent in it), so each call is one expert moved to the device; ``loads``
-    counts them. The other attributes are the store's. Glue: ExpertCache's own host tier
-    fills on misses and belongs to one cache; this one is filled ahead and shared."""
-
-    def __init__(self, store: ExpertStore, *, pin: bool, workers: int = 8) -> None:
-        self._store = store
-        self._lock = threading.Lock()
-        self.loads = 0
-        keys = [(layer, e) for layer in range(store.num_layers) for e in range(store.num_experts)]
-        with ThreadPoolExecutor(workers) as pool:  # checksums and copies release the GIL
-            loaded = list(pool.map(lambda key: store.load(*key, pin_memory=pin), keys))
-        self._experts = dict(zip(keys, loaded, strict=True))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def load(self, layer: int, expert: int, *, pin_memory: bool = False) -> dict:
-        with self._lock:
-            self.loads += 1
-        return self._experts[(layer, expert)]
-
-
 # ---------------------------------------------------------------------------- probes
 class Probe:
     """What a contender counts during a phase: ``reset()`` at its start, ``read()`` at its
@@ -842,7 +815,7 @@ def run(args: argparse.Namespace, root: Path, start: float) -> Bench:
     bench.row("accelerate", {"tier": "cpu"}, partial(accelerate_row, folder, args, dev, prompts))
     dev.free()
     with bench.timed("host_tier"):
-        host = HostTier(store, pin=dev.cuda)
+        host = HostTier.read(store, pin=dev.cuda)
     bench.out["link"] = link_figures(host, dev)
     with bench.timed("load_cache_model"):
         model = load_hf_moe(folder, impl=args.impl, dtype=torch.bfloat16, experts=False)
