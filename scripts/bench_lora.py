@@ -59,6 +59,14 @@ from typing import Any
 import torch
 
 CONTENDERS = ("all", "routers", "lora")
+# --moestack-model's contenders: (name, trainable, lora.base_dtype); lora_bf16base holds the
+# frozen weights in bf16 (issue 34: "may be held in bf16"), the adapters in fp32
+DEVICE_CONTENDERS = (
+    ("all", "all", "float32"),
+    ("routers", "routers", "float32"),
+    ("lora", "lora", "float32"),
+    ("lora_bf16base", "lora", "bfloat16"),
+)
 EOS, PAD = "<|endoftext|>", "<pad>"
 ADAMW_STEP_BYTES = 4  # torch AdamW's per-tensor step counter: a float32 scalar
 MOMENT_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per trained element
@@ -468,10 +476,11 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
 
     cuda = args.device == "cuda"
     rows = []
-    for trainable in CONTENDERS:
-        out = root / f"device_{trainable}"
+    for name, trainable, base_dtype in DEVICE_CONTENDERS:
+        out = root / f"device_{name}"
         cfg = compose_config([
             f"model={args.moestack_model}", f"trainable={trainable}", f"lora.rank={args.rank}",
+            f"lora.base_dtype={base_dtype}",
             f"lora.alpha={2.0 * args.rank}", "lora.targets=both", "optim=adamw",
             f"optim.lr={args.lr}", f"device={args.device}", f"batch_size={args.batch_size}",
             f"data.seq_len={args.seq_len}", f"data.max_bytes={args.max_bytes}", "telemetry=off",
@@ -499,7 +508,7 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
         trained = [p for p in params if p.requires_grad]
         counted += MOMENT_BYTES * sum(p.numel() for p in trained) + ADAMW_STEP_BYTES * len(trained)
         rows.append({
-            "contender": trainable,
+            "contender": name,
             "trainable_params": sum(p.numel() for p in trained),
             "step_s_median": statistics.median(times),
             "step_s_min": min(times),
@@ -523,17 +532,19 @@ def print_device_rows(rows: list[dict], args: argparse.Namespace) -> None:
     memory = "peak device" if args.device == "cuda" else "weights+grads+state"
     print(f"model={args.moestack_model} on {args.device}, {args.batch_size} x {args.seq_len} "
           f"tokens a step, torch AdamW; LoRA rank {args.rank} on experts + attention")  # fmt: skip
-    print(f"{'contender':<10} {'trained':>12} {'step ms':>18} {memory + ' MiB':>22} "
+    print(f"{'contender':<13} {'trained':>12} {'step ms':>18} {memory + ' MiB':>22} "
           f"{'mem x full':>10} {'step x full':>11} {'step x routers':>14}")  # fmt: skip
     for r in rows:
         mem = r["peak_device_bytes"] or r["weights_grads_state_bytes"]
         step = f"{1e3 * r['step_s_median']:.1f} ({1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f})"
-        print(f"{r['contender']:<10} {r['trainable_params']:>12,} {step:>18} {mem / 2**20:>22.1f} "
+        print(f"{r['contender']:<13} {r['trainable_params']:>12,} {step:>18} {mem / 2**20:>22.1f} "
               f"{r['memory_x_full']:>10.3f} {r['step_x_full']:>11.3f} {r['step_x_routers']:>14.3f}")  # fmt: skip
-    lora = next(r for r in rows if r["contender"] == "lora")
     if args.device == "cuda":  # issue 34's targets on the H200
-        print(f"target: LoRA peak memory <= 0.5x full: {lora['memory_x_full']:.3f}; "
-              f"LoRA step <= 1.3x router-only: {lora['step_x_routers']:.3f}")  # fmt: skip
+        for r in rows:
+            if r["contender"].startswith("lora"):
+                print(f"target ({r['contender']}): peak memory <= 0.5x full: "
+                      f"{r['memory_x_full']:.3f}; step <= 1.3x router-only: "
+                      f"{r['step_x_routers']:.3f}")  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:

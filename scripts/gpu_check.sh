@@ -45,7 +45,7 @@ PLAN=(
     "bench_memory|60|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
     "more_tests|60|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
-    "bench_lora|60|bench_lora.json|optional|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16: peak memory, step time"
+    "bench_lora|60|bench_lora.json|optional|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16 (fp32 and bf16 frozen base): peak memory, step time"
     "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
 )
 

@@ -115,3 +115,8 @@ def test_moestack_model_mode_counts_the_adapters_and_gives_the_ratios(tmp_path):
     assert rows["routers"]["memory_x_full"] < rows["lora"]["memory_x_full"] < 1.0
     assert all(r["step_s_min"] <= r["step_s_median"] <= r["step_s_max"] for r in rows.values())
     assert rows["lora"]["peak_device_bytes"] is None  # measured on CUDA only
+    # lora.base_dtype=bfloat16: the same adapters, every frozen (base) weight 2 bytes lighter
+    bf16 = rows["lora_bf16base"]
+    assert bf16["trainable_params"] == rows["lora"]["trainable_params"]
+    saved = rows["lora"]["weights_grads_state_bytes"] - bf16["weights_grads_state_bytes"]
+    assert saved == 2 * rows["all"]["trainable_params"]
