@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from . import tuning
+from ._tiles import TileTable, TileTables, tile_table
 
 _INSTALL_HINT = (
     "moestack.kernels needs triton (Linux, `pip install triton>=3.4`, installed with CUDA "
@@ -29,6 +30,16 @@ def kernels() -> ModuleType:
     except ImportError as exc:  # no triton on this machine (e.g. macOS)
         raise ImportError(_INSTALL_HINT) from exc
     return _triton
+
+
+@functools.cache
+def persistent_kernels() -> ModuleType:
+    """The module of the persistent grouped GEMM, imported on first use."""
+    try:
+        from . import _persistent
+    except ImportError as exc:  # no triton on this machine
+        raise ImportError(_INSTALL_HINT) from exc
+    return _persistent
 
 
 def interpreted() -> bool:
@@ -123,6 +134,40 @@ def _block_e(num_experts: int) -> int:
     return max(_next_pow2(num_experts), 128)
 
 
+def persistent_mm(
+    a: torch.Tensor,
+    b_EKM: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    *,
+    cfg: tuning.KernelConfig,
+    table: TileTable,
+    a_rows: torch.Tensor | None,
+    c_rows: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    precision: str,
+) -> None:
+    """One launch of the persistent grouped GEMM with a persistent ``cfg`` and its tile
+    ``table``: each operand is read through a tensor descriptor or pointers as the tensors
+    and the device allow (``_persistent.tma_supported``), decided before the launch."""
+    persistent_kernels().persistent_grouped_mm(
+        a,
+        b_EKM,
+        offsets_E,
+        out,
+        rows,
+        a_rows=a_rows,
+        c_rows=c_rows,
+        scale=scale,
+        cfg=cfg,
+        num_programs=cfg.num_programs or None,  # 0: one program per SM
+        tiles=table,
+        use_tma=None,
+        precision=precision,
+    )
+
+
 def grouped_mm(
     a: torch.Tensor,
     b_EKM: torch.Tensor,
@@ -135,16 +180,26 @@ def grouped_mm(
     scale: torch.Tensor | None = None,
     swiglu: bool = False,
     z: torch.Tensor | None = None,
+    tiles: TileTables | None = None,
 ) -> None:
     """out[c_rows[r]] = scale[r] * a[a_rows[r]] @ b[e(r)] for the ``rows`` sorted rows.
 
     ``b_EKM`` may be any strided view (a transposed view computes a @ b[e]^T). With
     ``swiglu``, ``b`` is [E, K, 2M], ``out`` receives silu(gate) * up and ``z`` (if given)
-    the pre-activations [gate | up].
+    the pre-activations [gate | up]. Without ``swiglu`` the tuned config may name the
+    persistent kernel; ``tiles`` (built for these ``offsets_E`` and ``rows``) then gives its
+    tile table, shared with the other GEMMs of the call (else one is built for this GEMM).
     """
     interp = check_tensors(a, b_EKM, out)
     if a.dtype != b_EKM.dtype:
         raise TypeError(f"dtype mismatch: {a.dtype} activations with {b_EKM.dtype} weights")
+    if tiles is not None and (tiles.offsets_E is not offsets_E or tiles.rows != rows):
+        raise ValueError(
+            f"tiles were built for other rows ({tiles.rows} rows, offsets of shape "
+            f"{tuple(tiles.offsets_E.shape)}) than this GEMM's {rows}; build TileTables from "
+            "the offsets_E tensor and row count the GEMM is called with"
+        )
+    tables = tiles if tiles is not None else TileTables(offsets_E, rows)  # built lazily
     tk = kernels()
     E, K = b_EKM.shape[0], b_EKM.shape[1]
     M = b_EKM.shape[2] // 2 if swiglu else b_EKM.shape[2]
@@ -159,7 +214,30 @@ def grouped_mm(
     z_strides = z.stride() if z is not None else (0, 0)
     precision = _dot_precision(a.dtype)
 
-    def run(cfg: tuning.KernelConfig) -> None:
+    def run(cfg: tuning.KernelConfig, fresh_table: bool = False) -> None:
+        if cfg.persistent:  # kind "mm" only (tuning refuses it for the others)
+            if rows == 0:
+                return
+            # Timed with a table of its own: the tuner charges a persistent candidate the
+            # table it needs (a launch in the layer shares it with the call's other GEMMs).
+            if fresh_table:
+                table = tile_table(offsets_E, rows, cfg.block_m)
+            else:
+                table = tables.get(cfg.block_m)
+            persistent_mm(
+                a,
+                b_EKM,
+                offsets_E,
+                out,
+                rows,
+                cfg=cfg,
+                table=table,
+                a_rows=a_rows,
+                c_rows=c_rows,
+                scale=scale,
+                precision=precision,
+            )
+            return
         num_n = -(-M // cfg.block_n)
         grid = ((-(-rows // cfg.block_m) + E) * num_n,)
         tk.grouped_mm_kernel[grid](
@@ -199,9 +277,12 @@ def grouped_mm(
             num_stages=cfg.num_stages,
         )
 
+    def timed(cfg: tuning.KernelConfig) -> None:
+        run(cfg, fresh_table=True)
+
     key = tuning.make_key(kind, E, K, M, a.dtype, flags, rows)
     with _on_device(a):
-        run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, run, interp))
+        run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, timed, interp))
 
 
 def gather_rows(src_ND: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:

@@ -80,3 +80,29 @@ def tile_table(offsets_E: torch.Tensor, rows: int, block_m: int) -> TileTable:
         count=tile_end_E[-1:].to(torch.int32),
         block_m=block_m,
     )
+
+
+class TileTables:
+    """The tile tables of one set of sorted rows, built at first use, one per ``block_m``,
+    and shared by every GEMM over those rows (the GEMMs of one layer call): the table is a
+    few small device ops, paid once per call and tile height instead of once per GEMM.
+
+    Nothing is built until a persistent GEMM asks, so the classic kernels pay nothing.
+    Every GEMM handed one object must read the rows of ``offsets_E`` (``rows`` of them).
+    """
+
+    def __init__(self, offsets_E: torch.Tensor, rows: int) -> None:
+        self.offsets_E = offsets_E
+        self.rows = rows
+        self._tables: dict[int, TileTable] = {}
+
+    def get(self, block_m: int) -> TileTable:
+        """The table cut with ``block_m``, built now if no GEMM asked for it before."""
+        table = self._tables.get(block_m)
+        if table is None:
+            table = self._tables[block_m] = tile_table(self.offsets_E, self.rows, block_m)
+        return table
+
+    def built(self) -> list[int]:
+        """The tile heights whose tables exist (for checks)."""
+        return sorted(self._tables)

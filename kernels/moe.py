@@ -27,7 +27,10 @@ contiguous [R, D] copy that G and dW2 share):
   the GEMM's main loop only loads and multiplies); ``dx = sum_slots dz @ W1[e]^T``;
   ``dW1[e] = x[tok]_e^T @ dz_e`` (x's rows gathered into expert order just before it).
 Both weight gradients thus read contiguous rows, by moestack's kernel or torch._grouped_mm
-(the tuned table's choice per shape, ``kernels/tuning.py``). Each gathered copy is freed
+(the tuned table's choice per shape, ``kernels/tuning.py``). The GEMMs without SwiGLU
+(h @ W2, G, dx) run the classic grouped-GEMM kernel or, where the table says so, the
+persistent one (``kernels/_persistent.py``), whose tile table is built once per call and
+tile height and shared by the call's GEMMs (G and dx in the backward), without a host sync. Each gathered copy is freed
 as soon as its GEMMs ran: the backward's largest live set is z, G and dy's copy
 (2F + F + D elements a row), then z with dx's per-slot rows or x's copy.
 
@@ -45,6 +48,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import _launch
+from ._tiles import TileTables
 
 
 def dispatch(
@@ -100,7 +104,10 @@ def _experts_op(
         x_TD, w1_EDF2, offsets_E, h_RF, R, a_rows=token_R, swiglu=True, z=z_RF2 if keep else None
     )
     ys_RD = _launch.new_empty((R, D), dt, dev)
-    _launch.grouped_mm(h_RF, w2_EFD, offsets_E, ys_RD, R, c_rows=pair_R, scale=weight_R)
+    tiles = TileTables(offsets_E, R)  # built only if a persistent config runs
+    _launch.grouped_mm(
+        h_RF, w2_EFD, offsets_E, ys_RD, R, c_rows=pair_R, scale=weight_R, tiles=tiles
+    )
     del h_RF
     y_TD = ys_RD.view(T, k, D).sum(1) if k > 1 else ys_RD.view(T, D)
     return y_TD, z_RF2, pair_R, token_R, offsets_E, weight_R
@@ -163,9 +170,11 @@ def _backward_kernels(
     # dy's rows in expert order, gathered once: G and dW2 read them as contiguous tiles.
     # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward: dz, the
     # router-weight gradient and weight * h (what dW2 needs).
+    # G and dx share one tile table per tile height, should their configs be persistent.
+    tiles = TileTables(offsets_E, R)
     dys_RD = _launch.gather_rows(dy_TD, token_R)
     g_RF = _launch.new_empty((R, F), dt, dev)
-    _launch.grouped_mm(dys_RD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R)
+    _launch.grouped_mm(dys_RD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, tiles=tiles)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
     dz_RF2 = z_RF2 if in_place else _launch.new_empty((R, F2), dt, dev)
     hw_RF = g_RF if in_place or not need_w2 else _launch.new_empty((R, F), dt, dev)
@@ -181,7 +190,9 @@ def _backward_kernels(
     del hw_RF, dys_RD  # before dx's [R, D] rows and x's gathered rows
     if need_x:
         dxs_RD = _launch.new_empty((R, D), dt, dev)
-        _launch.grouped_mm(dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R)
+        _launch.grouped_mm(
+            dz_RF2, w1_EDF2.transpose(1, 2), offsets_E, dxs_RD, R, c_rows=pair_R, tiles=tiles
+        )
         dx_TD = dxs_RD.view(T, top_k, D).sum(1) if top_k > 1 else dxs_RD.view(T, D)
         del dxs_RD  # with k > 1 the sum is a new tensor: free the per-slot rows before dW1
     if need_w1:

@@ -22,6 +22,14 @@ winner. Without a table entry or autotuning, moestack's kernel is the default. A
 "torch" entry read where torch's form cannot run (another dtype or GPU class under the same
 name) gives moestack's default: chosen by capability, never by a failed launch.
 
+A config of the plain grouped GEMM (kind "mm": the layer's h @ W2, G = dy @ W2^T and
+dx = dz @ W1^T, and ``grouped_gemm``) may name the persistent kernel (``persistent``, with
+``num_programs`` programs, 0 for one per SM; ``kernels/_persistent.py``). Its candidates
+(``PERSISTENT_CANDIDATES``) are timed beside the classic tiles and the table records the
+winner; without a table entry or autotuning the classic kernel stays the default, so the
+persistent one runs only where it won a measurement (or is forced). Table entries without
+the field are classic ones.
+
 The flags name the kernel variant, including whether the weight is a transposed view (its
 K dimension has unit stride: another memory access pattern, so another best tile); the row
 bucket is the power of two at or above the number of sorted rows (the best tile for 2k rows
@@ -52,7 +60,9 @@ log = logging.getLogger(__name__)
 TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 # 2: keys carry the transposed-weight flag and the row bucket (format 1 tables are ignored).
 # 3: entries may name their backend ("triton" or "torch"); format 2 entries, which have no
-# backend field, are read as "triton".
+# backend field, are read as "triton". Entries of kind "mm" may also say ``persistent`` and
+# ``num_programs`` (written only where persistent, so classic entries read as before); an
+# entry without them is the classic kernel, so the format stays 3.
 TABLE_FORMAT = 3
 READABLE_FORMATS = (2, 3)
 BACKENDS = ("triton", "torch")
@@ -74,10 +84,24 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     backend: str = "triton"  # "torch": torch._grouped_mm (weight gradients only)
+    # The persistent grouped GEMM (kind "mm" only): a grid of ``num_programs`` programs
+    # (0: one per SM) walking a tile table, instead of one program per tile.
+    persistent: bool = False
+    num_programs: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is unknown; use one of {BACKENDS}")
+        if self.persistent and self.backend != "triton":
+            raise ValueError(
+                f"persistent=True runs moestack's persistent kernel, not backend="
+                f"{self.backend!r}; use backend='triton'"
+            )
+        if self.num_programs < 0 or (self.num_programs and not self.persistent):
+            raise ValueError(
+                f"num_programs={self.num_programs} needs persistent=True and must be >= 0 "
+                "(0: one program per SM)"
+            )
 
 
 # One fixed config for the interpreter: big enough that few programs run (the interpreter
@@ -121,6 +145,14 @@ _WGRAD_CANDIDATES = (
     KernelConfig(128, 128, 32, 8, 4, 5),
     KernelConfig(256, 128, 64, 8, 8, 3),
     KernelConfig(128, 128, 128, 8, 8, 3),
+)
+# The persistent grouped GEMM (kind "mm"), timed after the classic tiles: its default tile,
+# one large tile and a small one for narrow shapes, one program per SM. The classic first
+# candidate stays the default when nothing was measured.
+PERSISTENT_CANDIDATES = (
+    KernelConfig(128, 128, 64, 8, 8, 3, persistent=True),
+    KernelConfig(128, 256, 64, 8, 8, 3, persistent=True),
+    KernelConfig(64, 128, 64, 8, 4, 4, persistent=True),
 )
 # The weight gradient by torch._grouped_mm: a candidate where ``torch_wgrad_runs`` (its tile
 # fields are unused).
@@ -167,7 +199,7 @@ def torch_wgrad_runs(device: torch.device, dtype: torch.dtype, K: int, M: int) -
 
 
 @functools.lru_cache(maxsize=4)
-def _read_table(path: str) -> dict[str, dict[str, dict[str, int | str]]]:
+def _read_table(path: str) -> dict[str, dict[str, dict[str, int | str | bool]]]:
     p = Path(path)
     if not p.is_file():
         return {}
@@ -237,10 +269,12 @@ def fit(cfg: KernelConfig, kind: str, K: int, M: int, dtype: torch.dtype) -> Ker
 def candidates(
     kind: str, K: int, M: int, dtype: torch.dtype, device: torch.device | None = None
 ) -> list[KernelConfig]:
-    """The distinct candidate configs for one kernel kind, fitted to the problem size; for
-    the weight gradient on a ``device`` where ``torch_wgrad_runs``, torch's backend last."""
+    """The distinct candidate configs for one kernel kind, fitted to the problem size: for
+    the plain GEMM the persistent ones after the classic tiles, for the weight gradient on a
+    ``device`` where ``torch_wgrad_runs`` torch's backend last."""
     out: list[KernelConfig] = []
-    for cfg in CANDIDATES[kind]:
+    extra = PERSISTENT_CANDIDATES if kind == "mm" else ()
+    for cfg in CANDIDATES[kind] + extra:
         c = fit(cfg, kind, K, M, dtype)
         if c not in out:
             out.append(c)
@@ -253,11 +287,15 @@ def _runnable(
     cfg: KernelConfig, kind: str, device: torch.device, K: int, M: int, dtype: torch.dtype
 ) -> KernelConfig:
     """``cfg``, or moestack's default where ``cfg`` names torch's backend and it cannot run
-    here (a table entry of another dtype or GPU class under the same name)."""
+    here (a table entry of another dtype or GPU class under the same name), or names the
+    persistent kernel for a kind it does not run (an edited table)."""
     if cfg.backend == "torch" and not (kind == "wgrad" and torch_wgrad_runs(device, dtype, K, M)):
         log.info(
             "torch's weight gradient cannot run here (%s, %s): moestack's kernel", device, dtype
         )
+        return fit(CANDIDATES[kind][0], kind, K, M, dtype)
+    if cfg.persistent and kind != "mm":
+        log.info("the persistent kernel runs kind 'mm' only, not %r: the default tile", kind)
         return fit(CANDIDATES[kind][0], kind, K, M, dtype)
     return cfg
 
@@ -271,6 +309,8 @@ def forced_config(kind: str, cfg: KernelConfig) -> Iterator[None]:
         raise ValueError(f"kind={kind!r} is unknown; use one of {sorted(CANDIDATES)}")
     if cfg.backend == "torch" and kind != "wgrad":
         raise ValueError(f"backend='torch' is for kind='wgrad' only, not {kind!r}")
+    if cfg.persistent and kind != "mm":
+        raise ValueError(f"persistent=True is for kind='mm' only, not {kind!r}")
     previous = _FORCED.get(kind)
     _FORCED[kind] = cfg
     try:
@@ -361,12 +401,21 @@ def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig]
     return best
 
 
-def export_cache() -> dict[str, dict[str, dict[str, int | str]]]:
+def table_entry(cfg: KernelConfig) -> dict[str, int | str | bool]:
+    """``cfg`` as a table entry: every field, less ``persistent`` and ``num_programs`` for a
+    classic config (its entry reads the same in a moestack without the persistent kernel)."""
+    entry = asdict(cfg)
+    if not cfg.persistent:
+        del entry["persistent"], entry["num_programs"]
+    return entry
+
+
+def export_cache() -> dict[str, dict[str, dict[str, int | str | bool]]]:
     """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py);
-    each entry names its backend."""
-    out: dict[str, dict[str, dict[str, int | str]]] = {}
+    each entry names its backend, and a persistent one says so."""
+    out: dict[str, dict[str, dict[str, int | str | bool]]] = {}
     for (gpu, key), cfg in sorted(_AUTOTUNE_CACHE.items()):
-        out.setdefault(gpu, {})[key] = asdict(cfg)
+        out.setdefault(gpu, {})[key] = table_entry(cfg)
     return out
 
 

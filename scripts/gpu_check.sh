@@ -193,8 +193,17 @@ import moestack.kernels, moestack.optim; print(\"moestack staged at\", moestack.
 import importlib.util as u; print(\"torchao:\", bool(u.find_spec(\"torchao\"))); \
 import importlib.metadata as m; v = lambda n: m.version(n) if u.find_spec(n) else None; \
 print(\"transformers:\", v(\"transformers\"), \"accelerate:\", v(\"accelerate\"))'"
+# The persistent GEMM (issue 30) only trimmed: its default candidate and its large tile, both
+# load paths (12 tests of one compile each), the layer with it forced, the tile table's
+# no-sync check; test_kernels_gpu's autotune test now also times its candidates. Estimate:
+# about 23 persistent compiles of 3-6 s on one core each, spread over the workers: +10-20 s,
+# so 170-180 s of the 185 s cap if the 160 s measured before the newest classic candidates
+# still holds (the other persistent candidates run with the whole file).
 MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
-    tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py tests/cache/test_cache_gpu.py
+    tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py tests/cache/test_cache_gpu.py \
+    tests/kernels/test_persistent.py::test_gpu_default_and_large_tile_bf16 \
+    tests/kernels/test_persistent.py::test_gpu_layer_bf16 \
+    tests/kernels/test_persistent.py::test_tile_table_never_syncs
 # Autotunes on first use, checks every contender against the torch path, saves the checked
 # winners into the table after every shape.
 phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \

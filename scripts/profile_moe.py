@@ -6,7 +6,10 @@ interpreter) and labelled by its role: the forward's gate/up GEMM (gather + SwiG
 and down GEMM (router weight + scatter), the backward's row gathers (dy's and x's rows copied
 into expert order for G and the weight gradients), G = dy @ W2^T, the elementwise SwiGLU
 backward, dW2, dx and dW1; a weight gradient that the tuned table gives to torch._grouped_mm
-is its own row, "[torch._grouped_mm]" after the role. Each GEMM row gives its useful TFLOP/s
+is its own row, "[torch._grouped_mm]" after the role, and a GEMM that it gives to the
+persistent kernel (h@W2, G, dx; its tile table built inside the row) "[persistent]".
+--persistent forces the persistent kernel's default candidate on those GEMMs, to set its
+launches beside the classic ones of a run without it. Each GEMM row gives its useful TFLOP/s
 and the fraction of the dense bf16 matmul rate measured in the same run; "other" is the rest
 of the step (router, sort, the forward's index gathers, the sum over the k slots,
 allocations), from an untimed pass of the same step. A launch's time runs from its start event, recorded before the Python launcher, to its
@@ -16,6 +19,7 @@ ratio bench_moe reports. Prints a table per shape; --json writes them.
 
     python scripts/profile_moe.py                          # GPU: every bench_moe shape
     python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
+    python scripts/profile_moe.py --shapes mixtral-8k --persistent   # the persistent GEMMs
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny --steps 1 --no-warmup  # the tests'
 """
@@ -23,6 +27,7 @@ ratio bench_moe reports. Prints a table per shape; --json writes them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -37,12 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_moe  # noqa: E402  (the shapes, the dense rate, the layer set-up)
 
 from moestack import MoE, MoEConfig, RouterConfig  # noqa: E402
-from moestack.kernels import _launch  # noqa: E402
+from moestack.kernels import _launch, tuning  # noqa: E402
 
 TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, tokens
 
 
 TORCH_TAG = " [torch._grouped_mm]"  # after the role of a weight gradient torch computed
+PERSISTENT_TAG = " [persistent]"  # after the role of a GEMM the persistent kernel computed
 GATHER_ROLE = "bwd gather dy,x rows"
 
 
@@ -68,7 +74,8 @@ def wgrad_role(args: tuple, kw: dict, dims: tuple[int, int]) -> str:
 
 def gemm_flops(role: str, R: int, D: int, F: int) -> float:
     """Useful FLOPs of one launch (R = tokens x top_k rows), whichever backend ran it."""
-    role = role.removesuffix(TORCH_TAG)
+    for tag in (TORCH_TAG, PERSISTENT_TAG):
+        role = role.removesuffix(tag)
     two_f = {"fwd x@W1 +SwiGLU", "bwd dx=dz@W1^T", "bwd dW1=x^T dz"}
     one_f = {"fwd h@W2 +combine", "bwd G=dy@W2^T", "bwd dW2=(wh)^T dy"}
     if role in two_f:
@@ -140,6 +147,7 @@ def install(timer: LaunchTimer) -> None:
     _launch.grouped_mm = timer.wrap(_launch.grouped_mm, grouped_mm_role)
     _launch.grouped_wgrad = timer.wrap(_launch.grouped_wgrad, wgrad_role)
     _launch.grouped_wgrad_torch = timer.tag(_launch.grouped_wgrad_torch, TORCH_TAG)
+    _launch.persistent_mm = timer.tag(_launch.persistent_mm, PERSISTENT_TAG)
     _launch.gather_rows = timer.wrap(_launch.gather_rows, lambda *_: GATHER_ROLE)
     _launch.swiglu_bwd = timer.wrap(_launch.swiglu_bwd, lambda *_: "bwd SwiGLU' (elementwise)")
 
@@ -247,6 +255,12 @@ def main() -> None:
         help="skip the warm-up passes (compile, tune, warm the allocator): the interpreter has "
         "none of those to do, and each of its passes takes seconds",
     )
+    parser.add_argument(
+        "--persistent",
+        action="store_true",
+        help="force the persistent kernel's default candidate on the GEMMs without SwiGLU "
+        "(h@W2, G, dx) instead of the tuned or default configs",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
@@ -264,23 +278,27 @@ def main() -> None:
     print(f"device: {machine}, {dtype}, dense matmul {dense:.2f} TFLOP/s")
     timer = LaunchTimer(device)
     install(timer)
-    profiles = []
-    for shape in shapes:
-        profiles.append(
-            profile_shape(shape, device, dtype, timer, dense, args.steps, not args.no_warmup)
-        )
-        print_profile(profiles[-1])
-        if args.json:
-            out = {
-                "device": machine,
-                "dtype": str(dtype),
-                "torch": torch.__version__,
-                "dense_tflops": dense,
-                "profiles": profiles,
-            }
-            tmp = Path(args.json).with_suffix(".tmp")
-            tmp.write_text(json.dumps(out, indent=2))
-            tmp.replace(args.json)
+    forced = tuning.PERSISTENT_CANDIDATES[0] if args.persistent else None
+    if forced is not None:
+        print(f"forced on the GEMMs without SwiGLU: {forced}")
+    header = {
+        "device": machine,
+        "dtype": str(dtype),
+        "torch": torch.__version__,
+        "dense_tflops": dense,
+        "forced_mm_config": str(forced) if forced is not None else None,
+    }
+    profiles: list[dict] = []
+    with tuning.forced_config("mm", forced) if forced else contextlib.nullcontext():
+        for shape in shapes:
+            profiles.append(
+                profile_shape(shape, device, dtype, timer, dense, args.steps, not args.no_warmup)
+            )
+            print_profile(profiles[-1])
+            if args.json:
+                tmp = Path(args.json).with_suffix(".tmp")
+                tmp.write_text(json.dumps({**header, "profiles": profiles}, indent=2))
+                tmp.replace(args.json)
 
 
 if __name__ == "__main__":

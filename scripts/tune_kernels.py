@@ -7,7 +7,9 @@ Run on the GPU the table is for (it needs CUDA):
 
 Every kernel variant of the MoE forward and backward (and the plain grouped GEMM) is timed
 over the candidate configs of ``moestack.kernels.tuning`` at each shape (for the weight
-gradients torch._grouped_mm too, where it runs: each entry names its backend); the winners are
+gradients torch._grouped_mm too, where it runs: each entry names its backend; for the GEMMs
+without SwiGLU the persistent kernel's candidates too, each charged the tile table it builds:
+an entry it wins says ``"persistent": true``); the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
 first use of those shapes on that GPU needs no autotuning. Keys carry the power-of-two
 bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes the nearest
@@ -149,7 +151,8 @@ def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(table, indent=2) + "\n")
     tmp.replace(out)
-    log.info("wrote %d configs for %s to %s", len(found), gpu, out)
+    persistent = sum(1 for entry in found.values() if entry.get("persistent"))
+    log.info("wrote %d configs (%d persistent) for %s to %s", len(found), persistent, gpu, out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Every candidate tile config of every kernel kind against the float64 reference, forced
 with ``tuning.forced_config``, in the interpreter: the tile shapes, the row-group swizzle and
 the masks of each config compute the right numbers. Case i forces candidate i (modulo the
-list's length) of every kind at once, so that the longest list sets the number of cases.
+list's length) of every kind at once, so that the longest list sets the number of cases; the
+persistent cases force persistent candidate j for the plain GEMM (kind "mm": the layer's
+h @ W2, G and dx, and grouped_gemm) beside candidate j of the other kinds.
 test_kernels_gpu.py runs the same check in bf16 on a GPU, one kind at a time, where the
-pipelining and warps of each config are real too."""
+pipelining and warps of each config are real too (test_persistent.py the persistent ones)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ pytestmark = pytest.mark.skipif(
     reason="the interpreter's run; test_kernels_gpu.py checks every candidate on CUDA",
 )
 TOL = 5e-6  # float32, normwise: max|err| / max|ref|
-CASES = range(max(len(c) for c in tuning.CANDIDATES.values()))
+CASES = [("classic", i) for i in range(max(len(c) for c in tuning.CANDIDATES.values()))]
+CASES += [("persistent", j) for j in range(len(tuning.PERSISTENT_CANDIDATES))]
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -45,16 +48,33 @@ def poisoned_buffers(monkeypatch):
     monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
-def forced(index: int) -> contextlib.ExitStack:
-    """Candidate ``index`` (modulo the list's length) of every kind, forced together."""
+def forced(index: int, persistent: bool) -> contextlib.ExitStack:
+    """Candidate ``index`` (modulo the list's length) of every kind, forced together; the
+    persistent candidate ``index`` for kind "mm" if ``persistent``."""
     stack = contextlib.ExitStack()
     for kind, cands in tuning.CANDIDATES.items():
+        if persistent and kind == "mm":
+            cands = tuning.PERSISTENT_CANDIDATES
         stack.enter_context(tuning.forced_config(kind, cands[index % len(cands)]))
     return stack
 
 
-@pytest.mark.parametrize("index", CASES)
-def test_candidates_match_float64(index, poisoned_buffers):
+@pytest.fixture
+def persistent_launches(monkeypatch):
+    """The configs of the persistent GEMM's launches (each still runs)."""
+    launched = []
+    real = _launch.persistent_mm
+
+    def spy(*args, **kw):
+        launched.append(kw["cfg"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_launch, "persistent_mm", spy)
+    return launched
+
+
+@pytest.mark.parametrize(("path", "index"), CASES, ids=[f"{p}-{i}" for p, i in CASES])
+def test_candidates_match_float64(path, index, poisoned_buffers, persistent_launches):
     g = torch.Generator().manual_seed(index)
     T, D, F, E, k = 24, 40, 48, 5, 2
     x = torch.randn(T, D, generator=g, dtype=torch.float64)
@@ -65,7 +85,7 @@ def test_candidates_match_float64(index, poisoned_buffers):
     weights, experts = scores.topk(k, dim=1)
     dy = torch.randn(T, D, generator=g, dtype=torch.float64)
     ins = [t.float().requires_grad_() for t in (x, w1, w2, weights)]
-    with forced(index):
+    with forced(index, persistent=path == "persistent"):
         y = moe_experts(ins[0], ins[1], ins[2], experts, ins[3])
         y.backward(dy.float())
         counts = [0, 33, 1, 0, 60]  # ragged groups for the plain grouped GEMM
@@ -88,3 +108,8 @@ def test_candidates_match_float64(index, poisoned_buffers):
     for name, a_, b_ in (("gemm y", out.detach(), out_ref), ("gemm dw", w32.grad, wr.grad)):
         assert rel_err(a_, b_) <= TOL, name
     assert rel_err(a32.grad, ar.grad) <= TOL, "gemm dx"
+    # The forward's h @ W2, the backward's G and dx, grouped_gemm's y and dx: persistent
+    # exactly when forced so (the SwiGLU GEMM and the weight gradients never are).
+    want = tuning.PERSISTENT_CANDIDATES[index] if path == "persistent" else None
+    assert len(persistent_launches) == (5 if want else 0)
+    assert all(c.persistent and c.block_m == want.block_m for c in persistent_launches)

@@ -319,26 +319,110 @@ def replace_block_m(cfg: tuning.KernelConfig, block_m: int) -> tuning.KernelConf
     return replace(cfg, block_m=block_m)
 
 
-@pytest.mark.skipif(not CUDA, reason="bfloat16 and the real tile configs need a CUDA device")
+def check_candidate_bf16(index: int, variant: str, use_tma: bool | None) -> None:
+    """Persistent candidate ``index``, fitted as the tuner launches it, in bfloat16
+    (descriptors where this GPU has TMA, else pointers either way); a few programs walk many
+    tiles."""
+    cfg = tuning.fit(tuning.PERSISTENT_CANDIDATES[index], "mm", 256, 384, torch.bfloat16)
+    run_case(
+        [0, 130, 0, 1, 300, 77],
+        K=256,
+        N=384,
+        dtype=torch.bfloat16,
+        cfg=cfg,
+        num_programs=7,
+        use_tma=use_tma,
+        transposed=variant == "transposed",
+        gather=variant == "gather-scatter-scale",
+        scatter=variant == "gather-scatter-scale",
+        scale=variant == "gather-scatter-scale",
+    )
+
+
+# gpu_check's kernel_tests phase runs the trimmed GPU check (the default persistent
+# candidate and the large tile, both load paths, every operand layout) and the layer test
+# below; the other candidates run with the whole file.
+TRIMMED = (0, 1)
+OTHERS = tuple(i for i in range(len(tuning.PERSISTENT_CANDIDATES)) if i not in TRIMMED)
+VARIANTS = ["plain", "transposed", "gather-scatter-scale"]
+on_gpu = pytest.mark.skipif(not CUDA, reason="bfloat16 and the real tile configs need CUDA")
+
+
+@on_gpu
 @pytest.mark.parametrize("use_tma", [None, False], ids=["descriptors", "pointers"])
-@pytest.mark.parametrize("variant", ["plain", "transposed", "gather-scatter-scale"])
-def test_gpu_every_candidate_bf16(variant, use_tma):
-    """Every GEMM tile candidate, as the tuner would launch it, in bfloat16 (descriptors
-    where this GPU has TMA, else pointers either way); a few programs walk many tiles."""
-    for cfg in tuning.candidates("mm", 256, 384, torch.bfloat16):
-        run_case(
-            [0, 130, 0, 1, 300, 77],
-            K=256,
-            N=384,
-            dtype=torch.bfloat16,
-            cfg=cfg,
-            num_programs=7,
-            use_tma=use_tma,
-            transposed=variant == "transposed",
-            gather=variant == "gather-scatter-scale",
-            scatter=variant == "gather-scatter-scale",
-            scale=variant == "gather-scatter-scale",
-        )
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("index", TRIMMED, ids=[f"cand{i}" for i in TRIMMED])
+def test_gpu_default_and_large_tile_bf16(index, variant, use_tma):
+    check_candidate_bf16(index, variant, use_tma)
+
+
+@on_gpu
+@pytest.mark.parametrize("use_tma", [None, False], ids=["descriptors", "pointers"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("index", OTHERS, ids=[f"cand{i}" for i in OTHERS])
+def test_gpu_other_candidates_bf16(index, variant, use_tma):
+    check_candidate_bf16(index, variant, use_tma)
+
+
+@on_gpu
+def test_gpu_layer_bf16(monkeypatch):
+    """The layer and the plain grouped GEMM with the default persistent candidate forced
+    (h @ W2, G, dx, and grouped_gemm's y and dx), bf16 against float64: ragged groups, empty
+    experts, outputs poisoned with NaN; 300 columns of bf16 are no 16-byte rows, so the
+    plain GEMM's weight is read through pointers, the layer's through descriptors (sm90+)."""
+    import math
+
+    from moestack.kernels import _launch, grouped_gemm, moe_experts
+    from moestack.kernels.reference import grouped_gemm_reference, moe_experts_reference
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(_launch, "new_empty", poisoned)
+    launched = []
+    real = _launch.persistent_mm
+    monkeypatch.setattr(
+        _launch, "persistent_mm", lambda *a, **kw: (launched.append(1), real(*a, **kw))[1]
+    )
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
+        return ((a.double().cpu() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+    g = torch.Generator().manual_seed(0)
+    T, D, F, E, k = 257, 192, 160, 8, 2
+    x = torch.randn(T, D, generator=g, dtype=torch.float64).bfloat16().double()
+    w1 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)).bfloat16()
+    w2 = (torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)).bfloat16()
+    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
+    scores[:, 5] = -1.0  # an expert without tokens
+    weights, experts = scores.topk(k, dim=1)
+    weights = torch.softmax(weights, 1).float().double()
+    dy = torch.randn(T, D, generator=g, dtype=torch.float64).bfloat16().double()
+    counts = [0, 130, 1, 0, 257, 64, 0, 3]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    a = torch.randn(sum(counts), 200, generator=g, dtype=torch.float64).bfloat16().double()
+    w = torch.randn(len(counts), 200, 300, generator=g, dtype=torch.float64).bfloat16().double()
+    ins = [t.cuda().bfloat16().requires_grad_() for t in (x, w1.double(), w2.double())]
+    ins.append(weights.cuda().float().requires_grad_())
+    a_dev, w_dev = a.cuda().bfloat16().requires_grad_(), w.cuda().bfloat16().requires_grad_()
+    with tuning.forced_config("mm", tuning.PERSISTENT_CANDIDATES[0]):
+        y = moe_experts(ins[0], ins[1], ins[2], experts.cuda(), ins[3])
+        y.backward(dy.cuda().bfloat16())
+        out = grouped_gemm(a_dev, w_dev, offsets.cuda())
+        out.backward(torch.ones_like(out))
+    assert len(launched) == 5, "h @ W2, G, dx and grouped_gemm's y and dx"
+    refs = [t.clone().requires_grad_() for t in (x, w1.double(), w2.double(), weights)]
+    yr = moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3])
+    yr.backward(dy)
+    ar, wr = a.clone().requires_grad_(), w.clone().requires_grad_()
+    outr = grouped_gemm_reference(ar, wr, offsets)
+    outr.backward(torch.ones_like(outr))
+    got = [y, *(t.grad for t in ins), out, a_dev.grad]
+    want = [yr, *(t.grad for t in refs), outr, ar.grad]
+    names = ("y", "dx", "dw1", "dw2", "dweights", "gemm y", "gemm dx")
+    for name, a_, b_ in zip(names, got, want, strict=True):
+        assert rel(a_.detach(), b_.detach()) <= 3e-2, name
 
 
 # A fresh interpreter (no TRITON_INTERPRET) compiles the kernel for sm_90 without a GPU and
