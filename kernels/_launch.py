@@ -261,11 +261,18 @@ def grouped_mm(
             out.stride(1),
             z_strides[0],
             z_strides[1],
+            out,  # dz and dscale_part: unused without DSWIGLU
+            out,
+            0,
+            0,
+            0,
             GATHER_A=a_rows is not None,
             SCATTER_C=c_rows is not None,
             HAS_SCALE=scale is not None,
             SWIGLU=swiglu,
             STORE_Z=z is not None,
+            DSWIGLU=False,
+            STORE_H=False,
             EVEN_K=K % cfg.block_k == 0,
             DOT_PRECISION=precision,
             BLOCK_M=cfg.block_m,
@@ -283,6 +290,134 @@ def grouped_mm(
     key = tuning.make_key(kind, E, K, M, a.dtype, flags, rows)
     with _on_device(a):
         run(tuning.choose_config(kind, key, a.device, K, M, a.dtype, timed, interp))
+
+
+def mm_dswiglu_fused(
+    a: torch.Tensor,
+    b_EKM: torch.Tensor,
+    offsets_E: torch.Tensor,
+    z_RF2: torch.Tensor,
+    scale_R: torch.Tensor,
+    dz_RF2: torch.Tensor,
+    dscale_R: torch.Tensor,
+    h_RF: torch.Tensor | None,
+    rows: int,
+    *,
+    cfg: tuning.KernelConfig,
+) -> None:
+    """One launch of the classic grouped GEMM computing G = a @ b[e] tile by tile with the
+    SwiGLU backward in its epilogue (``cfg.fused``), then the sum of each row's per-tile
+    partials of <G, h> into ``dscale_R`` (a fixed-order sum: the same bits every run)."""
+    E, K, F = b_EKM.shape
+    num_n = -(-F // cfg.block_n)
+    part_RN = new_empty((rows, num_n), torch.float32, a.device)
+    h_arg = h_RF if h_RF is not None else dz_RF2  # G's dtype either way (C rounds G)
+    grid = ((-(-rows // cfg.block_m) + E) * num_n,)
+    kernels().grouped_mm_kernel[grid](
+        a,
+        b_EKM,
+        h_arg,
+        z_RF2,
+        offsets_E,
+        offsets_E,  # no gathered or scattered rows
+        offsets_E,
+        scale_R,
+        E,
+        K,
+        F,
+        a.stride(0),
+        a.stride(1),
+        b_EKM.stride(0),
+        b_EKM.stride(1),
+        b_EKM.stride(2),
+        h_arg.stride(0),
+        h_arg.stride(1),
+        z_RF2.stride(0),
+        z_RF2.stride(1),
+        dz_RF2,
+        part_RN,
+        dz_RF2.stride(0),
+        dz_RF2.stride(1),
+        part_RN.stride(0),
+        GATHER_A=False,
+        SCATTER_C=False,
+        HAS_SCALE=False,
+        SWIGLU=False,
+        STORE_Z=False,
+        DSWIGLU=True,
+        STORE_H=h_RF is not None,
+        EVEN_K=K % cfg.block_k == 0,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        BLOCK_E=_block_e(E),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    torch.sum(part_RN, 1, out=dscale_R)
+
+
+def grouped_mm_dswiglu(
+    a: torch.Tensor,
+    b_EKM: torch.Tensor,
+    offsets_E: torch.Tensor,
+    z_RF2: torch.Tensor,
+    scale_R: torch.Tensor,
+    dz_RF2: torch.Tensor,
+    dscale_R: torch.Tensor,
+    h_RF: torch.Tensor | None,
+    rows: int,
+    *,
+    tiles: TileTables | None = None,
+) -> None:
+    """G = a @ b[e] (the backward's dy @ W2^T, unweighted) and the SwiGLU backward of it:
+    ``swiglu_bwd``'s outputs (dz into ``dz_RF2``, which may be ``z_RF2``; <G, h> into
+    ``dscale_R``; scale * h into ``h_RF`` if given), G itself never kept.
+
+    Unfused (the default): G by ``grouped_mm`` (kind "mm", in ``h_RF``'s memory where given,
+    sharing ``tiles``), then ``swiglu_bwd``. Fused (a ``fused`` config of kind
+    "mm_dswiglu", where the table or autotuning chose it, or forced): one GEMM launch whose
+    epilogue does the elementwise pass. Autotuning times both on buffers of its own, never
+    in place: a candidate runs several times and must read the z it was given.
+    """
+    interp = check_tensors(a, b_EKM, z_RF2, dz_RF2)
+    if a.dtype != b_EKM.dtype:
+        raise TypeError(f"dtype mismatch: {a.dtype} activations with {b_EKM.dtype} weights")
+    E, K, F = b_EKM.shape
+    if tuple(z_RF2.shape) != (rows, 2 * F) or dz_RF2.shape != z_RF2.shape:
+        raise ValueError(
+            f"z and dz must be [rows={rows}, 2F={2 * F}], got {tuple(z_RF2.shape)} and "
+            f"{tuple(dz_RF2.shape)}"
+        )
+    if rows == 0:
+        return
+
+    def run(cfg: tuning.KernelConfig, dz: torch.Tensor, dscale: torch.Tensor, h) -> None:
+        if cfg.fused:
+            mm_dswiglu_fused(a, b_EKM, offsets_E, z_RF2, scale_R, dz, dscale, h, rows, cfg=cfg)
+            return
+        g_RF = h if h is not None else new_empty((rows, F), a.dtype, a.device)
+        grouped_mm(a, b_EKM, offsets_E, g_RF, rows, tiles=tiles)
+        swiglu_bwd(z_RF2, g_RF, scale_R, dz, dscale, h)
+
+    scratch: list[torch.Tensor] = []
+
+    def timed(cfg: tuning.KernelConfig) -> None:
+        if not scratch:  # allocated at the first candidate, shared by all
+            scratch.append(torch.empty_like(dz_RF2))
+            scratch.append(torch.empty_like(dscale_R))
+            scratch.append(torch.empty((rows, F), dtype=a.dtype, device=a.device))
+        dz, dscale, h = scratch
+        run(cfg, dz, dscale, h if h_RF is not None else None)
+
+    transposed = b_EKM.stride(2) != 1 and b_EKM.stride(1) == 1
+    flags = f"h{int(h_RF is not None)}t{int(transposed)}"
+    key = tuning.make_key("mm_dswiglu", E, K, F, a.dtype, flags, rows)
+    with _on_device(a):
+        cfg = tuning.choose_config("mm_dswiglu", key, a.device, K, F, a.dtype, timed, interp)
+        run(cfg, dz_RF2, dscale_R, h_RF)
 
 
 def gather_rows(src_ND: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,18 @@ def grouped_mm_kernel(
     stride_cn,
     stride_zm,
     stride_zn,
+    dz_ptr,
+    dscale_part_ptr,
+    stride_dzm,
+    stride_dzn,
+    stride_pm,
     GATHER_A: tl.constexpr,
     SCATTER_C: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     SWIGLU: tl.constexpr,
     STORE_Z: tl.constexpr,
+    DSWIGLU: tl.constexpr,
+    STORE_H: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -109,6 +116,14 @@ def grouped_mm_kernel(
     together and stores C = silu(gate) * up (and the pre-activations into Z when STORE_Z).
     The gate/up values are rounded to the storage dtype before the activation, so the
     backward pass, which recomputes the activation from Z, sees the same numbers.
+    DSWIGLU (the backward's G = dy @ W2^T, neither gathered nor scattered): the epilogue
+    runs ``swiglu_bwd_kernel``'s math on the tile of G (rounded to C's dtype first, as the
+    unfused path stores it) with the tile's columns of Z = [gate | up] ([*, 2M]) and the
+    row's ``scale``: dZ = [scale * G * up * silu'(gate) | scale * G * silu(gate)] into
+    ``dz``, scale * h into C (STORE_H), and <G, h> over the tile's columns into
+    ``dscale_part[row, pid_n]`` (fp32; the host sums a row's partials: no atomics, the same
+    sum every run). A program owns its rows x columns of both halves of Z, so dZ may be Z's
+    memory: every element is read before it is written, by the same program.
     EVEN_K (BLOCK_K divides K, decided on the host): the main loop's loads carry no mask
     along K, only the row and column masks.
     """
@@ -163,6 +178,42 @@ def grouped_mm_kernel(
         c_rows = offs_m.to(tl.int64)
     c_mask = m_mask[:, None] & n_mask[None, :]
     out_ty = c_ptr.dtype.element_ty
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if DSWIGLU:
+        _dswiglu_epilogue(
+            acc.to(out_ty).to(tl.float32), z_ptr, dz_ptr, c_ptrs, scale_ptr, dscale_part_ptr,
+            c_rows, offs_m, offs_n, m_mask, c_mask, pid_n, M, stride_zm, stride_zn,
+            stride_dzm, stride_dzn, stride_pm, STORE_H,
+        )  # fmt: skip
+    else:
+        _forward_epilogue(
+            acc, acc2 if SWIGLU else acc, z_ptr, c_ptrs, scale_ptr, c_rows, offs_m, offs_n,
+            m_mask, c_mask, M, stride_zm, stride_zn, HAS_SCALE, SWIGLU, STORE_Z,
+        )  # fmt: skip
+
+
+@triton.jit
+def _forward_epilogue(
+    acc,
+    acc2,
+    z_ptr,
+    c_ptrs,
+    scale_ptr,
+    c_rows,
+    offs_m,
+    offs_n,
+    m_mask,
+    c_mask,
+    M,
+    stride_zm,
+    stride_zn,
+    HAS_SCALE: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    STORE_Z: tl.constexpr,
+):
+    """Store one tile of C (silu(gate) * up with SWIGLU, and Z when STORE_Z), each row
+    times its ``scale`` when HAS_SCALE."""
+    out_ty = c_ptrs.dtype.element_ty
     if SWIGLU:
         gate = acc.to(out_ty)
         up = acc2.to(out_ty)
@@ -177,8 +228,52 @@ def grouped_mm_kernel(
     if HAS_SCALE:
         scale = tl.load(scale_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
         out = out * scale[:, None]
-    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, out.to(out_ty), mask=c_mask)
+
+
+@triton.jit
+def _dswiglu_epilogue(
+    grad,
+    z_ptr,
+    dz_ptr,
+    h_ptrs,
+    scale_ptr,
+    part_ptr,
+    rows,
+    offs_m,
+    offs_n,
+    m_mask,
+    mask,
+    pid_n,
+    F,
+    stride_zm,
+    stride_zn,
+    stride_dzm,
+    stride_dzn,
+    stride_pm,
+    STORE_H: tl.constexpr,
+):
+    """``swiglu_bwd_kernel``'s math on one [rows, columns] tile of G (fp32 ``grad``): dZ for
+    the tile's gate and up columns, scale * h (STORE_H) and the partial <G, h> of each row
+    over these columns into ``part[row, pid_n]``."""
+    z_ptrs = z_ptr + rows[:, None] * stride_zm + offs_n[None, :] * stride_zn
+    gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(z_ptrs + F * stride_zn, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + offs_m, mask=m_mask, other=0.0).to(tl.float32)
+    tl.debug_barrier()  # every load of the tile before any store (dZ over Z in place)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    h = silu * up
+    tl.store(part_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, tl.sum(grad * h, 1), mask=m_mask)
+    dh = grad * scale[:, None]
+    d_gate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = dh * silu
+    dz_ptrs = dz_ptr + rows[:, None] * stride_dzm + offs_n[None, :] * stride_dzn
+    tl.store(dz_ptrs, d_gate.to(dz_ptr.dtype.element_ty), mask=mask)
+    tl.store(dz_ptrs + F * stride_dzn, d_up.to(dz_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:
+        hw = h * scale[:, None]
+        tl.store(h_ptrs, hw.to(h_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit

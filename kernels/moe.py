@@ -11,9 +11,10 @@ Forward, for the T*k (token, slot) pairs sorted by expert (R = T*k sorted rows):
 
 Saved for backward: x, W1, W2 (inputs), ``z`` [R, 2F] and the int32 sort bookkeeping.
 ``h`` (needed for dW2 and the router-weight gradient) is recomputed from ``z`` by an
-elementwise kernel, so the GEMM outputs h [R, F] and ys [R, D] are freed after forward.
-That kernel works in place: ``dz`` overwrites the saved ``z`` and ``weight * h`` overwrites
-``G``, so the backward's largest live buffers are ``z``, one [R, F] and the [R, D] copy of
+elementwise kernel (or, where the tuned table says so, by the epilogue of G's GEMM, which
+then never stores G), so the GEMM outputs h [R, F] and ys [R, D] are freed after forward.
+Either works in place: ``dz`` overwrites the saved ``z`` and ``weight * h`` takes G's
+[R, F] buffer, so the backward's largest live buffers are ``z``, one [R, F] and the [R, D] copy of
 dy's rows (2F + F + D elements a row, against 2F + F + 2F + F + D had dz and weight * h
 each their own buffer: 1.3 GiB less at Mixtral's shape and 8k tokens). Only a backward
 that frees the graph when it ends works in place; with
@@ -168,18 +169,19 @@ def _backward_kernels(
     dy_TD = dy_TD.to(dt)
 
     # dy's rows in expert order, gathered once: G and dW2 read them as contiguous tiles.
-    # G = dy[tok] @ W2[e]^T (unweighted), then the elementwise SwiGLU backward: dz, the
-    # router-weight gradient and weight * h (what dW2 needs).
+    # G = dy[tok] @ W2[e]^T (unweighted) and the SwiGLU backward of it: dz, the
+    # router-weight gradient and weight * h (what dW2 needs), by G's GEMM and an elementwise
+    # pass (G in weight * h's buffer) or, where tuned so, by one GEMM with it in its epilogue.
     # G and dx share one tile table per tile height, should their configs be persistent.
     tiles = TileTables(offsets_E, R)
     dys_RD = _launch.gather_rows(dy_TD, token_R)
-    g_RF = _launch.new_empty((R, F), dt, dev)
-    _launch.grouped_mm(dys_RD, w2_EFD.transpose(1, 2), offsets_E, g_RF, R, tiles=tiles)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
     dz_RF2 = z_RF2 if in_place else _launch.new_empty((R, F2), dt, dev)
-    hw_RF = g_RF if in_place or not need_w2 else _launch.new_empty((R, F), dt, dev)
-    _launch.swiglu_bwd(z_RF2, g_RF, weight_R, dz_RF2, dweight_R, hw_RF if need_w2 else None)
-    del g_RF
+    hw_RF = _launch.new_empty((R, F), dt, dev) if need_w2 else None
+    _launch.grouped_mm_dswiglu(
+        dys_RD, w2_EFD.transpose(1, 2), offsets_E, z_RF2, weight_R, dz_RF2, dweight_R, hw_RF, R,
+        tiles=tiles,
+    )  # fmt: skip
 
     if need_w:
         flat = _launch.new_empty((R,), torch.float32, dev)

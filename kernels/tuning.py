@@ -30,6 +30,12 @@ winner; without a table entry or autotuning the classic kernel stays the default
 persistent one runs only where it won a measurement (or is forced). Table entries without
 the field are classic ones.
 
+G = dy @ W2^T with the SwiGLU backward (kind "mm_dswiglu") runs either unfused (G by the
+plain GEMM, kind "mm", then the elementwise pass: ``UNFUSED_DSWIGLU``, the default) or fused
+(``fused``: the classic kernel's tile computes G and, in its epilogue, dz, weight * h and
+the router-weight gradient's partial sums). Autotuning times the unfused pair against the
+fused tiles; without a table entry or autotuning the unfused pair runs.
+
 The flags name the kernel variant, including whether the weight is a transposed view (its
 K dimension has unit stride: another memory access pattern, so another best tile); the row
 bucket is the power of two at or above the number of sorted rows (the best tile for 2k rows
@@ -88,6 +94,9 @@ class KernelConfig:
     # (0: one per SM) walking a tile table, instead of one program per tile.
     persistent: bool = False
     num_programs: int = 0
+    # Kind "mm_dswiglu" only: the SwiGLU backward in the epilogue of G's GEMM (this tile),
+    # instead of G's own GEMM (kind "mm") and the elementwise pass (``UNFUSED_DSWIGLU``).
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -96,6 +105,11 @@ class KernelConfig:
             raise ValueError(
                 f"persistent=True runs moestack's persistent kernel, not backend="
                 f"{self.backend!r}; use backend='triton'"
+            )
+        if self.fused and (self.persistent or self.backend != "triton"):
+            raise ValueError(
+                "fused=True runs the classic kernel's SwiGLU-backward epilogue; use "
+                "persistent=False and backend='triton'"
             )
         if self.num_programs < 0 or (self.num_programs and not self.persistent):
             raise ValueError(
@@ -146,6 +160,19 @@ _WGRAD_CANDIDATES = (
     KernelConfig(256, 128, 64, 8, 8, 3),
     KernelConfig(128, 128, 128, 8, 8, 3),
 )
+# G = dy @ W2^T with the SwiGLU backward in its epilogue (kind "mm_dswiglu"): the epilogue
+# holds G, gate, up and the dz halves of a tile at once, so the tiles stay at the register
+# budget of the fused forward's. Timed against ``UNFUSED_DSWIGLU``, the default.
+_DSWIGLU_CANDIDATES = (
+    KernelConfig(128, 128, 64, 8, 8, 3, fused=True),
+    KernelConfig(128, 64, 64, 8, 4, 4, fused=True),
+    KernelConfig(64, 128, 64, 8, 4, 4, fused=True),
+    KernelConfig(128, 128, 32, 8, 8, 4, fused=True),
+    KernelConfig(64, 64, 64, 8, 4, 4, fused=True),
+)
+# Kind "mm_dswiglu" unfused: G by the plain GEMM (its own "mm" config), then the
+# elementwise SwiGLU backward (its tile fields are unused).
+UNFUSED_DSWIGLU = KernelConfig(128, 128, 64)
 # The persistent grouped GEMM (kind "mm"), timed after the classic tiles: its default tile,
 # one large tile and a small one for narrow shapes, one program per SM. The classic first
 # candidate stays the default when nothing was measured.
@@ -161,6 +188,7 @@ CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
     "mm": _MM_CANDIDATES,
     "mm_swiglu": _SWIGLU_CANDIDATES,
     "wgrad": _WGRAD_CANDIDATES,
+    "mm_dswiglu": _DSWIGLU_CANDIDATES,
 }
 
 # The autotune cache: (gpu name, key) -> config.
@@ -271,8 +299,10 @@ def candidates(
 ) -> list[KernelConfig]:
     """The distinct candidate configs for one kernel kind, fitted to the problem size: for
     the plain GEMM the persistent ones after the classic tiles, for the weight gradient on a
-    ``device`` where ``torch_wgrad_runs`` torch's backend last."""
-    out: list[KernelConfig] = []
+    ``device`` where ``torch_wgrad_runs`` torch's backend last, for G with the SwiGLU
+    backward the unfused pair first (the default when nothing is timed)."""
+    first = [fit(UNFUSED_DSWIGLU, kind, K, M, dtype)] if kind == "mm_dswiglu" else []
+    out: list[KernelConfig] = first
     extra = PERSISTENT_CANDIDATES if kind == "mm" else ()
     for cfg in CANDIDATES[kind] + extra:
         c = fit(cfg, kind, K, M, dtype)
@@ -281,6 +311,12 @@ def candidates(
     if kind == "wgrad" and device is not None and torch_wgrad_runs(device, dtype, K, M):
         out.append(TORCH_WGRAD)
     return out
+
+
+def default_config(kind: str, K: int, M: int, dtype: torch.dtype) -> KernelConfig:
+    """The untimed default of ``kind``: its first candidate, fitted (unfused for G with the
+    SwiGLU backward)."""
+    return candidates(kind, K, M, dtype)[0]
 
 
 def _runnable(
@@ -293,10 +329,13 @@ def _runnable(
         log.info(
             "torch's weight gradient cannot run here (%s, %s): moestack's kernel", device, dtype
         )
-        return fit(CANDIDATES[kind][0], kind, K, M, dtype)
+        return default_config(kind, K, M, dtype)
     if cfg.persistent and kind != "mm":
         log.info("the persistent kernel runs kind 'mm' only, not %r: the default tile", kind)
-        return fit(CANDIDATES[kind][0], kind, K, M, dtype)
+        return default_config(kind, K, M, dtype)
+    if cfg.fused and kind != "mm_dswiglu":
+        log.info("fused=True is for kind 'mm_dswiglu' only, not %r: the default tile", kind)
+        return default_config(kind, K, M, dtype)
     return cfg
 
 
@@ -311,6 +350,8 @@ def forced_config(kind: str, cfg: KernelConfig) -> Iterator[None]:
         raise ValueError(f"backend='torch' is for kind='wgrad' only, not {kind!r}")
     if cfg.persistent and kind != "mm":
         raise ValueError(f"persistent=True is for kind='mm' only, not {kind!r}")
+    if cfg.fused and kind != "mm_dswiglu":
+        raise ValueError(f"fused=True is for kind='mm_dswiglu' only, not {kind!r}")
     previous = _FORCED.get(kind)
     _FORCED[kind] = cfg
     try:
@@ -403,10 +444,13 @@ def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig]
 
 def table_entry(cfg: KernelConfig) -> dict[str, int | str | bool]:
     """``cfg`` as a table entry: every field, less ``persistent`` and ``num_programs`` for a
-    classic config (its entry reads the same in a moestack without the persistent kernel)."""
+    classic config and ``fused`` for an unfused one (their entries read the same in a
+    moestack without the persistent kernel or the fused SwiGLU backward)."""
     entry = asdict(cfg)
     if not cfg.persistent:
         del entry["persistent"], entry["num_programs"]
+    if not cfg.fused:
+        del entry["fused"]
     return entry
 
 

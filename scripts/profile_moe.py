@@ -5,11 +5,13 @@ experts is timed on its own (CUDA events around it; on the CPU, the wall clock a
 interpreter) and labelled by its role: the forward's gate/up GEMM (gather + SwiGLU epilogue)
 and down GEMM (router weight + scatter), the backward's row gathers (dy's and x's rows copied
 into expert order for G and the weight gradients), G = dy @ W2^T, the elementwise SwiGLU
-backward, dW2, dx and dW1; a weight gradient that the tuned table gives to torch._grouped_mm
+backward (or, where the tuned table fuses it into G's GEMM, the one launch
+"bwd G=dy@W2^T +SwiGLU'"), dW2, dx and dW1; a weight gradient that the tuned table gives to torch._grouped_mm
 is its own row, "[torch._grouped_mm]" after the role, and a GEMM that it gives to the
 persistent kernel (h@W2, G, dx; its tile table built inside the row) "[persistent]".
 --persistent forces the persistent kernel's default candidate on those GEMMs, to set its
-launches beside the classic ones of a run without it. Each GEMM row gives its useful TFLOP/s
+launches beside the classic ones of a run without it; --fused-dswiglu forces the fused
+G + SwiGLU backward's default tile the same way. Each GEMM row gives its useful TFLOP/s
 and the fraction of the dense bf16 matmul rate measured in the same run; "other" is the rest
 of the step (router, sort, the forward's index gathers, the sum over the k slots,
 allocations), from an untimed pass of the same step. A launch's time runs from its start event, recorded before the Python launcher, to its
@@ -20,6 +22,7 @@ ratio bench_moe reports. Prints a table per shape; --json writes them.
     python scripts/profile_moe.py                          # GPU: every bench_moe shape
     python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
     python scripts/profile_moe.py --shapes mixtral-8k --persistent   # the persistent GEMMs
+    python scripts/profile_moe.py --shapes mixtral-8k --fused-dswiglu  # G + SwiGLU' fused
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny --steps 1 --no-warmup  # the tests'
 """
@@ -50,6 +53,7 @@ TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, 
 TORCH_TAG = " [torch._grouped_mm]"  # after the role of a weight gradient torch computed
 PERSISTENT_TAG = " [persistent]"  # after the role of a GEMM the persistent kernel computed
 GATHER_ROLE = "bwd gather dy,x rows"
+DSWIGLU_ROLE = "bwd G=dy@W2^T +SwiGLU'"  # G's GEMM with the SwiGLU backward in its epilogue
 
 
 def grouped_mm_role(args: tuple, kw: dict, dims: tuple[int, int]) -> str:
@@ -77,7 +81,7 @@ def gemm_flops(role: str, R: int, D: int, F: int) -> float:
     for tag in (TORCH_TAG, PERSISTENT_TAG):
         role = role.removesuffix(tag)
     two_f = {"fwd x@W1 +SwiGLU", "bwd dx=dz@W1^T", "bwd dW1=x^T dz"}
-    one_f = {"fwd h@W2 +combine", "bwd G=dy@W2^T", "bwd dW2=(wh)^T dy"}
+    one_f = {"fwd h@W2 +combine", "bwd G=dy@W2^T", DSWIGLU_ROLE, "bwd dW2=(wh)^T dy"}
     if role in two_f:
         return 2.0 * R * D * 2 * F
     return 2.0 * R * D * F if role in one_f else 0.0
@@ -150,6 +154,7 @@ def install(timer: LaunchTimer) -> None:
     _launch.persistent_mm = timer.tag(_launch.persistent_mm, PERSISTENT_TAG)
     _launch.gather_rows = timer.wrap(_launch.gather_rows, lambda *_: GATHER_ROLE)
     _launch.swiglu_bwd = timer.wrap(_launch.swiglu_bwd, lambda *_: "bwd SwiGLU' (elementwise)")
+    _launch.mm_dswiglu_fused = timer.wrap(_launch.mm_dswiglu_fused, lambda *_: DSWIGLU_ROLE)
 
 
 def step_ms(step: Callable[[], None], device: torch.device, steps: int) -> float:
@@ -261,6 +266,12 @@ def main() -> None:
         help="force the persistent kernel's default candidate on the GEMMs without SwiGLU "
         "(h@W2, G, dx) instead of the tuned or default configs",
     )
+    parser.add_argument(
+        "--fused-dswiglu",
+        action="store_true",
+        help="force the fused G=dy@W2^T + SwiGLU backward's first tile (kind mm_dswiglu) "
+        "instead of the tuned or default (unfused) choice",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
@@ -281,15 +292,23 @@ def main() -> None:
     forced = tuning.PERSISTENT_CANDIDATES[0] if args.persistent else None
     if forced is not None:
         print(f"forced on the GEMMs without SwiGLU: {forced}")
+    fused = tuning.CANDIDATES["mm_dswiglu"][0] if args.fused_dswiglu else None
+    if fused is not None:
+        print(f"forced on G with the SwiGLU backward: {fused}")
     header = {
         "device": machine,
         "dtype": str(dtype),
         "torch": torch.__version__,
         "dense_tflops": dense,
         "forced_mm_config": str(forced) if forced is not None else None,
+        "forced_dswiglu_config": str(fused) if fused is not None else None,
     }
     profiles: list[dict] = []
-    with tuning.forced_config("mm", forced) if forced else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if forced is not None:
+            stack.enter_context(tuning.forced_config("mm", forced))
+        if fused is not None:
+            stack.enter_context(tuning.forced_config("mm_dswiglu", fused))
         for shape in shapes:
             profiles.append(
                 profile_shape(shape, device, dtype, timer, dense, args.steps, not args.no_warmup)

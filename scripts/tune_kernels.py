@@ -9,7 +9,9 @@ Every kernel variant of the MoE forward and backward (and the plain grouped GEMM
 over the candidate configs of ``moestack.kernels.tuning`` at each shape (for the weight
 gradients torch._grouped_mm too, where it runs: each entry names its backend; for the GEMMs
 without SwiGLU the persistent kernel's candidates too, each charged the tile table it builds:
-an entry it wins says ``"persistent": true``); the winners are
+an entry it wins says ``"persistent": true``; for the backward's G = dy @ W2^T with the
+SwiGLU backward, G's GEMM and the elementwise pass against the fused tiles: an entry the
+fused epilogue wins says ``"fused": true``); the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
 first use of those shapes on that GPU needs no autotuning. Keys carry the power-of-two
 bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes the nearest
@@ -152,7 +154,11 @@ def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
     tmp.write_text(json.dumps(table, indent=2) + "\n")
     tmp.replace(out)
     persistent = sum(1 for entry in found.values() if entry.get("persistent"))
-    log.info("wrote %d configs (%d persistent) for %s to %s", len(found), persistent, gpu, out)
+    fused = sum(1 for entry in found.values() if entry.get("fused"))
+    log.info(
+        "wrote %d configs (%d persistent, %d fused) for %s to %s",
+        *(len(found), persistent, fused, gpu, out),
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ with ``tuning.forced_config``, in the interpreter: the tile shapes, the row-grou
 the masks of each config compute the right numbers. Case i forces candidate i (modulo the
 list's length) of every kind at once, so that the longest list sets the number of cases; the
 persistent cases force persistent candidate j for the plain GEMM (kind "mm": the layer's
-h @ W2, G and dx, and grouped_gemm) beside candidate j of the other kinds.
+h @ W2, G and dx, and grouped_gemm) beside candidate j of the other kinds, G unfused (the
+classic cases run G with the SwiGLU backward fused, each "mm_dswiglu" tile in turn).
 test_kernels_gpu.py runs the same check in bf16 on a GPU, one kind at a time, where the
 pipelining and warps of each config are real too (test_persistent.py the persistent ones)."""
 
@@ -55,6 +56,8 @@ def forced(index: int, persistent: bool) -> contextlib.ExitStack:
     for kind, cands in tuning.CANDIDATES.items():
         if persistent and kind == "mm":
             cands = tuning.PERSISTENT_CANDIDATES
+        if persistent and kind == "mm_dswiglu":  # G by the (persistent) plain GEMM
+            cands = (tuning.UNFUSED_DSWIGLU,)
         stack.enter_context(tuning.forced_config(kind, cands[index % len(cands)]))
     return stack
 

@@ -207,7 +207,7 @@ def test_autotune_cache_is_filled(monkeypatch):
     table = tuning.export_cache()
     gpu = torch.cuda.get_device_name()
     kinds = {key.split("|")[0] for key in table[gpu]}
-    assert kinds == {"mm", "mm_swiglu", "wgrad"}
+    assert kinds == {"mm", "mm_swiglu", "wgrad", "mm_dswiglu"}
     assert all(key.endswith("|R=128") for key in table[gpu]), table  # 64 tokens x 2 slots
     tuning.clear_cache()
 

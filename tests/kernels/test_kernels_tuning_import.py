@@ -339,19 +339,24 @@ _COMPILE_CHECK = (
 # unit strides, given here as such, so that what compiles is what a real launch runs.
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32")
 unit_mm = dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1)
-fwd, _, dx, _, _, _ = compile_all([
+plain = dict(DSWIGLU=False, STORE_H=False)  # no SwiGLU backward in the epilogue
+fwd, _, dx, _, _, _, _ = compile_all([
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=True, SCATTER_C=False,
-     HAS_SCALE=False, SWIGLU=True, STORE_Z=True, EVEN_K=True, BLOCK_E=128), 8),
+     HAS_SCALE=False, SWIGLU=True, STORE_Z=True, EVEN_K=True, BLOCK_E=128, **plain), 8),
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, **unit_mm, GATHER_A=False, SCATTER_C=True,
-     HAS_SCALE=True, SWIGLU=False, STORE_Z=False, EVEN_K=False, BLOCK_E=128), 8),
+     HAS_SCALE=True, SWIGLU=False, STORE_Z=False, EVEN_K=False, BLOCK_E=128, **plain), 8),
     (tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1, stride_cn=1,
      stride_zn=1, GATHER_A=False, SCATTER_C=True, HAS_SCALE=False, SWIGLU=False,
-     STORE_Z=False, EVEN_K=True, BLOCK_E=128), 8),  # A @ W^T: W's K is unit
+     STORE_Z=False, EVEN_K=True, BLOCK_E=128, **plain), 8),  # A @ W^T: W's K is unit
     (tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1, stride_cn=1,
      GATHER_A=False, GATHER_B=True, EVEN_KM=False), 8),
     (tk.grouped_wgrad_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bn=1, stride_cn=1,
      GATHER_A=False, GATHER_B=False, EVEN_KM=True), 8),  # the MoE backward's contiguous dW
     (tk.swiglu_bwd_kernel, "*bf16", dict(STORE_H=True, BLOCK_F=1024), 4),
+    (tk.grouped_mm_kernel, "*bf16", dict(tiles, stride_ak=1, stride_bk=1, stride_cn=1,
+     stride_zn=1, stride_dzn=1, GATHER_A=False, SCATTER_C=False, HAS_SCALE=False,
+     SWIGLU=False, STORE_Z=False, DSWIGLU=True, STORE_H=True, EVEN_K=True, BLOCK_E=128),
+     8),  # G = dy @ W2^T with the SwiGLU backward in its epilogue
 ])
 # Software pipelining (several K tiles in flight through shared memory) is what makes the
 # main loop fast: one stage of a 128x128x64 bf16 tile pair is 32 KiB.
@@ -382,8 +387,9 @@ VARIANTS = {
     "mm": ("fwd_down", "bwd_G", "plain"),
     "mm_swiglu": ("fwd_up",),
     "wgrad": ("gather_a", "gather_b", "plain"),
+    "mm_dswiglu": ("bwd_G_dswiglu", "bwd_G_dswiglu_no_h"),
 }
-WIDEST = {"mm": "plain", "mm_swiglu": "fwd_up", "wgrad": "plain"}
+WIDEST = {"mm": "plain", "mm_swiglu": "fwd_up", "wgrad": "plain", "mm_dswiglu": "bwd_G_dswiglu"}
 
 
 def compiled_launches() -> list[tuple[str, int, str]]:
@@ -420,17 +426,21 @@ from moestack.kernels import tuning
 mm_variants = {
     "fwd_down": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
                      SCATTER_C=True, HAS_SCALE=True, SWIGLU=False, STORE_Z=False,
-                     EVEN_K=False),
+                     EVEN_K=False, DSWIGLU=False, STORE_H=False),
     "bwd_G": dict(stride_ak=1, stride_bk=1, stride_cn=1, stride_zn=1, GATHER_A=False,
-                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False, EVEN_K=True),
+                  SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False, EVEN_K=True,
+                  DSWIGLU=False, STORE_H=False),
     "plain": dict(stride_ak=1, stride_bn=1, stride_cn=1, stride_zn=1, GATHER_A=False,
                   SCATTER_C=False, HAS_SCALE=False, SWIGLU=False, STORE_Z=False,
-                  EVEN_K=False),
+                  EVEN_K=False, DSWIGLU=False, STORE_H=False),
 }
+dswiglu = dict(mm_variants["bwd_G"], stride_dzn=1, DSWIGLU=True, STORE_H=True)
 variants = {
     "mm": mm_variants,
     "mm_swiglu": {"fwd_up": dict(mm_variants["plain"], GATHER_A=True, SWIGLU=True,
                                  STORE_Z=True)},
+    "mm_dswiglu": {"bwd_G_dswiglu": dswiglu,
+                   "bwd_G_dswiglu_no_h": dict(dswiglu, STORE_H=False)},
     "wgrad": {
         "gather_a": dict(stride_ak=1, stride_bn=1, stride_cn=1, GATHER_A=True, GATHER_B=False,
                          EVEN_KM=False),

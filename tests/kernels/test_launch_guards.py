@@ -147,7 +147,8 @@ def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
     assert flags == {
         "mm_swiglu|g1s0c0z1t0",  # h = swiglu(x[tok] @ W1)
         "mm|g0s1c1z0t0",  # ys = w * h @ W2
-        "mm|g0s0c0z0t1",  # G = dy[tok] @ W2^T, dy's rows gathered beforehand
+        "mm_dswiglu|h1t1",  # G with the SwiGLU backward (weight * h stored), fused or not
+        "mm|g0s0c0z0t1",  # G = dy[tok] @ W2^T, dy's rows gathered beforehand (unfused)
         "mm|g0s1c0z0t1",  # dx = dz @ W1^T
         "wgrad|g00",  # dW2 and dW1, on contiguous gathered rows
     }, keys

@@ -104,6 +104,7 @@ def test_profile_moe_labels_every_launch_at_toy_size(tmp_path):
     assert profile_moe.gemm_flops("bwd dW1=x^T dz", 128, 32, 48) == 2 * 128 * 32 * 96
     assert profile_moe.gemm_flops("bwd G=dy@W2^T", 128, 32, 48) == 2 * 128 * 32 * 48
     assert profile_moe.gemm_flops("bwd G=dy@W2^T [persistent]", 128, 32, 48) == 2 * 128 * 32 * 48
+    assert profile_moe.gemm_flops("bwd G=dy@W2^T +SwiGLU'", 128, 32, 48) == 2 * 128 * 32 * 48
     assert profile_moe.gemm_flops("bwd SwiGLU' (elementwise)", 128, 32, 48) == 0
 
 
