@@ -7,11 +7,15 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from moestack.errors import MoestackError
+
+if TYPE_CHECKING:
+    from moestack.model import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -87,24 +91,41 @@ def greedy_generate(
     max_new_tokens: int,
     device: torch.device,
 ) -> list[int]:
-    """The ``max_new_tokens`` ids that greedy decoding appends to ``prompt`` (token ids).
-    The model has no KV cache, so each step re-runs the last ``model.cfg.max_seq_len``
-    tokens (all of them for a model without one); in-memory and offloaded ``eval
-    --generate`` share it."""
+    """The ``max_new_tokens`` ids that greedy decoding appends to ``prompt`` (token ids);
+    in-memory and offloaded ``eval --generate`` share it.
+
+    A model with a KV cache (``new_kv_cache``: moestack's own) runs the prompt once, then
+    one token per forward, while the sequence fits its ``cfg.max_seq_len``; past that, and
+    for a model without a KV cache, each step re-runs the last ``max_seq_len`` tokens (all
+    of them for a model without one). Both give the tokens that re-running the window at
+    every step gives: the positions of a window past ``max_seq_len`` restart at 0, which a
+    cache cannot follow."""
     tokens = prompt_tokens(prompt, max_new_tokens, device)
     max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    cache = model.new_kv_cache(1, device) if max_len and hasattr(model, "new_kv_cache") else None
     was_training = model.training
     model.eval()
     new: list[int] = []
     try:
         for _ in range(max_new_tokens):
-            window = tokens[:, -max_len:] if max_len else tokens
-            nxt = model(window).logits[:, -1].argmax(dim=-1, keepdim=True)
+            nxt = next_logits(model, tokens, cache, max_len).argmax(dim=-1, keepdim=True)
             tokens = torch.cat([tokens, nxt], dim=1)
             new.append(int(nxt))
     finally:
         model.train(was_training)
     return new
+
+
+def next_logits(
+    model: nn.Module, tokens_BS: torch.Tensor, cache: KVCache | None, max_len: int | None
+) -> torch.Tensor:
+    """Logits ``[B, V]`` for the token after ``tokens``: through ``cache`` (only the tokens
+    it has not seen) while the sequence fits ``max_len``, else by re-running the last
+    ``max_len`` tokens."""
+    if cache is not None and tokens_BS.shape[1] <= max_len:
+        return model(tokens_BS[:, cache.length :], cache=cache).logits[:, -1]
+    window = tokens_BS[:, -max_len:] if max_len else tokens_BS
+    return model(window).logits[:, -1]
 
 
 def is_finite(t: torch.Tensor) -> bool:

@@ -2,7 +2,9 @@
 
 tokens [B, S] -> embed -> n x Block(x + Attn(norm x); x + MoE(norm x)) -> norm -> logits.
 RMSNorm, rotary attention through scaled_dot_product_attention (causal over the packed
-sequence), SwiGLU experts. The model sums the MoE layers' aux losses into its loss and
+sequence), SwiGLU experts. ``forward(tokens, cache=kv)`` decodes with a ``KVCache``
+(``MoETransformer.new_kv_cache``): the new tokens attend to the cached keys and themselves, and
+only they are routed. The model sums the MoE layers' aux losses into its loss and
 collects their router metrics under flat ``router/layer{i}/{name}`` keys. ``ModelConfig``
 sits here beside the model it configures, and builds it (``ModelConfig.build``).
 """
@@ -163,8 +165,56 @@ def apply_rotary(x_BHSd: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tenso
     return out.to(x_BHSd.dtype)
 
 
+@dataclass
+class KVCache:
+    """The keys and values of the tokens a model has seen, per layer, for decoding.
+
+    ``keys[i]`` and ``values[i]`` are layer i's ``[B, H, S, Dh]`` (rotary already applied to
+    the keys); ``length`` is S, the position the next token takes. A forward pass given the
+    cache appends its tokens' keys and values and advances ``length``; the model keeps no
+    state of its own. Built by ``MoETransformer.new_kv_cache``.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    length: int = 0
+
+    @property
+    def batch(self) -> int:
+        """Sequences the cache holds (B)."""
+        return self.keys[0].shape[0]
+
+    def append(
+        self, layer: int, k_BHSd: torch.Tensor, v_BHSd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cached keys and values followed by ``k``/``v`` (kept for the next
+        call). An empty layer takes them as they come (their dtype: bf16 under autocast)."""
+        if self.keys[layer].shape[2] == 0:
+            self.keys[layer], self.values[layer] = k_BHSd, v_BHSd
+        else:
+            if k_BHSd.dtype != self.keys[layer].dtype:
+                raise ValueError(
+                    f"the KV cache holds {self.keys[layer].dtype} keys but this forward made "
+                    f"{k_BHSd.dtype} ones; decode with the autocast setting of the prefill"
+                )
+            self.keys[layer] = torch.cat([self.keys[layer], k_BHSd], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v_BHSd], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+def offset_causal_mask(new: int, offset: int, device: torch.device) -> torch.Tensor | None:
+    """Which keys each of ``new`` queries at positions ``offset..offset+new-1`` sees (True:
+    attend) among ``offset + new`` keys; None where every key is visible (one new token)."""
+    if new == 1:
+        return None
+    q_pos_S1 = torch.arange(offset, offset + new, device=device)[:, None]
+    k_pos_1K = torch.arange(offset + new, device=device)[None, :]
+    return k_pos_1K <= q_pos_S1
+
+
 class Attention(nn.Module):
-    """Multi-head causal self-attention with rotary embeddings."""
+    """Multi-head causal self-attention with rotary embeddings (and, given a ``KVCache``,
+    over the cached keys too)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -174,13 +224,27 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
-        self, x_BSD: torch.Tensor, cos_SH: torch.Tensor, sin_SH: torch.Tensor
+        self,
+        x_BSD: torch.Tensor,
+        cos_SH: torch.Tensor,
+        sin_SH: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
+        """``cos``/``sin``: the rows of the tokens' positions; with ``cache``, the tokens
+        follow its ``length`` cached ones and their keys and values join layer ``layer``'s."""
         qkv = self.qkv(x_BSD)
         q_BHSd, k_BHSd, v_BHSd = rearrange(qkv, "b s (n h d) -> n b h s d", n=3, h=self.n_heads)
         q_BHSd = apply_rotary(q_BHSd, cos_SH, sin_SH)
         k_BHSd = apply_rotary(k_BHSd, cos_SH, sin_SH)
-        y_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        if cache is None or cache.length == 0:
+            if cache is not None:
+                cache.append(layer, k_BHSd, v_BHSd)
+            y_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHSd, v_BHSd, is_causal=True)
+        else:
+            mask = offset_causal_mask(x_BSD.shape[1], cache.length, x_BSD.device)
+            k_BHKd, v_BHKd = cache.append(layer, k_BHSd, v_BHSd)
+            y_BHSd = F.scaled_dot_product_attention(q_BHSd, k_BHKd, v_BHKd, attn_mask=mask)
         return self.out(rearrange(y_BHSd, "b h s d -> b s (h d)"))
 
 
@@ -202,7 +266,12 @@ class Block(nn.Module):
         cos_SH: torch.Tensor,
         sin_SH: torch.Tensor,
         segment_ids_BS: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
     ) -> torch.Tensor:
+        if cache is not None:  # decoding: nothing to recompute
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SH, sin_SH, cache, layer)
+            return x_BSD + self.moe(self.moe_norm(x_BSD), segment_ids_BS)
         if self.checkpointing in ("block", "selective") and torch.is_grad_enabled():
             # The attention half is recomputed in backward; the router stays outside every
             # recomputed region (it runs once: one routing, telemetry and router counts see
@@ -388,9 +457,38 @@ class MoETransformer(RoutedLM):
             for name in ("qkv", "out")
         ]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> ModelOutput:
+    def new_kv_cache(
+        self,
+        batch: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty ``KVCache`` for ``batch`` sequences (device and dtype: the embedding's by
+        default), for ``forward(tokens, cache=...)``."""
+        weight = self.embed.weight
+        shape = (batch, self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+
+        def empty() -> list[torch.Tensor]:
+            return [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers]
+
+        return KVCache(keys=empty(), values=empty())
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> ModelOutput:
+        """Logits (and with ``targets`` the loss) of ``tokens [B, S]``. With ``cache`` the
+        tokens continue the cached sequences: their positions start at ``cache.length``,
+        they attend to the cached keys and themselves, and the cache is extended by them
+        (router losses then see only these tokens)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if cache is not None:
+            return self._forward_cached(tokens, targets, cache)
         seq = tokens.shape[1]
         if seq > self.cfg.max_seq_len:
             raise ValueError(
@@ -401,6 +499,31 @@ class MoETransformer(RoutedLM):
         x_BSD = self.embed(tokens)
         for block in self.layers:
             x_BSD = block(x_BSD, cos_SH, sin_SH, segment_ids_BS)
+        return self.lm_output(self.lm_head(self.norm(x_BSD)), targets)
+
+    def _forward_cached(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None, cache: KVCache
+    ) -> ModelOutput:
+        """``forward`` after the ``cache.length`` tokens the cache holds."""
+        start, seq = cache.length, tokens.shape[1]
+        if len(cache.keys) != len(self.layers) or tokens.shape[0] != cache.batch:
+            raise ValueError(
+                f"the KV cache holds {len(cache.keys)} layers x {cache.batch} sequences; "
+                f"this model has {len(self.layers)} layers and the tokens are "
+                f"{tuple(tokens.shape)}: build it with model.new_kv_cache({tokens.shape[0]})"
+            )
+        if start + seq > self.cfg.max_seq_len:
+            raise ValueError(
+                f"KV cache length {start} + {seq} new tokens exceeds "
+                f"model.max_seq_len={self.cfg.max_seq_len}; start a new cache over the last "
+                f"{self.cfg.max_seq_len} tokens (positions restart at 0)"
+            )
+        cos_SH, sin_SH = self.rope_cos[start : start + seq], self.rope_sin[start : start + seq]
+        segment_ids_BS = self.segment_ids(tokens)
+        x_BSD = self.embed(tokens)
+        for i, block in enumerate(self.layers):
+            x_BSD = block(x_BSD, cos_SH, sin_SH, segment_ids_BS, cache, i)
+        cache.length = start + seq
         return self.lm_output(self.lm_head(self.norm(x_BSD)), targets)
 
     def compile_blocks(self, **options: object) -> None:

@@ -332,9 +332,10 @@ def generate_offloaded(
     pinned: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Greedy generation of ``max_new_tokens`` after ``prompt`` (token ids) with offloaded
-    experts, the cache built as in ``evaluate_offloaded`` (``greedy_generate``: no KV
-    cache, each step re-runs the last max_seq_len tokens). Returns ``{"tokens": new ids,
-    **cache metrics}``."""
+    experts, the cache built as in ``evaluate_offloaded`` (``greedy_generate``: with
+    moestack's model, the prompt once, then one token per forward through its KV cache, so
+    each decode step requests top_k experts per layer, until the sequence passes
+    max_seq_len). Returns ``{"tokens": new ids, **cache metrics}``."""
     device = torch.device(device)
     prompt = prompt_tokens(prompt, max_new_tokens, device)  # refused before any set-up
     expert_cache, owned = _as_cache(model, store_or_cache, device, cache, pinned)
