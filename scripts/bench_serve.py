@@ -64,9 +64,9 @@ the disk tier, then the rest. A failed row is recorded with its error and the ex
 is 1.
 
 The experts' host tier is ``moestack.cache.host_tier.HostTier``: read once, ahead, and
-shared by every cache row. What moestack still lacks, so transformers serves the decode
-here: a KV-cached decode of its own model (``generate_offloaded`` re-runs the whole window
-at every step, so its tokens/s is no serving figure).
+shared by every cache row. The model is a transformers one (issue 31 asks for the model
+users serve), decoded with transformers' KV cache; moestack's own model decodes with its
+``KVCache`` (``generate_offloaded``) in the same pattern, one token per forward.
 The first layer is never prefetched (``CachedExperts`` predicts layer i + 1 from layer i),
 so at most (layers - 1) / layers of the misses can be predicted.
 """
