@@ -385,13 +385,14 @@ class ExpertCache:
         policy = state.policy
         used: dict[int, None] = {}
         hits = misses = 0
-        for expert in experts:
-            expert = int(expert)
+        experts = [int(e) for e in experts]
+        for expert in experts:  # all checked before the policy sees any
             if not 0 <= expert < self.store.num_experts:
                 raise ValueError(
                     f"expert={expert} out of range: layer {layer} has "
                     f"{self.store.num_experts} experts"
                 )
+        for expert in experts:
             hit, _ = policy.access(expert)
             if state.log is not None:
                 state.log.append((expert, hit))
@@ -407,6 +408,10 @@ class ExpertCache:
             self._drop(state.staged.pop(expert))
         for expert in [e for e in state.slot_of if e not in keep and e not in used]:
             self._slots.give(state.slot_of.pop(expert))  # evicted, not needed by this call
+        with self._stats_lock:  # the policy has counted them, whatever the loads do
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.prefetch_wasted += len(wasted)
         own = len(state.slot_of) + len(state.staged)
         others = self._slots.held - own
         need = len(keep | set(used)) + len(staged_kept)
@@ -415,10 +420,6 @@ class ExpertCache:
             flat = self._slots.flat_SB
         else:
             flat, rows = self._admit_buffer(state, layer, sorted(used), keep)
-        with self._stats_lock:
-            self._stats.hits += hits
-            self._stats.misses += misses
-            self._stats.prefetch_wasted += len(wasted)
         return flat, rows
 
     def _admit_slots(
@@ -442,7 +443,11 @@ class ExpertCache:
                 slot = staged.slot  # the prefetch failed: read it here, into its slot
             else:
                 slot = self._slots.take()
-            self._load(state, layer, expert, self._slots.row(slot))
+            try:
+                self._load(state, layer, expert, self._slots.row(slot))
+            except BaseException:
+                self._settle_failed_call(state, rows, keep, slot)
+                raise
             rows[expert] = slot
         if loads:
             copier.compute_waits()
@@ -453,6 +458,23 @@ class ExpertCache:
                 state.slot_of.pop(expert, None)
                 self._slots.give(rows[expert])
         return rows
+
+    def _settle_failed_call(
+        self, state: _Layer, rows: dict[int, int], keep: set[int], slot: int
+    ) -> None:
+        """A load of this call failed (``slot`` was to take it): every slot goes back or to
+        the expert it holds, so none leaks. The experts loaded so far stay resident where the
+        policy keeps them; the policy may still count the failed one (and later ones) as
+        resident: a later request finds no slot for it and loads it again."""
+        self._slots.give(slot)
+        for expert, row in rows.items():
+            if state.slot_of.get(expert) == row:
+                continue
+            if expert in keep:
+                state.slot_of[expert] = row
+            else:
+                self._slots.give(row)
+        self._copier.compute_waits()
 
     def _admit_buffer(
         self, state: _Layer, layer: int, used: list[int], keep: set[int]
@@ -544,7 +566,8 @@ class ExpertCache:
         loaded = self.store.load(layer, expert, pin_memory=self._pin)
         host = self.layout.flat(loaded, pin=self._pin)
         self._host_put(state, expert, host)
-        return host, False, self.store.expert_bytes
+        disk = getattr(self.store, "reads_disk", True)  # a HostTier in the store's place: no
+        return host, False, self.store.expert_bytes if disk else 0
 
     def _load(self, state: _Layer, layer: int, expert: int, dst: torch.Tensor) -> None:
         """Serve a miss into ``dst`` (caller holds the lock): host tier or disk, one copy."""

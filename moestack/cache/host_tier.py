@@ -38,15 +38,21 @@ def available_host_bytes(meminfo: str | Path = "/proc/meminfo") -> int | None:
     return None
 
 
-def store_bytes(store: ExpertStore) -> int:
-    """Bytes of every expert of ``store`` (what a full host tier holds)."""
+def store_bytes(store: ExpertStore, *, pinned: bool = False) -> int:
+    """Bytes of every expert of ``store`` (what a full host tier holds); ``pinned``: as
+    torch's page-locked allocator takes them, each block rounded up to a power of two."""
     layers, experts = range(store.num_layers), range(store.num_experts)
-    return sum(store.entry(layer, e).nbytes for layer in layers for e in experts)
+    sizes = [store.entry(layer, e).nbytes for layer in layers for e in experts]
+    if pinned:
+        sizes = [1 << max(n - 1, 0).bit_length() for n in sizes]
+    return sum(sizes)
 
 
 class HostTier:
     """Every expert of ``store`` held in host memory (``read`` builds one); a drop-in for
     the store wherever ExpertCache takes one."""
+
+    reads_disk = False  # a load is served from memory (ExpertCacheStats.bytes_read stays 0)
 
     def __init__(self, store: ExpertStore, experts: dict[tuple[int, int], dict]) -> None:
         self._store = store
@@ -69,7 +75,7 @@ class HostTier:
         asynchronous copies to a GPU), ``workers`` at a time (reads and checksums release
         the GIL). Refused in one line where the experts exceed ``headroom`` of the host
         memory available."""
-        need, free = store_bytes(store), available_host_bytes()
+        need, free = store_bytes(store, pinned=pin), available_host_bytes()
         if free is not None and need > headroom * free:
             raise MoestackError(
                 f"the experts of {store.path} take {need / 2**30:.1f} GiB, more than "

@@ -41,7 +41,7 @@ from moestack.cache.rerouting import reroute
 from moestack.cache.store import ExpertStore
 from moestack.errors import MoestackError
 from moestack.evaluation import evaluate, greedy_generate, prompt_tokens
-from moestack.moe import MoE, run_experts
+from moestack.moe import MoE, compute_dtype, run_experts
 from moestack.router import Router, Routing
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,25 @@ class CachedExperts:
         served = self.cache.serve(self.layer, requests)
         device = x_TD.device
         w1, w2 = served.weights["w1"].to(device), served.weights["w2"].to(device)
-        compact_TK = served.lut_E.to(device)[experts_TK]  # expert -> slot, on the device
+        lut_E = served.lut_E.to(device)  # expert -> slot, on the device
+        if compute_dtype(x_TD, w1) != w1.dtype or self.impl == "megablocks":
+            w1, w2, lut_E = _used_rows(w1, w2, lut_E, requests)
+        compact_TK = lut_E[experts_TK]
         return run_experts(x_TD, w1, w2, compact_TK, routing.weights, self.impl)
+
+
+def _used_rows(
+    w1_SDF2: torch.Tensor, w2_SFD: torch.Tensor, lut_E: torch.Tensor, requests: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Only the slots of the requested experts, in expert order, and the table remapped to
+    them: where the expert computation would cast (autocast) or copy (megablocks) its
+    weights, so that it touches this call's experts and not every resident one."""
+    used = sorted(set(requests))
+    used_U = torch.tensor(used, dtype=lut_E.dtype).to(lut_E.device, non_blocking=True)
+    rows_U = lut_E[used_U]
+    remap_E = torch.full_like(lut_E, -1)
+    remap_E[used_U] = torch.arange(len(used), dtype=lut_E.dtype, device=lut_E.device)
+    return w1_SDF2.index_select(0, rows_U), w2_SFD.index_select(0, rows_U), remap_E
 
 
 def release_experts(model: nn.Module) -> None:

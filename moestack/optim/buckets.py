@@ -154,6 +154,7 @@ class Pipeline:
         self.norms_P = torch.zeros(num_params, dtype=torch.float32, device=device)
         self._wide_P = torch.zeros(num_params, dtype=torch.float64, device=device)
         self._slots = [torch.tensor(b.pidxs, device=device) for b in buckets]  # where they go
+        self._partial: dict[tuple[int, ...], Tensor] = {}  # _partial_slots, per set
         self.span_cache: dict[tuple[int, tuple[int, ...]], list[tuple[int, int, int, int]]] = {}
         self.futures: list[concurrent.futures.Future | None] = [None] * n
         self.unreleased = [False] * n  # updated, not yet waited for by the compute stream
@@ -209,12 +210,25 @@ class Pipeline:
         slots = self._slots[b]
         if len(pidxs) != len(self.buckets[b].pidxs):  # some have no gradient: theirs are 0
             self.norms_P.index_fill_(0, slots, 0.0)
-            slots = torch.tensor(list(pidxs), dtype=torch.long, device=self.device)
+            slots = self._partial_slots(pidxs)
         if grads:
             self.norms_P.index_copy_(0, slots, update.grad_norms(grads))
         if self.landed_events is not None:
             self.landed_events[b].record()
         self.landed[b] = True
+
+    def _partial_slots(self, pidxs: Sequence[int]) -> Tensor:
+        """The device index of parameters ``pidxs`` (a bucket's with a gradient this step),
+        made once per set: a tensor built from a list each step would allocate and make the
+        host wait on a copy."""
+        key = tuple(pidxs)
+        slots = self._partial.get(key)
+        if slots is None:
+            if len(self._partial) > 4 * len(self.buckets):  # the sets keep changing
+                self._partial.clear()
+            slots = torch.tensor(key, dtype=torch.long).to(self.device)
+            self._partial[key] = slots
+        return slots
 
     def total_norm(self) -> Tensor:
         """The 2-norm over every bucket (fp32, on the device), once all have landed: the

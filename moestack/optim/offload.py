@@ -145,7 +145,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         update_delay: 0 (exact: the update ends inside ``step()``) or 1 (the host update runs
             while the next step computes, whose forward and backward see the weights before
             it: see the module docstring). A delayed update keeps a master copy and a second
-            host gradient buffer (4 bytes per parameter of the shard).
+            host gradient buffer (a parameter's gradient bytes: 2 where bf16 gradients
+            cross through the buckets, else 4, per parameter of the shard).
         delay_warmup: the first steps that run exact before the delay starts (counted by the
             updates made, so a resumed run goes on as it was).
         pipeline: step bucket by bucket (:mod:`moestack.optim.buckets`): ``"auto"`` (the

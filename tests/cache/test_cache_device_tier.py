@@ -179,3 +179,37 @@ def test_offloaded_logits_bitwise_with_each_impl(tmp_path, impl):
     with ExpertCache(store, 2, "lru") as cache, offloaded(served, cache), torch.no_grad():
         assert torch.equal(served(tokens).logits, want)  # more experts than slots: a buffer
         assert torch.equal(served(tokens[:, :1]).logits, decode)  # one token: the slots
+
+
+def test_a_failed_load_leaks_no_slot_and_counts_its_requests(store):
+    """A read that fails (a transient OSError) is raised to the caller; the call's slots go
+    back or to the experts loaded, so later calls of every layer still find room, the
+    requests are counted, and a retry serves the expert (from the store, as read directly)."""
+    cache = ExpertCache(store, 2, "lru")
+    real, failures = store.load, {"left": 0}
+
+    def flaky(*args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError("transient read error")
+        return real(*args, **kwargs)
+
+    store.load = flaky
+    try:
+        requests = 0
+        for i in range(5):
+            failures["left"] = 1
+            pair = [2 * i % 8, (2 * i + 1) % 8]
+            with pytest.raises(OSError, match="transient"):
+                cache.serve(0, pair)
+            requests += 2
+            assert cache.stats.hits + cache.stats.misses == requests
+            assert cache._slots.held == len(cache._layers[0].slot_of)  # nothing leaked
+        served = cache.serve(1, [0, 1])  # the other layer still finds free slots
+        served_again = cache.serve(0, [0, 1])  # the failed experts load on retry
+    finally:
+        store.load = real
+    assert torch.equal(served.weights["w1"][int(served.lut_E[1])], store.load(1, 1)["w1"])
+    assert torch.equal(
+        served_again.weights["w2"][int(served_again.lut_E[1])], store.load(0, 1)["w2"]
+    )

@@ -146,3 +146,30 @@ def test_store_from_other_model_is_refused(setup):
     other = tiny_model(num_experts=4)
     with pytest.raises(MoestackError, match="num_experts=8, this model has 4"):
         evaluate_offloaded(other, store, data, CPU)
+
+
+def test_under_autocast_only_the_used_experts_are_cast(setup, monkeypatch):
+    """bf16 autocast over fp32 experts: the logits are the in-memory model's under the same
+    autocast, and each layer call hands the expert computation only its own experts (casting
+    the whole slot pool would convert every resident expert of every layer, every call)."""
+    import moestack.cache.offload as offload
+
+    store, data, _, _ = setup
+    tokens = data[0][0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = tiny_model()(tokens).logits
+    widths = []
+    real = offload.run_experts
+
+    def spy(x_TD, w1, w2, experts_TK, weights_TK, impl):
+        widths.append((w1.shape[0], torch.unique(experts_TK).numel()))
+        return real(x_TD, w1, w2, experts_TK, weights_TK, impl)
+
+    monkeypatch.setattr(offload, "run_experts", spy)
+    model = tiny_model()
+    cache = ExpertCache(store, 3, "lru")
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with cache, offloaded(model, cache), torch.no_grad(), bf16:
+        got = model(tokens).logits
+    assert torch.equal(got, want)
+    assert widths and all(rows == used for rows, used in widths)

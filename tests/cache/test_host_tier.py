@@ -4,6 +4,8 @@ not fit in the host memory available."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import safetensors
 import torch
@@ -11,7 +13,7 @@ from helpers.cache import tiny_model
 
 import moestack.cache.host_tier as host_tier
 from moestack.cache import ExpertCache, ExpertStore
-from moestack.cache.host_tier import HostTier, available_host_bytes
+from moestack.cache.host_tier import HostTier, available_host_bytes, store_bytes
 from moestack.errors import MoestackError
 
 
@@ -59,6 +61,7 @@ def test_caches_over_it_read_nothing_more_from_disk(store, monkeypatch):
                 w1, w2 = _direct(store, 1, e)
                 assert torch.equal(got["w1"], w1) and torch.equal(got["w2"], w2)
             assert cache.stats.misses == _lru_misses(requests, capacity)
+            assert cache.stats.bytes_read == 0  # and counted so
     assert reads == []  # every miss served from host memory
 
 
@@ -97,3 +100,12 @@ def test_available_memory_is_read_from_meminfo(tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\n")
     assert available_host_bytes(meminfo) is None
     assert available_host_bytes(tmp_path / "absent") is None
+
+
+def test_pinned_experts_are_counted_as_the_pinned_allocator_takes_them(store):
+    """torch's page-locked allocator rounds each block up to a power of two: the check counts
+    what it will take (worked here from the experts' sizes)."""
+    sizes = [store.entry(layer, e).nbytes for layer in range(2) for e in range(8)]
+    rounded = [2 ** math.ceil(math.log2(n)) for n in sizes]
+    assert store_bytes(store) == sum(sizes)
+    assert store_bytes(store, pinned=True) == sum(rounded) > sum(sizes)
