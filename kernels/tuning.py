@@ -213,17 +213,29 @@ def autotune_enabled() -> bool:
     return os.environ.get("MOESTACK_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off")
 
 
-def torch_wgrad_runs(device: torch.device, dtype: torch.dtype, K: int, M: int) -> bool:
-    """Whether torch._grouped_mm's 2D x 2D weight gradient runs here: bf16 on sm90+ CUDA,
-    fp32/bf16/fp16 on the CPU, with 16-byte rows of both operands (K and M columns)."""
+# torch._grouped_mm has a CPU kernel from torch 2.9 (2.8 has the op, CUDA only)
+_CPU_GROUPED_MM = torch.torch_version.TorchVersion(torch.__version__) >= (2, 9)
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs on ``device`` in ``dtype`` at all: bf16 on sm90+ CUDA,
+    fp32/bf16/fp16 on the CPU from torch 2.9 (its other need, 16-byte rows, the callers
+    meet or check). The one rule for the torch MoE path and the tuner's dW backend."""
     if not hasattr(torch, "_grouped_mm"):
-        return False
-    size = torch.empty((), dtype=dtype).element_size()
-    if (K * size) % 16 or (M * size) % 16:
         return False
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    cpu_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return device.type == "cpu" and _CPU_GROUPED_MM and dtype in cpu_dtypes
+
+
+def torch_wgrad_runs(device: torch.device, dtype: torch.dtype, K: int, M: int) -> bool:
+    """Whether torch._grouped_mm's 2D x 2D weight gradient runs here (``grouped_mm_runs``)
+    with 16-byte rows of both operands (K and M columns)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if (K * size) % 16 or (M * size) % 16:
+        return False
+    return grouped_mm_runs(device, dtype)
 
 
 @functools.lru_cache(maxsize=4)

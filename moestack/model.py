@@ -189,8 +189,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s cached keys and values followed by ``k``/``v`` (kept for the next
         call). An empty layer takes them as they come (their dtype: bf16 under autocast)."""
-        if self.keys[layer].shape[2] == 0:
-            self.keys[layer], self.values[layer] = k_BHSd, v_BHSd
+        if self.keys[layer].shape[2] == 0:  # own copies: q, k and v are views of one qkv
+            self.keys[layer], self.values[layer] = k_BHSd.contiguous(), v_BHSd.contiguous()
         else:
             if k_BHSd.dtype != self.keys[layer].dtype:
                 raise ValueError(
@@ -457,18 +457,14 @@ class MoETransformer(RoutedLM):
             for name in ("qkv", "out")
         ]
 
-    def new_kv_cache(
-        self,
-        batch: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> KVCache:
-        """An empty ``KVCache`` for ``batch`` sequences (device and dtype: the embedding's by
-        default), for ``forward(tokens, cache=...)``."""
+    def new_kv_cache(self, batch: int, device: torch.device | str | None = None) -> KVCache:
+        """An empty ``KVCache`` for ``batch`` sequences on ``device`` (the embedding's by
+        default), for ``forward(tokens, cache=...)``; its layers take the dtype of the first
+        keys and values they get (bf16 under autocast)."""
         weight = self.embed.weight
         shape = (batch, self.cfg.n_heads, 0, self.cfg.d_model // self.cfg.n_heads)
         device = weight.device if device is None else device
-        dtype = weight.dtype if dtype is None else dtype
+        dtype = weight.dtype
 
         def empty() -> list[torch.Tensor]:
             return [torch.empty(shape, device=device, dtype=dtype) for _ in self.layers]

@@ -82,13 +82,12 @@ def sort_by_expert(
 
 
 def _grouped_mm_runs(x: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs on ``x``'s device and dtype at all: fp32/bf16/fp16 on
-    the CPU, bf16 on sm90+ CUDA. Its other need, 16-byte rows, ``_padded_grouped_mm`` meets."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    """Whether torch._grouped_mm runs on ``x``'s device and dtype at all
+    (``moestack.kernels.tuning.grouped_mm_runs``, torch only); its other need, 16-byte rows,
+    ``_padded_grouped_mm`` meets."""
+    from moestack.kernels.tuning import grouped_mm_runs
+
+    return grouped_mm_runs(x.device, x.dtype)
 
 
 def _aligned(size: int, x: torch.Tensor) -> int:

@@ -155,3 +155,35 @@ def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
     wgrad = sorted(key.split("|")[2:4] for key in keys if key.startswith("wgrad"))
     assert wgrad == [["K=16", "M=16"], ["K=8", "M=16"]], keys  # dW1 [D, 2F], dW2 [F, D]
     assert all(key.endswith("|R=32") for key in keys), keys
+
+
+@needs_kernels
+def test_every_shipped_table_key_is_one_the_layer_asks_for(monkeypatch):
+    """A table entry whose weight layout and flags no launch asks for any more (the backward
+    changed) is dead: it would never be looked up, and those launches would autotune or run
+    the default tile instead. Every shipped key's kind and flags must be among those the
+    layer's forward (with and without grad) and backward ask for."""
+    import json
+
+    keys: list[str] = []
+    choose = tuning.choose_config
+
+    def spy(kind, key, *args):
+        keys.append(key)
+        return choose(kind, key, *args)
+
+    monkeypatch.setattr(tuning, "choose_config", spy)
+    T, D, F, E, k = 9, 16, 8, 3, 2
+    x = torch.randn(T, D, device=DEVICE, requires_grad=True)
+    w1 = torch.randn(E, D, 2 * F, device=DEVICE, requires_grad=True)
+    w2 = torch.randn(E, F, D, device=DEVICE, requires_grad=True)
+    weights = torch.rand(T, k, device=DEVICE, requires_grad=True)
+    experts = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).to(DEVICE)
+    moe_experts(x, w1, w2, experts, weights).sum().backward()
+    with torch.no_grad():
+        moe_experts(x, w1, w2, experts, weights)
+    asked = {key.split("|")[0] + "|" + key.split("|")[5] for key in keys}
+    shipped = json.loads(tuning.TABLE_PATH.read_text())["gpus"]
+    for gpu, entries in shipped.items():
+        dead = sorted(k for k in entries if k.split("|")[0] + "|" + k.split("|")[5] not in asked)
+        assert not dead, (gpu, dead, asked)
