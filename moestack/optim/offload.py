@@ -745,16 +745,25 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _send_pending(self, pipe: buckets.Pipeline) -> None:
         """Pipelined: wait for the delayed update in flight, bucket by bucket in the order
         it runs, and send each one's weights back on the host-to-device stream; the compute
-        stream waits for them here, or before the layer using them (:meth:`wait_per_layer`)."""
+        stream waits for them here, or before the layer using them (:meth:`wait_per_layer`).
+        A bucket whose update raised keeps its weights; every other bucket's still go back
+        (the device stays in step with the master copy where it can), then the first error
+        is raised."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         assert isinstance(pending, _PendingBuckets)
+        errors: list[BaseException] = []
         for b, pidxs in pending.buckets:
-            pipe.send_now(b, functools.partial(self._copy_back, pidxs))
+            try:
+                pipe.send_now(b, functools.partial(self._copy_back, pidxs))
+            except Exception as err:  # the worker's: raised below, after the others
+                errors.append(err)
         for b, _ in pending.buckets:
             if not pipe.covered[b]:
                 pipe.release(b)
+        if errors:
+            raise errors[0]
 
     def _delays_now(self) -> bool:
         """Whether this step's update is delayed: past the first ``delay_warmup`` updates."""

@@ -285,3 +285,52 @@ def test_the_config_refuses_a_delay_without_offload_adamw() -> None:
     with pytest.raises(ValueError, match=r"optim.update_delay=3"):
         OptimConfig(name="offload_adamw", update_delay=3)
     assert OptimConfig(name="offload_adamw", update_delay=1).delay_warmup == 1
+
+
+def test_a_failed_bucket_keeps_its_weights_and_the_others_still_go_back(monkeypatch):
+    """A delayed pipelined update whose first bucket raises in the worker: the next step
+    raises that error, the failed bucket's parameters keep the weights they had, and every
+    other bucket's new weights still reach the parameters, bitwise those of the same run
+    without the failure."""
+
+    def run(fail: bool) -> tuple[dict, dict, set]:
+        model = TinyMoE()
+        opt = OffloadAdamW(
+            groups(model), lr=LR, update_delay=1, delay_warmup=0, **PIPELINES["pipelined"]
+        )
+        assert opt.pipelined and len(opt._pipe.buckets) > 1
+        failed: set[int] = set()
+        real = opt._step_spans
+
+        def first_fails(jobs, *args):
+            if fail and not failed:
+                failed.update(span[0] for spans, _ in jobs for span in spans)
+                raise RuntimeError("host update failed")
+            real(jobs, *args)
+
+        micro_step(model, 0)
+        opt.step()
+        opt.synchronize()  # update 1 applied before the worker's steps fail
+        monkeypatch.setattr(opt, "_step_spans", first_fails)
+        opt.zero_grad()
+        micro_step(model, 1)
+        opt.step()  # update 2 launched: its first bucket fails
+        opt.zero_grad()
+        micro_step(model, 2)
+        before = _weights(model)
+        if fail:
+            with pytest.raises(RuntimeError, match="host update failed"):
+                opt.step()
+        else:
+            opt.step()
+        names = {id(p): n for n, p in model.named_parameters()}
+        failed_names = {names[id(opt._params[i])] for i in failed}
+        return _weights(model), before, failed_names
+
+    want, _, _ = run(fail=False)
+    got, before, failed = run(fail=True)
+    assert failed and failed != set(got)  # one bucket failed, not all
+    for name, w in got.items():
+        expected = before[name] if name in failed else want[name]
+        assert torch.equal(w, expected), name
+    assert any(not torch.equal(want[n], before[n]) for n in failed)  # the update was real
