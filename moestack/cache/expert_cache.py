@@ -145,6 +145,68 @@ class ServedExperts:
     lut_E: torch.Tensor
 
 
+def _checked_capacity(
+    store: ExpertStore, capacity: int | None, capacity_bytes: int | None, top_k: int | None
+) -> int:
+    """Experts per layer from ``capacity`` or ``capacity_bytes``, refused in one line where
+    it is not an int or one token's ``top_k`` experts would not fit."""
+    if capacity_bytes:
+        if capacity:
+            raise ValueError("give capacity (experts per layer) or capacity_bytes, not both")
+        capacity = int(capacity_bytes) // store.expert_bytes
+        what = f"capacity_bytes={capacity_bytes} ({capacity} experts of {store.expert_bytes} bytes)"
+    else:
+        what = f"capacity={capacity}"
+    if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ValueError(f"capacity={capacity!r} must be an int (experts per layer)")
+    if capacity < max(1, top_k or 1):
+        raise ValueError(
+            f"{what} is smaller than top_k={top_k or 1}: one token's experts would not fit; "
+            f"use capacity >= {top_k or 1}"
+        )
+    return capacity
+
+
+def _check_options(
+    store: ExpertStore,
+    pinned: Sequence[Sequence[int]] | None,
+    host_capacity: int,
+    prefetch_slots: int | None,
+) -> None:
+    """Refuse pins for another number of layers and negative tier sizes, in one line."""
+    if pinned is not None and len(pinned) != store.num_layers:
+        raise ValueError(
+            f"pinned has {len(pinned)} entries, the store has {store.num_layers} layers"
+        )
+    if host_capacity < 0:
+        raise ValueError(f"host_capacity={host_capacity} must be >= 0")
+    if prefetch_slots is not None and prefetch_slots < 0:
+        raise ValueError(f"prefetch_slots={prefetch_slots} must be >= 0")
+
+
+def _new_layers(
+    num_layers: int,
+    policy: str,
+    capacity: int,
+    pinned: Sequence[Sequence[int]] | None,
+    warmup: int,
+    num_pinned: int | None,
+) -> list[_Layer]:
+    """Each layer's state with its own policy (its pins where ``pinned`` gives them)."""
+    return [
+        _Layer(
+            make_policy(
+                policy,
+                capacity,
+                pinned=None if pinned is None else list(pinned[i]),
+                warmup=warmup,
+                num_pinned=num_pinned,
+            )
+        )
+        for i in range(num_layers)
+    ]
+
+
 class ExpertCache:
     """Serve ``get(layer, expert) -> {"w1": [D, 2F], "w2": [F, D]}`` through a policy-managed
     cache of ``capacity`` experts per layer (or ``capacity_bytes`` per layer).
@@ -179,29 +241,9 @@ class ExpertCache:
         self.store = store
         self.device = torch.device(device)
         self.policy_name = policy
-        if capacity_bytes:
-            if capacity:
-                raise ValueError("give capacity (experts per layer) or capacity_bytes, not both")
-            capacity = int(capacity_bytes) // store.expert_bytes
-            what = f"capacity_bytes={capacity_bytes} ({capacity} experts of {store.expert_bytes} bytes)"
-        else:
-            what = f"capacity={capacity}"
         top_k = top_k if top_k is not None else store.top_k
-        if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int):
-            raise ValueError(f"capacity={capacity!r} must be an int (experts per layer)")
-        if capacity < max(1, top_k or 1):
-            raise ValueError(
-                f"{what} is smaller than top_k={top_k or 1}: one token's experts would not fit; "
-                f"use capacity >= {top_k or 1}"
-            )
-        if pinned is not None and len(pinned) != store.num_layers:
-            raise ValueError(
-                f"pinned has {len(pinned)} entries, the store has {store.num_layers} layers"
-            )
-        if host_capacity < 0:
-            raise ValueError(f"host_capacity={host_capacity} must be >= 0")
-        if prefetch_slots is not None and prefetch_slots < 0:
-            raise ValueError(f"prefetch_slots={prefetch_slots} must be >= 0")
+        capacity = _checked_capacity(store, capacity, capacity_bytes, top_k)
+        _check_options(store, pinned, host_capacity, prefetch_slots)
         self.capacity = capacity
         self.top_k = top_k
         on_gpu = self.device.type == "cuda"
@@ -209,18 +251,7 @@ class ExpertCache:
             raise ValueError(f"device={self.device} is not supported: use cpu or cuda")
         self.host_capacity = host_capacity if on_gpu else 0
         self._pin = on_gpu
-        self._layers = [
-            _Layer(
-                make_policy(
-                    policy,
-                    capacity,
-                    pinned=None if pinned is None else list(pinned[i]),
-                    warmup=warmup,
-                    num_pinned=num_pinned,
-                )
-            )
-            for i in range(store.num_layers)
-        ]
+        self._layers = _new_layers(store.num_layers, policy, capacity, pinned, warmup, num_pinned)
         if record:
             for layer in self._layers:
                 layer.log = []
