@@ -14,6 +14,7 @@ from types import ModuleType
 import torch
 
 from . import tuning
+from ._guards import refuse_unlaunchable
 from ._tiles import TileTable, TileTables, tile_table
 
 _INSTALL_HINT = (
@@ -55,18 +56,7 @@ def new_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
 def check_tensors(*tensors: torch.Tensor) -> bool:
     """Validate devices and dtypes for a launch; returns whether the interpreter is used."""
     interp = interpreted()
-    for t in tensors:
-        if interp:
-            if t.dtype == torch.bfloat16:
-                raise TypeError(
-                    "bfloat16 is not supported under TRITON_INTERPRET=1 (the interpreter "
-                    "mishandles it); use float32/float16 on the CPU or a CUDA device"
-                )
-        elif t.device.type != "cuda":
-            raise RuntimeError(
-                f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 "
-                "before the first kernel call to run them on the CPU (slow, for tests)"
-            )
+    refuse_unlaunchable(tensors, interp)
     return interp
 
 
@@ -168,6 +158,80 @@ def persistent_mm(
     )
 
 
+def classic_mm(
+    cfg: tuning.KernelConfig,
+    a: torch.Tensor,
+    b_EKM: torch.Tensor,
+    offsets_E: torch.Tensor,
+    out: torch.Tensor,
+    rows: int,
+    M: int,
+    *,
+    a_rows: torch.Tensor | None = None,
+    c_rows: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    apply_scale: bool = True,
+    swiglu: bool = False,
+    z: torch.Tensor | None = None,
+    store_z: bool = False,
+    dz: torch.Tensor | None = None,
+    part: torch.Tensor | None = None,
+    store_h: bool = False,
+) -> None:
+    """One launch of the classic ``grouped_mm_kernel`` (a program per output tile of an
+    oversized grid) with ``cfg``: the one place its arguments are laid out. ``scale`` scales
+    the rows where ``apply_scale``; with ``dz`` (and ``part``, the per-tile partials of
+    <G, h>) the epilogue is the SwiGLU backward over ``z`` (``out`` then takes weight * h
+    where ``store_h``); else ``z`` receives the pre-activations where ``store_z``."""
+    E, K = b_EKM.shape[0], b_EKM.shape[1]
+    grid = ((-(-rows // cfg.block_m) + E) * -(-M // cfg.block_n),)
+    dummy = offsets_E
+    z_arg = z if z is not None else out
+    z_strides = z.stride() if z is not None else (0, 0)
+    dswiglu = dz is not None
+    dz_arg, part_arg = (dz, part) if dswiglu else (out, out)
+    dz_strides = (dz.stride(0), dz.stride(1), part.stride(0)) if dswiglu else (0, 0, 0)
+    kernels().grouped_mm_kernel[grid](
+        a, b_EKM, out, z_arg, offsets_E,
+        a_rows if a_rows is not None else dummy,
+        c_rows if c_rows is not None else dummy,
+        scale if scale is not None else dummy,
+        E, K, M,
+        a.stride(0), a.stride(1), b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2),
+        out.stride(0), out.stride(1), z_strides[0], z_strides[1],
+        dz_arg, part_arg, *dz_strides,
+        GATHER_A=a_rows is not None,
+        SCATTER_C=c_rows is not None,
+        HAS_SCALE=scale is not None and apply_scale,
+        SWIGLU=swiglu,
+        STORE_Z=store_z,
+        DSWIGLU=dswiglu,
+        STORE_H=store_h,
+        EVEN_K=K % cfg.block_k == 0,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        BLOCK_E=_block_e(E),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _tile_tables(tiles: TileTables | None, offsets_E: torch.Tensor, rows: int) -> TileTables:
+    """``tiles`` checked against the GEMM's rows, or new (lazy) tables for them."""
+    if tiles is None:
+        return TileTables(offsets_E, rows)  # built at the first persistent launch
+    if tiles.offsets_E is not offsets_E or tiles.rows != rows:
+        raise ValueError(
+            f"tiles were built for other rows ({tiles.rows} rows, offsets of shape "
+            f"{tuple(tiles.offsets_E.shape)}) than this GEMM's {rows}; build TileTables from "
+            "the offsets_E tensor and row count the GEMM is called with"
+        )
+    return tiles
+
+
 def grouped_mm(
     a: torch.Tensor,
     b_EKM: torch.Tensor,
@@ -193,25 +257,15 @@ def grouped_mm(
     interp = check_tensors(a, b_EKM, out)
     if a.dtype != b_EKM.dtype:
         raise TypeError(f"dtype mismatch: {a.dtype} activations with {b_EKM.dtype} weights")
-    if tiles is not None and (tiles.offsets_E is not offsets_E or tiles.rows != rows):
-        raise ValueError(
-            f"tiles were built for other rows ({tiles.rows} rows, offsets of shape "
-            f"{tuple(tiles.offsets_E.shape)}) than this GEMM's {rows}; build TileTables from "
-            "the offsets_E tensor and row count the GEMM is called with"
-        )
-    tables = tiles if tiles is not None else TileTables(offsets_E, rows)  # built lazily
-    tk = kernels()
+    tables = _tile_tables(tiles, offsets_E, rows)
     E, K = b_EKM.shape[0], b_EKM.shape[1]
     M = b_EKM.shape[2] // 2 if swiglu else b_EKM.shape[2]
-    dummy = offsets_E
     transposed = b_EKM.stride(2) != 1 and b_EKM.stride(1) == 1  # e.g. W^T in backward
     flags = (
         f"g{int(a_rows is not None)}s{int(c_rows is not None)}"
         f"c{int(scale is not None)}z{int(z is not None)}t{int(transposed)}"
     )
     kind = "mm_swiglu" if swiglu else "mm"
-    z_arg = z if z is not None else out
-    z_strides = z.stride() if z is not None else (0, 0)
     precision = _dot_precision(a.dtype)
 
     def run(cfg: tuning.KernelConfig, fresh_table: bool = False) -> None:
@@ -225,64 +279,14 @@ def grouped_mm(
             else:
                 table = tables.get(cfg.block_m)
             persistent_mm(
-                a,
-                b_EKM,
-                offsets_E,
-                out,
-                rows,
-                cfg=cfg,
-                table=table,
-                a_rows=a_rows,
-                c_rows=c_rows,
-                scale=scale,
-                precision=precision,
-            )
+                a, b_EKM, offsets_E, out, rows, cfg=cfg, table=table, a_rows=a_rows,
+                c_rows=c_rows, scale=scale, precision=precision,
+            )  # fmt: skip
             return
-        num_n = -(-M // cfg.block_n)
-        grid = ((-(-rows // cfg.block_m) + E) * num_n,)
-        tk.grouped_mm_kernel[grid](
-            a,
-            b_EKM,
-            out,
-            z_arg,
-            offsets_E,
-            a_rows if a_rows is not None else dummy,
-            c_rows if c_rows is not None else dummy,
-            scale if scale is not None else dummy,
-            E,
-            K,
-            M,
-            a.stride(0),
-            a.stride(1),
-            b_EKM.stride(0),
-            b_EKM.stride(1),
-            b_EKM.stride(2),
-            out.stride(0),
-            out.stride(1),
-            z_strides[0],
-            z_strides[1],
-            out,  # dz and dscale_part: unused without DSWIGLU
-            out,
-            0,
-            0,
-            0,
-            GATHER_A=a_rows is not None,
-            SCATTER_C=c_rows is not None,
-            HAS_SCALE=scale is not None,
-            SWIGLU=swiglu,
-            STORE_Z=z is not None,
-            DSWIGLU=False,
-            STORE_H=False,
-            EVEN_K=K % cfg.block_k == 0,
-            DOT_PRECISION=precision,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            BLOCK_E=_block_e(E),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+        classic_mm(
+            cfg, a, b_EKM, offsets_E, out, rows, M, a_rows=a_rows, c_rows=c_rows,
+            scale=scale, swiglu=swiglu, z=z, store_z=z is not None,
+        )  # fmt: skip
 
     def timed(cfg: tuning.KernelConfig) -> None:
         run(cfg, fresh_table=True)
@@ -308,54 +312,13 @@ def mm_dswiglu_fused(
     """One launch of the classic grouped GEMM computing G = a @ b[e] tile by tile with the
     SwiGLU backward in its epilogue (``cfg.fused``), then the sum of each row's per-tile
     partials of <G, h> into ``dscale_R`` (a fixed-order sum: the same bits every run)."""
-    E, K, F = b_EKM.shape
-    num_n = -(-F // cfg.block_n)
-    part_RN = new_empty((rows, num_n), torch.float32, a.device)
+    F = b_EKM.shape[2]
+    part_RN = new_empty((rows, -(-F // cfg.block_n)), torch.float32, a.device)
     h_arg = h_RF if h_RF is not None else dz_RF2  # G's dtype either way (C rounds G)
-    grid = ((-(-rows // cfg.block_m) + E) * num_n,)
-    kernels().grouped_mm_kernel[grid](
-        a,
-        b_EKM,
-        h_arg,
-        z_RF2,
-        offsets_E,
-        offsets_E,  # no gathered or scattered rows
-        offsets_E,
-        scale_R,
-        E,
-        K,
-        F,
-        a.stride(0),
-        a.stride(1),
-        b_EKM.stride(0),
-        b_EKM.stride(1),
-        b_EKM.stride(2),
-        h_arg.stride(0),
-        h_arg.stride(1),
-        z_RF2.stride(0),
-        z_RF2.stride(1),
-        dz_RF2,
-        part_RN,
-        dz_RF2.stride(0),
-        dz_RF2.stride(1),
-        part_RN.stride(0),
-        GATHER_A=False,
-        SCATTER_C=False,
-        HAS_SCALE=False,
-        SWIGLU=False,
-        STORE_Z=False,
-        DSWIGLU=True,
-        STORE_H=h_RF is not None,
-        EVEN_K=K % cfg.block_k == 0,
-        DOT_PRECISION=_dot_precision(a.dtype),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        BLOCK_E=_block_e(E),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    classic_mm(
+        cfg, a, b_EKM, offsets_E, h_arg, rows, F, scale=scale_R, apply_scale=False,
+        z=z_RF2, dz=dz_RF2, part=part_RN, store_h=h_RF is not None,
+    )  # fmt: skip
     torch.sum(part_RN, 1, out=dscale_R)
 
 

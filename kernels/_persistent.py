@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
+from ._guards import refuse_unlaunchable
 from ._tiles import TileTable, capacity, tile_table
 
 # Programs of the grid under the interpreter when none are asked for: few, so that each
@@ -264,18 +265,7 @@ def _check(
             f"rows = {rows} but a has {a.shape[0]} and out {out.shape[0]} rows; without "
             "a_rows / c_rows, row r of the sorted order is row r of a and of out"
         )
-    for t in (a, b_EKN, out):
-        if interpreted():
-            if t.dtype == torch.bfloat16:
-                raise TypeError(
-                    "bfloat16 is not supported under TRITON_INTERPRET=1 (the interpreter "
-                    "mishandles it); use float32/float16 on the CPU or a CUDA device"
-                )
-        elif t.device.type != "cuda":
-            raise RuntimeError(
-                f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 "
-                "before the first kernel call to run them on the CPU (slow, for tests)"
-            )
+    refuse_unlaunchable((a, b_EKN, out), interpreted())
 
 
 def persistent_grouped_mm(
