@@ -199,13 +199,24 @@ def descriptor_layout(t: torch.Tensor) -> str | None:
     """
     if t.dim() not in (2, 3) or t.numel() == 0 or t.data_ptr() % 16:
         return None
-    size = t.element_size()
+    size = 1 if _interpreter_counts_elements() else t.element_size()
     strides = t.stride()
     for layout, unit in (("rows", t.dim() - 1), ("cols", t.dim() - 2)):
         others = [s for i, s in enumerate(strides) if i != unit]
         if strides[unit] == 1 and all((s * size) % 16 == 0 for s in others):
             return layout
     return None
+
+
+@functools.cache
+def _interpreter_counts_elements() -> bool:
+    """The interpreter of triton < 3.6 checks a descriptor's strides as multiples of 16
+    *elements* (compiled launches, and later interpreters, of 16 bytes): stricter, so the
+    layout check follows it there."""
+    if not interpreted():
+        return False
+    major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    return (major, minor) < (3, 6)
 
 
 def tma_supported(*tensors: torch.Tensor) -> bool:

@@ -187,3 +187,26 @@ def test_every_shipped_table_key_is_one_the_layer_asks_for(monkeypatch):
     for gpu, entries in shipped.items():
         dead = sorted(k for k in entries if k.split("|")[0] + "|" + k.split("|")[5] not in asked)
         assert not dead, (gpu, dead, asked)
+
+
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "refused"),
+    [
+        ("3.4.0", "2.4.6", True),
+        ("3.6.0", "2.4.0rc1", True),
+        ("3.6.0", "2.3.5", False),
+        ("3.7.1", "2.4.6", False),
+        ("3.9.0", "3.0.0", False),
+        ("4.0.0", "2.4.0", False),
+    ],
+)
+def test_interpreter_refused_where_numpy_breaks_it(triton_version, numpy_version, refused):
+    """triton 3.4-3.6's interpreter fails inside every kernel under numpy >= 2.4 (checked by
+    running the kernel tests on 3.4.0, 3.5.1, 3.6.0, 3.7.1 and 3.8.0): refused in one line
+    naming both versions and the fix instead."""
+    from moestack.kernels._guards import interpreter_conflict
+
+    why = interpreter_conflict(triton_version, numpy_version)
+    assert (why is not None) == refused
+    if refused:
+        assert triton_version in why and numpy_version in why and "numpy<2.4" in why
