@@ -32,6 +32,7 @@ launch, after a test suite had its chance to set ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 
@@ -319,33 +320,7 @@ def persistent_grouped_mm(
     if programs < 1:
         raise ValueError(f"num_programs = {programs} must be >= 1")
 
-    a_view = a[:rows] if a_rows is None else a
-    a_desc = a_rows is None and tma_supported(a_view) and descriptor_layout(a_view) == "rows"
-    a_desc = a_desc and _box_fits(cfg.block_m, cfg.block_k, a.element_size())
-    b_layout = descriptor_layout(b_EKN) if tma_supported(b_EKN) else None
-    b_box = (cfg.block_k, cfg.block_n) if b_layout == "rows" else (cfg.block_n, cfg.block_k)
-    b_desc = b_layout is not None and _box_fits(*b_box, a.element_size())
-    if use_tma is False:
-        a_desc = b_desc = False
-    elif use_tma is True and not (b_desc and (a_desc or a_rows is not None)):
-        raise ValueError(
-            f"use_tma=True but descriptors cannot read these operands (triton "
-            f"{triton.__version__} has them: {descriptors_available()}; a {a.dtype} "
-            f"strides {a.stride()}, gathered: {a_rows is not None}; b strides "
-            f"{b_EKN.stride()}; tile {cfg}); use use_tma=None to fall back to pointers"
-        )
-    a_arg = a
-    if a_desc:
-        a_arg = _host_descriptor(
-            a_view, [rows, K], [a_view.stride(0), 1], [cfg.block_m, cfg.block_k]
-        )
-    b_arg = b_EKN
-    s_e, s_k, s_n = b_EKN.stride()
-    if b_desc and b_layout == "rows":
-        b_arg = _host_descriptor(b_EKN, [E, K, N], [s_e, s_k, 1], [1, cfg.block_k, cfg.block_n])
-    elif b_desc:
-        b_arg = _host_descriptor(b_EKN, [E, N, K], [s_e, s_n, 1], [1, cfg.block_n, cfg.block_k])
-
+    a_arg, b_arg, how = _operands(a, b_EKN, rows, a_rows, cfg, use_tma)
     dummy = offsets_E
     grid = (max(1, min(programs, capacity(rows, E, cfg.block_m) * -(-N // cfg.block_n))),)
     on_device = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
@@ -365,14 +340,12 @@ def persistent_grouped_mm(
             N,
             a.stride(0),
             a.stride(1),
-            s_e,
-            s_k,
-            s_n,
+            *b_EKN.stride(),
             out.stride(0),
             out.stride(1),
-            A_DESC=a_desc,
-            B_DESC=b_desc,
-            B_TRANS=b_desc and b_layout == "cols",
+            A_DESC=how.a_desc,
+            B_DESC=how.b_desc,
+            B_TRANS=how.b_trans,
             GATHER_A=a_rows is not None,
             SCATTER_C=c_rows is not None,
             HAS_SCALE=scale is not None,
@@ -386,3 +359,52 @@ def persistent_grouped_mm(
             num_stages=cfg.num_stages,
         )
     return tiles
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    """How the kernel reads its operands: through descriptors or pointers."""
+
+    a_desc: bool  # a (not gathered) through a descriptor
+    b_desc: bool  # b through a descriptor
+    b_trans: bool  # ... of the [E, N, K] tensor b is a transposed view of
+
+
+def _operands(
+    a: torch.Tensor,
+    b_EKN: torch.Tensor,
+    rows: int,
+    a_rows: torch.Tensor | None,
+    cfg: tuning.KernelConfig,
+    use_tma: bool | None,
+) -> tuple[object, object, _Reads]:
+    """The kernel's a and b arguments (host descriptors where they can read the operand,
+    the tensors otherwise) and how it reads them; ``use_tma`` as ``persistent_grouped_mm``."""
+    E, K, N = b_EKN.shape
+    a_view = a[:rows] if a_rows is None else a
+    a_desc = a_rows is None and tma_supported(a_view) and descriptor_layout(a_view) == "rows"
+    a_desc = a_desc and _box_fits(cfg.block_m, cfg.block_k, a.element_size())
+    b_layout = descriptor_layout(b_EKN) if tma_supported(b_EKN) else None
+    b_box = (cfg.block_k, cfg.block_n) if b_layout == "rows" else (cfg.block_n, cfg.block_k)
+    b_desc = b_layout is not None and _box_fits(*b_box, a.element_size())
+    if use_tma is False:
+        a_desc = b_desc = False
+    elif use_tma is True and not (b_desc and (a_desc or a_rows is not None)):
+        raise ValueError(
+            f"use_tma=True but descriptors cannot read these operands (triton "
+            f"{triton.__version__} has them: {descriptors_available()}; a {a.dtype} "
+            f"strides {a.stride()}, gathered: {a_rows is not None}; b strides "
+            f"{b_EKN.stride()}; tile {cfg}); use use_tma=None to fall back to pointers"
+        )
+    a_arg: object = a
+    if a_desc:
+        a_arg = _host_descriptor(
+            a_view, [rows, K], [a_view.stride(0), 1], [cfg.block_m, cfg.block_k]
+        )
+    b_arg: object = b_EKN
+    s_e, s_k, s_n = b_EKN.stride()
+    if b_desc and b_layout == "rows":
+        b_arg = _host_descriptor(b_EKN, [E, K, N], [s_e, s_k, 1], [1, cfg.block_k, cfg.block_n])
+    elif b_desc:
+        b_arg = _host_descriptor(b_EKN, [E, N, K], [s_e, s_n, 1], [1, cfg.block_n, cfg.block_k])
+    return a_arg, b_arg, _Reads(a_desc, b_desc, b_desc and b_layout == "cols")

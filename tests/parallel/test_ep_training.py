@@ -111,12 +111,15 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
     hold what one process saves; its step-4 checkpoint resumes at the other layouts with the
     losses of steps 5..8 it had."""
     (nproc, ep), resumes, rows = LAYOUTS[optim]
-    single, source = train_side_by_side(tmp_path, [
-        (tmp_path / "single", 1, [f"optim={optim}"]),
-        (tmp_path / "source", nproc, [f"optim={optim}", f"parallel.ep={ep}"]),
-    ])  # fmt: skip
+    layout = [f"optim={optim}", f"parallel.ep={ep}"]
+    launches = [(tmp_path / "single", 1, [f"optim={optim}"]), (tmp_path / "source", nproc, layout)]
+    if optim == "offload_adamw":  # the collectives on the "devices" too (gloo on the CPU),
+        # the experts' over their expert data-parallel group, the rest over the world
+        launches.append((tmp_path / "on_device", nproc, [*layout, "optim.reduce_on_device=true"]))
+    single, source, *on_device = train_side_by_side(tmp_path, launches)
     assert sorted(single) == list(range(1, STEPS + 1))
-    assert_same_losses(source, single, range(1, STEPS + 1))
+    for run in (source, *on_device):
+        assert_same_losses(run, single, range(1, STEPS + 1))
     metrics = read_metrics(tmp_path / "source" / "metrics.jsonl")
     sent = [r["ep/rank0/tokens_sent"] for r in metrics if "ep/rank0/tokens_sent" in r]
     assert len(sent) == STEPS and all(s > 0 for s in sent)  # tokens really crossed ranks
