@@ -11,11 +11,10 @@ pipelining and warps of each config are real too (test_persistent.py the persist
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 
 import pytest
 import torch
+from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
@@ -25,28 +24,12 @@ from moestack.kernels.reference import (  # noqa: E402
     moe_experts_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the interpreter's run; test_kernels_gpu.py checks every candidate on CUDA",
+pytestmark = interpreter_only(
+    "the interpreter's run; test_kernels_gpu.py checks every candidate on CUDA"
 )
 TOL = 5e-6  # float32, normwise: max|err| / max|ref|
 CASES = [("classic", i) for i in range(max(len(c) for c in tuning.CANDIDATES.values()))]
 CASES += [("persistent", j) for j in range(len(tuning.PERSISTENT_CANDIDATES))]
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    err = (actual.double() - expected).abs().max().item()
-    return err / max(expected.abs().max().item(), 1e-6)
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
 def forced(index: int, persistent: bool) -> contextlib.ExitStack:
@@ -78,21 +61,15 @@ def persistent_launches(monkeypatch):
 
 @pytest.mark.parametrize(("path", "index"), CASES, ids=[f"{p}-{i}" for p, i in CASES])
 def test_candidates_match_float64(path, index, poisoned_buffers, persistent_launches):
-    g = torch.Generator().manual_seed(index)
     T, D, F, E, k = 24, 40, 48, 5, 2
-    x = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    scores[:, 2] = -1.0  # an expert without tokens
-    weights, experts = scores.topk(k, dim=1)
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
+    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, seed=index, empty=2)
     ins = [t.float().requires_grad_() for t in (x, w1, w2, weights)]
     with forced(index, persistent=path == "persistent"):
         y = moe_experts(ins[0], ins[1], ins[2], experts, ins[3])
         y.backward(dy.float())
         counts = [0, 33, 1, 0, 60]  # ragged groups for the plain grouped GEMM
         offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+        g = torch.Generator().manual_seed(1000 + index)
         a = torch.randn(sum(counts), D, generator=g, dtype=torch.float64)
         a32, w32 = a.float().requires_grad_(), w1.float().requires_grad_()
         out = grouped_gemm(a32, w32, offsets)

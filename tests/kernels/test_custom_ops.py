@@ -3,22 +3,19 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.kernels import needs_kernels
 
 pytest.importorskip("triton")
 
 from moestack.kernels import _launch, grouped_gemm, moe_experts  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
-)
+pytestmark = needs_kernels()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ops = torch.ops.moestack
 

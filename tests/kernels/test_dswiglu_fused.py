@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import weakref
 
 import pytest
 import torch
+from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
 from moestack.kernels import _launch, moe_experts, tuning  # noqa: E402
 from moestack.kernels.reference import moe_experts_reference  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the interpreter's run; test_kernels_gpu.py checks every candidate on CUDA",
+pytestmark = interpreter_only(
+    "the interpreter's run; test_kernels_gpu.py checks every candidate on CUDA"
 )
 TOL = {torch.float32: 5e-6, torch.float16: 3e-3}  # normwise: max|err| / max|ref|
 NAMES = ("dx", "dw1", "dw2", "dweights")
@@ -32,21 +30,6 @@ SHAPES = {
     "one-token": (1, 24, 40, 4, 2, None),
     "top_k=E": (7, 16, 24, 3, 3, None),
 }
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    err = (actual.double() - expected).abs().max().item()
-    return err / max(expected.abs().max().item(), 1e-6)
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
 @pytest.fixture
@@ -61,22 +44,6 @@ def fused_launches(monkeypatch):
 
     monkeypatch.setattr(_launch, "mm_dswiglu_fused", spy)
     return seen
-
-
-def layer_inputs(T, D, F, E, k, empty, dtype, seed):
-    """float64 inputs rounded to ``dtype`` (the reference sees the same numbers)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    if empty is not None:
-        scores[:, empty] = -1.0
-    weights, experts = scores.topk(k, dim=1)
-    weights = torch.softmax(weights, dim=1)
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
-    x, w1, w2, weights, dy = (t.to(dtype).double() for t in (x, w1, w2, weights, dy))
-    return x, w1, w2, experts, weights, dy
 
 
 def reference_grads(x, w1, w2, experts, weights, dy) -> list[torch.Tensor]:
@@ -94,7 +61,9 @@ def test_layer_backward_in_place_and_retained(
     """In place (the graph freed: dz over z) and functional (retain_graph: a second backward
     reads z again), both against float64, with the fused config forced."""
     T, D, F, E, k, empty = SHAPES[shape]
-    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, empty, dtype, seed=index)
+    x, w1, w2, experts, weights, dy = layer_inputs(
+        T, D, F, E, k, seed=index, empty=empty, dtype=dtype
+    )
     want = reference_grads(x, w1, w2, experts, weights, dy)
     with tuning.forced_config("mm_dswiglu", FUSED[index]):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, weights)]
@@ -114,7 +83,9 @@ def test_fused_matches_unfused_and_repeats_bitwise(fused_launches):
     path: dW2 (from weight * h, which both compute elementwise from the same z) bitwise
     where both G GEMMs reduce in the same steps, the rest within rounding."""
     T, D, F, E, k, empty = SHAPES["ragged-empty"]
-    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, empty, torch.float32, 5)
+    x, w1, w2, experts, weights, dy = layer_inputs(
+        T, D, F, E, k, seed=5, empty=empty, dtype=torch.float32
+    )
 
     def grads(cfg: tuning.KernelConfig) -> list[torch.Tensor]:
         ins = [t.float().requires_grad_() for t in (x, w1, w2, weights)]
@@ -255,30 +226,19 @@ def test_table_entry_elsewhere_gives_the_default(tmp_path, monkeypatch):
         tuning.clear_cache()
 
 
-def test_fused_backward_intermediates_stay_small(monkeypatch):
+def test_fused_backward_intermediates_stay_small(count_allocations):
     """In place, the fused backward keeps the unfused one's buffers: one [R, F] (weight * h;
     G never stored), dy's [R, D] rows, dx's [R, D] rows and [R] vectors, plus the
     [R, column tiles] fp32 partial sums of the router-weight gradient."""
     T, D, F, E, k = 16, 24, 40, 4, 3
     R = T * k
-    live, peak, sizes = {}, [0], []
-    real = _launch.new_empty
-
-    def counting(shape, dtype, device):
-        t = real(shape, dtype, device)
-        sizes.append(tuple(shape))
-        if tuple(shape) not in ((E, D, 2 * F), (E, F, D), (T, D)):  # returned gradients
-            live[id(t)] = t.numel() * t.element_size()
-            weakref.finalize(t, live.pop, id(t), None)
-            peak[0] = max(peak[0], sum(live.values()))
-        return t
-
-    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, None, torch.float32, 11)
+    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, seed=11, dtype=torch.float32)
     ins = [t.float().requires_grad_() for t in (x, w1, w2, weights)]
     with tuning.forced_config("mm_dswiglu", FUSED[4]):
         y = moe_experts(ins[0], ins[1], ins[2], experts, ins[3])
-        monkeypatch.setattr(_launch, "new_empty", counting)
+        counted = count_allocations(returned=((E, D, 2 * F), (E, F, D), (T, D)))
         y.backward(dy.float())
     num_n = -(-F // 64)
+    sizes = counted.sizes
     assert (R, 2 * F) not in sizes and sizes.count((R, F)) == 1 and (R, num_n) in sizes
-    assert peak[0] <= 4 * (R * F + R * D + 2 * R + R * num_n)
+    assert counted.peak <= 4 * (R * F + R * D + 2 * R + R * num_n)

@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers.kernels import needs_kernels, rel_err
 
 pytest.importorskip("triton")
 
 from moestack.kernels import grouped_gemm  # noqa: E402
 from moestack.kernels.reference import grouped_gemm_reference  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
-)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_kernels()
 # Normwise relative error bounds: max|err| / max|ref|.
 TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
-    assert actual.shape == expected.shape, what
     assert actual.dtype == dtype, what
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    err = (actual.double() - expected).abs().max().item() if expected.numel() else 0.0
-    scale = max(expected.abs().max().item() if expected.numel() else 0.0, 1e-6)
-    assert err / scale <= TOL[dtype], f"{what}: rel err {err / scale:.2e} > {TOL[dtype]:.0e}"
+    assert rel_err(actual, expected) <= TOL[dtype], what
 
 
 def run_case(counts: list[int], K: int, M: int, dtype: torch.dtype, seed: int = 0, w=None):

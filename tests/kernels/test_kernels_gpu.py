@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+from helpers.kernels import layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
-from moestack.kernels import _launch, grouped_gemm, moe_experts, tuning  # noqa: E402
+from moestack.kernels import grouped_gemm, moe_experts, tuning  # noqa: E402
 from moestack.kernels.reference import (  # noqa: E402
     grouped_gemm_reference,
     moe_experts_reference,
@@ -21,23 +22,6 @@ from moestack.kernels.reference import (  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BF16_TOL = 3e-2  # normwise: max|err| / max|ref|
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    err = (actual.double().cpu() - expected.cpu()).abs().max().item()
-    return err / max(expected.abs().max().item(), 1e-6)
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    """Every buffer the kernels allocate starts as NaN, so unwritten elements show."""
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
 def check_grouped_gemm(dtype, device="cuda", tol=BF16_TOL, seed=0):
@@ -62,21 +46,18 @@ def check_grouped_gemm(dtype, device="cuda", tol=BF16_TOL, seed=0):
 def check_moe(
     dtype, device="cuda", tol=BF16_TOL, seed=0, T=257, D=192, F=160, E=8, k=2, empty=(5,)
 ):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
-    w1 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)).to(dtype)
-    w2 = (torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)).to(dtype)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    scores[:, list(empty)] = -1.0  # experts that get no token
-    weights, experts = scores.topk(k, dim=1)
-    weights = torch.softmax(weights, 1).float()
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64).to(dtype)
-    ins = [t.to(device).requires_grad_() for t in (x, w1, w2, weights)]
+    x, w1, w2, experts, weights, dy = layer_inputs(
+        T, D, F, E, k, seed=seed, empty=empty, dtype=dtype, weights_dtype=torch.float32
+    )
+    ins = [
+        t.to(device, dt).requires_grad_()
+        for t, dt in ((x, dtype), (w1, dtype), (w2, dtype), (weights, torch.float32))
+    ]
     y = moe_experts(ins[0], ins[1], ins[2], experts.to(device), ins[3])
-    y.backward(dy.to(device))
-    refs = [t.detach().double().requires_grad_() for t in (x, w1, w2, weights)]
+    y.backward(dy.to(device, dtype))
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     yr = moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3])
-    yr.backward(dy.double())
+    yr.backward(dy)
     pairs = [("y", y, yr)] + [
         (n, a.grad, b.grad) for n, a, b in zip(("dx", "dw1", "dw2", "dw"), ins, refs, strict=True)
     ]

@@ -366,16 +366,23 @@ print("COMPILED")
 )
 
 
-def test_kernels_compile_for_sm90():
-    """The interpreter skips the compiler: compile every kernel for Hopper (no GPU needed)."""
+def _compile_for_sm90(code: str) -> str:
+    """The output of ``code``, a child Python compiling kernels for Hopper that prints
+    COMPILED when done; skips where this triton cannot compile for it."""
     pytest.importorskip("triton.backends.nvidia")
-    out = _run(_COMPILE_CHECK)
+    out = _run(code)
     if "API-MISMATCH" in out.stdout:
         pytest.skip("this check speaks the triton 3.9 compiler API")
     if "COMPILED" not in out.stdout and ("ptxas" in out.stderr and "not found" in out.stderr):
         pytest.skip("no ptxas in this triton install")
     assert "COMPILED" in out.stdout, out.stderr[-3000:]
-    shared = [int(v) for v in out.stdout.split("SHARED", 1)[1].split()[:2]]
+    return out.stdout
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter skips the compiler: compile every kernel for Hopper (no GPU needed)."""
+    stdout = _compile_for_sm90(_COMPILE_CHECK)
+    shared = [int(v) for v in stdout.split("SHARED", 1)[1].split()[:2]]
     assert min(shared) > 32 * 1024, f"main loops not pipelined: shared memory {shared} bytes"
 
 
@@ -473,16 +480,10 @@ def test_every_candidate_compiles_for_sm90_within_shared_memory():
     its shared memory in every variant (a config that cannot would only cost autotuning time
     there): as compiled, and by a bound that holds for every launch compiled. The five-stage
     weight-gradient tiles do keep one more buffer in flight than three stages."""
-    pytest.importorskip("triton.backends.nvidia")
     launches = compiled_launches()
-    out = _run(f"LAUNCHES = {launches!r}\n" + _CANDIDATES_CHECK)
-    if "API-MISMATCH" in out.stdout:
-        pytest.skip("this check speaks the triton 3.9 compiler API")
-    if "COMPILED" not in out.stdout and ("ptxas" in out.stderr and "not found" in out.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert "COMPILED" in out.stdout, out.stderr[-3000:]
+    stdout = _compile_for_sm90(f"LAUNCHES = {launches!r}\n" + _CANDIDATES_CHECK)
     shared = {}
-    for line in out.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("CFG "):
             kind, name, index, nbytes = line.split()[1:]
             shared[(kind, int(index), name)] = int(nbytes)

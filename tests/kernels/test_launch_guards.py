@@ -4,19 +4,14 @@ key of every launch (weight layout and row bucket)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers.kernels import needs_kernels
 
 pytest.importorskip("triton")
 
 from moestack.kernels import _launch, grouped_gemm, moe_experts, tuning  # noqa: E402
 
-needs_kernels = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
-)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -102,7 +97,7 @@ def test_offsets_assertion_on_the_cpu():
             _launch.assert_offsets(torch.tensor(bad, dtype=torch.int32), 7)
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("bad_id", [3, 7, -1])
 def test_moe_experts_refuses_expert_ids_out_of_range(bad_id):
     """Ids >= E used to leave output rows unwritten and negative ids to compute with
@@ -115,7 +110,7 @@ def test_moe_experts_refuses_expert_ids_out_of_range(bad_id):
         moe_experts(x, w1, w2, experts, torch.rand(5, 2))
 
 
-@needs_kernels
+@needs_kernels()
 def test_grouped_gemm_refuses_decreasing_cpu_offsets():
     x, w = torch.randn(7, 8), torch.randn(3, 8, 4)
     with pytest.raises(ValueError, match=r"non-decreasing .*: offsets\[1\] = 2 < offsets\[0\] = 3"):
@@ -124,10 +119,9 @@ def test_grouped_gemm_refuses_decreasing_cpu_offsets():
         grouped_gemm(x, w, torch.tensor([-1, 2, 7], dtype=torch.int32))
 
 
-@needs_kernels
-def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
-    """Forward launches read W as stored, the backward's G and dx read W^T (a transposed
-    view): separate keys. Every key carries the power-of-two bucket of its sorted rows."""
+@pytest.fixture
+def tuning_keys(monkeypatch) -> list[str]:
+    """The tuning key of every launch, in order (each launch still chooses its config)."""
     keys: list[str] = []
     choose = tuning.choose_config
 
@@ -136,13 +130,28 @@ def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
         return choose(kind, key, *args)
 
     monkeypatch.setattr(tuning, "choose_config", spy)
-    T, D, F, E, k = 9, 16, 8, 3, 2  # R = 18 sorted rows: bucket 32
+    return keys
+
+
+def round_robin_inputs() -> tuple[torch.Tensor, ...]:
+    """x, w1, w2, experts, weights of a layer (D = 16, F = 8, E = 3) routing token t to
+    experts t and t + 1 (mod E): 9 tokens make R = 18 sorted rows (bucket 32)."""
+    T, D, F, E, k = 9, 16, 8, 3, 2
     x = torch.randn(T, D, device=DEVICE, requires_grad=True)
     w1 = torch.randn(E, D, 2 * F, device=DEVICE, requires_grad=True)
     w2 = torch.randn(E, F, D, device=DEVICE, requires_grad=True)
     weights = torch.rand(T, k, device=DEVICE, requires_grad=True)
     experts = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).to(DEVICE)
+    return x, w1, w2, experts, weights
+
+
+@needs_kernels()
+def test_every_launch_keys_its_weight_layout_and_row_bucket(tuning_keys):
+    """Forward launches read W as stored, the backward's G and dx read W^T (a transposed
+    view): separate keys. Every key carries the power-of-two bucket of its sorted rows."""
+    x, w1, w2, experts, weights = round_robin_inputs()
     moe_experts(x, w1, w2, experts, weights).sum().backward()
+    keys = tuning_keys
     flags = {key.split("|")[0] + "|" + key.split("|")[5] for key in keys}
     assert flags == {
         "mm_swiglu|g1s0c0z1t0",  # h = swiglu(x[tok] @ W1)
@@ -157,32 +166,19 @@ def test_every_launch_keys_its_weight_layout_and_row_bucket(monkeypatch):
     assert all(key.endswith("|R=32") for key in keys), keys
 
 
-@needs_kernels
-def test_every_shipped_table_key_is_one_the_layer_asks_for(monkeypatch):
+@needs_kernels()
+def test_every_shipped_table_key_is_one_the_layer_asks_for(tuning_keys):
     """A table entry whose weight layout and flags no launch asks for any more (the backward
     changed) is dead: it would never be looked up, and those launches would autotune or run
     the default tile instead. Every shipped key's kind and flags must be among those the
     layer's forward (with and without grad) and backward ask for."""
     import json
 
-    keys: list[str] = []
-    choose = tuning.choose_config
-
-    def spy(kind, key, *args):
-        keys.append(key)
-        return choose(kind, key, *args)
-
-    monkeypatch.setattr(tuning, "choose_config", spy)
-    T, D, F, E, k = 9, 16, 8, 3, 2
-    x = torch.randn(T, D, device=DEVICE, requires_grad=True)
-    w1 = torch.randn(E, D, 2 * F, device=DEVICE, requires_grad=True)
-    w2 = torch.randn(E, F, D, device=DEVICE, requires_grad=True)
-    weights = torch.rand(T, k, device=DEVICE, requires_grad=True)
-    experts = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1).to(DEVICE)
+    x, w1, w2, experts, weights = round_robin_inputs()
     moe_experts(x, w1, w2, experts, weights).sum().backward()
     with torch.no_grad():
         moe_experts(x, w1, w2, experts, weights)
-    asked = {key.split("|")[0] + "|" + key.split("|")[5] for key in keys}
+    asked = {key.split("|")[0] + "|" + key.split("|")[5] for key in tuning_keys}
     shipped = json.loads(tuning.TABLE_PATH.read_text())["gpus"]
     for gpu, entries in shipped.items():
         dead = sorted(k for k in entries if k.split("|")[0] + "|" + k.split("|")[5] not in asked)

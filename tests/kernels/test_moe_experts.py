@@ -3,61 +3,30 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import weakref
 
 import pytest
 import torch
+from helpers.kernels import layer_inputs, needs_kernels, rel_err
 
 pytest.importorskip("triton")
 
-from moestack.kernels import _launch, moe_experts  # noqa: E402
+from moestack.kernels import moe_experts  # noqa: E402
 from moestack.kernels.reference import moe_experts_reference  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
-)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = needs_kernels()
 # Normwise relative error bounds: max|err| / max|ref|.
 TOL = {torch.float32: 5e-6, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 NAMES = ("y", "dx", "dw1", "dw2", "dweights")
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, what: str):
-    assert actual.shape == expected.shape, f"{what}: {actual.shape} vs {expected.shape}"
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    if expected.numel() == 0:
-        return
-    err = (actual.double() - expected).abs().max().item()
-    scale = max(expected.abs().max().item(), 1e-6)
-    assert err / scale <= tol, f"{what}: rel err {err / scale:.2e} > {tol:.0e}"
-
-
-def make_inputs(T, D, F, E, k, seed, empty_expert=None):
-    """float64 inputs; routing is top-k of random scores, never picking ``empty_expert``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    if empty_expert is not None:
-        scores[:, empty_expert] = -1.0
-    weights, experts = scores.topk(k, dim=1)
-    weights = torch.softmax(weights, dim=1)
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
-    return x, w1, w2, experts, weights, dy
-
-
 def run_case(T, D, F, E, k, dtype, seed=0, empty_expert=None, weights_dtype=None):
     """Output and the four gradients of moe_experts vs the float64 reference."""
-    x, w1, w2, experts, weights, dy = make_inputs(T, D, F, E, k, seed, empty_expert)
     weights_dtype = weights_dtype or dtype
     # The reference sees the same rounded inputs, so only the kernels' error is measured.
-    x, w1, w2, dy = (t.to(dtype).double() for t in (x, w1, w2, dy))
-    weights = weights.to(weights_dtype).double()
+    x, w1, w2, experts, weights, dy = layer_inputs(
+        T, D, F, E, k, seed=seed, empty=empty_expert, dtype=dtype, weights_dtype=weights_dtype
+    )
 
     ins = [
         t.to(DEVICE, dt).requires_grad_()
@@ -73,7 +42,7 @@ def run_case(T, D, F, E, k, dtype, seed=0, empty_expert=None, weights_dtype=None
     yr.backward(dy)
     want = [yr.detach()] + [t.grad for t in refs]
     for name, a, b in zip(NAMES, got, want, strict=True):
-        assert_close(a.cpu(), b, TOL[dtype], name)
+        assert rel_err(a, b) <= TOL[dtype], name
     assert ins[3].grad.dtype == weights_dtype
     if empty_expert is not None:  # an expert without tokens gets exact zero gradients
         assert torch.equal(ins[1].grad[empty_expert].cpu(), torch.zeros_like(w1[0], dtype=dtype))
@@ -122,7 +91,7 @@ def test_empty_input():
 
 
 def test_no_grad_matches_grad_path():
-    x, w1, w2, experts, weights, _ = make_inputs(10, 16, 12, 3, 2, seed=5)
+    x, w1, w2, experts, weights, _ = layer_inputs(10, 16, 12, 3, 2, seed=5)
     args = [t.float().to(DEVICE) for t in (x, w1, w2)]
     with torch.no_grad():
         y0 = moe_experts(*args, experts.to(DEVICE), weights.float().to(DEVICE))
@@ -132,18 +101,13 @@ def test_no_grad_matches_grad_path():
     assert torch.equal(y0, y1.detach())
 
 
-def test_every_output_element_written(monkeypatch):
+def test_every_output_element_written(poisoned_buffers):
     """Poison every buffer the kernels allocate with NaN: no NaN may survive."""
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
     run_case(T=17, D=35, F=19, E=4, k=2, dtype=torch.float32, seed=6, empty_expert=1)
 
 
 def test_bad_arguments():
-    x, w1, w2, experts, weights, _ = make_inputs(4, 8, 6, 3, 2, seed=7)
+    x, w1, w2, experts, weights, _ = layer_inputs(4, 8, 6, 3, 2, seed=7)
     x, w1, w2, weights = (t.float() for t in (x, w1, w2, weights))
     with pytest.raises(ValueError, match="shape mismatch"):
         moe_experts(x, w1, w2[:, :5], experts, weights)
@@ -157,20 +121,20 @@ def test_bad_arguments():
 
 def test_expanded_upstream_gradient():
     """``y.sum().backward()`` hands the kernels a stride-0 gradient; it must be read right."""
-    x, w1, w2, experts, weights, _ = make_inputs(11, 18, 10, 3, 2, seed=8)
+    x, w1, w2, experts, weights, _ = layer_inputs(11, 18, 10, 3, 2, seed=8)
     ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
     moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3]).sum().backward()
     refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3]).sum().backward()
     for name, a, b in zip(NAMES[1:], ins, refs, strict=True):
-        assert_close(a.grad.cpu(), b.grad, TOL[torch.float32], name)
+        assert rel_err(a.grad, b.grad) <= TOL[torch.float32], name
 
 
 @pytest.mark.parametrize("wanted", [(0,), (1,), (2,), (3,), (0, 3), (1, 2)])
 def test_gradients_of_some_inputs(wanted):
     """Only some inputs need a gradient (the backward skips the others' GEMMs): the ones
     asked for still match the float64 reference."""
-    x, w1, w2, experts, weights, dy = make_inputs(13, 20, 9, 4, 2, seed=9)
+    x, w1, w2, experts, weights, dy = layer_inputs(13, 20, 9, 4, 2, seed=9)
     ins = [
         t.float().to(DEVICE).requires_grad_(i in wanted) for i, t in enumerate((x, w1, w2, weights))
     ]
@@ -179,7 +143,7 @@ def test_gradients_of_some_inputs(wanted):
     moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3]).backward(dy)
     for i, (name, a, b) in enumerate(zip(NAMES[1:], ins, refs, strict=True)):
         if i in wanted:
-            assert_close(a.grad.cpu(), b.grad, TOL[torch.float32], name)
+            assert rel_err(a.grad, b.grad) <= TOL[torch.float32], name
         else:
             assert a.grad is None, name
 
@@ -197,7 +161,7 @@ def test_backward_twice_through_a_retained_graph(hooks):
     """With retain_graph the backward must leave the saved z as it was (the in-place
     backward runs only when the graph is freed): both backwards match the reference, also
     under saved-tensors hooks that hand back the very tensor they packed."""
-    x, w1, w2, experts, weights, dy = make_inputs(9, 12, 7, 3, 2, seed=10)
+    x, w1, w2, experts, weights, dy = layer_inputs(9, 12, 7, 3, 2, seed=10)
     ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
     with hooks():
         y = moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3])
@@ -206,34 +170,21 @@ def test_backward_twice_through_a_retained_graph(hooks):
     refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     want = torch.autograd.grad(moe_experts_reference(*refs[:3], experts, refs[3]), refs, dy)
     for name, a, b, w in zip(NAMES[1:], first, second, want, strict=True):
-        assert_close(a.cpu(), w, TOL[torch.float32], name)
-        assert_close(b.cpu(), w, TOL[torch.float32], name)
+        assert rel_err(a, w) <= TOL[torch.float32], name
+        assert rel_err(b, w) <= TOL[torch.float32], name
 
 
-def test_backward_intermediates_stay_small(monkeypatch):
+def test_backward_intermediates_stay_small(count_allocations):
     """The backward's own buffers (not the gradients it returns) peak at one [R, F] G plus
     the [R, D] per-slot dx rows and two [R] fp32 vectors: dz is written over the saved z,
     and weight * h over G. Counted by wrapping the kernels' allocator."""
     T, D, F, E, k = 16, 24, 40, 4, 3
     R = T * k
-    live, peak, sizes = {}, [0], []
-    real = _launch.new_empty
-
-    def counting(shape, dtype, device):
-        t = real(shape, dtype, device)
-        nbytes = t.numel() * t.element_size()
-        sizes.append(tuple(shape))
-        if tuple(shape) not in ((E, D, 2 * F), (E, F, D), (T, D)):  # returned gradients
-            live[id(t)] = nbytes
-            weakref.finalize(t, live.pop, id(t), None)
-            peak[0] = max(peak[0], sum(live.values()))
-        return t
-
-    x, w1, w2, experts, weights, dy = make_inputs(T, D, F, E, k, seed=11)
+    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, seed=11)
     ins = [t.float().to(DEVICE).requires_grad_() for t in (x, w1, w2, weights)]
     y = moe_experts(ins[0], ins[1], ins[2], experts.to(DEVICE), ins[3])
-    monkeypatch.setattr(_launch, "new_empty", counting)
+    counted = count_allocations(returned=((E, D, 2 * F), (E, F, D), (T, D)))
     y.backward(dy.float().to(DEVICE))
-    assert (R, 2 * F) not in sizes  # no dz buffer beside z
-    assert sizes.count((R, F)) == 1  # G only; weight * h is written over it
-    assert peak[0] <= 4 * (R * F + R * D + 2 * R)
+    assert (R, 2 * F) not in counted.sizes  # no dz buffer beside z
+    assert counted.sizes.count((R, F)) == 1  # G only; weight * h is written over it
+    assert counted.peak <= 4 * (R * F + R * D + 2 * R)

@@ -11,16 +11,13 @@ import sys
 
 import pytest
 import torch
+from helpers.kernels import interpreter_only, layer_inputs, needs_kernels, rel_err
 
 from moestack.kernels import tuning
 from moestack.kernels._tiles import capacity, tile_table
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 (set before the first kernel call)",
-)
 # Normwise relative error bounds: max|err| / max|ref|.
 TOL = {torch.float32: 5e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -182,11 +179,7 @@ def run_case(
     out = out.cpu()
     written = ~torch.isnan(expected[:, 0])
     assert torch.isnan(out[~written]).all(), "a row outside the experts' rows was written"
-    got, ref = out[written].double(), expected[written]
-    assert torch.isfinite(got).all(), "non-finite values in written rows"
-    if ref.numel():
-        err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-        assert err <= TOL[dtype], f"rel err {err:.2e} > {TOL[dtype]:.0e} ({counts}, K={K}, N={N})"
+    assert rel_err(out[written], expected[written]) <= TOL[dtype], f"{counts}, K={K}, N={N}"
     return table
 
 
@@ -215,7 +208,7 @@ def needs_descriptors():
         pytest.skip("tensor descriptors (TMA) need compute capability >= 9.0")
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_pointer_path_ragged_odd_sizes(dtype, descriptor_calls):
     # K, N not multiples of the tile nor of 16 bytes: no descriptor can read a or w.
@@ -223,7 +216,7 @@ def test_pointer_path_ragged_odd_sizes(dtype, descriptor_calls):
     assert descriptor_calls == []
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_descriptor_path_ragged(dtype, descriptor_calls):
     needs_descriptors()
@@ -233,7 +226,7 @@ def test_descriptor_path_ragged(dtype, descriptor_calls):
     assert descriptor_calls == [[76, 64], [6, 64, 48]]
 
 
-@needs_kernels
+@needs_kernels()
 def test_descriptor_transposed_weight(descriptor_calls):
     needs_descriptors()
     if _persistent()._interpreter_counts_elements():
@@ -242,7 +235,7 @@ def test_descriptor_transposed_weight(descriptor_calls):
     assert descriptor_calls == [[39, 40], [3, 32, 40]]  # w read as the [E, N, K] it views
 
 
-@needs_kernels
+@needs_kernels()
 def test_descriptor_weight_with_odd_k(descriptor_calls):
     # a [R, 45] fp16 has 90-byte rows: pointers; w [E, 45, 48] is aligned: a descriptor,
     # whose K edge is zero-filled per expert (rank 3), not read from the next expert.
@@ -251,7 +244,7 @@ def test_descriptor_weight_with_odd_k(descriptor_calls):
         assert descriptor_calls == [[3, 45, 48]]
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("use_tma", [None, False])
 def test_gather_scatter_scale(use_tma, descriptor_calls):
     """The forward's and backward's operand shapes: gathered a, scattered rows of out,
@@ -271,7 +264,7 @@ def test_gather_scatter_scale(use_tma, descriptor_calls):
         assert descriptor_calls == []
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize(
     "counts", [[1], [0, 1, 0], [0, 0, 70, 0]], ids=["one-row", "one-row-middle", "one-expert"]
 )
@@ -279,7 +272,7 @@ def test_edges(counts):
     run_case(counts, K=32, N=48, dtype=torch.float32, num_programs=2)
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("num_programs", [1, 2, 64])
 def test_programs_walk_several_tiles(num_programs):
     # 5 row tiles x 3 column tiles: one program walks all 15, or 2 walk 7-8 each, or the
@@ -288,7 +281,7 @@ def test_programs_walk_several_tiles(num_programs):
     run_case([20, 0, 33], K=16, N=40, dtype=torch.float32, num_programs=num_programs, cfg=cfg)
 
 
-@needs_kernels
+@needs_kernels()
 @pytest.mark.parametrize("use_tma", [None, False])
 def test_partial_tile_leaves_next_expert_rows(use_tma):
     """Expert 1's only tile (5 rows of 32) spans 27 rows of expert 2, which a descriptor
@@ -299,7 +292,7 @@ def test_partial_tile_leaves_next_expert_rows(use_tma):
     run_case([32, 5, 40], K=32, N=32, dtype=torch.float32, num_programs=2, cfg=cfg, use_tma=use_tma)
 
 
-@needs_kernels
+@needs_kernels()
 def test_table_reused_when_tiles_match():
     pt = _persistent()
     cfg = tuning.KernelConfig(16, 16, 16, group_m=1, num_warps=4, num_stages=1)
@@ -367,45 +360,29 @@ def test_gpu_other_candidates_bf16(index, variant, use_tma):
 
 
 @on_gpu
-def test_gpu_layer_bf16(monkeypatch):
+def test_gpu_layer_bf16(monkeypatch, poisoned_buffers):
     """The layer and the plain grouped GEMM with the default persistent candidate forced
     (h @ W2, G, dx, and grouped_gemm's y and dx), bf16 against float64: ragged groups, empty
     experts, outputs poisoned with NaN; 300 columns of bf16 are no 16-byte rows, so the
     plain GEMM's weight is read through pointers, the layer's through descriptors (sm90+)."""
-    import math
-
     from moestack.kernels import _launch, grouped_gemm, moe_experts
     from moestack.kernels.reference import grouped_gemm_reference, moe_experts_reference
 
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
     launched = []
     real = _launch.persistent_mm
     monkeypatch.setattr(
         _launch, "persistent_mm", lambda *a, **kw: (launched.append(1), real(*a, **kw))[1]
     )
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
-        return ((a.double().cpu() - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-
-    g = torch.Generator().manual_seed(0)
-    T, D, F, E, k = 257, 192, 160, 8, 2
-    x = torch.randn(T, D, generator=g, dtype=torch.float64).bfloat16().double()
-    w1 = (torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)).bfloat16()
-    w2 = (torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)).bfloat16()
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    scores[:, 5] = -1.0  # an expert without tokens
-    weights, experts = scores.topk(k, dim=1)
-    weights = torch.softmax(weights, 1).float().double()
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64).bfloat16().double()
+    x, w1, w2, experts, weights, dy = layer_inputs(
+        257, 192, 160, 8, 2, seed=0, empty=5, dtype=torch.bfloat16, weights_dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(1)
     counts = [0, 130, 1, 0, 257, 64, 0, 3]
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
     a = torch.randn(sum(counts), 200, generator=g, dtype=torch.float64).bfloat16().double()
     w = torch.randn(len(counts), 200, 300, generator=g, dtype=torch.float64).bfloat16().double()
-    ins = [t.cuda().bfloat16().requires_grad_() for t in (x, w1.double(), w2.double())]
+    ins = [t.cuda().bfloat16().requires_grad_() for t in (x, w1, w2)]
     ins.append(weights.cuda().float().requires_grad_())
     a_dev, w_dev = a.cuda().bfloat16().requires_grad_(), w.cuda().bfloat16().requires_grad_()
     with tuning.forced_config("mm", tuning.PERSISTENT_CANDIDATES[0]):
@@ -414,7 +391,7 @@ def test_gpu_layer_bf16(monkeypatch):
         out = grouped_gemm(a_dev, w_dev, offsets.cuda())
         out.backward(torch.ones_like(out))
     assert len(launched) == 5, "h @ W2, G, dx and grouped_gemm's y and dx"
-    refs = [t.clone().requires_grad_() for t in (x, w1.double(), w2.double(), weights)]
+    refs = [t.clone().requires_grad_() for t in (x, w1, w2, weights)]
     yr = moe_experts_reference(refs[0], refs[1], refs[2], experts, refs[3])
     yr.backward(dy)
     ar, wr = a.clone().requires_grad_(), w.clone().requires_grad_()
@@ -424,7 +401,7 @@ def test_gpu_layer_bf16(monkeypatch):
     want = [yr, *(t.grad for t in refs), outr, ar.grad]
     names = ("y", "dx", "dw1", "dw2", "dweights", "gemm y", "gemm dx")
     for name, a_, b_ in zip(names, got, want, strict=True):
-        assert rel(a_.detach(), b_.detach()) <= 3e-2, name
+        assert rel_err(a_.detach(), b_.detach()) <= 3e-2, name
 
 
 # A fresh interpreter (no TRITON_INTERPRET) compiles the kernel for sm_90 without a GPU and
@@ -530,7 +507,7 @@ def test_descriptor_layout_under_an_interpreter_counting_elements(monkeypatch):
     assert pt.descriptor_layout(torch.randn(2, 8, 16).transpose(1, 2)) == "cols"
 
 
-@needs_kernels
+@needs_kernels()
 def test_use_tma_refusals():
     pt = _persistent()
     offsets = torch.tensor([4], dtype=torch.int32, device=DEVICE)
@@ -549,7 +526,7 @@ def test_use_tma_refusals():
     assert pt.persistent_grouped_mm(x[:0], w, offsets[:1] * 0, out[:0], 0) is None
 
 
-@pytest.mark.skipif(CUDA or os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter")
+@interpreter_only("the interpreter's refusal; on a GPU the launches above run bfloat16")
 def test_interpreter_refuses_bfloat16():
     pt = _persistent()
     x, w = torch.randn(4, 16).bfloat16(), torch.randn(1, 16, 16).bfloat16()

@@ -7,11 +7,10 @@ bf16 on a GPU."""
 from __future__ import annotations
 
 import json
-import math
-import os
 
 import pytest
 import torch
+from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
@@ -21,31 +20,13 @@ from moestack.kernels.reference import (  # noqa: E402
     moe_experts_reference,
 )
 
-interpreter_only = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the interpreter's run; test_persistent.py checks the kernel on CUDA",
+interpreted = interpreter_only(
+    "the interpreter's run; test_persistent.py checks the kernel on CUDA"
 )
 TOL = 5e-6  # float32, normwise: max|err| / max|ref|
 # Small tiles and 3 programs: each program walks several tiles, tiles cross expert borders.
 SMALL = tuning.KernelConfig(16, 32, 16, 2, 4, 1, persistent=True, num_programs=3)
 CONFIGS = {"small-3-programs": SMALL, "default-candidate": tuning.PERSISTENT_CANDIDATES[0]}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    if expected.numel() == 0:
-        return 0.0
-    err = (actual.double() - expected).abs().max().item()
-    return err / max(expected.abs().max().item(), 1e-6)
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
 @pytest.fixture
@@ -76,19 +57,6 @@ def spies(monkeypatch):
     return seen
 
 
-def layer_inputs(T, D, F, E, k, seed, empty=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    if empty is not None:
-        scores[:, empty] = -1.0  # an expert that receives no token
-    weights, experts = scores.topk(k, dim=1)
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
-    return x, w1, w2, experts, weights, dy
-
-
 LAYER_CASES = {
     # odd D and F: no operand has 16-byte rows, every load goes through pointers
     "ragged-empty-odd": dict(T=40, D=37, F=21, E=5, k=2, empty=3),
@@ -99,7 +67,7 @@ LAYER_CASES = {
 }
 
 
-@interpreter_only
+@interpreted
 @pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
 @pytest.mark.parametrize("case", list(LAYER_CASES.values()), ids=list(LAYER_CASES))
 def test_layer_with_persistent_gemms_matches_float64(case, cfg, poisoned_buffers, spies):
@@ -128,7 +96,7 @@ def test_layer_with_persistent_gemms_matches_float64(case, cfg, poisoned_buffers
         assert bool(spies["descriptors"]) == (case["D"] % 4 == 0 and case["F"] % 4 == 0)
 
 
-@interpreter_only
+@interpreted
 @pytest.mark.parametrize("cfg", list(CONFIGS.values()), ids=list(CONFIGS))
 @pytest.mark.parametrize(
     ("counts", "K", "M"),
@@ -157,7 +125,7 @@ def test_grouped_gemm_with_persistent_gemms_matches_float64(
     assert rel_err(w32.grad, wr.grad) <= TOL, "dw"
 
 
-@interpreter_only
+@interpreted
 def test_classic_kernel_by_default_builds_no_table(spies):
     """Nothing forced and nothing tuned: the classic kernel, and no tile table is built."""
     x, w1, w2, experts, weights, dy = layer_inputs(T=12, D=16, F=8, E=3, k=2, seed=1)
@@ -296,7 +264,7 @@ def test_bad_persistent_configs_are_refused():
         tuning.KernelConfig(128, 128, 64, persistent=True, num_programs=-1)
 
 
-@interpreter_only
+@interpreted
 def test_a_timed_persistent_candidate_builds_its_own_table(monkeypatch, spies):
     """While autotuning, each timed launch of a persistent candidate builds its tile table
     (the tuner charges it the table); the launch afterwards takes the call's shared one."""

@@ -5,40 +5,23 @@ the mask-free main loops (EVEN_K / EVEN_KM) taken where the shapes allow, in the
 
 from __future__ import annotations
 
-import math
-import os
 import types
 
 import pytest
 import torch
+from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
 from moestack.kernels import _launch, moe_experts, tuning  # noqa: E402
 from moestack.kernels.reference import moe_experts_reference  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
-    reason="the interpreter's run; test_kernels_gpu.py checks the backends on CUDA",
+pytestmark = interpreter_only(
+    "the interpreter's run; test_kernels_gpu.py checks the backends on CUDA"
 )
 TOL = 5e-6  # float32, normwise: max|err| / max|ref|
 TILE = tuning.KernelConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
 BACKENDS = {"triton": TILE, "torch": tuning.TORCH_WGRAD}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert actual.shape == expected.shape
-    assert torch.isfinite(actual).all(), "non-finite values (unwritten output?)"
-    err = (actual.double() - expected).abs().max().item()
-    return err / max(expected.abs().max().item(), 1e-6)
-
-
-@pytest.fixture
-def poisoned_buffers(monkeypatch):
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(_launch, "new_empty", poisoned)
 
 
 def wgrad_loop(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -135,15 +118,7 @@ def test_forced_torch_backend_where_it_cannot_run_gives_the_default_tile():
 
 
 def moe_case(T, D, F, E, k, seed, empty=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, D, 2 * F, generator=g, dtype=torch.float64) / math.sqrt(D)
-    w2 = torch.randn(E, F, D, generator=g, dtype=torch.float64) / math.sqrt(F)
-    scores = torch.rand(T, E, generator=g, dtype=torch.float64)
-    if empty is not None:
-        scores[:, empty] = -1.0
-    weights, experts = scores.topk(k, dim=1)
-    dy = torch.randn(T, D, generator=g, dtype=torch.float64)
+    x, w1, w2, experts, weights, dy = layer_inputs(T, D, F, E, k, seed=seed, empty=empty)
     ins = [t.float().requires_grad_() for t in (x, w1, w2, weights)]
     y = moe_experts(ins[0], ins[1], ins[2], experts, ins[3])
     y.backward(dy.float())
