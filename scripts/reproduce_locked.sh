@@ -6,7 +6,9 @@
 # `make setup`, TORCH_SPEC passed on, e.g. TORCH_SPEC=torch for a GPU build), so moestack's
 # sources match the newest lock's code hash without an amendment; a study whose file names
 # corpus/stdlib.jsonl gets it copied from this checkout or packed by scripts/pack_corpus.py
-# there (with this interpreter), and checked against the file's "corpus sha256: <hex>" line.
+# there (with this interpreter), and checked against the file's "corpus sha256: <hex>" line;
+# a study on data=stdlib (the interpreter's own library) runs every piece under the Python
+# version its first piece used (docs/STUDY/stdlib_python.txt).
 # The runs live in this checkout's runs/prereg/STUDY (resumable: run the script again after a
 # stop). A study trained in pieces on several machines carries its finished runs in
 # docs/STUDY/runs (their records, "kept runs"): they are restored first, so only the rest
@@ -46,6 +48,15 @@ for name in "$@"; do
     [ "$got" = "$want" ] || { echo "$tree/corpus/stdlib.jsonl has sha256 $got, not the $want $f states: delete it and bring the file the study names (pack it with the Python it names)" >&2; exit 1; }
   fi
   make -C "$root" setup ${TORCH_SPEC:+TORCH_SPEC="$TORCH_SPEC"}
+  if grep -q "data=stdlib" "$tree/$f"; then  # the corpus is the interpreter's own library:
+    # every piece of the study trains and evaluates under the Python its first piece used
+    stamp="$root/docs/$name/stdlib_python.txt"
+    for py in "$tree/.venv/bin/python" "$root/.venv/bin/python"; do
+      got=$("$py" -c 'import platform; print(platform.python_version())')
+      if [ ! -f "$stamp" ]; then mkdir -p "$(dirname "$stamp")" && echo "$got" > "$stamp"; fi
+      [ "$got" = "$(cat "$stamp")" ] || { echo "$f trains on data=stdlib, the library of Python $(cat "$stamp") ($stamp); $py is Python $got, whose library is another corpus: use Python $(cat "$stamp")" >&2; exit 1; }
+    done
+  fi
   here="$root/.venv/bin/moestack"  # reads kept runs; the lock's code trains
   out="$root/runs/prereg/$name"
   kept="$root/docs/$name/runs"
