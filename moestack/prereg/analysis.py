@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,16 @@ from moestack.prereg.provenance import check_identities, check_identity, check_r
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
-from moestack.prereg.stats import compare, gap_form, margin, mean, mean_ci, one_sided, passes
+from moestack.prereg.stats import (
+    compare,
+    gap_form,
+    margin,
+    mean,
+    mean_ci,
+    one_sided,
+    passes,
+    sample_sd,
+)
 
 log = logging.getLogger(__name__)
 
@@ -499,15 +509,35 @@ def _arm_row(
 
     A gap_fraction hypothesis compares per seed ``(arm/base - 1) - threshold x
     (control/base - 1)`` with 0 (a linear form, so the paired t machinery tests the ratio
-    exactly); its row also holds the arm's change, the control's (the gap) and their ratio
-    (the fraction of the gap the arm spent)."""
+    exactly); its row also holds the arm's change, the control's (the gap, with its interval)
+    and their ratio, the fraction of the gap the arm spent: None, with ``fraction_note``
+    saying why, where the gap is not clearly above 0 (``gap_note``).
+
+    A non-finite metric (inf, NaN: a diverged model or a broken evaluation) never passes,
+    and no statistic sees it (``stats`` refuses one). In the arm's own run it fails the row
+    (``pass`` False, outcome "fail", under every rule): the run is a result of the arm's
+    training, and leaving it out would test only the seeds that survived. In the baseline's
+    or the control's run the comparison is undefined: the row has no estimate (missing, so
+    the hypothesis is at best incomplete). ``nonfinite`` names the seeds, runs and values.
+    A per-seed value that is not finite from finite metrics (a zero baseline) is missing too.
+    """
     per_seed, base_vals, arm_vals, changes, gaps = [], [], [], [], []
+    broken: list[dict[str, Any]] = []
     gap_of = hyp.comparison == "gap_fraction"
     for seed in spec.seeds:
         a = values.get((arm, seed))
         b = values.get((spec.baseline, seed))
         c = values.get((hyp.control, seed)) if gap_of else None
         if a is None or (b is None and hyp.comparison != "value") or (gap_of and c is None):
+            continue
+        runs = {"arm": (arm, a), "baseline": (spec.baseline, b), "control": (hyp.control, c)}
+        bad = [
+            {"seed": seed, "role": role, "arm": name, "value": repr(float(m[hyp.metric]))}
+            for role, (name, m) in runs.items()
+            if m is not None and not math.isfinite(m[hyp.metric])
+        ]
+        if bad:
+            broken += bad
             continue
         arm_vals.append(a[hyp.metric])
         if b is not None:
@@ -522,7 +552,14 @@ def _arm_row(
         else:
             per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
     row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
-    if not per_seed or any(math.isnan(v) for v in per_seed):
+    if broken:
+        own = any(x["role"] == "arm" for x in broken)
+        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
+        row["nonfinite"] = broken
+        if own:  # the arm's own run: a failure, whatever the rule
+            row.update({"pass": False, "outcome": "fail"})
+        return row
+    if not per_seed or not all(math.isfinite(v) for v in per_seed):
         row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
         return row
     threshold = tested_against(hyp)
@@ -546,10 +583,32 @@ def _arm_row(
         ci_verdict=_ci_verdict(lo, hi, hyp.op, threshold),
     )
     if gap_of:
-        change, gap = mean(changes), mean(gaps)
-        row.update(change=change, gap=gap, fraction=change / gap if gap else None)
+        change, (gap, gap_lo, gap_hi) = mean(changes), mean_ci(gaps, spec.analysis.confidence)
+        note = gap_note(gap, gap_lo)
+        row.update(change=change, gap=gap, fraction=None if note else change / gap)
+        row["gap_ci"] = [None if math.isnan(gap_lo) else gap_lo,
+                         None if math.isnan(gap_hi) else gap_hi]  # fmt: skip
+        if note:
+            row["fraction_note"] = note
     row["pass"] = ok
     return row
+
+
+def gap_note(gap: float, lo: float) -> str | None:
+    """Why an arm's change is not shown as a fraction of a control's gap (None: it is).
+
+    The ratio reads as "the share of what the experts bought that the arm spent" only where
+    the control is clearly worse than the baseline: with a gap at or below 0 it flips sign
+    (an arm costing +0.4% against a control 0.75% better reads "-0.53 of the gap"), and with
+    an interval reaching 0 it can be any size. ``lo`` is the lower end of the gap's interval
+    (NaN: one seed, no interval)."""
+    if gap <= 0:
+        return "the control is not worse than the baseline"
+    if math.isnan(lo):
+        return "one seed: the gap has no interval"
+    if lo <= 0:
+        return "the gap's interval includes 0"
+    return None
 
 
 def tested_against(hyp: Any) -> float:
@@ -561,24 +620,38 @@ def tested_against(hyp: Any) -> float:
 def control_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per control and every other arm: the seed-paired relative perplexity change against
     the baseline (mean and interval) and, for each non-control arm, the fraction of the
-    control's gap it spends (the ratio of the mean changes; None without a gap)."""
+    control's gap it spends (the ratio of the mean changes). The fraction is None where the
+    gap is not clearly above 0, the control's ``fraction_note`` (``gap_note``) or the arm's
+    saying why. A seed whose perplexity (the arm's or the baseline's) is not finite is left
+    out of these display means; ``nonfinite`` lists the runs (the hypotheses fail or leave
+    out their rows instead: ``_arm_row``)."""
     values = {(r["arm"], r["seed"]): r["metrics"] for r in records if r.get("status") == "done"}
+    broken = [
+        {"arm": arm, "seed": seed, "value": repr(float(m["perplexity"]))}
+        for (arm, seed), m in sorted(values.items())
+        if "perplexity" in m and not math.isfinite(m["perplexity"])
+    ]
 
     def changes(arm: str) -> dict[int, float]:
         out = {}
         for seed in spec.seeds:
             a, b = values.get((arm, seed)), values.get((spec.baseline, seed))
-            if a is not None and b is not None and b.get("perplexity"):
-                out[seed] = a["perplexity"] / b["perplexity"] - 1.0
+            if a is None or b is None or not b.get("perplexity"):
+                continue
+            change = a["perplexity"] / b["perplexity"] - 1.0
+            if math.isfinite(change) and math.isfinite(b["perplexity"]):
+                out[seed] = change
         return out
 
     rows = []
     for control in spec.runs.controls:
         gap = changes(control)
         if not gap:
-            rows.append({"control": control, "n": 0, "gap": None, "ci": [None, None], "arms": {}})
+            rows.append({"control": control, "n": 0, "gap": None, "ci": [None, None], "arms": {},
+                         "nonfinite": broken})  # fmt: skip
             continue
         centre, lo, hi = mean_ci(list(gap.values()), spec.analysis.confidence)
+        note = gap_note(centre, lo)
         arms = {}
         for arm in spec.arms:
             if arm in (spec.baseline, *spec.runs.controls):
@@ -589,11 +662,63 @@ def control_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[s
                 continue
             c = mean([change[s] for s in seeds])
             g = mean([gap[s] for s in seeds])
-            arms[arm] = {"n": len(seeds), "change": c, "fraction": c / g if g else None}
-        rows.append({"control": control, "n": len(gap), "gap": centre,
-                     "ci": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-                     "arms": arms})  # fmt: skip
+            entry: dict[str, Any] = {"n": len(seeds), "change": c}
+            why = note or (None if g > 0 else "the control is not worse on the arm's seeds")
+            entry["fraction"] = None if why else c / g
+            if why and not note:
+                entry["fraction_note"] = why
+            arms[arm] = entry
+        row = {"control": control, "n": len(gap), "gap": centre,
+               "ci": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+               "arms": arms, "nonfinite": broken}  # fmt: skip
+        if note:
+            row["fraction_note"] = note
+        rows.append(row)
     return rows
+
+
+_MISSES = re.compile(r"lru/cap(\d+)(?:/b(\d+))?/misses_per_token")
+
+
+def misses_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The absolute LRU misses per token (summed over layers) of each arm at every capacity
+    and serving batch the analysis evaluates (``metric_names``: ``lru/cap{c}/misses_per_token``
+    is batch 1, one stream; ``lru/cap{c}/b{b}/...`` batch b), beside the relative changes the
+    hypotheses test.
+
+    Returns ``batches``, ``capacities``, ``rows`` (per arm and capacity, one cell per batch:
+    ``n``, the seed ``mean``, sample ``sd`` (None with one seed), ``min``, ``max`` over the
+    arm's finished runs with a finite value, and ``nonfinite``, the runs left out) and
+    ``skipped`` (arms with no finished run holding these metrics, and why)."""
+    found = [(m, _MISSES.fullmatch(m)) for m in metric_names(spec.analysis)]
+    cells = {(int(x[1]), int(x[2] or 1)): m for m, x in found if x}
+    caps = sorted({c for c, _ in cells})
+    batches = sorted({b for _, b in cells})
+    out: dict[str, Any] = {"batches": batches, "capacities": caps, "rows": [], "skipped": []}
+    if not cells:
+        return out
+    done = [r for r in records if r.get("status") == "done"]
+    for arm in spec.arms:
+        runs = [r["metrics"] for r in done if r["arm"] == arm]
+        held = [m for m in runs if any(name in m for name in cells.values())]
+        if not held:
+            why = "no finished run" if not runs else "no misses-per-token metric in its runs"
+            out["skipped"].append({"arm": arm, "why": why})
+            continue
+        for cap in caps:
+            row: dict[str, Any] = {"arm": arm, "capacity": cap, "seeds": len(held), "cells": []}
+            for batch in batches:
+                name = cells.get((cap, batch))
+                vals = [m[name] for m in held if name in m] if name else []
+                good = [v for v in vals if math.isfinite(v)]
+                row["cells"].append({
+                    "batch": batch, "n": len(good), "nonfinite": len(vals) - len(good),
+                    "mean": mean(good) if good else None,
+                    "sd": sample_sd(good) if len(good) > 1 else None,
+                    "min": min(good) if good else None, "max": max(good) if good else None,
+                })  # fmt: skip
+            out["rows"].append(row)
+    return out
 
 
 def steered_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from moestack.prereg.analysis import (
     collect,
     control_rows,
     evaluate_hypotheses,
+    misses_rows,
     steered_rows,
     tested_against,
 )
@@ -121,17 +122,57 @@ class _Hyp:
 
 
 def _gap_lines(h: dict[str, Any]) -> list[str]:
-    """Under a gap_fraction table: each arm's change, the control's gap, their ratio."""
+    """Under a gap_fraction table: each arm's change, the control's gap (with its interval),
+    their ratio; where the gap is not clearly above 0 the ratio is n/a with its reason, and a
+    sentence says how the hypothesis's test reads then."""
     if h["comparison"] != "gap_fraction":
         return []
+    lines, unclear = [], False
+    for row in h["rows"]:
+        if row.get("gap") is None:
+            continue
+        ci = row.get("gap_ci") or [None, None]
+        if row.get("fraction") is None:
+            unclear = True
+            share = f"fraction of the gap n/a ({row.get('fraction_note') or 'no gap'})"
+        else:
+            share = f"{_fmt(row['fraction'], 3)} of the gap"
+        lines.append(
+            f"- {md(row['arm'])}: perplexity {_fmt(row['change'], pct=True)} against a "
+            f"baseline-to-{md(h['control'])} gap of {_fmt(row['gap'], pct=True)} "
+            f"[{_fmt(ci[0], pct=True)}, {_fmt(ci[1], pct=True)}]: {share}"
+        )
+    if unclear:
+        lines += ["", _unclear_gap(h)]
+    return [*lines, ""] if lines else []
+
+
+def _unclear_gap(h: dict[str, Any]) -> str:
+    """How a gap_fraction hypothesis reads where its gap is not clearly above 0."""
+    control, f = md(h["control"]), _fmt(h["threshold"])
+    return (
+        f"Where the fraction is n/a, the ratio would flip sign or have no bound; read "
+        f"{md(h['id'])} from its test, which is unchanged: per seed, the arm's change must be at "
+        f"most {f} x {control}'s change. With {control} no worse than the baseline that allows "
+        f"no rise at all (the arm must improve on the baseline by {f} of {control}'s "
+        f"improvement); with a gap whose interval includes 0 it allows at most {f} x a gap "
+        "that may be nil."
+    )
+
+
+def _nonfinite_lines(h: dict[str, Any]) -> list[str]:
+    """Under a hypothesis's table: the rows a non-finite metric decided, and how."""
     lines = []
     for row in h["rows"]:
-        if row.get("gap") is not None:
-            lines.append(
-                f"- {md(row['arm'])}: perplexity {_fmt(row['change'], pct=True)} against a "
-                f"baseline-to-{md(h['control'])} gap of {_fmt(row['gap'], pct=True)}: "
-                f"{_fmt(row.get('fraction'), 3)} of the gap"
-            )
+        bad = row.get("nonfinite")
+        if not bad:
+            continue
+        runs = ", ".join(f"{md(x['arm'])} seed {x['seed']} ({x['value']})" for x in bad)
+        if any(x["role"] == "arm" for x in bad):
+            what = "counted as a fail (a broken run of the arm never passes)"
+        else:
+            what = "no estimate (the comparison with a broken baseline or control run is undefined)"
+        lines.append(f"- {md(row['arm'])}: {md(h['metric'])} is not finite in {runs}: {what}.")
     return [*lines, ""] if lines else []
 
 
@@ -153,9 +194,13 @@ def render_markdown(
     for h in hypotheses:
         lines += [f"## {md(h['id'])}: {h['verdict']}", "", md(h["statement"]), ""]
         lines += [f"Test: {_claim(h)}.", ""]
-        lines += _joint_table(h) if h["comparison"] == "joint" else _arm_table(h)
+        if h["comparison"] == "joint":
+            lines += _joint_table(h)
+        else:
+            lines += _arm_table(h) + _nonfinite_lines(h)
         lines += _gap_lines(h)
     lines += _control_lines(spec, records)
+    lines += _misses_lines(misses_rows(spec, records))
     lines += _steered_lines(steered_rows(spec, records))
     lines += _runs_table(spec, records)
     if figures:
@@ -456,7 +501,8 @@ def _one_sided_table(h: dict[str, Any]) -> list[str]:
 
 def _control_lines(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]:
     """The controls: each one's perplexity change against the baseline (the gap the experts
-    close), and every other arm's change in units of that gap beside its change in percent."""
+    close), and every other arm's change in units of that gap beside its change in percent
+    (n/a, with the reason, where the gap is not clearly above 0)."""
     rows = control_rows(spec, records)
     if not rows:
         return []
@@ -477,6 +523,55 @@ def _control_lines(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[str]
                 f"{_fmt(a['fraction'], 3)} |"
             )
         lines.append("")
+        if row.get("fraction_note"):
+            lines += [f"Fraction of the gap n/a: {row['fraction_note']}.", ""]
+        odd = [f"{md(arm)}: {a['fraction_note']}" for arm, a in row["arms"].items()
+               if a.get("fraction_note")]  # fmt: skip
+        if odd:
+            lines += [f"Fraction of the gap n/a for {'; '.join(odd)}.", ""]
+    left = rows[0].get("nonfinite") or []
+    if left:
+        runs = ", ".join(f"{md(x['arm'])} seed {x['seed']} ({x['value']})" for x in left)
+        lines += [f"Left out of these means (perplexity not finite): {runs}.", ""]
+    return lines
+
+
+def _misses_cell(cell: dict[str, Any], seeds: int) -> str:
+    """One batch's seed mean +- sd (n when fewer runs than the row's hold a finite value)."""
+    if cell["mean"] is None:
+        return "n/a"
+    text = _fmt(cell["mean"]) + (f" +- {_fmt(cell['sd'], 2)}" if cell["sd"] is not None else "")
+    return text + (f" (n = {cell['n']})" if cell["n"] != seeds else "")
+
+
+def _misses_lines(table: dict[str, Any]) -> list[str]:
+    """The absolute LRU misses per token, per arm and capacity, a column per serving batch
+    (``analysis.misses_rows``): the figures behind the relative hypothesis tables."""
+    if not table["rows"]:
+        return []
+    batches = table["batches"]
+    lines = [
+        "## LRU misses per token",
+        "",
+        "Absolute LRU misses per token (summed over layers), beside the relative changes the "
+        "hypotheses test: the seed mean +- the sample sd over each arm's finished runs, per "
+        "cache capacity (slots per layer) and serving batch (sequences served together; 1: "
+        "one stream).",
+        "",
+        "| arm | capacity | seeds | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "|---|---|---|" + "---|" * len(batches),
+    ]
+    for r in table["rows"]:
+        cells = " | ".join(_misses_cell(c, r["seeds"]) for c in r["cells"])
+        lines.append(f"| {md(r['arm'])} | {r['capacity']} | {r['seeds']} | {cells} |")
+    lines.append("")
+    odd = [f"{md(r['arm'])} capacity {r['capacity']} batch {c['batch']}: {c['nonfinite']}"
+           for r in table["rows"] for c in r["cells"] if c["nonfinite"]]  # fmt: skip
+    if odd:
+        lines += [f"Non-finite values left out (runs): {'; '.join(odd)}.", ""]
+    if table["skipped"]:
+        skipped = "; ".join(f"{md(s['arm'])} ({s['why']})" for s in table["skipped"])
+        lines += [f"Not shown: {skipped}.", ""]
     return lines
 
 
@@ -761,28 +856,50 @@ def analyze(
         if r["run"] in fresh:
             r["source"] = "evaluated"
     checks = recheck_runs(spec, records, identities, recheck) if evaluate else None
-    hypotheses = evaluate_hypotheses(spec, records)
     figures = plot_all(spec, records, report)
+    interim_counts = (
+        {"finished": len(grid) - len(unfinished), "registered": len(grid)} if unfinished else None
+    )
+    results, text = decide_and_report(
+        spec, record, records, figures=figures, checks=checks, interim=interim_counts
+    )
+    (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+    md_file = report / "report.md"
+    md_file.write_text(text)
+    log.info("report: %s", md_file)
+    return md_file
+
+
+def decide_and_report(
+    spec: Prereg,
+    lock_record: dict[str, Any],
+    records: Sequence[dict[str, Any]],
+    *,
+    figures: Sequence[str] = (),
+    checks: Sequence[dict[str, Any]] | None = None,
+    interim: dict[str, int] | None = None,
+) -> tuple[dict[str, Any], str]:
+    """The step of ``analyze`` after the runs are evaluated: from the runs' records (``collect``)
+    the verdicts and every table, as results.json's content (before ``_json_safe``) and the
+    text of report.md. ``lock_record`` is the verified lock; ``checks`` the recheck's
+    outcome; ``interim`` the counts of finished and registered runs when some are unfinished
+    (the report then opens with the interim banner)."""
+    hypotheses = evaluate_hypotheses(spec, records)
     results = {
         "study": spec.study,
-        "interim": {"finished": len(grid) - len(unfinished), "registered": len(grid)}
-        if unfinished
-        else None,
-        "lock": {k: v for k, v in record.items() if k != "path"},
+        "interim": interim,
+        "lock": {k: v for k, v in lock_record.items() if k != "path"},
         "analysis": dataclasses.asdict(spec.analysis),
         "analyzed_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "hypotheses": hypotheses,
         "controls": control_rows(spec, records),
+        "misses": misses_rows(spec, records),
         "steered": steered_rows(spec, records),
         "recheck": checks,
-        "analysis_code": analysis_code(record),
+        "analysis_code": analysis_code(lock_record),
         "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }
-    (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
-    md_file = report / "report.md"
-    text = render_markdown(spec, record, records, hypotheses, figures, checks)
-    if unfinished:
-        text = _interim_banner(len(grid) - len(unfinished), len(grid)) + "\n\n" + text
-    md_file.write_text(text)
-    log.info("report: %s", md_file)
-    return md_file
+    text = render_markdown(spec, lock_record, records, hypotheses, figures, checks)
+    if interim:
+        text = _interim_banner(interim["finished"], interim["registered"]) + "\n\n" + text
+    return results, text

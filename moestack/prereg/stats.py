@@ -9,6 +9,10 @@ Two integrations of the t density are kept as they were, so that every committed
 power analysis reproduces to the last digit: ``t_quantile`` (two-sided intervals, one-sided
 bounds, seed counts) integrates the density in t from 0, ``t_sf`` (one-sided p-values) in
 u = arctan(t / sqrt(df)), where the tail is accurate for any x.
+
+A NaN (or, where a value is averaged, an infinity) is refused, naming it: ``max(0, nan)`` is
+0, so a NaN statistic would read as p = 0, a pass. The analysis decides what a run with a
+non-finite metric means before anything reaches these (``analysis._arm_row``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ def t_sf(x: float, df: int) -> float:
     """
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
+    if math.isnan(x):
+        raise ValueError(
+            f"t_sf: x={x!r} is not a number (a non-finite per-seed value reached the test); "
+            "decide what the run means before testing (the analysis fails or leaves out the row)"
+        )
     if math.isinf(x):
         return 0.0 if x > 0 else 1.0
     if x < 0:
@@ -62,6 +71,8 @@ def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom."""
     if df < 1:
         raise ValueError(f"df={df} must be >= 1")
+    if math.isnan(p):
+        raise ValueError(f"t_quantile: p={p!r} is not a number; give a level in (0.5, 1)")
     if df == 1:
         return math.tan(math.pi * (p - 0.5))
     lo, hi = 0.0, 1.0
@@ -92,8 +103,20 @@ def half_width(sd: float, n: int, confidence: float = 0.95) -> float:
     return t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
 
 
+def finite(values: Sequence[float], what: str) -> None:
+    """Refuse ``values`` holding a NaN or an infinity, naming the first and where it is."""
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{what}[{i}] = {value!r} is not a finite number: a broken run's metric; "
+                "decide what it means (fail or leave out the row) before the statistics"
+            )
+
+
 def mean_ci(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
-    """Mean and two-sided t interval; with one value the interval is (nan, nan)."""
+    """Mean and two-sided t interval; with one value the interval is (nan, nan). A
+    non-finite value is refused (``finite``)."""
+    finite(values, "mean_ci: values")
     centre = mean(values)
     if len(values) < 2:
         return centre, math.nan, math.nan
@@ -134,8 +157,10 @@ def one_sided(per_seed: Sequence[float], op: str, threshold: float) -> dict[str,
     """Mean, standard error and the two one-sided p-values of one arm's paired comparisons.
 
     ``p_pass`` tests "the arm fails" (small: it passes), ``p_fail`` tests "the arm passes"
-    (small: it fails). With a zero spread the sign of the margin decides (p = 0 or 1).
+    (small: it fails). With a zero spread the sign of the margin decides (p = 0 or 1). A
+    non-finite value is refused (``finite``): its spread would be NaN and its p-value 0.
     """
+    finite(per_seed, "one_sided: per_seed")
     n = len(per_seed)
     centre = mean(per_seed)
     sd = sample_sd(per_seed)

@@ -153,11 +153,15 @@ def test_steered_rows_against_hand_worked_numbers(tmp_path: Path) -> None:
 
 def test_the_shipped_studies_keep_their_evaluation_keys() -> None:
     """Keys computed before steered evaluations existed (prereg_cpu_v2's is in its pilot's
-    records): a study that uses none of the new fields reuses its cached evaluations."""
+    records): a study that uses none of the new fields reuses its cached evaluations. The
+    two locked v3 studies' keys are those their runs' cached evaluations were written under
+    (computed when they were pinned): a change would evaluate every run again."""
     from helpers.paths import EXPERIMENTS
 
     for name, key in (("prereg_cpu", "8aef0d7b1fcde549"), ("prereg_cpu_v2", "656cce0565adb2c0"),
-                      ("prereg_hf_finetune", "a9c504d71d94d25e")):  # fmt: skip
+                      ("prereg_hf_finetune", "a9c504d71d94d25e"),
+                      ("prereg_cpu_v3", "1938da3dc8b8c4af"),
+                      ("prereg_cpu_v3_e16", "06d95e82038dfc3d")):  # fmt: skip
         assert analysis_key(prereg.load(EXPERIMENTS / f"{name}.yaml")) == key
 
 
