@@ -3,9 +3,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch (a plain `torch` may pull a multi-GB CUDA build). Override for a GPU:
+# torch 2.13.0, the version tested: the CPU build where pip's index serves one (the project's
+# CI machines); PyPI's own Linux wheel is the multi-GB CUDA build, so elsewhere add
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one. For a GPU:
 # make run TORCH_SPEC="torch" ; the library itself only asks for torch>=2.4.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint format bench clean
@@ -15,7 +18,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
 	$(BIN)/python scripts/build_host_kernel.py  # the host step's C++ kernel, built once here
 	touch $(STAMP)
