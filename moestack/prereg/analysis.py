@@ -528,9 +528,15 @@ def _arm_row(
         a = values.get((arm, seed))
         b = values.get((spec.baseline, seed))
         c = values.get((hyp.control, seed)) if gap_of else None
+        if a is not None and not math.isfinite(a[hyp.metric]):  # fails, partner or not
+            broken.append({"seed": seed, "role": "arm", "arm": arm,
+                           "value": repr(float(a[hyp.metric]))})  # fmt: skip
+            continue
         if a is None or (b is None and hyp.comparison != "value") or (gap_of and c is None):
             continue
-        runs = {"arm": (arm, a), "baseline": (spec.baseline, b), "control": (hyp.control, c)}
+        # a value hypothesis never reads the baseline: its run cannot break the row
+        runs = {"baseline": (spec.baseline, None if hyp.comparison == "value" else b),
+                "control": (hyp.control, c)}  # fmt: skip
         bad = [
             {"seed": seed, "role": role, "arm": name, "value": repr(float(m[hyp.metric]))}
             for role, (name, m) in runs.items()
@@ -540,7 +546,7 @@ def _arm_row(
             broken += bad
             continue
         arm_vals.append(a[hyp.metric])
-        if b is not None:
+        if b is not None and math.isfinite(b[hyp.metric]):
             base_vals.append(b[hyp.metric])
         base = b[hyp.metric] if b is not None else math.nan
         if gap_of:
@@ -745,7 +751,11 @@ def steered_rows(spec: Prereg, records: Sequence[dict[str, Any]]) -> list[dict[s
                 [m[f"{name}/perplexity"] / m["perplexity"] - 1 for m in run]
             )
             base = [(m, values.get((spec.baseline, s))) for m, s in zip(run, seeds, strict=True)]
-            base = [(m, b) for m, b in base if b is not None]
+            base = [
+                (m, b)
+                for m, b in base
+                if b is not None and math.isfinite(b[plain]) and math.isfinite(b["perplexity"])
+            ]
             row["misses_vs_baseline"] = _mean_or_none(
                 [m[f"{name}/misses_per_token"] / b[plain] - 1 for m, b in base if b[plain]]
             )

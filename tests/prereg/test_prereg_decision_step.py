@@ -401,3 +401,56 @@ def test_the_shipped_studies_decide_as_worked_by_hand(name, effects, rows, verdi
         assert f"{statistics.mean(values):.4g} +- {statistics.stdev(values):.2g}" in row
     fewer = next(r for r in table["rows"] if r["arm"] == "fewer")
     assert all(c["mean"] == 0.0 for c in fewer["cells"])  # it never misses
+
+
+def test_a_broken_run_of_the_arm_fails_it_even_where_its_partner_did_not_finish(tmp_path):
+    """a's seed 3 at perplexity inf while the baseline's seed 3 failed (an interim analysis):
+    the broken run still fails a's budgets instead of dropping out with its pair."""
+    spec = prereg.parse(budget_study(), tmp_path / "s.yaml")
+    records = budget_records(spec, ("a", 3, math.inf))
+    for r in records:
+        if (r["arm"], r["seed"]) == ("baseline", 3):
+            r["status"] = "failed"
+    hyp = by_id(prereg.evaluate_hypotheses(spec, records))
+    for name in ("B1", "B2"):
+        (row,) = hyp[name]["rows"]
+        assert row["pass"] is False and state(row) == "fail", name
+
+
+def test_a_value_hypothesis_ignores_a_broken_baseline(tmp_path):
+    """A hypothesis on the arm's own value (miss rate <= 0.4) never reads the baseline: the
+    baseline's seed 1 at NaN leaves a's row as it is (all four seeds at 0.3: a pass)."""
+    data = budget_study()
+    data["hypotheses"] = [
+        {"id": "V1", "statement": "miss rate at most 0.4", "metric": "lru/cap4/miss_rate",
+         "comparison": "value", "threshold": 0.4, "op": "<=", "arms": ["a"],
+         "require": "all", "decision": "mean"},
+    ]  # fmt: skip
+    spec = prereg.parse(data, tmp_path / "s.yaml")
+    records = budget_records(spec, None)
+    for r in records:
+        if (r["arm"], r["seed"]) == ("baseline", 1):
+            r["metrics"]["lru/cap4/miss_rate"] = math.nan
+    (row,) = by_id(prereg.evaluate_hypotheses(spec, records))["V1"]["rows"]
+    assert row["n"] == 4 and "nonfinite" not in row
+    assert row["estimate"] == pytest.approx(0.3) and row["pass"] is True
+
+
+def test_steered_rows_leave_out_a_broken_baseline_run() -> None:
+    """The baseline's seed 0 at perplexity inf: its pair leaves the steered rows' changes
+    against the baseline (before, it added -100% to their mean); the others stay."""
+    from moestack.prereg.analysis import steered_rows
+
+    spec = prereg.load(EXPERIMENTS / "prereg_cpu_v3.yaml")
+    records = shipped_records(spec, V3)
+    seed0 = spec.seeds[0]
+    for r in records:
+        if (r["arm"], r["seed"]) == ("baseline", seed0):
+            r["metrics"]["perplexity"] = math.inf
+    ppl = {(r["arm"], r["seed"]): r["metrics"] for r in records}
+    row = next(r for r in steered_rows(spec, records) if r["arm"] == "temporal")
+    name = f"{row['steering']}/cap{row['capacity']}/perplexity"
+    want = statistics.mean(
+        ppl[("temporal", s)][name] / ppl[("baseline", s)]["perplexity"] - 1 for s in spec.seeds[1:]
+    )
+    assert row["perplexity_vs_baseline"] == pytest.approx(want)
