@@ -44,8 +44,14 @@ __all__ = ["ROUTER_DETECTORS", "RouterSpec", "Telemetry", "attach", "find_router
 
 log = logging.getLogger(__name__)
 
-# Recorded tokens held on the device before they are copied to numpy.
+# Recorded tokens held on the device before they are copied to numpy; with router
+# probabilities (record_probs) also at most this many bytes of them.
 _MAX_RAW_TOKENS = 1 << 20
+_MAX_RAW_BYTES = 1 << 28
+# Drained tokens (or bytes) held for the next interval's replay before they are replayed
+# into the live caches early (the metrics are the same; only the memory is bounded).
+_MAX_UNREAD_TOKENS = 1 << 20
+_MAX_UNREAD_BYTES = 1 << 28
 
 
 @dataclass
@@ -134,7 +140,11 @@ class Telemetry:
         self._call = _Call()
         self._raw: list[tuple[np.ndarray, np.ndarray, _Call]] = []  # finished forward calls
         self._raw_tokens = 0
+        self._raw_bytes = 0
         self._unread: list[TraceChunk] = []  # drained chunks not yet replayed
+        self._unread_tokens = 0
+        self._unread_bytes = 0
+        self._in_call = False  # the top model's forward started and has not returned
         self._next_seq = 0
         self._last_call: tuple[int, np.ndarray] | None = None  # (batch, seq ids) of last call
         self._hook_errors = 0
@@ -154,6 +164,7 @@ class Telemetry:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._drop_unfinished()
         self._finish_call()
         self._drain()
 
@@ -170,6 +181,7 @@ class Telemetry:
         if there are none), a header rewrite and four fsyncs. Without ``trace_dir`` the
         rows are gathered in memory and 0 is returned. Safe to call after ``close()``.
         """
+        self._drop_unfinished()
         self._finish_call()
         self._drain()
         return self.trace.flush()
@@ -202,14 +214,29 @@ class Telemetry:
         if not self._active:
             return
         try:
+            self._drop_unfinished()  # the previous forward raised before it returned
             self._finish_call()
             self._call = _read_call(args, kwargs)
+            self._in_call = True
         except Exception:  # never break the model's forward
             self._hook_failed()
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._active:
+        if not self._active:
+            return
+        self._in_call = False
+        try:
             self._finish_call()
+        except Exception:  # never break the model's forward
+            self._hook_failed()
+        self._call = _Call()
+
+    def _drop_unfinished(self) -> None:
+        """Forget the rows of a forward that started but never returned (it raised)."""
+        if self._in_call:
+            self._in_call = False
+            if self._call.layers:
+                log.warning("telemetry: a forward pass raised; its routing is not recorded")
             self._call = _Call()
 
     def _router_hook(self, layer: int, spec: RouterSpec) -> Callable[..., None]:
@@ -268,8 +295,10 @@ class Telemetry:
         seq, pos = self._token_ids(call, b, s)
         self._raw.append((seq, pos, call))
         self._raw_tokens += n
-        if self._raw_tokens >= _MAX_RAW_TOKENS:  # bound memory held on the device
-            self._drain()
+        if self.record_probs:
+            self._raw_bytes += sum(t.numel() * t.element_size() for t in call.probs.values())
+        if self._raw_tokens >= _MAX_RAW_TOKENS or self._raw_bytes >= _MAX_RAW_BYTES:
+            self._drain()  # bound memory held on the device
 
     def _token_ids(self, call: _Call, b: int, s: int) -> tuple[np.ndarray, np.ndarray]:
         """(sequence ids int64 [b*s], positions int32 [b*s], -1 for padding) of a call."""
@@ -284,7 +313,10 @@ class Telemetry:
             self._next_seq += b
         self._last_call = (b, seq_ids)
         if call.mask is not None:
-            pos = np.where(call.mask.to("cpu").numpy().reshape(b, s) > 0, pos, -1).astype(np.int32)
+            mask = call.mask.to("cpu").numpy()
+            if mask.ndim == 2 and mask.shape[1] > s:  # decoding with a KV cache: [B, past + s]
+                mask = mask[:, -s:]
+            pos = np.where(mask.reshape(b, s) > 0, pos, -1).astype(np.int32)
         return np.repeat(seq_ids, s), pos.reshape(-1)
 
     def _drain(self) -> None:
@@ -312,17 +344,28 @@ class Telemetry:
             if self.keep_trace:
                 self.trace.append(seq, pos, experts, probs)
             self._unread.append(chunk)
+            self._unread_tokens += n
+            self._unread_bytes += _chunk_bytes(chunk)
             for layer, ent in call.entropy.items():
                 self._live.add_entropy(layer, float(ent), n)
         self._raw.clear()
-        self._raw_tokens = 0
+        self._raw_tokens = self._raw_bytes = 0
+        full = self._unread_tokens >= _MAX_UNREAD_TOKENS or self._unread_bytes >= _MAX_UNREAD_BYTES
+        if full and self._live.replays_in_pieces:
+            self._replay_unread()
+
+    def _replay_unread(self) -> None:
+        """Replay the drained chunks into the live caches (same metrics, memory freed)."""
+        chunks, self._unread = self._unread, []
+        self._unread_tokens = self._unread_bytes = 0
+        self._live.replay(chunks)
 
     def _update(self) -> None:
         """Replay every drained, unreplayed chunk through the configured caches."""
-        self._finish_call()
+        if not self._in_call:  # an unfinished forward is dropped or completed later
+            self._finish_call()
         self._drain()
-        chunks, self._unread = self._unread, []
-        self._live.replay(chunks)
+        self._replay_unread()
 
     # ------------------------------------------------------------------ a resumed run
     def replay_history(self, history: RunTrace, *, interval_tokens: int | None = None) -> int:
@@ -438,6 +481,11 @@ class Telemetry:
         return charts.wandb_charts(self._live)
 
 
+def _chunk_bytes(chunk: TraceChunk) -> int:
+    arrays = [chunk.seq, chunk.pos, *chunk.experts, *(chunk.probs or [])]
+    return sum(a.nbytes for a in arrays)
+
+
 def attach(
     model: nn.Module,
     *,
@@ -459,6 +507,10 @@ def attach(
     ``default_capacities(top_k)`` of the routers' largest top_k. ``trace_dir`` streams the
     trace to that directory (``chunk_tokens`` rows per file); without it the trace stays in
     memory, at most ``max_memory_tokens`` rows (0: keep none, metrics only).
+    Recorded rows wait on the device for at most 2^20 tokens (with ``record_probs`` also at
+    most 256 MiB of probabilities); copied rows wait for the next interval's replay for at
+    most 2^20 tokens or 256 MiB, then are replayed early with the same metrics (except
+    with ``belady``, the optimum of a whole interval).
     ``entropy=False`` skips the per-token routing-entropy sum in the hook. ``meta`` is added
     to the trace header's meta (training records ``start_step`` and ``tokens_per_step``
     there, so that ``load_run_trace`` can join a resumed run's parts).

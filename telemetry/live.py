@@ -63,6 +63,7 @@ class LayerAcc:
     requests: int = 0
     hits: dict[tuple[str, int], int] = field(default_factory=dict)  # (policy, capacity) ->
     requests_by: dict[tuple[str, int], int] = field(default_factory=dict)  # scored requests
+    tokens_by: dict[tuple[str, int], int] = field(default_factory=dict)  # scored tokens
     switch_sum: float = 0.0
     switch_pairs: int = 0
     entropy_sum: float = 0.0
@@ -109,12 +110,20 @@ class LiveReplay:
         self._lru_last = [np.full(0, -1, dtype=np.int64) for _ in range(n)]
         self._lru_tick = [0] * n
         self._policy: dict[tuple[int, str, int], CachePolicy] = {}
+        self._warming: set[tuple[int, str, int]] = set()  # pinned policies warmed at interval end
+        self._tail: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = [None] * n
         self.interval = [LayerAcc() for _ in range(n)]
         self.total = [LayerAcc() for _ in range(n)]
         self.last_interval: list[LayerAcc] | None = None
         self.history: list[tuple[int, list[float]]] = []  # (step, per-layer primary hit rate)
         self.intervals = 0
         self.replay_seconds = 0.0
+
+    @property
+    def replays_in_pieces(self) -> bool:
+        """Whether an interval may be replayed in several pieces with the same metrics
+        (belady is the optimum of the whole interval, so it needs the interval at once)."""
+        return "belady" not in self.policies
 
     # ------------------------------------------------------------------ input
     def add_entropy(self, layer: int, entropy_sum: float, tokens: int) -> None:
@@ -154,6 +163,9 @@ class LiveReplay:
             s, p = switch_counts(c.experts[layer], c.seq, c.pos)
             sw_sum += s
             sw_pairs += p
+            s, p = self._boundary_switch(layer, c)
+            sw_sum += s
+            sw_pairs += p
         hits: dict[tuple[str, int], int] = {}
         for name in self.policies:
             for cap in self.capacities:
@@ -161,6 +173,22 @@ class LiveReplay:
                 if hit is not None:
                     hits[(name, cap)] = hit
         return _LayerChunk(tokens, int(requests.size), sw_sum, sw_pairs, counts, reuse, hits)
+
+    def _boundary_switch(self, layer: int, chunk: TraceChunk) -> tuple[float, int]:
+        """The switch of the pair (previous chunk's last row, this chunk's first row): a
+        forward call (a decode step) that continues the sequence of the one before."""
+        if chunk.num_tokens == 0:
+            return 0.0, 0
+        tail, ids = self._tail[layer], chunk.experts[layer]
+        self._tail[layer] = (chunk.seq[-1:], chunk.pos[-1:], ids[-1:])
+        if tail is None:
+            return 0.0, 0
+        seq, pos, last = tail
+        return switch_counts(
+            np.concatenate([last, ids[:1]]),
+            np.concatenate([seq, chunk.seq[:1]]),
+            np.concatenate([pos, chunk.pos[:1]]),
+        )
 
     def _policy_hits(
         self,
@@ -179,20 +207,39 @@ class LiveReplay:
         key = (layer, name, cap)
         policy = self._policy.get(key)
         if policy is None:
-            policy = self._policy[key] = policy_from_counts(name, cap, counts)
             if name != "lfu":
-                # The pins were chosen from these very requests: replay them to warm the
-                # cache, but scoring them would be hindsight (simulate() does the same
-                # with its uncounted warm-up window).
-                policy.access_many(requests)
+                # The pins are chosen from this whole interval's requests at its end and
+                # warmed on them (``_warm``), but scoring them would be hindsight
+                # (simulate() does the same with its uncounted warm-up window).
+                self._warming.add(key)
                 return None
+            policy = self._policy[key] = policy_from_counts(name, cap, counts)
         return int(policy.access_many(requests).sum())
+
+    def _warm(self, accs: list[LayerAcc]) -> None:
+        """Build the pinned policies whose warm-up interval ends now: pins from its usage,
+        cache state as after its requests (every pin loaded; the LRU part holding the most
+        recently requested other experts, in that order)."""
+        for layer, name, cap in sorted(self._warming):
+            counts = accs[layer].counts
+            if counts is None:
+                counts = np.zeros(self.routers[layer].num_experts, dtype=np.int64)
+            policy = self._policy[(layer, name, cap)] = policy_from_counts(name, cap, counts)
+            used = np.flatnonzero(counts > 0)
+            last = self._lru_last[layer]
+            used = used[used < last.size]
+            order = used[np.argsort(last[used], kind="stable")]  # least recent first
+            pins = set(policy.pinned or ())
+            rest = [int(k) for k in order if int(k) not in pins]
+            policy.access_many(np.array(sorted(pins) + rest, dtype=np.int64))
+        self._warming.clear()
 
     # ------------------------------------------------------------------ outputs
     def end_interval(self, step: int | None = None) -> dict[str, float]:
         """Flat metrics of the interval that ends now (empty if it saw no requests); re-pins
         the pinned policies on its usage and starts the next interval."""
         accs, self.interval = self.interval, [LayerAcc() for _ in self.routers]
+        self._warm(accs)
         if not any(a.requests for a in accs):
             return {}
         out = interval_metrics(accs, self.policies, self.capacities)
@@ -261,6 +308,7 @@ def _accumulate(acc: LayerAcc, part: _LayerChunk) -> None:
     for key, h in part.hits.items():  # a policy's warm-up chunk is not counted
         acc.hits[key] = acc.hits.get(key, 0) + h
         acc.requests_by[key] = acc.requests_by.get(key, 0) + part.requests
+        acc.tokens_by[key] = acc.tokens_by.get(key, 0) + part.tokens
     acc.counts = part.counts if acc.counts is None else acc.counts + part.counts
     acc.reuse = part.reuse if acc.reuse is None else acc.reuse + part.reuse
 
@@ -270,7 +318,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _hit_rate_metrics(
-    accs: list[LayerAcc], policies: Sequence[str], capacities: Sequence[int], tokens: int
+    accs: list[LayerAcc], policies: Sequence[str], capacities: Sequence[int]
 ) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in policies:
@@ -280,6 +328,7 @@ def _hit_rate_metrics(
             reqs = sum(a.requests_by.get(key, 0) for a in accs)
             if reqs == 0:  # nothing scored yet (a pinned policy's warm-up interval)
                 continue
+            tokens = max(a.tokens_by.get(key, 0) for a in accs)  # the tokens scored
             out[f"telemetry/{name}/cap{cap}/hit_rate"] = _ratio(hits, reqs)
             out[f"telemetry/{name}/cap{cap}/misses_per_token"] = _ratio(reqs - hits, tokens)
             for layer, a in enumerate(accs):
@@ -321,7 +370,7 @@ def interval_metrics(
 ) -> dict[str, float]:
     """Flat ``telemetry/...`` metrics of per-layer sums (see ``Telemetry.interval_metrics``)."""
     tokens = max((a.tokens for a in accs), default=0)
-    out = _hit_rate_metrics(accs, policies, capacities, tokens)
+    out = _hit_rate_metrics(accs, policies, capacities)
     out.update(_routing_metrics(accs))
     out["telemetry/tokens"] = float(tokens)
     return {k: (float(v) if math.isfinite(v) else 0.0) for k, v in out.items()}

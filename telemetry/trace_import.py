@@ -101,9 +101,11 @@ def detect_format(src: str | os.PathLike[str]) -> str:
 
 # --------------------------------------------------------------------------- checks
 def _check_ids(src: Path, name: str, ids: np.ndarray, num_experts: int) -> None:
-    """Refuse an id outside [0, num_experts), naming its layer, token and slot."""
+    """Refuse an id outside [0, num_experts) or a token's repeated id, naming its layer,
+    token and slot."""
     bad = (ids < 0) | (ids >= num_experts)
     if not bad.any():
+        _check_distinct(src, name, ids)
         return
     token, slot = np.unravel_index(int(np.argmax(bad)), ids.shape)
     raise _refuse(
@@ -111,6 +113,23 @@ def _check_ids(src: Path, name: str, ids: np.ndarray, num_experts: int) -> None:
         f"{name} token {token} slot {slot}: expert id {int(ids[token, slot])} is outside "
         f"[0, num_experts={num_experts}) ({int(bad.sum())} such ids); give the model's "
         "number of experts or fix the file",
+    )
+
+
+def _check_distinct(src: Path, name: str, ids: np.ndarray) -> None:
+    """Refuse a token whose k expert ids repeat one: top-k ids are distinct, and a repeat
+    would count one expert's load twice and inflate the hit rates."""
+    if ids.shape[0] == 0 or ids.shape[1] < 2:
+        return
+    ordered = np.sort(ids, axis=1)
+    repeat = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+    if not repeat.any():
+        return
+    token = int(np.argmax(repeat))
+    raise _refuse(
+        src,
+        f"{name} token {token}: expert ids {ids[token].tolist()} repeat an id "
+        f"({int(repeat.sum())} such tokens); a token's top-k expert ids are distinct: fix the file",
     )
 
 
