@@ -16,8 +16,10 @@ gathers another's experts, and a reader at any layout reads the rows it needs.
 A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
 renamed into place, so a crash never leaves a half-written checkpoint that looks complete;
 only the newest ``keep_last`` are kept, and an old one is renamed to ``.trash-...`` before it
-is deleted, so a kill mid-prune leaves nothing that looks like a checkpoint. ``clean_partial``
-removes such leftovers at the next start. Loading checks sizes and sha256 of each file it
+is deleted, so a kill mid-prune leaves nothing that looks like a checkpoint. A save that
+replaces a checkpoint of the same step renames the old copy to ``.trash-...``, the new one
+into place, and only then deletes the old. ``clean_partial`` removes such leftovers at the
+next start, and renames a complete ``.trash-step_N`` back when ``step_N`` is missing. Loading checks sizes and sha256 of each file it
 reads (older checkpoints without digests load with a warning), so flipped bytes are refused
 naming the file; ``newest_verified`` finds the newest checkpoint whose files all verify.
 """
@@ -93,6 +95,7 @@ def save_checkpoint(
     """
     ckpt_root = Path(ckpt_root)
     final = ckpt_root / f"{PREFIX}{step:06d}"
+    replaced: Path | None = None  # the old copy of this step, renamed aside until replaced
     try:
         tmp = folder if folder is not None else new_folder(ckpt_root, step)
     except OSError as err:
@@ -120,13 +123,16 @@ def save_checkpoint(
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         for name in (*_FILES, META_FILE):
             _fsync(tmp / name)
-        if final.exists():
-            _remove(final)
+        replaced = _to_trash(final) if final.exists() else None
         os.rename(tmp, final)
         _fsync(ckpt_root)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if replaced is not None and not final.exists():
+            os.rename(replaced, final)  # the old copy back: the new one never took its place
         raise _full_or(err, ckpt_root, model, train_state, final) from None
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)  # only now: the new copy is in place
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
         _remove(old)
     return final
@@ -165,20 +171,34 @@ def _tensor_bytes(tree: Any) -> int:
     return 0
 
 
-def _remove(path: Path) -> None:
-    """Delete a checkpoint folder: first renamed out of sight (atomic), then removed."""
+def _to_trash(path: Path) -> Path:
+    """Rename a checkpoint folder out of sight (atomic) to ``.trash-<name>``; returns it."""
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
     shutil.rmtree(trash, ignore_errors=True)
     os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    return trash
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder: first renamed out of sight (atomic), then removed."""
+    shutil.rmtree(_to_trash(path), ignore_errors=True)
 
 
 def clean_partial(ckpt_root: Path | str) -> list[Path]:
     """Remove what a killed save or prune left under ``ckpt_root``: temporary ``.step_*``
-    folders, ``.trash-*`` folders and ``step_*`` folders without meta.json. Returns them."""
+    folders, ``.trash-*`` folders and ``step_*`` folders without meta.json. Returns them.
+
+    A ``.trash-step_N`` holding a complete checkpoint (meta.json) while ``step_N`` is missing
+    is renamed back first: a save replacing step N was killed before its new copy took the
+    old one's place, and the old copy may be the only one left."""
     ckpt_root = Path(ckpt_root)
     if not ckpt_root.is_dir():
         return []
+    for trash in ckpt_root.glob(f"{TRASH_PREFIX}{PREFIX}*"):
+        original = trash.with_name(trash.name[len(TRASH_PREFIX) :])
+        if (trash / META_FILE).is_file() and not original.exists():
+            os.rename(trash, original)
+            log.warning("restored %s, set aside by a save that did not finish", original)
     leftovers = [
         p
         for p in ckpt_root.iterdir()
@@ -401,7 +421,9 @@ def load_model_weights(
     path: Path | str, model: nn.Module, model_cfg: ModelConfig
 ) -> dict[str, Any]:
     """Load the weights of checkpoint ``path`` into ``model``; returns its meta. A model
-    whose experts are cut to a rank's (expert parallelism) reads those rows only."""
+    whose experts are cut to a rank's (expert parallelism) reads those rows only. Each
+    tensor's shape is checked first: a mismatch is one line naming the tensor and the
+    config field that differs (another lora.rank), not a damaged file."""
     path = Path(path)
     meta = read_meta(path)
     check_model_config(meta, model_cfg, path)
@@ -409,22 +431,7 @@ def load_model_weights(
     if checkpoint_parts.overlapping(meta.get("parts", {}), checkpoint_parts.EXPERTS, None):
         _load_from_rank_files(path, meta, model)
         return meta
-    rows = sharded_expert_rows(model)
-    if rows:
-        _load_with_expert_rows(path / MODEL_FILE, model, rows)
-        return meta
-    try:
-        missing, unexpected = safetensors.torch.load_model(
-            model, str(path / MODEL_FILE), strict=False
-        )
-    except (safetensors.SafetensorError, OSError, RuntimeError) as err:
-        raise MoestackError(f"{path / MODEL_FILE}: cannot be read ({err})") from None
-    # Tied weights are stored once; only complain about genuinely absent tensors.
-    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise MoestackError(
-            f"{path / MODEL_FILE} does not match the model (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}); use the checkpoint's model config"
-        )
+    _load_with_expert_rows(path / MODEL_FILE, model, sharded_expert_rows(model))
     return meta
 
 
@@ -455,9 +462,10 @@ def _load_with_expert_rows(
                 lo_hi = rows.get(name)
                 value = f.get_slice(name)[lo_hi[0] : lo_hi[1]] if lo_hi else f.get_tensor(name)
                 if tuple(value.shape) != tuple(tensor.shape):
+                    field = "lora.rank" if "lora_" in name else "model config"
                     raise MoestackError(
                         f"{file}: {name} has shape {tuple(value.shape)}, the model expects "
-                        f"{tuple(tensor.shape)}; use the checkpoint's model config"
+                        f"{tuple(tensor.shape)} ({field}?); use the checkpoint's {field}"
                     )
                 tensor.copy_(value)
     except (safetensors.SafetensorError, OSError) as err:

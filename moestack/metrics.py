@@ -47,6 +47,24 @@ def truncate_after(path: Path, step: int) -> None:
     atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+def latest_values(path: Path | str, up_to: int) -> dict[str, Any]:
+    """The latest value of each key over the records of ``path`` up to step ``up_to`` (what
+    a run that logged them holds as its last metrics; "nan"/"inf" strings back as floats);
+    {} without the file."""
+    if not Path(path).exists():
+        return {}
+    latest: dict[str, Any] = {}
+    for record in read_metrics(path):
+        if record.get("step", 0) <= up_to:
+            latest.update({k: _number(v) for k, v in record.items() if k != "step"})
+    return latest
+
+
+def _number(value: Any) -> Any:
+    """``jsonable``'s inverse for the non-finite floats it writes as strings."""
+    return float(value) if value in ("nan", "inf", "-inf") else value
+
+
 class MetricsWriter:
     """Appends records to ``<run>/metrics.jsonl`` and mirrors them to a wandb run."""
 

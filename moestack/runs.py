@@ -221,8 +221,9 @@ def load_run(
 def prepare_out_dir(
     cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo
 ) -> Path | None:
-    """Check ``out_dir`` against ``resume``, remove a killed run's leftovers and write the
-    resolved config; returns the checkpoint to resume from (None for a new run)."""
+    """Check ``out_dir`` against ``resume``, remove a killed run's leftovers and write a new
+    run's resolved config (a resumed run's: ``write_run_config``, after its weights load);
+    returns the checkpoint to resume from (None for a new run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = out_dir / "checkpoints"
     if dist_info.is_main:
@@ -257,11 +258,19 @@ def prepare_out_dir(
         if dist_info.is_main:  # its metrics are truncated when opened; a new wandb run too
             (out_dir / "wandb_id.txt").unlink(missing_ok=True)
     distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
-    if dist_info.is_main:
-        atomic.write_text(out_dir / "config.yaml", to_yaml(cfg))
-        if isinstance(cfg.model, HFModelConfig) and not cfg.resume:
+    if dist_info.is_main and not cfg.resume:  # a resumed run's: once its weights loaded
+        write_run_config(cfg, out_dir, dist_info)
+        if isinstance(cfg.model, HFModelConfig):
             write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
     return resume_from
+
+
+def write_run_config(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> None:
+    """Write the resolved config (config.yaml) on rank 0. A resumed run writes it only once
+    the checkpoint's weights loaded into its model: a resume refused for a config that does
+    not fit the checkpoint (another lora.rank) leaves the folder's config as it was."""
+    if dist_info.is_main:
+        atomic.write_text(out_dir / "config.yaml", to_yaml(cfg))
 
 
 SOURCE_FILE = "source_model.json"  # model=hf: the digests of the folder's config files

@@ -43,7 +43,13 @@ from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
 from moestack.interop.hf_experts import fill_expert_rows
-from moestack.metrics import MetricsWriter, format_summary, human_count
+from moestack.metrics import (
+    MetricsWriter,
+    format_summary,
+    human_count,
+    latest_values,
+    read_metrics,
+)
 from moestack.model import ModelConfig, RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
@@ -54,6 +60,7 @@ from moestack.runs import (
     prepare_out_dir,
     run_corpus,
     write_json,
+    write_run_config,
 )
 
 log = logging.getLogger(__name__)
@@ -345,12 +352,16 @@ def _evaluate(run: Run) -> dict[str, float]:
 
 
 def finish_run(run: Run) -> dict[str, Any]:
-    """Final evaluation and checkpoint, close the sinks; returns (and on rank 0 writes and
-    prints) the run summary."""
+    """Final evaluation and checkpoint (a start resumed from the final checkpoint saves
+    nothing again), close the sinks; returns (and on rank 0 writes and prints) the run
+    summary."""
     cfg = run.cfg
     final_eval = _evaluate(run)
-    save(run, cfg.steps)
-    run.writer.log(cfg.steps, final_eval)
+    if run.start_step < cfg.steps:
+        save(run, cfg.steps)
+        run.writer.log(cfg.steps, final_eval)
+    else:  # resumed from the final checkpoint: a start killed before summary.json logged it
+        _restore_last_metrics(run, final_eval)
     if run.telemetry is not None:
         run.telemetry.close()
         write_json(run.out_dir / "telemetry_summary.json", run.telemetry.summary())
@@ -368,6 +379,17 @@ def finish_run(run: Run) -> dict[str, Any]:
     return summary
 
 
+def _restore_last_metrics(run: Run, final_eval: dict[str, float]) -> None:
+    """A run resumed at its last step trains nothing: its last metrics are those of the
+    records metrics.jsonl holds (the start that reached the end logged them), and the final
+    evaluation is logged only if that start was killed before logging it."""
+    path = run.out_dir / "metrics.jsonl"
+    logged = read_metrics(path) if path.exists() else []
+    run.last_metrics.update(latest_values(path, run.cfg.steps))
+    if not any(r.get("step") == run.cfg.steps and "loss/val" in r for r in logged):
+        run.writer.log(run.cfg.steps, final_eval)
+
+
 def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
     """The run's headline numbers (summary.json); the throughput is this start's training
     steps alone (evaluation and checkpoints apart, as on the progress bar)."""
@@ -377,7 +399,9 @@ def run_summary(run: Run, final_eval: dict[str, float]) -> dict[str, Any]:
         "loss/train": run.last_metrics.get("loss/train", float("nan")),
         "loss/val": final_eval["loss/val"],
         "eval/perplexity": final_eval["eval/perplexity"],
-        "perf/tokens_per_s": run.tokens_per_step * steps / max(run.train_s, 1e-9),
+        "perf/tokens_per_s": run.tokens_per_step * steps / max(run.train_s, 1e-9)
+        if steps  # a start that trained no step: the last interval's, as logged
+        else run.last_metrics.get("perf/tokens_per_s", float("nan")),
         "perf/train_s": run.train_s,
         "perf/eval_s": run.eval_s,
         "params/total": params["total"],
@@ -460,6 +484,8 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)
     model, mesh, exchange, start_step = _build_model(cfg, dist_info, resume_from)
+    if resume_from is not None:  # the checkpoint fits this config: now it is the run's
+        write_run_config(cfg, out_dir, dist_info)
     model.to(device)
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
@@ -534,9 +560,10 @@ def save(run: Run, step: int) -> None:
 
     Weights or optimizer state with NaN/inf are never saved (a finite loss does not rule
     them out): the run stops naming the tensor and the last checkpoint, which stays. The
-    routing trace is flushed too, so a resumed run's trace holds every step its checkpoint
-    holds. Under expert parallelism every rank writes its own experts (weights and
-    optimizer state) and its shard of the replicated optimizer state into files of its own
+    routing trace is flushed first, before the checkpoint is written, so a resumed run's
+    trace holds every step its checkpoint holds wherever the kill came. Under expert
+    parallelism every rank writes its own experts (weights and optimizer state) and its
+    shard of the replicated optimizer state into files of its own
     (moestack.checkpoint_parts): nothing is gathered."""
     run.optimizer.synchronize()  # the weights saved are those of every update made
     common, own = run.optimizer.sharded_state_dict() if run.mesh else (None, [])
@@ -549,14 +576,14 @@ def save(run: Run, step: int) -> None:
         "bad_steps": run.state.bad_steps,  # read by checkpoints written before "train"
     }
     _refuse_non_finite(run, step, [state["optimizer"], own])
+    if run.telemetry is not None:  # first: the trace on disk covers what a checkpoint covers
+        run.telemetry.flush()
     if run.mesh is not None:
         _save_with_rank_files(run, step, state, own)
     elif run.dist.is_main:
         checkpoint.save_checkpoint(
             run.ckpt_root, step, run.model, run.cfg.model, state, run.cfg.keep_last
         )
-    if run.telemetry is not None:  # the trace on disk covers what the checkpoint covers
-        run.telemetry.flush()
     distributed.barrier(run.dist)
 
 
