@@ -14,6 +14,14 @@ every router it recognises, tried in this order (``ROUTER_DETECTORS``):
 4. a ``gate`` module of another type inside a ``*SparseMoeBlock`` or ``*MoE`` module (e.g.
    DeepSeek's remote-code ``MoEGate`` returning ``(indices, weights[, aux])``): the integer
    output with ``top_k`` columns is recorded, else top-k of a float [T, E] output.
+5. a ``router`` child of a known family router class inside a ``*SparseMoeBlock`` / ``*MoE``
+   / ``*Moe`` block, read as that family's block reads it (``_FAMILY_ROUTERS``): Llama4
+   (``(scores, logits)``; experts ``topk(logits)``, sigmoid gate), AFMoE (``(logits,
+   weights, indices)``; sigmoid plus a bias, ``indices`` recorded), JetMoe (``logits`` is
+   the 5th output; experts ``topk(logits)``, softmax). JetMoe's attention experts (MoA) are
+   not recorded.
+6. Doge's product-key block (a ``*CDMoE`` with a ``router_gate`` linear): its output's
+   router logits are routed again exactly as the block does.
 
 ``routers=[names or modules]`` takes exactly those modules instead (outputs read as in 4).
 ``top_k`` / ``num_experts`` come from the router module, its block or the model config
@@ -38,6 +46,14 @@ _V4_BLOCK = re.compile(r"SparseMoeBlock$")
 _GATE_BLOCK = re.compile(r"(SparseMoeBlock|MoE|Moe)$")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
 _NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_PRODUCT_KEY_BLOCK = re.compile(r"CDMoE$")
+# router class -> (score function, index of the float [T, E] logits in its output tuple,
+# index of its integer [T, top_k] expert ids or None when the block takes topk(logits)).
+_FAMILY_ROUTERS: dict[str, tuple[str, int, int | None]] = {
+    "Llama4Router": ("sigmoid", 1, None),  # (sparse sigmoid scores, logits); topk of logits
+    "AfmoeTokenChoiceRouter": ("sigmoid", 0, 2),  # (logits, weights, indices)
+    "JetMoeTopKGating": ("softmax", 4, None),  # (sorted ids, batch ids, gates, sizes, logits)
+}
 
 
 @dataclass
@@ -46,7 +62,8 @@ class RouterSpec:
 
     name: str
     module: nn.Module
-    kind: str  # "moestack", "topk_router", "v4_gate", "gate_module", "explicit"
+    kind: str  # "moestack", "topk_router", "v4_gate", "gate_module", "family_router",
+    # "product_key", "explicit"
     top_k: int
     num_experts: int
     score: str = "softmax"  # how probabilities come from the logits: "softmax" or "sigmoid"
@@ -82,6 +99,23 @@ def _is_gate_module(name: str, module: nn.Module, parent: nn.Module | None) -> b
     )
 
 
+def _is_family_router(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    return (
+        name.rsplit(".", 1)[-1] == "router"
+        and type(module).__name__ in _FAMILY_ROUTERS
+        and parent is not None
+        and bool(_GATE_BLOCK.search(type(parent).__name__))
+    )
+
+
+def _is_product_key_block(name: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    return (
+        bool(_PRODUCT_KEY_BLOCK.search(type(module).__name__))
+        and isinstance(getattr(module, "router_gate", None), nn.Linear)
+        and isinstance(getattr(module, "num_keys", None), int)
+    )
+
+
 # (kind, what it looks for, predicate): tried in order on every module.
 ROUTER_DETECTORS: tuple[
     tuple[str, str, Callable[[str, nn.Module, nn.Module | None], bool]], ...
@@ -90,6 +124,17 @@ ROUTER_DETECTORS: tuple[
     ("topk_router", "transformers v5 modules named *TopKRouter / *TopkRouter", _is_topk_router),
     ("v4_gate", "a 'gate' nn.Linear inside a *SparseMoeBlock (transformers v4)", _is_v4_gate),
     ("gate_module", "a 'gate' module inside a *SparseMoeBlock or *MoE block", _is_gate_module),
+    (
+        "family_router",
+        "a 'router' (Llama4Router, AfmoeTokenChoiceRouter, JetMoeTopKGating) inside a "
+        "*SparseMoeBlock / *MoE / *Moe block",
+        _is_family_router,
+    ),
+    (
+        "product_key",
+        "a product-key *CDMoE block with a 'router_gate' (Doge)",
+        _is_product_key_block,
+    ),
 )
 
 
@@ -214,6 +259,10 @@ def _router_spec(
         )
     if kind == "moestack":
         score = "routing"
+    elif kind == "family_router":
+        score = _FAMILY_ROUTERS[type(module).__name__][0]
+    elif kind == "product_key":
+        score = "product_key"
     elif hasattr(module, "e_score_correction_bias"):
         score = "sigmoid"
     else:
@@ -260,10 +309,47 @@ def _probabilities(spec: RouterSpec, logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def _family_router_experts(
+    spec: RouterSpec, output: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A family router's output read as its block reads it (see ``_FAMILY_ROUTERS``)."""
+    _, logits_at, ids_at = _FAMILY_ROUTERS[type(spec.module).__name__]
+    logits_TE = output[logits_at].reshape(-1, spec.num_experts)
+    # without an ids output, the block routes on topk of the raw logits (dim 1 of [T, E])
+    topk_TK = torch.topk(logits_TE, spec.top_k, dim=1).indices if ids_at is None else None
+    ids_TK = output[ids_at] if ids_at is not None else topk_TK
+    return ids_TK.reshape(-1, spec.top_k), _probabilities(spec, logits_TE)
+
+
+def _product_key_experts(spec: RouterSpec, output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Doge's routing redone from its block's ``(hidden, router_logits [2, T, keys])`` output.
+
+    The same steps as the block: top-keys of each half, every pair's summed score, top_k
+    of those. Probabilities are the softmax over all keys x keys pair scores when that
+    grid is every expert, else None.
+    """
+    logits_2TN = output[1]
+    keys, k = int(logits_2TN.shape[-1]), spec.top_k
+    (scores_x, scores_y), (indices_x, indices_y) = logits_2TN.topk(keys, dim=-1)
+    all_scores = (scores_x.unsqueeze(-1) + scores_y.unsqueeze(-2)).flatten(-2)
+    all_indices = (indices_x.unsqueeze(-1) * keys + indices_y.unsqueeze(-2)).flatten(-2)
+    position_indices = all_scores.topk(k, dim=-1).indices
+    ids_TK = all_indices.gather(-1, position_indices)
+    probs = None
+    if keys * keys == spec.num_experts:
+        pair_TE = (logits_2TN[0].unsqueeze(-1) + logits_2TN[1].unsqueeze(-2)).flatten(-2)
+        probs = torch.softmax(pair_TE.float(), dim=-1)
+    return ids_TK.reshape(-1, k), probs
+
+
 def extract_experts(spec: RouterSpec, output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(expert ids [T, k], router probabilities [T, E] or None) from a router's output."""
     from moestack.router import Routing
 
+    if spec.kind == "family_router":
+        return _family_router_experts(spec, output)
+    if spec.kind == "product_key":
+        return _product_key_experts(spec, output)
     k, e = spec.top_k, spec.num_experts
     if isinstance(output, Routing):
         probs = output.scores
