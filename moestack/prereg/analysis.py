@@ -521,16 +521,62 @@ def _arm_row(
     the hypothesis is at best incomplete). ``nonfinite`` names the seeds, runs and values.
     A per-seed value that is not finite from finite metrics (a zero baseline) is missing too.
     """
-    per_seed, base_vals, arm_vals, changes, gaps = [], [], [], [], []
-    broken: list[dict[str, Any]] = []
+    pairs = _pair_seeds(spec, hyp, arm, values)
+    per_seed = pairs.per_seed
+    row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
+    if pairs.broken:
+        own = any(x["role"] == "arm" for x in pairs.broken)
+        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
+        row["nonfinite"] = pairs.broken
+        if own:  # the arm's own run: a failure, whatever the rule
+            row.update({"pass": False, "outcome": "fail"})
+        return row
+    if not per_seed or not all(math.isfinite(v) for v in per_seed):
+        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
+        return row
+    threshold = tested_against(hyp)
+    est, lo, hi = mean_ci(per_seed, spec.analysis.confidence)
+    ok = _decide_row(spec, hyp, row, per_seed, (est, lo, hi), threshold)
+    row.update(
+        baseline_mean=mean(pairs.base_vals) if pairs.base_vals else None,
+        arm_mean=mean(pairs.arm_vals),
+        estimate=est,
+        ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+        margin=margin(est, hyp.op, threshold),
+        ci_verdict=_ci_verdict(lo, hi, hyp.op, threshold),
+    )
+    if hyp.comparison == "gap_fraction":
+        row.update(_gap_fields(pairs, spec.analysis.confidence))
+    row["pass"] = ok
+    return row
+
+
+@dataclasses.dataclass
+class _Pairs:
+    """One arm's seed-paired values for a hypothesis (``_pair_seeds``)."""
+
+    per_seed: list[float] = dataclasses.field(default_factory=list)  # what is tested
+    base_vals: list[float] = dataclasses.field(default_factory=list)  # the baseline's metric
+    arm_vals: list[float] = dataclasses.field(default_factory=list)  # the arm's metric
+    changes: list[float] = dataclasses.field(default_factory=list)  # gap_fraction: arm/base - 1
+    gaps: list[float] = dataclasses.field(default_factory=list)  # gap_fraction: control/base - 1
+    broken: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # non-finite runs
+
+
+def _pair_seeds(
+    spec: Prereg, hyp: Any, arm: str, values: dict[tuple[str, int], dict[str, float]]
+) -> _Pairs:
+    """Pair the arm's runs with the baseline's (and the control's) seed by seed; a seed whose
+    partner is missing is left out, a non-finite metric is recorded in ``broken``."""
+    out = _Pairs()
     gap_of = hyp.comparison == "gap_fraction"
     for seed in spec.seeds:
         a = values.get((arm, seed))
         b = values.get((spec.baseline, seed))
         c = values.get((hyp.control, seed)) if gap_of else None
         if a is not None and not math.isfinite(a[hyp.metric]):  # fails, partner or not
-            broken.append({"seed": seed, "role": "arm", "arm": arm,
-                           "value": repr(float(a[hyp.metric]))})  # fmt: skip
+            out.broken.append({"seed": seed, "role": "arm", "arm": arm,
+                               "value": repr(float(a[hyp.metric]))})  # fmt: skip
             continue
         if a is None or (b is None and hyp.comparison != "value") or (gap_of and c is None):
             continue
@@ -543,61 +589,54 @@ def _arm_row(
             if m is not None and not math.isfinite(m[hyp.metric])
         ]
         if bad:
-            broken += bad
+            out.broken += bad
             continue
-        arm_vals.append(a[hyp.metric])
+        out.arm_vals.append(a[hyp.metric])
         if b is not None and math.isfinite(b[hyp.metric]):
-            base_vals.append(b[hyp.metric])
+            out.base_vals.append(b[hyp.metric])
         base = b[hyp.metric] if b is not None else math.nan
         if gap_of:
-            change = compare("relative_change", a[hyp.metric], base)
-            gap = compare("relative_change", c[hyp.metric], base)
-            changes.append(change)
-            gaps.append(gap)
-            per_seed.append(gap_form(a[hyp.metric], base, c[hyp.metric], hyp.threshold))
+            out.changes.append(compare("relative_change", a[hyp.metric], base))
+            out.gaps.append(compare("relative_change", c[hyp.metric], base))
+            out.per_seed.append(gap_form(a[hyp.metric], base, c[hyp.metric], hyp.threshold))
         else:
-            per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
-    row: dict[str, Any] = {"arm": arm, "n": len(per_seed), "per_seed": per_seed}
-    if broken:
-        own = any(x["role"] == "arm" for x in broken)
-        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
-        row["nonfinite"] = broken
-        if own:  # the arm's own run: a failure, whatever the rule
-            row.update({"pass": False, "outcome": "fail"})
-        return row
-    if not per_seed or not all(math.isfinite(v) for v in per_seed):
-        row.update({"estimate": None, "ci": [None, None], "margin": None, "pass": None})
-        return row
-    threshold = tested_against(hyp)
-    est, lo, hi = mean_ci(per_seed, spec.analysis.confidence)
+            out.per_seed.append(compare(hyp.comparison, a[hyp.metric], base))
+    return out
+
+
+def _decide_row(
+    spec: Prereg,
+    hyp: Any,
+    row: dict[str, Any],
+    per_seed: list[float],
+    interval: tuple[float, float, float],
+    threshold: float,
+) -> bool | None:
+    """The row's own verdict under the hypothesis's rule (None: decided with the other arms
+    by Holm, whose test it leaves in ``row["_test"]``, or undecidable)."""
+    est, lo, hi = interval
     rule = rules.rule(spec, hyp)
     if rule in rules.ONE_SIDED:  # decided with the hypothesis's other arms (Holm)
-        ok = None
         if len(per_seed) > 1:
             row["_test"] = one_sided(per_seed, hyp.op, threshold)
-    elif rule == "ci":
+        return None
+    if rule == "ci":
         bound = hi if hyp.op == "<=" else lo
-        ok = None if math.isnan(bound) else passes(bound, hyp.op, threshold)
-    else:
-        ok = passes(est, hyp.op, threshold)
-    row.update(
-        baseline_mean=mean(base_vals) if base_vals else None,
-        arm_mean=mean(arm_vals),
-        estimate=est,
-        ci=[None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-        margin=margin(est, hyp.op, threshold),
-        ci_verdict=_ci_verdict(lo, hi, hyp.op, threshold),
-    )
-    if gap_of:
-        change, (gap, gap_lo, gap_hi) = mean(changes), mean_ci(gaps, spec.analysis.confidence)
-        note = gap_note(gap, gap_lo)
-        row.update(change=change, gap=gap, fraction=None if note else change / gap)
-        row["gap_ci"] = [None if math.isnan(gap_lo) else gap_lo,
-                         None if math.isnan(gap_hi) else gap_hi]  # fmt: skip
-        if note:
-            row["fraction_note"] = note
-    row["pass"] = ok
-    return row
+        return None if math.isnan(bound) else passes(bound, hyp.op, threshold)
+    return passes(est, hyp.op, threshold)
+
+
+def _gap_fields(pairs: _Pairs, confidence: float) -> dict[str, Any]:
+    """A gap_fraction row's arm change, the control's gap (with its interval) and their ratio
+    (None with ``fraction_note`` where the gap is not clearly above 0: ``gap_note``)."""
+    change, (gap, gap_lo, gap_hi) = mean(pairs.changes), mean_ci(pairs.gaps, confidence)
+    note = gap_note(gap, gap_lo)
+    out: dict[str, Any] = {"change": change, "gap": gap, "fraction": None if note else change / gap}
+    out["gap_ci"] = [None if math.isnan(gap_lo) else gap_lo,
+                     None if math.isnan(gap_hi) else gap_hi]  # fmt: skip
+    if note:
+        out["fraction_note"] = note
+    return out
 
 
 def gap_note(gap: float, lo: float) -> str | None:
