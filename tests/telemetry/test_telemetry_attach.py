@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.telemetry import small_moestack
 from torch import nn
 
-from moestack import ModelConfig, MoEConfig, MoETransformer
 from moestack.telemetry import attach, tiny_model
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
@@ -40,15 +40,6 @@ def capture_inputs(modules: list[nn.Module]) -> tuple[list[list[torch.Tensor]], 
         for i, m in enumerate(modules)
     ]
     return seen, handles
-
-
-def small_moestack() -> MoETransformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 32))
-    model = MoETransformer(cfg).eval()
-    for moe in model.moe_layers:  # spread the router scores so top-k is unambiguous
-        nn.init.normal_(moe.router.weight, std=1.0)
-    return model
 
 
 def ref_moestack_topk(x: torch.Tensor, weight: torch.Tensor, k: int) -> torch.Tensor:

@@ -280,6 +280,23 @@ def _case_npz_truncated(tmp):
     return tmp / "t.npz", None
 
 
+def _with_repeat(full: np.ndarray, layer: int, token: int) -> np.ndarray:
+    """``full`` with one token's first two ids made equal (a router never picks twice)."""
+    bad = full.copy()
+    bad[layer, token, 1] = bad[layer, token, 0]
+    return bad
+
+
+def _case_records_repeated_id(tmp):
+    full, _ = _good()
+    bad = _with_repeat(full, 1, 14)
+    return write_records(tmp / "t.bin", interleaved({0: bad[0], 1: bad[1]}, [0, 10, 20])), 16
+
+
+def _case_npz_repeated_id(tmp):
+    return write_npz(tmp / "t.npz", _with_repeat(routing(), 1, 4), META), None
+
+
 REFUSALS = {
     "records_id_too_big": (
         _case_records_id_too_big,
@@ -322,6 +339,14 @@ REFUSALS = {
         r"num_experts=64 given but the meta says 16",
     ),
     "npz_truncated": (_case_npz_truncated, r"not a readable \.npz archive"),
+    "records_repeated_id": (
+        _case_records_repeated_id,
+        r"layer1 token 14: expert ids \[(\d+), \1, \d+, \d+\] repeat an id",
+    ),
+    "npz_repeated_id": (
+        _case_npz_repeated_id,
+        r"layer1 token 4: expert ids \[(\d+), \1, \d+, \d+\] repeat an id",
+    ),
 }
 
 

@@ -11,9 +11,9 @@ import hashlib
 
 import numpy as np
 import torch
+from helpers.telemetry import small_moestack
 from torch import nn
 
-from moestack import ModelConfig, MoEConfig, MoETransformer
 from moestack.telemetry import attach, simulate
 
 SHAPES = ((3, 16), (2, 8), (4, 12))
@@ -39,17 +39,8 @@ SIMULATED = {
 }
 
 
-def small_model() -> MoETransformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 32))
-    model = MoETransformer(cfg).eval()
-    for moe in model.moe_layers:  # spread the router scores so top-k is unambiguous
-        nn.init.normal_(moe.router.weight, std=1.0)
-    return model
-
-
 def record() -> tuple[object, list[list[torch.Tensor]], list[nn.Module]]:
-    model = small_model()
+    model = small_moestack()
     routers = [m.router for m in model.moe_layers]
     seen: list[list[torch.Tensor]] = [[] for _ in routers]
     handles = [
