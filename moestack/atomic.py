@@ -1,17 +1,28 @@
 """Durable, all-or-nothing file system steps shared by the writers of files and folders (run
 files, expert stores, exported model folders): write a file, fsync a folder, move a finished
-folder into place; and one rule for telling a full disk from other write errors."""
+folder into place; and one rule for telling a full disk from other write errors.
+
+A folder ``OUT`` is written as ``.OUT.tmp-PID`` beside it (``temp_dir``, PID the writer's
+process id) and moved into place by ``install_dir``, which renames an old ``OUT`` aside to
+``.OUT.old-PID`` first. A writer killed midway leaves those folders behind; a writer that
+calls ``recover_dir(OUT)`` before it starts (the transformers exports do) puts an ``.old``
+back where ``OUT`` is missing (a kill between the two renames) and removes the leftovers of
+processes no longer alive."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from moestack.errors import MoestackError
+
+log = logging.getLogger(__name__)
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _FULL_WORDS = ("No space left on device", "Disk quota exceeded", "StorageFull")  # in messages
@@ -72,18 +83,86 @@ def write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` and the folders holding them to disk."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fsync_file(Path(folder) / name)
+        fsync_dir(Path(folder))
+
+
+def _aside(path: Path, kind: str) -> Path:
+    """The name of this process's ``kind`` ("tmp" or "old") folder beside ``path``."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
+
+
+def temp_dir(path: Path) -> Path:
+    """A new, empty folder ``.NAME.tmp-PID`` beside ``path`` to write ``path``'s contents
+    into (made as ``mkdir`` makes any folder, under the umask: not private); one left there
+    by an earlier process that had this PID is removed first (this process removes its own
+    when it fails)."""
+    tmp = _aside(path, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
 def install_dir(tmp: Path, path: Path) -> None:
-    """Move the finished, fsynced folder ``tmp`` to ``path``, replacing an old one there
-    (renamed aside first, so ``path`` always holds a whole folder or none)."""
-    fsync_dir(tmp)
+    """Move the finished folder ``tmp`` to ``path``, every file in it flushed to disk first,
+    replacing an old one there (renamed aside to ``.NAME.old-PID`` first, so ``path`` holds
+    a whole folder or none; a kill between the two renames leaves it to ``recover_dir``)."""
+    fsync_tree(tmp)
     if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        old = _aside(path, "old")
+        shutil.rmtree(old, ignore_errors=True)  # left by an earlier process with this PID
         os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, path)
     fsync_dir(path.parent)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (this process counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # none, or a number no process can have
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def recover_dir(path: Path) -> None:
+    """Clean up after writers of ``path`` that were killed: where ``path`` is missing, the
+    newest ``.NAME.old-PID`` of a dead process is renamed back to it (the writer died
+    between moving the old folder aside and the new one in); then every ``.NAME.tmp-PID``
+    and ``.NAME.old-PID`` of a dead process is removed. Folders of live processes (another
+    writer at work) are left alone."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:  # no parent folder yet (or not a folder): nothing was left
+        return
+    dead = {}
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[2])):
+            dead[entry] = match[1]
+    olds = [entry for entry, kind in dead.items() if kind == "old"]
+    if olds and not os.path.lexists(path):
+        newest = max(olds, key=lambda entry: entry.stat().st_ctime)
+        os.rename(newest, path)
+        fsync_dir(path.parent)
+        del dead[newest]
+        log.warning("%s was missing after a killed write; put back its earlier copy %s",
+                    path, newest.name)  # fmt: skip
+    for entry in dead:
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s, left by a killed write of %s", entry, path)
 
 
 def out_of_space(err: BaseException, folder: Path, needed: int, what: str) -> MoestackError | None:

@@ -3,11 +3,13 @@ evaluated in memory or with its experts served from disk by the expert cache, an
 transformers model's run written back to a transformers folder. ``moestack.cli`` registers
 them.
 
-Both refuse weights holding NaN/inf, naming the tensors (``--allow-nonfinite`` warns and goes
-on), and ``eval`` refuses a non-finite validation loss; counts and the cache-aware bias are
-checked by the argument parser (``count_arg``, ``warmup_arg``, ``bias_arg``), naming the
-option. ``eval`` prints its metrics as JSON, then (``--generate``) the generated text as
-text; ``--help`` says which text a model folder is evaluated on (``model_folder_text``)."""
+Both refuse a run of a transformers model whose source folder's config or tokenizer files
+changed since it trained (``runs.load_run``), and weights holding NaN/inf, naming the tensors
+(``--allow-nonfinite`` warns and goes on); ``eval`` refuses a non-finite validation loss.
+Counts and the cache-aware bias are checked by the argument parser (``count_arg``,
+``warmup_arg``, ``bias_arg``), naming the option. ``eval`` prints its metrics as JSON, then
+(``--generate``) the generated text as text; ``--help`` says which text a model folder is
+evaluated on (``model_folder_text``)."""
 
 from __future__ import annotations
 

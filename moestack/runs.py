@@ -4,8 +4,10 @@
 before anything is written; ``holding_run_dir`` keeps a second process from training into the
 same folder at once. ``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run
 keeps its config and its transformers source; leftovers of a killed run are removed; a corrupt
-newest checkpoint falls back to the newest one that verifies). ``load_run`` serves ``moestack eval``, the pre-registered analysis and
-offloaded evaluation, so that they all rebuild a run the same way.
+newest checkpoint falls back to the newest one that verifies). ``load_run`` serves ``moestack
+eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation, so that they
+all rebuild a run the same way; it too refuses a run whose transformers source folder changed
+since it trained (``check_run_source``).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from moestack import atomic, checkpoint, distributed, locks, lora
 from moestack.config import DataConfig, TrainConfig, to_yaml
 from moestack.data import Corpus, load_corpus
 from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
+from moestack.interop.hf_config import check_model_dir
 from moestack.interop.hf_model import HFModelConfig
 from moestack.meta_load import parameters_on_meta
 from moestack.metrics import jsonable
@@ -125,11 +130,25 @@ def run_corpus(cfg: TrainConfig) -> Corpus:
 def load_run_config(run_dir: Path | str) -> TrainConfig:
     """The config a training run wrote into ``run_dir/config.yaml``, resolved (a
     transformers model's architecture read from its folder, ``TrainConfig.resolve``)."""
+    return _read_run_config(run_dir).resolve()
+
+
+def _read_run_config(run_dir: Path | str) -> TrainConfig:
+    """``run_dir/config.yaml`` as written, not resolved (nothing else is read); one
+    MoestackError line naming the file when it is missing or is no run config (not YAML,
+    unknown keys, values of the wrong type or out of range)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise MoestackError(f"{path} not found: {run_dir} is not a moestack run directory")
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
-    return OmegaConf.to_object(merged).resolve()
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
+        return OmegaConf.to_object(merged)
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, OSError) as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise MoestackError(
+            f"{path} cannot be read as a run config ({reason}); put back the config.yaml "
+            "that training wrote, or train the run again"
+        ) from None
 
 
 def resolve_checkpoint(run_dir: Path | str, checkpoint_path: Path | str | None = None) -> Path:
@@ -199,7 +218,9 @@ def load_run(
     run_dir = Path(run_dir)
     if is_transformers_dir(run_dir):
         return _load_transformers_dir(run_dir, device, experts)
-    cfg = load_run_config(run_dir)
+    written = _read_run_config(run_dir)
+    check_run_source(written, run_dir)  # before the source's config.json is read
+    cfg = written.resolve()
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     if experts:
         model = cfg.model.build()
@@ -288,29 +309,51 @@ def source_record(folder: Path) -> dict[str, Any]:
     return {"path": str(folder), "sha256": files}
 
 
-def check_resume_source(cfg: TrainConfig, out_dir: Path) -> None:
-    """Refuse to resume a ``model=hf`` run whose source folder's config or tokenizer files
-    changed since it started: the same shapes may hide another architecture or tokenizer."""
+def _changed_source_files(cfg: TrainConfig, out_dir: Path, fix: str) -> list[str]:
+    """The config and tokenizer files of a ``model=hf`` run's source folder whose sha256
+    differs from the run's record (``SOURCE_FILE``; added or removed ones too), sorted; none
+    for moestack's own model or a run started before the record (a warning says so). A
+    record that cannot be read is one MoestackError line ending in ``fix``."""
     recorded = out_dir / SOURCE_FILE
     if not isinstance(cfg.model, HFModelConfig):
-        return
+        return []
     if not recorded.is_file():
         log.warning("%s has no %s (started before it was recorded): the source folder %s is "
                     "not compared", out_dir, SOURCE_FILE, cfg.model.path)  # fmt: skip
-        return
+        return []
     try:
         before = json.loads(recorded.read_text())["sha256"]
         if not isinstance(before, dict):
             raise TypeError("sha256 is not a mapping")
     except (OSError, ValueError, KeyError, TypeError):
-        raise MoestackError(f"{recorded} cannot be read; start a new out_dir") from None
-    now = source_record(Path(cfg.model.path))["sha256"]
-    changed = sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+        raise MoestackError(f"{recorded} cannot be read; {fix}") from None
+    now = source_record(check_model_dir(cfg.model.path))["sha256"]  # a folder gone: one line
+    return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
+
+
+def check_resume_source(cfg: TrainConfig, out_dir: Path) -> None:
+    """Refuse to resume a ``model=hf`` run whose source folder's config or tokenizer files
+    changed since it started: the same shapes may hide another architecture or tokenizer."""
+    changed = _changed_source_files(cfg, out_dir, "start a new out_dir")
     if changed:
         raise MoestackError(
             f"resume=true but {', '.join(changed)} in model.path={cfg.model.path} changed since "
-            f"the run started ({recorded}); resume with the folder as it was, or start a new "
-            "out_dir"
+            f"the run started ({out_dir / SOURCE_FILE}); resume with the folder as it was, or "
+            "start a new out_dir"
+        )
+
+
+def check_run_source(cfg: TrainConfig, run_dir: Path) -> None:
+    """Refuse to load (evaluate, export) a ``model=hf`` run whose source folder's config or
+    tokenizer files changed since it trained: the run's checkpoints hold only its weights,
+    the architecture, routing and tokenizer are read from that folder, so a change there
+    (``norm_topk_prob`` flipped, another tokenizer) would give another model in silence."""
+    changed = _changed_source_files(cfg, run_dir, "train the run again")
+    if changed:
+        raise MoestackError(
+            f"{', '.join(changed)} in model.path={cfg.model.path} changed since the run "
+            f"{run_dir} trained ({run_dir / SOURCE_FILE}); put the folder back as it was, or "
+            "train a new run of the changed folder"
         )
 
 

@@ -27,7 +27,6 @@ import inspect
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from moestack.atomic import fsync_dir, install_dir
+from moestack.atomic import install_dir, temp_dir
 from moestack.errors import MoestackError
 from moestack.interop.hf_export import REPORT_FILE, export_record, export_target
 from moestack.interop.hf_model import HFMoEModel
@@ -76,7 +75,7 @@ def export_adapter(
         "peft_unavailable": why_not,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir(out)
     try:
         if why_not:
             _write_moestack_adapter(model, tmp, rank, alpha)
@@ -86,9 +85,7 @@ def export_adapter(
         report["files"] = sorted(f.name for f in tmp.iterdir())
         for f in tmp.iterdir():
             f.chmod(0o644)
-        tmp.chmod(0o755)
-        fsync_dir(tmp)
-        install_dir(tmp, out)
+        install_dir(tmp, out)  # every file flushed to disk, then renamed into place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
         raise

@@ -11,7 +11,12 @@ A family is supported when its MoE block is exactly what moestack's ``MoE`` comp
 (softmax or sigmoid score, top-k, optional renormalisation, optional selection bias,
 bias-free SwiGLU experts), with at most a gated shared expert kept beside it. Anything
 else (a missing folder, no config.json, another family, a family whose routing moestack
-cannot represent, a missing key) is one ``MoestackError`` line naming the file or family.
+cannot represent, a missing key, a value of the wrong type, two spellings of the expert
+count that disagree) is one ``MoestackError`` line naming the file or family. A count or
+size is a JSON integer (``whole_number``; 2.5, "2" or [2] are refused, never rounded), as
+transformers 5 requires too. What transformers itself refuses while reading or building a
+folder's model (its own typed config fields) becomes the same kind of line
+(``transformers_refusal``).
 ``weight_files`` and ``shard_map`` read the shard index, whose every file name must stay
 inside the folder (``shard_path``): the index is read from disk, and neither the loader nor
 the expert-store writer may be led to a file elsewhere.
@@ -19,8 +24,10 @@ the expert-store writer may be led to a file elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -49,7 +56,8 @@ MODEL_CONFIG_KEYS = (
 )
 
 # config.json spellings of each value, first found wins (transformers 4.x and 5.x differ:
-# 5.x writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts).
+# 5.x writes Qwen3-MoE's expert count as num_local_experts, 4.x as num_experts); the
+# expert count's spellings must agree where several are present (``_num_experts``).
 _NUM_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 _EXPERT_WIDTH = {
     "qwen3_moe": ("moe_intermediate_size",),
@@ -109,6 +117,22 @@ def check_model_dir(path: str | Path) -> Path:
             "(save one with model.save_pretrained)"
         )
     return folder
+
+
+@contextlib.contextmanager
+def transformers_refusal(what: str) -> Iterator[None]:
+    """Around transformers reading a folder or building its model: what transformers refuses
+    (a file it cannot read; a config.json value of the wrong type, which transformers 5
+    checks field by field with huggingface_hub's strict dataclasses) becomes one MoestackError
+    line, ``what: the reason`` (the reason's first two lines: a strict-field error names the
+    field on its second)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        yield
+    except (OSError, ValueError, TypeError, RuntimeError, KeyError, StrictDataclassError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise MoestackError(f"{what}: {' '.join(lines[:2]) or type(err).__name__}") from err
 
 
 def shard_path(folder: Path, name: Any, index: Path) -> Path:
@@ -193,13 +217,61 @@ def _read_json(file: Path) -> dict[str, Any]:
     return data
 
 
-def _get(raw: dict[str, Any], keys: tuple[str, ...], file: Path, family: str) -> Any:
-    """The first of ``keys`` present in ``raw``; MoestackError naming them otherwise."""
+def whole_number(value: Any, field: str, file: Path, minimum: int | None = 1) -> int:
+    """``value`` of ``field`` in ``file``, a JSON integer >= ``minimum`` (None: any): the
+    one rule for the counts, sizes and token ids of a config.json. MoestackError naming the
+    file, the field and the value otherwise (a float, a string, a list or a bool is never
+    converted)."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if whole and (minimum is None or value >= minimum):
+        return value
+    wanted = "a whole number" if minimum is None else f"a whole number >= {minimum}"
+    raise MoestackError(
+        f"{file}: {field}={json.dumps(value)} is not {wanted}; write it as an integer "
+        "(re-save the model)"
+    )
+
+
+def whole_numbers(value: Any, field: str, file: Path, minimum: int | None = 0) -> list[int]:
+    """``value`` of ``field`` in ``file``, a JSON list of integers >= ``minimum`` (each as
+    ``whole_number``); MoestackError naming the file, the field and the value otherwise."""
+    if not isinstance(value, list):
+        raise MoestackError(
+            f"{file}: {field}={json.dumps(value)} is not a list of whole numbers; write it "
+            "as one, e.g. [0, 1] (re-save the model)"
+        )
+    return [whole_number(item, f"{field} entry", file, minimum) for item in value]
+
+
+def _number(value: Any, field: str, file: Path) -> float:
+    """``value`` of ``field`` in ``file``, a JSON number; MoestackError naming them otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise MoestackError(f"{file}: {field}={json.dumps(value)} is not a number (re-save the model)")
+
+
+def _get(raw: dict[str, Any], keys: tuple[str, ...], file: Path, family: str) -> tuple[str, Any]:
+    """(key, value) of the first of ``keys`` present in ``raw``; MoestackError naming them
+    otherwise."""
     for key in keys:
         if raw.get(key) is not None:
-            return raw[key]
+            return key, raw[key]
     names = " or ".join(repr(k) for k in keys)
     raise MoestackError(f"{file} lacks {names}, which model_type {family!r} needs; re-save it")
+
+
+def _num_experts(raw: dict[str, Any], file: Path, family: str) -> int:
+    """The routed expert count; its spellings (``_NUM_EXPERTS``) must agree where several are
+    present (transformers reads one of them, moestack the first: they would disagree)."""
+    given = {key: raw[key] for key in _NUM_EXPERTS if raw.get(key) is not None}
+    if len(set(map(json.dumps, given.values()))) > 1:
+        shown = " and ".join(f"{key}={json.dumps(value)}" for key, value in given.items())
+        raise MoestackError(
+            f"{file}: {shown} disagree (one expert count, written in {len(given)} fields); "
+            "keep one, or set each to the number of experts the weights hold"
+        )
+    key, value = _get(raw, _NUM_EXPERTS, file, family)
+    return whole_number(value, key, file)
 
 
 def _family(raw: dict[str, Any], file: Path) -> str:
@@ -220,12 +292,12 @@ def _family(raw: dict[str, Any], file: Path) -> str:
     return family
 
 
-def _moe_layer_ids(raw: dict[str, Any], family: str, n_layers: int) -> list[int]:
+def _moe_layer_ids(raw: dict[str, Any], family: str, n_layers: int, file: Path) -> list[int]:
     """Decoder layers with a sparse-MoE block (Qwen MoE may keep some layers dense)."""
     if family not in ("qwen2_moe", "qwen3_moe"):
         return list(range(n_layers))
-    dense = set(raw.get("mlp_only_layers") or [])
-    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(whole_numbers(raw.get("mlp_only_layers") or [], "mlp_only_layers", file))
+    step = whole_number(raw.get("decoder_sparse_step") or 1, "decoder_sparse_step", file)
     return [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
 
 
@@ -233,10 +305,11 @@ def _doc_separator(raw: dict[str, Any], vocab_size: int, file: Path) -> int:
     """The EOS token id (the first of a list), -1 when there is none in the vocabulary."""
     eos = raw.get("eos_token_id")
     if isinstance(eos, list):
-        eos = eos[0] if eos else None
+        ids = whole_numbers(eos, "eos_token_id", file, minimum=None)
+        eos = ids[0] if ids else None
     if eos is None:
         return -1
-    if not 0 <= int(eos) < vocab_size:
+    if not 0 <= whole_number(eos, "eos_token_id", file, minimum=None) < vocab_size:
         log.warning(
             "%s: eos_token_id=%s is outside the vocabulary [0, %d); documents will not be "
             "separated for the router losses",
@@ -245,13 +318,13 @@ def _doc_separator(raw: dict[str, Any], vocab_size: int, file: Path) -> int:
             vocab_size,
         )
         return -1
-    return int(eos)
+    return eos
 
 
-def _rope_theta(raw: dict[str, Any]) -> float:
+def _rope_theta(raw: dict[str, Any], file: Path) -> float:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = raw.get("rope_theta") or (params.get("rope_theta") if isinstance(params, dict) else 0)
-    return float(theta or 10000.0)
+    return _number(theta or 10000.0, "rope_theta", file)
 
 
 def _router(raw: dict[str, Any], family: str) -> dict[str, Any]:
@@ -278,11 +351,16 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
             f"{file}: hidden_act={raw['hidden_act']!r}; moestack experts are SwiGLU (silu)"
         )
 
-    def get(*keys: str) -> Any:
-        return _get(raw, keys, file, family)
+    def get(*keys: str) -> int:
+        key, value = _get(raw, keys, file, family)
+        return whole_number(value, key, file)
 
-    vocab_size, d_model = int(get("vocab_size")), int(get("hidden_size"))
-    n_layers, n_heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
+    def optional(key: str, default: int) -> int:
+        value = raw.get(key)
+        return default if value is None else whole_number(value, key, file)
+
+    vocab_size, d_model = get("vocab_size"), get("hidden_size")
+    n_layers, n_heads = get("num_hidden_layers"), get("num_attention_heads")
     info: dict[str, Any] = {
         "family": family,
         "path": str(folder),
@@ -291,26 +369,28 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         "d_model": d_model,
         "n_layers": n_layers,
         "n_heads": n_heads,
-        "n_kv_heads": int(raw.get("num_key_value_heads") or n_heads),
-        "head_dim": int(raw.get("head_dim") or d_model // n_heads),
-        "max_seq_len": int(get("max_position_embeddings")),
+        "n_kv_heads": optional("num_key_value_heads", n_heads),
+        "head_dim": optional("head_dim", d_model // n_heads),
+        "max_seq_len": get("max_position_embeddings"),
         "moe": {
-            "num_experts": int(get(*_NUM_EXPERTS)),
-            "top_k": int(get("num_experts_per_tok")),
-            "d_ff": int(get(*_EXPERT_WIDTH[family])),
+            "num_experts": _num_experts(raw, file, family),
+            "top_k": get("num_experts_per_tok"),
+            "d_ff": get(*_EXPERT_WIDTH[family]),
         },
         "router": _router(raw, family),
         "shared_expert_d_ff": 0,
-        "moe_layer_ids": _moe_layer_ids(raw, family, n_layers),
-        "rope_theta": _rope_theta(raw),
-        "norm_eps": float(raw.get("rms_norm_eps") or 1e-6),
+        "moe_layer_ids": _moe_layer_ids(raw, family, n_layers, file),
+        "rope_theta": _rope_theta(raw, file),
+        "norm_eps": _number(raw.get("rms_norm_eps") or 1e-6, "rms_norm_eps", file),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "doc_separator": _doc_separator(raw, vocab_size, file),
         "dtype": raw.get("dtype") or raw.get("torch_dtype"),
-        "router_jitter_noise": float(raw.get("router_jitter_noise") or 0.0),
+        "router_jitter_noise": _number(
+            raw.get("router_jitter_noise") or 0.0, "router_jitter_noise", file
+        ),
     }
     if family == "qwen2_moe":
-        info["shared_expert_d_ff"] = int(get("shared_expert_intermediate_size"))
+        info["shared_expert_d_ff"] = get("shared_expert_intermediate_size")
     if not info["moe_layer_ids"]:
         raise MoestackError(f"{file}: no decoder layer has a sparse-MoE block (mlp_only_layers)")
     moe = info["moe"]

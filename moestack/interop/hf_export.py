@@ -4,7 +4,9 @@
 original transformers blocks (kept aside by ``load_hf_moe``), swaps those blocks into the
 model for the time of ``save_pretrained`` (so config.json and the safetensors keys are the
 family's own, exactly as transformers writes them), copies the tokenizer files from DIR,
-and moves the folder into place atomically (a temporary sibling folder, fsynced, renamed).
+and moves the folder into place atomically (a sibling folder ``.OUT.tmp-PID``, fsynced,
+renamed; ``moestack.atomic``: the leftovers of an export killed midway are cleaned up by the
+next export to the same OUT).
 ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the moestack model's logits.
 
 The aux-loss-free ``expert_bias`` of a router has no transformers equivalent in the
@@ -29,7 +31,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestack.atomic import fsync_dir, install_dir, out_of_space
+from moestack.atomic import install_dir, out_of_space, recover_dir, temp_dir
 from moestack.checkpoint import sha256_file
 from moestack.errors import MoestackError
 from moestack.evaluation import check_finite_weights, model_tensors
@@ -127,10 +128,22 @@ def _check_not_kept(out: Path, keep: dict[str, Path]) -> None:
             )
 
 
+def _check_under_folders(out: Path) -> None:
+    """Refuse an ``out`` below a file (it could never be created)."""
+    existing = out.absolute().parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise MoestackError(
+            f"export folder {out} lies under {existing}, which is a file; choose a folder path"
+        )
+
+
 def check_export_target(out: Path, keep: dict[str, Path], overwrite: bool) -> None:
     """``out`` may be missing or empty; an existing export only with ``overwrite``. Never
-    the source model folder, the run, or a folder above either."""
+    the source model folder, the run, a folder above either, or a path under a file."""
     _check_not_kept(out, keep)
+    _check_under_folders(out)
     if not out.exists():
         return
     if not out.is_dir():
@@ -168,18 +181,6 @@ def _copy_tokenizer(source: Path, into: Path) -> list[str]:
     return names
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` and the folders holding them to disk."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(folder))
-
-
 def _warn_dropped(dropped: dict[int, float]) -> None:
     if dropped:
         layers = ", ".join(f"layer {i}: {b:.3g}" for i, b in dropped.items())
@@ -204,12 +205,15 @@ def export_target(
     out_dir: str | Path, source_dir: str | Path, run_dir: str | Path | None, overwrite: bool
 ) -> tuple[Path, Path]:
     """``(source, out)``: the checked source model folder and an ``out_dir`` an export may
-    write (``check_export_target``: never the source, the run or a folder above them)."""
+    write (``check_export_target``: never the source, the run or a folder above them),
+    once what an export killed midway left beside it is cleaned up (``recover_dir``: an
+    earlier export it had moved aside is put back, so ``overwrite`` is still needed)."""
     source = check_model_dir(source_dir)
     out = Path(out_dir).expanduser()
     keep = {"source model folder": source}
     if run_dir is not None:
         keep["run folder"] = Path(run_dir)
+    recover_dir(out)
     check_export_target(out, keep, overwrite)
     return source, out
 
@@ -281,9 +285,8 @@ def export_hf(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     needed = 0
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = temp_dir(out)
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would make the export private
         with torch.no_grad(), original_blocks(model) as hf:
             needed = _export_bytes(hf, source, tokenizer_files(source))
             if shutil.disk_usage(tmp).free < needed:  # known to fail: refused before writing
@@ -292,8 +295,7 @@ def export_hf(
         report["tokenizer_files"] = _copy_tokenizer(source, tmp)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         report["files"] = sorted(f.name for f in tmp.iterdir())
-        _fsync_tree(tmp)
-        install_dir(tmp, out)
+        install_dir(tmp, out)  # every file flushed to disk, then renamed into place
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
         full = out_of_space(err, out.parent, needed, f"the export {out} (partial files removed)")

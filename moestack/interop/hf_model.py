@@ -34,7 +34,7 @@ from torch import nn
 from moestack.checks import check, coerce
 from moestack.errors import MoestackError
 from moestack.interop.hf import family_router_config, moe_from_hf
-from moestack.interop.hf_config import model_config_kwargs, read_hf_config
+from moestack.interop.hf_config import model_config_kwargs, read_hf_config, transformers_refusal
 from moestack.interop.hf_experts import check_weights
 from moestack.interop.hf_without_experts import from_pretrained_without_experts
 from moestack.model import ModelOutput, RoutedLM, check_checkpointing
@@ -295,13 +295,10 @@ def _import_transformers() -> Any:
 def _from_pretrained(folder: Path, dtype: torch.dtype) -> nn.Module:
     """transformers' own model from ``folder``, offline; its failure as one line."""
     transformers = _import_transformers()
-    try:
+    with transformers_refusal(f"transformers could not load {folder}"):
         return transformers.AutoModelForCausalLM.from_pretrained(
             folder, local_files_only=True, dtype=dtype
         )
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MoestackError(f"transformers could not load {folder}: {first}") from err
 
 
 def load_hf_moe(

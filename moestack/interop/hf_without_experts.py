@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moestack.errors import MoestackError
+from moestack.interop.hf_config import transformers_refusal
 from moestack.interop.hf_experts import is_expert_key, key_files
 from moestack.meta_load import (
     TensorReader,
@@ -49,13 +49,10 @@ def _build_on_meta(folder: Path, dtype: torch.dtype) -> nn.Module:
     """transformers' model for ``folder/config.json``, its parameters on the meta device."""
     import transformers
 
-    try:
+    with transformers_refusal(f"transformers could not build the model of {folder}"):
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
         with parameters_on_meta():
             return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MoestackError(f"transformers could not build the model of {folder}: {first}") from err
 
 
 def _checkpoint_key(name: str, keys: dict[str, Path]) -> str | None:

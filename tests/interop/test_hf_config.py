@@ -147,6 +147,57 @@ def test_non_silu_experts_refused(tmp_path):
     _one_line_error(folder, "hidden_act='gelu'")
 
 
+# A Qwen3-MoE config as transformers 5 writes it (the expert count under both spellings).
+_QWEN3 = dict(model_type="qwen3_moe", vocab_size=1000, hidden_size=64, num_hidden_layers=4,
+              num_attention_heads=8, max_position_embeddings=4096, num_experts=16,
+              num_local_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+              eos_token_id=7, mlp_only_layers=[0], decoder_sparse_step=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "shown"),
+    [
+        ("hidden_size", "abc", 'hidden_size="abc"'),
+        ("num_hidden_layers", 2.5, "num_hidden_layers=2.5"),  # never truncated to 2
+        ("num_hidden_layers", 4.0, "num_hidden_layers=4.0"),  # transformers 5 refuses it too
+        ("num_experts_per_tok", [2], "num_experts_per_tok=[2]"),
+        ("num_attention_heads", True, "num_attention_heads=true"),
+        ("moe_intermediate_size", 0, "moe_intermediate_size=0"),
+        ("num_key_value_heads", "8", 'num_key_value_heads="8"'),
+        ("decoder_sparse_step", 1.5, "decoder_sparse_step=1.5"),
+        ("eos_token_id", "x", 'eos_token_id="x"'),
+        ("eos_token_id", [7.5], "eos_token_id entry=7.5"),
+        ("mlp_only_layers", 5, "mlp_only_layers=5"),
+        ("mlp_only_layers", ["0"], 'mlp_only_layers entry="0"'),
+        ("rms_norm_eps", "small", 'rms_norm_eps="small"'),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_file_field_and_value(tmp_path, field, value, shown):
+    folder = _write_config(tmp_path / "m", **{**_QWEN3, field: value})
+    message = _one_line_error(folder, "is not a")
+    assert message.startswith(f"{folder / 'config.json'}: {shown} is not a")
+
+
+def test_expert_count_spellings_must_agree(tmp_path):
+    """transformers 5 reads num_local_experts, moestack the first spelling it finds: two
+    different counts would make two different models."""
+    folder = _write_config(tmp_path / "m", **{**_QWEN3, "num_experts": 4, "num_local_experts": 6})
+    message = _one_line_error(folder, "num_experts=4 and num_local_experts=6 disagree")
+    assert str(folder / "config.json") in message
+    agreeing = _write_config(tmp_path / "n", **{**_QWEN3, "num_experts": 6, "num_local_experts": 6})
+    assert read_hf_config(agreeing)["moe"]["num_experts"] == 6
+    one = {k: v for k, v in _QWEN3.items() if k != "num_experts"}
+    assert read_hf_config(_write_config(tmp_path / "o", **one))["moe"]["num_experts"] == 16
+
+
+def test_the_whole_number_fields_read_as_written(tmp_path):
+    info = read_hf_config(_write_config(tmp_path / "m", **_QWEN3))
+    assert (info["vocab_size"], info["d_model"], info["n_layers"], info["n_heads"]) == (
+        1000, 64, 4, 8)  # fmt: skip
+    assert info["moe"] == {"num_experts": 16, "top_k": 4, "d_ff": 32}
+    assert (info["doc_separator"], info["moe_layer_ids"]) == (7, [1, 2, 3])
+
+
 def test_weight_files(hf_dir, tmp_path):
     assert [f.name for f in weight_files(hf_dir("mixtral"))] == ["model.safetensors"]
     folder = tmp_path / "m"

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers.hf import hf_config, sample_tokens  # noqa: E402
+from helpers.hf import hf_config, reference_model, sample_tokens  # noqa: E402
 from helpers.runs import killed_at  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
@@ -168,6 +168,19 @@ def test_a_failed_overwrite_keeps_the_earlier_export(hf_dir, tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_an_export_folder_under_a_file_is_one_line(hf_dir, tmp_path):
+    source = hf_dir("qwen3_moe")
+    model = load_hf_moe(source, impl="torch")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(MoestackError) as err:
+        export_hf(model, tmp_path / "afile" / "sub" / "out", source_dir=source)
+    assert str(err.value) == (
+        f"export folder {tmp_path / 'afile' / 'sub' / 'out'} lies under {tmp_path / 'afile'}, "
+        "which is a file; choose a folder path"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 # -- non-finite weights and losses -----------------------------------------------------------
 
 
@@ -293,6 +306,19 @@ def test_patched_model_still_runs_after_the_checks(hf_dir):
     assert torch.isfinite(out.logits).all()
 
 
+@pytest.mark.parametrize("experts", [True, False])
+def test_a_config_value_transformers_refuses_is_one_line(hf_dir, tmp_path, experts):
+    """A field moestack does not read, of the wrong type: transformers 5 refuses it (its strict
+    config fields), and the refusal is one line naming the folder and the field."""
+    folder = copy(hf_dir("qwen3_moe"), tmp_path)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["attention_bias"] = "no"
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(MoestackError, match=f"transformers could not .*{folder}") as err:
+        load_hf_moe(folder, impl="torch", experts=experts)
+    assert "'attention_bias' expected bool" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_relative_model_path_is_recorded_absolute(tmp_path, hf_dir, monkeypatch):
     """A run's config.yaml names its source folder absolute, so export and eval find it from
     any folder."""
@@ -324,3 +350,41 @@ def test_resume_refuses_a_source_folder_whose_config_changed(hf_dir, tmp_path):
     train(hf_config(source, tmp_path, resume=True), out)
     assert [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
             if "loss/train" in r][-1] == 20  # fmt: skip
+
+
+def test_export_and_eval_refuse_a_run_whose_source_folder_changed(hf_dir, tmp_path, capsys):
+    """The run's checkpoints hold its weights, its source folder the routing and tokenizer:
+    a flipped norm_topk_prob (same shapes) would export and evaluate another model."""
+    from moestack.runs import load_run
+
+    source = copy(hf_dir("qwen3_moe"), tmp_path)
+    run, out = tmp_path / "run", tmp_path / "out"
+    train(hf_config(source, tmp_path, steps=2, ckpt_every=0), run)
+    tokens = sample_tokens(eos_id=1)
+    with torch.no_grad():
+        trained = load_run(run).model(tokens).logits
+    as_trained = {name: (source / name).read_bytes()
+                  for name in ("config.json", "tokenizer_config.json")}  # fmt: skip
+    raw = json.loads(as_trained["config.json"])
+    raw["norm_topk_prob"] = not raw["norm_topk_prob"]
+    (source / "config.json").write_text(json.dumps(raw))
+    (source / "tokenizer_config.json").write_text(
+        as_trained["tokenizer_config.json"].decode().replace("<pad>", "<PAD>"))  # fmt: skip
+    changed = f"config.json, tokenizer_config.json in model.path={source} changed since the run"
+    capsys.readouterr()  # training's progress
+    for argv in (["export", str(run), str(out)], ["eval", str(run), "--batches", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and "\n" not in err
+        assert (
+            f"{changed} {run} trained ({run / 'source_model.json'}); put the folder back as "
+            "it was, or train a new run of the changed folder" in err
+        )
+    assert not out.exists()
+    for name, data in as_trained.items():  # the folder as the run trained on it
+        (source / name).write_bytes(data)
+    cli.main(["export", str(run), str(out)])
+    capsys.readouterr()
+    got = reference_model(out)(input_ids=tokens).logits.detach()
+    torch.testing.assert_close(got, trained, rtol=1e-5, atol=1e-5)
