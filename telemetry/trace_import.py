@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from moestack.atomic import install_dir, out_of_space
+from moestack.atomic import install_dir, out_of_space, recover_dir, temp_dir
 from moestack.errors import MoestackError
 from moestack.telemetry.trace import RoutingTrace
 
@@ -366,8 +366,7 @@ def _write_trace(routing: ImportedRouting, src: Path, out: Path, progress: bool)
     from tqdm.auto import tqdm
 
     created = _make_parents(out)
-    tmp = out.parent / f".{out.name}.import-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an import killed with this pid
+    tmp = temp_dir(out)  # .OUT.tmp-PID; an import killed midway left one recover_dir removes
     n = routing.num_tokens
     meta = {
         "imported_from": str(src),
@@ -421,6 +420,7 @@ def import_trace(
     """
     src, out = Path(src), Path(out)
     fmt = detect_format(src)
+    recover_dir(out)  # what an import killed midway left beside it
     _check_out(out)
     routing = read_npz(src, num_experts) if fmt == "npz" else read_records(src, num_experts)
     _write_trace(routing, src, out, progress)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from moestack.atomic import install_dir
+from moestack.atomic import install_dir, recover_dir, temp_dir
 from moestack.cache.store_format import (
     CHECKSUM,
     DTYPES,
@@ -217,9 +216,10 @@ class ExpertStore:
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is unknown; use one of {LAYOUTS}")
         path = Path(path)
+        recover_dir(path)  # what a writer killed midway left beside it
         check_replaceable(path, overwrite)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = temp_dir(path)
         try:
             index = cls._write_files(tmp, layers, layout, model_cfg, dict(meta or {}))
             _write_file(tmp / INDEX_FILE, json.dumps(index, indent=1).encode())

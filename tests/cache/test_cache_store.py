@@ -11,6 +11,7 @@ import safetensors
 import safetensors.torch
 import torch
 from helpers.cache import tiny_cfg, tiny_model
+from helpers.faults import dead_pid
 
 from moestack.cache import ExpertStore, open_or_write_store
 from moestack.cache import store as store_mod
@@ -122,6 +123,24 @@ def test_existing_path_needs_overwrite(tmp_path):
     store = ExpertStore.write(model, tmp_path / "s", overwrite=True)
     assert torch.equal(store.load(0, 0)["w1"], model.moe_layers[0].w1[0].detach())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_leftovers_of_a_killed_writer_are_removed_by_the_next(tmp_path):
+    """A writer killed midway leaves ``.s.tmp-PID`` (and, overwriting, ``.s.old-PID``); the
+    next write of ``s`` removes a dead process's and puts an ``.old`` back where ``s`` is
+    missing; another live writer's folder is left alone."""
+    ExpertStore.write(tiny_model(), tmp_path / "s")
+    dead = dead_pid()
+    os.rename(tmp_path / "s", tmp_path / f".s.old-{dead}")  # killed between the two renames
+    (tmp_path / f".s.tmp-{dead}").mkdir()
+    (tmp_path / f".s.tmp-{os.getppid()}").mkdir()  # a live writer's
+    with pytest.raises(MoestackError, match="overwrite=True"):  # the old copy is back
+        ExpertStore.write(tiny_model(seed=3), tmp_path / "s")
+    model = tiny_model(seed=3)
+    ExpertStore.write(model, tmp_path / "s", overwrite=True)
+    got = ExpertStore(tmp_path / "s").load(0, 1)["w1"]
+    assert torch.equal(got, model.moe_layers[0].w1[1].detach())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", f".s.tmp-{os.getppid()}"])
 
 
 def test_truncated_file(tmp_path):

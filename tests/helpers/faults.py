@@ -1,8 +1,11 @@
 """What the fault-injection tests share: which errors count as a clear refusal, exact
-equality of what loads, and the loaders of a routing trace and of a pre-registration lock."""
+equality of what loads, the loaders of a routing trace and of a pre-registration lock, and the
+id of a process no longer alive (what a killed writer leaves its folders named after)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -38,3 +41,10 @@ def verify_lock(folder: Path) -> object:
 
     record = prereg.verify(next(folder.glob("*.yaml")))
     return {k: record[k] for k in ("sha256", "study_sha256", "head", "history")}
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (and was reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid

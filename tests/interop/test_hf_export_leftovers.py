@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.faults import dead_pid
 
 pytest.importorskip("transformers")
 
@@ -49,13 +50,6 @@ def _contents(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
-def _dead_pid() -> int:
-    """The id of a process that has ended (and was reaped)."""
-    child = subprocess.Popen([sys.executable, "-c", ""])
-    child.wait()
-    return child.pid
-
-
 def test_a_kill_between_the_renames_of_overwrite_gives_out_back(hf_dir, tmp_path):
     source = hf_dir("qwen3_moe")
     model = load_hf_moe(source, impl="torch")
@@ -82,7 +76,7 @@ def test_leftovers_of_dead_writers_are_removed_and_live_ones_kept(hf_dir, tmp_pa
     model = load_hf_moe(source, impl="torch")
     out = tmp_path / "out"
     export_hf(model, out, source_dir=source)
-    dead, live = _dead_pid(), os.getppid()  # the parent: alive, another process than ours
+    dead, live = dead_pid(), os.getppid()  # the parent: alive, another process than ours
     names = [f".out.tmp-{dead}", f".out.old-{dead}", f".out.tmp-{live}", f".other.tmp-{dead}"]
     for name in names:
         (tmp_path / name).mkdir()
@@ -98,7 +92,7 @@ def test_an_old_copy_is_put_back_only_where_out_is_missing(hf_dir, tmp_path):
     source = hf_dir("olmoe")
     model = load_hf_moe(source, impl="torch")
     export_hf(model, tmp_path / "earlier", source_dir=source)
-    dead = _dead_pid()
+    dead = dead_pid()
     os.rename(tmp_path / "earlier", tmp_path / f".out.old-{dead}")
     export_hf(model, tmp_path / "out2", source_dir=source)  # another OUT: not touched
     assert (tmp_path / f".out.old-{dead}").is_dir()

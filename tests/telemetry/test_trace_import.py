@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.faults import dead_pid
 
 from moestack import cli
 from moestack.errors import MoestackError
@@ -373,6 +374,16 @@ def test_an_existing_out_is_refused_and_left_alone(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["mine.txt"]
     (tmp_path / "empty").mkdir()  # an empty folder is fine
     assert import_trace(src, tmp_path / "empty").num_tokens == 50
+
+
+def test_a_killed_import_s_folder_is_removed_by_the_next(tmp_path):
+    src = write_npz(tmp_path / "t.npz", routing(), META)
+    dead = dead_pid()
+    (tmp_path / f".out.tmp-{dead}").mkdir()  # what an import killed midway left
+    (tmp_path / f".out.tmp-{dead}" / "header.json").write_text("{")
+    trace = import_trace(src, tmp_path / "out")
+    np.testing.assert_array_equal(trace.experts(0), routing()[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "t.npz"]
 
 
 def test_a_write_that_fails_leaves_no_folder(tmp_path, monkeypatch):
