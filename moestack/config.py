@@ -26,8 +26,10 @@ from moestack.cache.expert_cache import CacheConfig
 from moestack.cache.policies import check_policy, default_capacities, default_capacity
 from moestack.checks import check as _check
 from moestack.checks import coerce as _coerce
+from moestack.errors import MoestackError
 from moestack.interop.hf_model import HF_PATH_REQUIRED, HFModelConfig
 from moestack.lora import LoRAConfig
+from moestack.metrics import check_wandb_mode
 from moestack.model import CHECKPOINTING, TRAINABLE, ModelConfig
 from moestack.moe import MOE_IMPLS, MoEConfig
 from moestack.router import ROUTER_SCORES, RouterConfig
@@ -287,7 +289,9 @@ class TrainConfig:
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # sequences per micro-batch: the global batch, split over the ranks
     grad_accum: int = 1  # micro-batches per optimizer step
-    eval_every: int = 100  # evaluate validation loss every N steps (0 = only at the end)
+    # evaluate validation loss every N steps (0 = only at the end), whatever log_every is:
+    # in the step's metrics record when it is a log step, else in a record of its own
+    eval_every: int = 100
     eval_batches: int = 8  # validation batches per evaluation
     log_every: int = 10  # write metrics every N steps
     ckpt_every: int = 100  # checkpoint every N steps (0 = only at the end)
@@ -299,7 +303,7 @@ class TrainConfig:
     resume: bool = False  # continue from the newest checkpoint in out_dir
     out_dir: str = ""  # run directory ("" = hydra's output dir, or ./runs/<time> from Python)
     wandb_project: str = ""  # wandb project ("" = $WANDB_PROJECT, else "moestack")
-    wandb_mode: str = ""  # "" = WANDB_MODE or offline; "disabled" turns wandb off
+    wandb_mode: str = ""  # "" = WANDB_MODE or offline; "online", "offline"; "disabled" = off
     progress: bool = True  # show a progress bar
     # which weights train: "all", "routers" (the MoE routers only), "routers+experts" (and
     # the routed experts), "lora" (low-rank adapters, see lora.*) or "routers+lora"; frozen
@@ -344,6 +348,7 @@ class TrainConfig:
             self.device in ("auto", "cpu", "cuda"),
             f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'",
         )
+        check_wandb_mode(self.wandb_mode)
         # A transformers model's sizes are known once it is resolved (``resolve``): the
         # checks and defaults that need them wait until then.
         if self.model.resolved:
@@ -358,6 +363,12 @@ class TrainConfig:
             f"{self.data.seq_len}; shorten the window or lengthen the sequences",
         )
         if self.model.resolved:
+            experts = self.model.moe.num_experts
+            _check(
+                self.router.pin == 0 or self.router.pin_experts <= experts,
+                f"router.pin_experts={self.router.pin_experts} exceeds model.moe.num_experts="
+                f"{experts}; pin at most {experts} experts (lower router.pin_experts)",
+            )
             self._cache_sizes()
             if self.trainable.endswith("lora"):
                 self.lora.check_fits(self.model.d_model, self.model.moe.d_ff)
@@ -374,6 +385,19 @@ class TrainConfig:
             f"cache.capacity={self.cache.capacity} is smaller than moe.top_k="
             f"{self.model.moe.top_k}: one token would not fit",
         )
+
+    def check_batch_split(self, ranks: int) -> None:
+        """Refuse ``ranks`` that do not split ``batch_size`` (the global batch: each rank
+        takes an equal share of every batch), naming batch sizes that do; the one rule of
+        training and of ``moestack plan``."""
+        if self.batch_size % ranks:
+            lower = self.batch_size // ranks * ranks
+            sizes = f"{lower} or {lower + ranks}" if lower else f"{ranks}"
+            raise MoestackError(
+                f"batch_size={self.batch_size} does not split over {ranks} ranks: each rank "
+                f"takes an equal share of the global batch; use a multiple of {ranks}, "
+                f"such as batch_size={sizes}"
+            )
 
     def resolve(self) -> TrainConfig:
         """This run's config with its model resolved: a transformers model's architecture

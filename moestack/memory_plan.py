@@ -91,6 +91,7 @@ def plan_memory(
         raise MoestackError("the memory plan covers moestack's own models, not model.path ones")
     if ranks < 1:
         raise MoestackError(f"--ranks {ranks} must be >= 1")
+    cfg.check_batch_split(ranks)  # a layout training refuses has no plan
     kind = device or cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,6 +19,18 @@ from moestack import atomic
 
 log = logging.getLogger(__name__)
 
+# the wandb modes a run may name: "" = $WANDB_MODE, else offline; "disabled" turns wandb off
+WANDB_MODES = ("", "online", "offline", "disabled")
+
+
+def check_wandb_mode(mode: str) -> None:
+    """Refuse a wandb mode wandb has no use for: a typo must not train with wandb off."""
+    if mode not in WANDB_MODES:
+        raise ValueError(
+            f"wandb_mode={mode!r} is unknown; use online, offline, disabled or '' "
+            "($WANDB_MODE, else offline)"
+        )
+
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file; a line that is not a JSON object (a torn last
@@ -78,6 +90,7 @@ class MetricsWriter:
         wandb_config: dict[str, Any] | None = None,
         resume_step: int | None = None,
     ) -> None:
+        check_wandb_mode(wandb_mode)
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
         self.wandb_run = None

@@ -113,9 +113,7 @@ class ModelConfig:
                 "moestack's own model without experts is loaded from a checkpoint: "
                 "moestack.runs.load_run(RUN, experts=False)"
             )
-        model = MoETransformer(self, seed=seed, experts_on_meta=experts_on_meta)
-        model.reset_anchors()
-        return model
+        return MoETransformer(self, seed=seed, experts_on_meta=experts_on_meta)
 
 
 @dataclass
@@ -423,7 +421,8 @@ class MoETransformer(RoutedLM):
         tensor drawn from a generator of its own (seed, name) and each expert from one of
         (seed, layer, expert id) (:mod:`moestack.seeding`): any layout of the experts over
         ranks, built whole or on meta and materialised, starts from the same weights. Meta
-        tensors are skipped (drawn once a rank holds its rows: :meth:`init_experts`)."""
+        tensors are skipped (drawn once a rank holds its rows: :meth:`init_experts`). Routers
+        with an anchor loss take the weights drawn here as their reference."""
         std = self.cfg.init_std
 
         def draw(name: str, tensor: torch.Tensor, scale: float = std) -> None:
@@ -438,6 +437,7 @@ class MoETransformer(RoutedLM):
             draw(f"layers.{i}.attn.out.weight", block.attn.out.weight, out_std)
             draw(f"layers.{i}.moe.router.weight", block.moe.router.weight)
             block.moe.init_experts(seed, f"layers.{i}.moe", std)
+        self.reset_anchors()  # the anchor loss's reference is the router drawn here
 
     def init_experts(self, seed: int) -> None:
         """Draw every layer's expert rows as :meth:`init_weights` does (by their global

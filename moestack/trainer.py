@@ -10,6 +10,7 @@ rank runs the same loop on its slice of each global batch, and rank 0 writes.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import errno
 import logging
@@ -227,13 +228,15 @@ def _build_and_step(
             run.state.step = done = step + 1
             if step == run.start_step:
                 memory_plan.log_peak(plan, run.device)
-            if not result.finite:
+            if not result.finite:  # skipped, but a step of the schedules all the same
                 _check_bad_steps(run, step)
-                continue
             if progress is not None:
                 progress.update(1)
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                log_interval(run, result, done, progress)
+            evaluating = _evaluation_due(cfg, done)
+            if result.finite and (done % cfg.log_every == 0 or done == cfg.steps):
+                log_interval(run, result, done, progress, evaluating)
+            elif evaluating:  # not a log step (or a skipped one): a record of its own
+                log_evaluation(run, done)
             if cfg.ckpt_every and done % cfg.ckpt_every == 0 and done != cfg.steps:
                 save(run, done)
     finally:
@@ -303,9 +306,18 @@ def _check_bad_steps(run: Run, step: int) -> None:
         )
 
 
-def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None:
-    """Write one metrics record for the steps since the last one (plus an evaluation every
-    ``eval_every`` steps and telemetry's interval metrics), then start a new interval."""
+def _evaluation_due(cfg: TrainConfig, done: int) -> bool:
+    """Whether the loop evaluates after step ``done``: every ``eval_every`` steps, on its
+    own schedule (log steps or not); the last step's evaluation is ``finish_run``'s."""
+    return bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != cfg.steps
+
+
+def log_interval(
+    run: Run, result: StepResult, done: int, progress: Any, evaluating: bool = False
+) -> None:
+    """Write one metrics record for the steps since the last one (plus, with
+    ``evaluating``, the evaluation of this step, and telemetry's interval metrics), then
+    start a new interval."""
     cfg, state = run.cfg, run.state
     elapsed = run.interval_step_s  # training throughput: evaluation and checkpoints apart
     metrics = {
@@ -321,10 +333,8 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
     if run.exchange is not None:
         steps = state.interval_steps
         metrics.update(parallel.exchange_metrics(run.exchange, run.dist.world_size, steps, elapsed))
-    if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-        metrics.update(_evaluate(run))
-        if run.exchange is not None:  # evaluation's exchanges are not training traffic
-            run.exchange.reset()
+    if evaluating:
+        metrics.update(_evaluate_in_training(run))
     charts = None
     if run.telemetry is not None:
         metrics.update(run.telemetry.interval_metrics(step=done))
@@ -338,6 +348,26 @@ def log_interval(run: Run, result: StepResult, done: int, progress: Any) -> None
         )
     state.reset_interval()
     run.interval_step_s = 0.0
+
+
+def log_evaluation(run: Run, done: int) -> None:
+    """Evaluate after step ``done`` and write it as a record of its own (``eval_every`` on a
+    step that writes no training record)."""
+    metrics = _evaluate_in_training(run)
+    run.writer.log(done, metrics)
+    run.last_metrics.update(metrics)
+
+
+def _evaluate_in_training(run: Run) -> dict[str, float]:
+    """An evaluation between training steps. The expert exchanges it makes are not training
+    traffic: the exchange counters are left as they were before it (mid-interval they hold
+    the interval's training traffic so far)."""
+    kept = copy.deepcopy(run.exchange)
+    metrics = _evaluate(run)
+    if run.exchange is not None:
+        for f in dataclasses.fields(run.exchange):
+            setattr(run.exchange, f.name, getattr(kept, f.name))
+    return metrics
 
 
 def _evaluate(run: Run) -> dict[str, float]:
@@ -476,10 +506,7 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     parallel.check_layout(dist_info.world_size, cfg.parallel.ep)
     if cfg.parallel.ep > 1:  # a process must hold its share, not every phase's leftovers
         host_allocator.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb << 10)
-    if cfg.batch_size % dist_info.world_size:
-        raise MoestackError(
-            f"batch_size={cfg.batch_size} does not split over {dist_info.world_size} ranks"
-        )
+    cfg.check_batch_split(dist_info.world_size)
     resume_from = prepare_out_dir(cfg, out_dir, dist_info)
     corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)

@@ -166,3 +166,23 @@ def test_a_training_run_builds_its_model_once(tmp_path, monkeypatch, caplog):
         train(small_config(steps=1, optim=OptimConfig(name="offload_adamw")), tmp_path)
     assert len(builds) == 1
     assert any("memory plan (per rank)" in r.getMessage() for r in caplog.records)
+
+
+def test_plan_refuses_a_batch_training_refuses_with_the_same_line(tmp_path):
+    """``moestack plan --ranks 3`` of a batch of 16: refused as a 3-rank run refuses it
+    (one rule), naming batch sizes 3 ranks share (15 and 18: multiples of 3, by hand)."""
+    from moestack.distributed import DistInfo
+    from moestack.errors import MoestackError
+    from moestack.trainer import build_run
+
+    cfg = small_config(batch_size=16)
+    with pytest.raises(MoestackError) as planned:
+        plan_memory(cfg, ranks=3, device="cpu")
+    with pytest.raises(MoestackError) as trained:
+        build_run(cfg, tmp_path / "run", DistInfo(rank=0, world_size=3))
+    assert str(planned.value) == str(trained.value)
+    assert "batch_size=16 does not split over 3 ranks" in str(planned.value)
+    assert "batch_size=15 or 18" in str(planned.value)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    for size in (15, 18):
+        assert plan_memory(small_config(batch_size=size), ranks=3, device="cpu").ranks == 3

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from moestack import router_losses
-from moestack.config import MoEConfig, RouterConfig
+from moestack import MoETransformer, router_losses
+from moestack.config import ModelConfig, MoEConfig, RouterConfig
 from moestack.moe import MoE
 from moestack.router import Routing
 
@@ -64,3 +64,20 @@ def test_anchor_pulls_a_drifted_router_back_to_its_reference():
     # The reference is a checkpointed buffer, untouched by the optimizer.
     assert "router.anchor_weight" in moe.state_dict()
     assert not moe.router.anchor_weight.requires_grad
+
+
+@pytest.mark.parametrize("build", ["constructor", "config"])
+def test_a_new_model_starts_at_its_anchor(build):
+    """Built either way, a model's anchor reference is the router weights it starts with (those
+    of the same model without the anchor loss): its anchor loss is 0 before any step."""
+    cfg = ModelConfig(n_layers=2, router=RouterConfig(anchor=1.0, load_balance=0, z_loss=0))
+    plain = MoETransformer(ModelConfig(n_layers=2, router=RouterConfig(load_balance=0, z_loss=0)),
+                           seed=3)  # fmt: skip
+    model = MoETransformer(cfg, seed=3) if build == "constructor" else cfg.build(seed=3)
+    for layer, reference in zip(model.moe_layers, plain.moe_layers, strict=True):
+        assert torch.equal(layer.router.weight, reference.router.weight)
+        assert torch.equal(layer.router.anchor_weight, reference.router.weight)
+    tokens = torch.randint(1, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = model.train()(tokens[:, :-1], tokens[:, 1:])
+    for i in range(2):
+        assert out.metrics[f"router/layer{i}/anchor"].item() == pytest.approx(0.0, abs=1e-7)

@@ -1,10 +1,13 @@
 """tokens_per_expert (the router's sync-free count) against torch.bincount, bit for bit, and
 the router's counts and metrics built on it (tests/model/test_no_host_sync_gpu.py: no syncs)."""
 
+import math
+
 import pytest
 import torch
 
-from moestack.config import RouterConfig
+from moestack.config import MoEConfig, RouterConfig
+from moestack.moe import MoE
 from moestack.router import Router, Routing, tokens_per_expert
 
 
@@ -67,3 +70,17 @@ def test_empty_routing_metrics():
     )
     metrics = Router.metrics(routing, 4)
     assert metrics["imbalance"].item() == 0.0
+    assert metrics["entropy"].item() == 0.0  # no tokens: 0, not the NaN of an empty mean
+
+
+def test_entropy_metric_by_hand_and_of_an_empty_layer():
+    """Uniform scores over 4 experts: entropy ln 4; one-hot: 0 (worked by hand). A layer
+    given no tokens reports finite metrics."""
+    uniform, one_hot = torch.full((3, 4), 0.25), torch.eye(4)[:3]
+    for scores, want in ((uniform, math.log(4)), (one_hot, 0.0)):
+        routing = Routing(scores, scores[:, :2], torch.zeros(3, 2, dtype=torch.long), scores)
+        assert Router.metrics(routing, 4)["entropy"].item() == pytest.approx(want, abs=1e-6)
+    moe = MoE(8, MoEConfig(num_experts=4, top_k=2, d_ff=4, impl="torch"), RouterConfig())
+    moe(torch.randn(0, 8))
+    assert all(math.isfinite(float(v)) for v in moe.metrics.values()), moe.metrics
+    assert float(moe.metrics["entropy"]) == 0.0
