@@ -14,7 +14,8 @@ state, into files of its own (``rank00001.experts.safetensors``, ``rank00001.opt
 gathers another's experts, and a reader at any layout reads the rows it needs.
 
 A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
-renamed into place, so a crash never leaves a half-written checkpoint that looks complete;
+renamed into place (the folder and its files get the modes the umask gives the run's other
+files: readable by all under a umask of 022), so a crash never leaves a half-written checkpoint that looks complete;
 only the newest ``keep_last`` are kept, and an old one is renamed to ``.trash-...`` before it
 is deleted, so a kill mid-prune leaves nothing that looks like a checkpoint. A save that
 replaces a checkpoint of the same step renames the old copy to ``.trash-...``, the new one
@@ -106,6 +107,7 @@ def save_checkpoint(
             checkpoint_parts.write_safetensors(tmp / MODEL_FILE, shared)
         else:
             safetensors.torch.save_model(model, str(tmp / MODEL_FILE))
+            os.chmod(tmp / MODEL_FILE, 0o666 & ~_umask())  # safetensors writes it 0600
         torch.save(train_state, tmp / STATE_FILE)
         meta = {
             "format": FORMAT,
@@ -144,7 +146,22 @@ def new_folder(ckpt_root: Path | str, step: int) -> Path:
     it if the save never finishes)."""
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step:06d}.", dir=ckpt_root))
+    folder = Path(tempfile.mkdtemp(prefix=f".{PREFIX}{step:06d}.", dir=ckpt_root))
+    os.chmod(folder, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the checkpoint
+    return folder
+
+
+def _umask() -> int:
+    """This process's umask: a checkpoint's folder and files get the modes ``mkdir`` and
+    ``open`` give the run's other files (0755 and 0644 under a umask of 022). Read from
+    /proc where Linux reports it, else set and put back."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _full_or(
@@ -156,8 +173,16 @@ def _full_or(
     full = atomic.out_of_space(err, ckpt_root, needed, f"checkpoint {final.name}")
     if full is None:
         return err
-    kept = latest_checkpoint(ckpt_root)
-    return MoestackError(f"{full}; the last checkpoint ({kept or 'none'}) is kept")
+    return MoestackError(f"{full}; {kept_note(ckpt_root)}")
+
+
+def kept_note(ckpt_root: Path | str) -> str:
+    """What a run that stopped with an error can continue from, for its message: the newest
+    checkpoint under ``ckpt_root``, or that there is none (then resuming is no advice)."""
+    last = latest_checkpoint(ckpt_root)
+    if last is None:
+        return "no checkpoint was written before it, so there is none to resume from"
+    return f"the last checkpoint, {last}, is kept: resume=true continues from it"
 
 
 def _tensor_bytes(tree: Any) -> int:

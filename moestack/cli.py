@@ -318,8 +318,10 @@ def cmd_prereg(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from moestack.memory_plan import plan_memory
+    from moestack.overrides import check_overrides
     from moestack.prereg.compose import compose_config
 
+    check_overrides(args.overrides, sweep=False)  # the rule moestack-train applies
     cfg = compose_config(args.overrides)
     plan = plan_memory(cfg, ranks=args.ranks, device=args.device)
     print(

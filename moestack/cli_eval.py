@@ -375,9 +375,10 @@ def eval_parser(verbs: Any) -> None:
         "--max-bytes",
         type=count_arg,
         default=None,
-        help="read at most this many bytes of corpus text (the validation split holds "
-        "data.val_fraction of them); 0 = all (default: the run's data.max_bytes; all for a "
-        "model folder)",
+        help="read corpus text in whole documents until each split holds its share of this "
+        "many bytes (validation: data.val_fraction of it; a split's last document is kept "
+        "whole, so it may pass its share by one document); 0 = all (default: the run's "
+        "data.max_bytes; all for a model folder)",
     )
     p.add_argument("--device", default="", help="cpu or cuda (default: the run's device)")
     _cache_options(p)

@@ -213,7 +213,9 @@ class DataConfig:
     hf_split: str = "train"  # source=hf: split to read
     val_fraction: float = 0.05  # share of documents (by hash of their name) held out
     seq_len: int = 256  # tokens per training sequence
-    max_bytes: int = 0  # cap on the corpus size in bytes (0 = all of it)
+    # cap on the corpus in whole documents (0 = all of it): each split takes documents until
+    # it holds its share (validation val_fraction of it), its last document kept whole
+    max_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(

@@ -7,29 +7,39 @@ One run, one folder: hydra's run folder is ``out_dir`` when it is set (configs/t
 what produced it in ``provenance.json`` (``moestack.provenance``, with this command's line,
 overrides and config choices). In a sweep (``-m``) a job that fails logs one line and
 the sweep goes on; the exit status is the number of jobs that failed.
+
+Before hydra composes anything, the overrides are checked against the config
+(``moestack.overrides``: an unknown key or a value of the wrong type is one line, exit
+status 2), and ``out_dir`` against what it holds (a run's checkpoints without
+``resume=true`` are refused before hydra writes its record there). A refused start leaves
+nothing new: what it wrote is removed, and a refused resume puts the run's ``.hydra/``
+record back. Ctrl-C ends a run with one line naming the last step logged, the newest
+checkpoint and the command that continues from it (exit status 130).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
 import re
+import shlex
 import shutil
 import sys
-import typing
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from omegaconf import OmegaConf
 
 import moestack
-from moestack import sweep_summary
+from moestack import checkpoint, sweep_summary
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
+from moestack.metrics import read_metrics
+from moestack.overrides import check_command_line, check_overrides
 from moestack.runs import LOCK_FILE, check_out_dir, check_run_dir_free
 from moestack.trainer import train
 
@@ -39,37 +49,8 @@ _MAX_STATUS = 125  # exit statuses above are the shell's own
 _jobs: list[sweep_summary.SweepJob] = []  # this process's sweep jobs, as they ended
 
 
-def _check_overrides(overrides: list[str]) -> None:
-    """``model.router`` is filled from ``router``: an override of it would be dropped, so it
-    is refused with the override to write instead. A true/false field takes only true or
-    false: the config library would read ``compile=2`` (or 0) as a bool without a word."""
-    for override in overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        if key == "model.router" or key.startswith("model.router."):
-            fix = override.lstrip("+~").replace("model.router", "router", 1)
-            raise MoestackError(
-                f"{override!r}: the router is configured in one place, the `router` group; "
-                f"write {fix!r}"
-            )
-        if _field_type(TrainConfig, key) is bool and value.strip().lower() not in ("true", "false"):
-            raise MoestackError(f"{override!r}: {key} is true or false, not {value!r}")
-
-
-def _field_type(config: type, key: str) -> Any:
-    """The type of the config field a dotted key names (None when it names none); a field
-    typed Any that holds a config node (``TrainConfig.model``) is typed by that node's
-    class, as the command line fills it."""
-    head, _, rest = key.partition(".")
-    fields = (
-        {f.name: f for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else {}
-    )
-    if head not in fields:
-        return None
-    kind = typing.get_type_hints(config)[head]
-    factory = fields[head].default_factory
-    if kind is Any and isinstance(factory, type) and dataclasses.is_dataclass(factory):
-        kind = factory
-    return _field_type(kind, rest) if rest else kind
+_check_overrides = check_overrides  # the overrides' check (moestack.overrides), by its old name
+_INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 
 def _command_line_out_dir(argv: list[str]) -> Path | None:
@@ -95,16 +76,33 @@ def torchrun_out_dir(argv: list[str], env: dict[str, str]) -> str | None:
     return f"outputs/torchrun/{run_id}"
 
 
+def _command_line_resume(argv: list[str]) -> bool:
+    """Whether the command line sets ``resume=true`` (the last ``resume=`` override wins)."""
+    resume = False
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if sep and key == "resume":
+            resume = value.strip("'\"").lower() == "true"
+    return resume
+
+
 def check_out_dir_early(argv: list[str]) -> None:
-    """Refuse an ``out_dir`` that cannot hold a run, or that another process trains into,
-    before hydra writes its own record (``.hydra/``, ``train.log``) into it."""
+    """Refuse an ``out_dir`` that cannot hold a run, that another process trains into, or
+    that holds a run's checkpoints without ``resume=true``, before hydra writes its own
+    record (``.hydra/``, ``train.log``) into it: a refused start leaves the run's as it was."""
     out_dir = _command_line_out_dir(argv)
     if out_dir is None:
         return
     check_out_dir(out_dir)
-    sweep = any(arg in ("-m", "--multirun") for arg in argv)  # its jobs hold their subfolders
-    if not sweep and os.environ.get("RANK", "0") == "0":
+    if any(arg in ("-m", "--multirun") for arg in argv):
+        return  # a sweep's jobs hold subfolders of their own
+    if os.environ.get("RANK", "0") == "0":
         check_run_dir_free(out_dir)
+    if not _command_line_resume(argv) and checkpoint.latest_checkpoint(out_dir / "checkpoints"):
+        raise MoestackError(
+            f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick "
+            "another out_dir"
+        )  # the words of moestack.runs.prepare_out_dir, which checks again once hydra composed
 
 
 def _is_sweep(hydra_cfg: Any) -> bool:
@@ -131,8 +129,8 @@ def launch_record(hydra_cfg: Any) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- one run
 def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
-    """Check and build the config, then train in the run's folder; returns its summary."""
-    _check_overrides(list(hydra_cfg.overrides.task))
+    """Build the config (its overrides were checked before hydra composed them), then train
+    in the run's folder; returns its summary."""
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.out_dir:
         raise MoestackError(
@@ -176,6 +174,8 @@ def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
     try:
         with _wandb_names(hydra_cfg):
             summary = _run(dict_cfg, hydra_cfg)
+    except KeyboardInterrupt:  # Ctrl-C ends the sweep: the jobs after this one do not run
+        _stop_interrupted(hydra_cfg)
     except (MoestackError, ValueError) as err:
         log.error("job %s failed: %s", label, err)
         _jobs.append(ended(str(err), None))
@@ -195,29 +195,130 @@ def _hydra_task(dict_cfg: Any) -> None:
         return
     try:
         _run(dict_cfg, hydra_cfg)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying how to continue, not a traceback
+        _stop_interrupted(hydra_cfg)
     except (MoestackError, ValueError) as err:
         log.error("error: %s", err)
-        _remove_refused_folder(Path(hydra_cfg.runtime.output_dir), dated=not dict_cfg.out_dir)
+        out_dir = Path(hydra_cfg.runtime.output_dir)
+        if os.environ.get("RANK", "0") == "0" and bool(dict_cfg.resume):
+            _before.restore_hydra_record(out_dir)
+        _remove_refused_folder(out_dir, dated=not dict_cfg.out_dir)
         sys.exit(2)
 
 
-_HYDRA_ONLY = re.compile(r"\.hydra|train(\.rank\d+)?\.log|" + re.escape(LOCK_FILE))
+# --------------------------------------------------------------------------- a refused start
+# What a start writes before it reads data or builds the model: hydra's record and log, the
+# folder's lock, the resolved config, the provenance record, a transformers source's digests.
+_START_FILES = re.compile(
+    r"\.hydra|train(\.rank\d+)?\.log|"
+    + re.escape(LOCK_FILE)
+    + r"|config\.yaml|provenance\.json|source_model\.json"
+)
+
+
+@dataclass
+class _FolderBefore:
+    """What the command line's ``out_dir`` held before hydra wrote into it: whether it
+    existed, the names in it, and the files of its ``.hydra/`` record (small YAML files)."""
+
+    existed: bool = False
+    names: frozenset[str] = frozenset()
+    hydra_record: dict[str, bytes] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, out_dir: Path | None) -> _FolderBefore:
+        if out_dir is None or not out_dir.is_dir():
+            return cls()
+        record = out_dir / ".hydra"
+        files = sorted(record.iterdir()) if record.is_dir() else []
+        saved = {p.name: p.read_bytes() for p in files if p.is_file()}
+        names = frozenset(p.name for p in out_dir.iterdir())
+        return cls(existed=True, names=names, hydra_record=saved)
+
+    def restore_hydra_record(self, out_dir: Path) -> None:
+        """Put back the ``.hydra/`` record a refused resume of a run overwrote with its own
+        (hydra writes it before the run's checks can refuse)."""
+        record = out_dir / ".hydra"
+        if not self.hydra_record or not record.is_dir():
+            return
+        for path in record.iterdir():
+            if path.is_file() and path.name not in self.hydra_record:
+                path.unlink()
+        for name, data in self.hydra_record.items():
+            (record / name).write_bytes(data)
+
+
+_before = _FolderBefore()  # the command line's out_dir as main() found it
 
 
 def _remove_refused_folder(out_dir: Path, dated: bool) -> None:
-    """A refused run leaves no folder: remove ``out_dir`` when it holds nothing but what
-    hydra wrote for this start (``.hydra/``, the log); and the empty ``outputs/<date>``
-    above a dated default one."""
+    """A refused start leaves nothing new: when all it added to ``out_dir`` is what a start
+    writes before it reads data (hydra's record and log, config.yaml, provenance.json: a
+    missing data file is refused after them), those are removed, and the folder too when
+    it was not there before (with the empty ``outputs/<date>`` above a dated default one).
+    Once a run wrote more (metrics, checkpoints), everything stays."""
     try:
-        names = [p.name for p in out_dir.iterdir()]
+        added = [p for p in out_dir.iterdir() if dated or p.name not in _before.names]
     except OSError:
         return
-    if not all(_HYDRA_ONLY.fullmatch(name) for name in names):
-        return  # a run, or the user's own files: kept
-    shutil.rmtree(out_dir, ignore_errors=True)
+    if not all(_START_FILES.fullmatch(p.name) for p in added):
+        return  # a run that began: kept
+    for path in added:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if dated or not _before.existed:
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()  # only while empty
     for parent in (out_dir.parent, out_dir.parent.parent) if dated else ():
         with contextlib.suppress(OSError):
             parent.rmdir()  # only while empty
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+def _stop_interrupted(hydra_cfg: Any) -> None:
+    """Say where the run stopped (rank 0 only: every rank of a torchrun launch gets the
+    Ctrl-C) and exit with the shell's status for it."""
+    if os.environ.get("RANK", "0") == "0":
+        _say(interrupted(hydra_cfg), sys.stderr)
+    sys.exit(_INTERRUPTED)
+
+
+def interrupted(hydra_cfg: Any) -> str:
+    """The line a run stopped by Ctrl-C ends with: the last step it logged, its newest
+    checkpoint and the command that continues from it (provenance.json records the start
+    as "interrupted")."""
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    steps = [r["step"] for r in _metrics(out_dir) if isinstance(r.get("step"), int)]
+    at = f"after step {max(steps)} (the last one logged)" if steps else "before it logged a step"
+    last = checkpoint.latest_checkpoint(out_dir / "checkpoints")
+    if last is None:
+        return (
+            f"moestack-train: interrupted {at}; no checkpoint was written in {out_dir}, so "
+            "there is nothing to resume: run the command again to start over"
+        )
+    return (
+        f"moestack-train: interrupted {at}; the last checkpoint is {last}: continue from it "
+        f"with {_resume_command(list(hydra_cfg.overrides.task), out_dir)}"
+    )
+
+
+def _metrics(out_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return read_metrics(out_dir / "metrics.jsonl")
+    except OSError:
+        return []
+
+
+def _resume_command(overrides: list[str], out_dir: Path) -> str:
+    """The command line that resumes the run in ``out_dir``: its own overrides (a resumed
+    run keeps its config), ``out_dir`` and ``resume=true``."""
+    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in ("out_dir", "resume")]
+    words = ["moestack-train", *kept, f"out_dir={out_dir}", "resume=true"]
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"the same torchrun launch of {shlex.join(words)}"
+    return shlex.join(words)
 
 
 def _say(message: str, stream: TextIO) -> None:
@@ -285,6 +386,7 @@ def main() -> None:
     if shared is not None:  # before hydra, which makes the run folder from it
         sys.argv.append(f"out_dir={shared}")
     try:
+        check_command_line(sys.argv[1:])  # before hydra: it would take a typo's '+' silently
         check_out_dir_early(sys.argv[1:])
     except MoestackError as err:
         _say(f"error: {err}", sys.stderr)
@@ -293,10 +395,16 @@ def main() -> None:
 
     from moestack.config import register_configs
 
+    global _before
+    _before = _FolderBefore.read(_command_line_out_dir(sys.argv[1:]))
     register_configs()
     _jobs.clear()
     app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
-    app(_hydra_task)()
+    try:
+        app(_hydra_task)()
+    except KeyboardInterrupt:  # outside a run (a run says where it stopped)
+        _say("moestack-train: interrupted", sys.stderr)
+        sys.exit(_INTERRUPTED)
     if _jobs:
         sys.exit(_sweep_status())
 

@@ -299,10 +299,9 @@ def _check_bad_steps(run: Run, step: int) -> None:
     bad = run.state.consecutive_bad
     log.warning("step %d: non-finite loss, step skipped (%d in a row)", step, bad)
     if bad >= run.cfg.max_bad_steps:
-        last = checkpoint.latest_checkpoint(run.ckpt_root)
         raise MoestackError(
             f"the loss was NaN/inf for {bad} steps in a row (step {step}); "
-            f"the last good checkpoint is {last or 'none'}; lower optim.lr or check the data"
+            f"{checkpoint.kept_note(run.ckpt_root)}; lower optim.lr or check the data"
         )
 
 
@@ -644,8 +643,7 @@ def _on_every_rank(
     if errors:
         if cleanup is not None and run.dist.is_main:
             shutil.rmtree(cleanup, ignore_errors=True)
-        last = checkpoint.latest_checkpoint(run.ckpt_root)
-        raise MoestackError(f"{errors[0]}; the last checkpoint, {last or 'none'}, is kept")
+        raise MoestackError(f"{errors[0]}; {checkpoint.kept_note(run.ckpt_root)}")
     return [r for r, _ in outcomes]
 
 
@@ -657,11 +655,10 @@ def _refuse_non_finite(run: Run, step: int, optimizer_state: Any) -> None:
     if run.dist.active:  # every rank stops together
         clean = distributed.all_reduce_mean(float(clean), run.dist, run.device) == 1.0
     if not clean:
-        last = checkpoint.latest_checkpoint(run.ckpt_root)
         raise MoestackError(
             f"step {step}: {bad or 'another rank'} holds NaN/inf although the loss was finite; "
-            f"not checkpointed. The last checkpoint, {last or 'none'}, is kept: resume from it "
-            "with a lower optim.lr (or optim.grad_clip)"
+            f"not checkpointed; {checkpoint.kept_note(run.ckpt_root)}; lower optim.lr (or "
+            "optim.grad_clip)"
         )
 
 

@@ -155,3 +155,14 @@ def test_compiled_model_matches_eager_with_no_graph_breaks():
     torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-5, atol=1e-7)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [("+optim.lrr=1", "did you mean optim.lr?"), ("seed=abc", "seed is an integer")],
+)
+def test_moestack_plan_checks_overrides_as_training_does(capsys, override, expected):
+    with pytest.raises(SystemExit) as done:
+        cli_main(["plan", "model=m137", override])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and "\n" not in err and expected in err, err

@@ -1,0 +1,138 @@
+"""What moestack-train leaves in its out_dir when a start is refused or stopped: a refused
+start leaves nothing new (a finished run's .hydra/ record stays as the run wrote it; a new
+folder refused for its data is not left behind), and Ctrl-C ends a run with one line naming
+the last step logged, the newest checkpoint and the command that continues it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers.cli import TINY_ARGS, run_module
+
+from moestack import checkpoint
+
+TINY = [*TINY_ARGS, "telemetry=off", "wandb_mode=disabled"]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative name -> bytes)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def one_line(done: subprocess.CompletedProcess, status: int) -> str:
+    """stderr of a command that ended with ``status`` in one line, no traceback."""
+    assert done.returncode == status, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A tiny run of two steps, trained by the command, its checkpoint written at the end."""
+    folder = tmp_path_factory.mktemp("finished")
+    done = run_module(*TINY, f"out_dir={folder / 'run'}", cwd=folder)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert checkpoint.latest_checkpoint(folder / "run/checkpoints") is not None
+    return folder / "run"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_refused_start_leaves_a_finished_run_as_it_was(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    before = files_of(run)
+    done = run_module(*TINY, "model.d_model=64", f"out_dir={run}", cwd=tmp_path)
+    assert "already holds checkpoints; pass resume=true" in one_line(done, 2)
+    assert files_of(run) == before  # .hydra/config.yaml still says the run's d_model=32
+
+
+def test_a_refused_resume_puts_the_runs_hydra_record_back(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    record = files_of(run / ".hydra")
+    done = run_module(*TINY, "model.d_model=64", "resume=true", f"out_dir={run}", cwd=tmp_path)
+    assert done.returncode == 2 and "changed config (model.d_model 32 -> 64)" in done.stderr
+    assert files_of(run / ".hydra") == record
+    starts = json.loads((run / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["finished", "failed"]  # the start is on record
+
+
+def test_a_new_folder_refused_for_its_data_is_not_left_behind(tmp_path):
+    missing = tmp_path / "missing.txt"
+    args = [*TINY, "data=files", f"data.paths=[{missing}]"]
+    done = run_module(*args, f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"  # a folder of the user's: only what the start added goes
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    done = run_module(*args, f"out_dir={mine}", cwd=tmp_path)
+    assert done.returncode == 2
+    assert files_of(mine) == {"notes.txt": b"kept"}
+    done = run_module(*args, cwd=tmp_path)  # the dated default folder
+    assert done.returncode == 2 and not (tmp_path / "outputs").exists()
+
+
+# --------------------------------------------------------------------------- Ctrl-C
+def interrupt(out: Path, *args: str, at_step: int) -> subprocess.CompletedProcess:
+    """Start ``moestack-train ARGS out_dir=OUT`` and send it SIGINT (what Ctrl-C sends) once
+    its metrics.jsonl holds step ``at_step``; the finished process."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "moestack.train", *args, f"out_dir={out}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=out.parent)  # fmt: skip
+    try:
+        while not _logged(out / "metrics.jsonl", at_step):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _logged(metrics: Path, step: int) -> bool:
+    try:
+        return any(json.loads(line).get("step", 0) >= step for line in metrics.open())
+    except (OSError, ValueError):
+        return False
+
+
+LONG = [*TINY, "steps=100000", "log_every=1"]  # never ends by itself
+
+
+def test_ctrl_c_says_where_the_run_stopped_and_how_to_continue(tmp_path):
+    out = tmp_path / "run"
+    done = interrupt(out, *LONG, "ckpt_every=2", at_step=3)
+    line = one_line(done, 130)
+    newest = checkpoint.latest_checkpoint(out / "checkpoints")
+    logged = max(json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines())
+    assert line.startswith(f"moestack-train: interrupted after step {logged} (the last one logged)")
+    assert f"the last checkpoint is {newest}: continue from it with moestack-train " in line
+    command = shlex.split(line.split("continue from it with ", 1)[1])
+    assert command == ["moestack-train", *LONG, "ckpt_every=2", f"out_dir={out}", "resume=true"]
+    starts = json.loads((out / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["interrupted"]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    out = tmp_path / "run"
+    done = interrupt(out, *LONG, "ckpt_every=0", at_step=1)
+    line = one_line(done, 130)
+    assert f"no checkpoint was written in {out}, so there is nothing to resume" in line
+    assert "resume=true" not in line and checkpoint.latest_checkpoint(out / "checkpoints") is None
