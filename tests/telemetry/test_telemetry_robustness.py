@@ -7,23 +7,14 @@ import logging
 import numpy as np
 import pytest
 import torch
+from helpers.telemetry import small_moestack
 from torch import nn
 
-from moestack import ModelConfig, MoEConfig, MoETransformer
 from moestack.telemetry import attach, tiny_model
 from moestack.telemetry import hooks as tel_hooks
 from moestack.telemetry.detect import RouterSpec
 from moestack.telemetry.live import LiveReplay
 from moestack.telemetry.trace import TraceChunk
-
-
-def small_model() -> MoETransformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, max_seq_len=64, moe=MoEConfig(8, 2, 32))
-    model = MoETransformer(cfg).eval()
-    for moe in model.moe_layers:
-        nn.init.normal_(moe.router.weight, std=1.0)
-    return model
 
 
 def batches(n: int, seed: int = 7) -> list[torch.Tensor]:
@@ -54,7 +45,7 @@ def test_generate_with_attention_mask_records_decode_steps() -> None:
 
 
 def test_post_hook_failure_leaves_forward_intact(caplog, monkeypatch) -> None:
-    model = small_model()
+    model = small_moestack()
     x = batches(1)[0]
     with torch.no_grad():
         plain = model(x).logits
@@ -95,7 +86,7 @@ def run_metrics(model, monkeypatch, bound: int, policies, **kw) -> tuple[dict, d
 
 
 def test_unread_chunks_are_bounded_with_the_same_metrics(monkeypatch) -> None:
-    model = small_model()
+    model = small_moestack()
     policies = ("lru", "static", "lru+static", "lfu")
     want, want_summary, most_unbounded = run_metrics(model, monkeypatch, 1 << 30, policies)
     got, got_summary, most = run_metrics(model, monkeypatch, 20, policies)
@@ -107,7 +98,7 @@ def test_unread_chunks_are_bounded_with_the_same_metrics(monkeypatch) -> None:
 
 
 def test_raw_probs_capped_by_bytes(monkeypatch) -> None:
-    model = small_model()
+    model = small_moestack()
     monkeypatch.setattr(tel_hooks, "_MAX_RAW_BYTES", 1)
     tel = attach(model, record_probs=True)
     with torch.no_grad():
@@ -131,7 +122,7 @@ class FailOnce:
 
 @pytest.mark.parametrize("then", ["forward", "detach"])
 def test_failed_forward_is_not_recorded(then: str) -> None:
-    model = small_model()
+    model = small_moestack()
     handle = model.moe_layers[1].register_forward_hook(FailOnce())  # after layer 0's router
     tel = attach(model)
     x, y = batches(2)
