@@ -10,15 +10,21 @@ bytes]`` buffer (``SlotPool``); a layer's computation indexes it through an expe
 table, so a resident expert is never copied again (``stacked`` gives ``{"w1": [S, D, 2F],
 "w2": [S, F, D]}`` views of all slots at once).
 
-Streams (CUDA): copies run on one copy stream per cache (``Copier``), after the work
-already queued on the compute stream (a slot being overwritten may still be read there);
-the compute stream waits on an event recorded after them. No host synchronisation. On
-the CPU every copy is a plain synchronous copy.
+Streams (CUDA): a cache's ``Copier`` issues demand loads on a high-priority stream and
+prefetches on a second stream, so a miss is not queued behind speculative copies in
+stream order. Every copy is ordered after the work already queued on the compute stream
+(a slot being overwritten may still be read there) and records an event right after it;
+a layer call makes the compute stream wait only on the events of its own copies. A slot's
+last copy (``SlotPool.pending``) is waited on by the next write into that slot from
+another stream (a dropped prefetch's slot taken by a demand load). No host
+synchronisation. On the CPU every copy is a plain synchronous copy and there are no
+events.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 
@@ -147,6 +153,8 @@ class SlotPool:
         self._flat_SB: torch.Tensor | None = None
         self._stacked: Expert | None = None
         self.free = list(range(count - 1, -1, -1))  # pop() hands out slot 0 first
+        # CUDA: slot -> (stream, event) of the last copy issued into it
+        self._writes: dict[int, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 
     @property
     def flat_SB(self) -> torch.Tensor:
@@ -179,16 +187,46 @@ class SlotPool:
     def held(self) -> int:
         return self.count - len(self.free)
 
+    def wrote(
+        self, slot: int, stream: torch.cuda.Stream | None, event: torch.cuda.Event | None
+    ) -> None:
+        """Note a copy into ``slot`` issued on ``stream``, ``event`` recorded after it (no-op
+        without an event: the CPU)."""
+        if stream is not None and event is not None:
+            self._writes[slot] = (stream, event)
+
+    def pending(self, slot: int, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """The event a new write into ``slot`` on ``stream`` must wait for first: the slot's
+        last copy when another stream issued it (streams run in order, so one issued on
+        ``stream`` is already ahead of the write); None when there is none."""
+        last = self._writes.get(slot)
+        if last is None or last[0] == stream:
+            return None
+        return last[1]
+
 
 class Copier:
-    """Host-to-device copies of experts on one copy stream (CUDA; created once), ordered
-    after the compute stream's queued work and waited on by it through events; plain
-    synchronous copies on the CPU."""
+    """Host-to-device copies of experts (CUDA): demand loads on a high-priority stream,
+    prefetches on a second stream (both created once), each copy ordered after the work
+    given in ``after`` and followed by an event the compute stream waits on where the copy
+    is used. Plain synchronous copies on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # priority: lower is higher (out of range: clamped to the highest). CUDA applies it to
+        # kernels only, not to host-to-device copies: what a demand load gains is its own
+        # in-order stream, not queued behind the prefetches
+        self.demand = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.prefetch = torch.cuda.Stream(device) if self.cuda else None
+
+    def stream(self, prefetch: bool) -> torch.cuda.Stream | None:
+        """The stream a demand load (``prefetch=False``) or a prefetch is copied on."""
+        return self.prefetch if prefetch else self.demand
+
+    def compute_stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's current stream, where layers compute (None on the CPU)."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
 
     def marker(self) -> torch.cuda.Event | None:
         """An event at the end of the compute stream's queued work (None on the CPU): copies
@@ -200,27 +238,40 @@ class Copier:
         return event
 
     def after_compute(self) -> None:
-        """Order the copies issued from now on after the compute stream's queued work."""
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Order the demand loads issued from now on after the compute stream's queued work."""
+        if self.demand is not None:
+            self.demand.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None
-    ) -> None:
-        """One expert's copy, ``src`` (host, flat) into ``dst`` (a device slot row)."""
-        if self.stream is None:
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        *,
+        prefetch: bool = False,
+        after: Iterable[torch.cuda.Event | None] = (),
+    ) -> torch.cuda.Event | None:
+        """One expert's copy, ``src`` (host, flat) into ``dst`` (a device slot row), on the
+        demand or the prefetch stream after the events ``after`` (None entries skipped).
+        Returns an event recorded right after the copy (None on the CPU)."""
+        stream = self.stream(prefetch)
+        if stream is None:
             copy_expert(dst, src, non_blocking=False)
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
+            return None
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
             copy_expert(dst, src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
 
-    def compute_waits(self) -> None:
-        """Make the compute stream wait for every copy issued so far (an event, no host
-        synchronisation)."""
-        if self.stream is None:
+    def compute_waits(self, events: Iterable[torch.cuda.Event | None]) -> None:
+        """Make the compute stream wait for ``events`` (None entries skipped; no host
+        synchronisation): the copies a layer call uses, and nothing else."""
+        if not self.cuda:
             return
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        torch.cuda.current_stream(self.device).wait_event(event)
+        compute = torch.cuda.current_stream(self.device)
+        for event in events:
+            if event is not None:
+                compute.wait_event(event)

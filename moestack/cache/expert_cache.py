@@ -11,8 +11,11 @@ Device tier (``moestack.cache.device_tier``): an expert is one flat buffer (``w1
 ``w2``) and a load is one copy of it into a *slot* of one device buffer shared by all
 layers; its tensors on the device are views of the slot. ``serve`` hands a layer call the
 slots as they are plus an expert -> slot table on the device (no copy of a resident
-expert); on CUDA the loads run on one copy stream per cache and the compute stream waits on
-an event (no host synchronisation); on the CPU they are plain copies.
+expert). On CUDA demand loads run on a high-priority copy stream and prefetches on a
+second one; a call makes the compute stream wait on the events of its own copies only (its
+loads, its prefetch hits), never on other layers' prefetches, and a write into a slot whose
+last copy another stream issued waits on that copy's event first (no host
+synchronisation); on the CPU they are plain copies.
 
 Policy state and prefetch: the policy sees exactly the caller's requests, in order, and
 nothing else. A prefetch does not touch the policy: it reads into a free slot reserved for
@@ -112,11 +115,14 @@ class ExpertCacheStats:
 
 
 class _Staged:
-    """A prefetched expert: the slot reserved for it and the read that fills it."""
+    """A prefetched expert: the slot reserved for it, the read that fills it (its result:
+    the event recorded after the slot's copy, None on the CPU) and, once that read is
+    waited on, the event."""
 
-    def __init__(self, slot: int, future: Future[None]) -> None:
+    def __init__(self, slot: int, future: Future[torch.cuda.Event | None]) -> None:
         self.slot = slot
         self.future = future
+        self.event: torch.cuda.Event | None = None
 
 
 class _Layer:
@@ -273,7 +279,7 @@ class ExpertCache:
             store.num_layers * capacity + spare + self.prefetch_slots, self.layout, self.device
         )
         self._staged_count = 0
-        self._copier = Copier(self.device)  # one copy stream per cache
+        self._copier = Copier(self.device)  # a demand and a prefetch copy stream per cache
 
     # ------------------------------------------------------------------ public API
     @property
@@ -357,7 +363,8 @@ class ExpertCache:
                 slot = self._slots.take()
                 self._staged_count += 1
                 dst = self._slots.row(slot)  # here: the buffer is allocated under the lock
-                fut = self._pool.submit(self._read_async, state, layer, expert, dst, marker)
+                after = (marker, self._slots.pending(slot, self._copier.prefetch))
+                fut = self._pool.submit(self._read_async, state, layer, expert, dst, after)
                 state.staged[expert] = _Staged(slot, fut)
                 started += 1
         with self._stats_lock:
@@ -458,30 +465,36 @@ class ExpertCache:
     ) -> dict[int, int]:
         """Every requested expert into a slot: a resident one stays, a staged one keeps its
         slot, the others are loaded into free slots (one copy each); the experts the policy
-        did not keep give their slots back after the call."""
+        did not keep give their slots back after the call. The compute stream waits on this
+        call's copies (also when a load fails): its prefetch hits' events and the event
+        after its last load (the demand stream runs in order)."""
         copier = self._copier
         rows = {e: state.slot_of[e] for e in used if e in state.slot_of}
         loads = [e for e in used if e not in rows]
+        hits: list[torch.cuda.Event | None] = []
+        last_load = None
         if loads:
             copier.after_compute()
-        for expert in loads:
-            staged = state.staged.pop(expert, None)
-            if staged is not None:
-                self._staged_count -= 1
-                if self._wait_staged(staged, layer, expert):
-                    rows[expert] = staged.slot
-                    continue
-                slot = staged.slot  # the prefetch failed: read it here, into its slot
-            else:
-                slot = self._slots.take()
-            try:
-                self._load(state, layer, expert, self._slots.row(slot))
-            except BaseException:
-                self._settle_failed_call(state, rows, keep, slot)
-                raise
-            rows[expert] = slot
-        if loads:
-            copier.compute_waits()
+        try:
+            for expert in loads:
+                staged = state.staged.pop(expert, None)
+                if staged is not None:
+                    self._staged_count -= 1
+                    if self._wait_staged(staged, layer, expert):
+                        rows[expert] = staged.slot
+                        hits.append(staged.event)
+                        continue
+                    slot = staged.slot  # the prefetch failed: read it here, into its slot
+                else:
+                    slot = self._slots.take()
+                try:
+                    last_load = self._load_slot(state, layer, expert, slot)
+                except BaseException:
+                    self._settle_failed_call(state, rows, keep, slot)
+                    raise
+                rows[expert] = slot
+        finally:
+            copier.compute_waits([*hits, last_load])
         for expert in used:
             if expert in keep:
                 state.slot_of[expert] = rows[expert]
@@ -505,34 +518,41 @@ class ExpertCache:
                 state.slot_of[expert] = row
             else:
                 self._slots.give(row)
-        self._copier.compute_waits()
 
     def _admit_buffer(
         self, state: _Layer, layer: int, used: list[int], keep: set[int]
     ) -> tuple[torch.Tensor, dict[int, int]]:
         """More experts in this call than free slots (a long prompt on a small cache): copy
         them into a buffer of their own (resident and staged ones from their slots, the
-        others loaded into it, one copy each), then the kept ones into slots."""
+        others loaded into it, one copy each), then the kept ones into slots. The compute
+        stream waits on this call's copies before it reads them, and also when a load fails
+        (``flat`` is then freed on the compute stream, which must not reuse it while a copy
+        still writes it)."""
         copier = self._copier
         rows = {e: i for i, e in enumerate(used)}
         flat = torch.empty(len(used), self._slots.slot_bytes, dtype=torch.uint8, device=self.device)
         nbytes = self.layout.nbytes
         on_device: dict[int, int] = {}  # expert -> slot holding it now
+        hits: list[torch.cuda.Event | None] = []
+        last_load = None
         copier.after_compute()
-        for expert in used:
-            if expert in state.slot_of:
-                on_device[expert] = state.slot_of[expert]
-                continue
-            staged = state.staged.pop(expert, None)
-            if staged is not None:
-                self._staged_count -= 1
-                if self._wait_staged(staged, layer, expert):
-                    on_device[expert] = staged.slot
-                    state.slot_of[expert] = staged.slot  # released below unless kept
+        try:
+            for expert in used:
+                if expert in state.slot_of:
+                    on_device[expert] = state.slot_of[expert]
                     continue
-                self._slots.give(staged.slot)
-            self._load(state, layer, expert, flat[rows[expert], :nbytes])
-        copier.compute_waits()
+                staged = state.staged.pop(expert, None)
+                if staged is not None:
+                    self._staged_count -= 1
+                    if self._wait_staged(staged, layer, expert):
+                        on_device[expert] = staged.slot
+                        state.slot_of[expert] = staged.slot  # released below unless kept
+                        hits.append(staged.event)
+                        continue
+                    self._slots.give(staged.slot)
+                last_load = self._load(state, layer, expert, flat[rows[expert], :nbytes])
+        finally:
+            copier.compute_waits([*hits, last_load])
         for expert, slot in on_device.items():  # device to device, on the compute stream
             flat[rows[expert], :nbytes].copy_(self._slots.row(slot))
         for expert in list(state.slot_of):
@@ -540,7 +560,8 @@ class ExpertCache:
                 self._slots.give(state.slot_of.pop(expert))
         for expert in used:
             if expert in keep and expert not in state.slot_of:
-                slot = self._slots.take()
+                slot = self._slots.take()  # its last copy (a dropped prefetch's) may still run
+                copier.compute_waits([self._slots.pending(slot, copier.compute_stream())])
                 self._slots.row(slot).copy_(flat[rows[expert], :nbytes])
                 state.slot_of[expert] = slot
         return flat, rows
@@ -569,7 +590,7 @@ class ExpertCache:
         """Wait for a prefetch's read (host time, counted as stall); False if it failed."""
         start = time.perf_counter()
         try:
-            staged.future.result()
+            self._finish_read(staged)
             ok = True
         except Exception as err:  # a failed prefetch is retried synchronously
             log.warning("prefetch of layer %d expert %d failed: %s", layer, expert, err)
@@ -581,11 +602,18 @@ class ExpertCache:
                 self._stats.prefetch_hits += 1
         return ok
 
+    def _finish_read(self, staged: _Staged) -> None:
+        """Wait on the host for a prefetch's read (raising what it raised); its copy becomes
+        the slot's last write, which a later write from another stream waits on."""
+        staged.event = staged.future.result()
+        self._slots.wrote(staged.slot, self._copier.prefetch, staged.event)
+
     def _drop(self, staged: _Staged) -> None:
-        """Give a staged expert's slot back (after its read, if running: it writes the slot)."""
+        """Give a staged expert's slot back (after its read, if running: it writes the slot;
+        its copy may still run on the device, so the slot keeps its event)."""
         if not staged.future.cancel():
             with contextlib.suppress(Exception):
-                staged.future.result()
+                self._finish_read(staged)
         self._staged_count -= 1
         self._slots.give(staged.slot)
 
@@ -600,11 +628,30 @@ class ExpertCache:
         disk = getattr(self.store, "reads_disk", True)  # a HostTier in the store's place: no
         return host, False, self.store.expert_bytes if disk else 0
 
-    def _load(self, state: _Layer, layer: int, expert: int, dst: torch.Tensor) -> None:
-        """Serve a miss into ``dst`` (caller holds the lock): host tier or disk, one copy."""
+    def _load_slot(
+        self, state: _Layer, layer: int, expert: int, slot: int
+    ) -> torch.cuda.Event | None:
+        """Serve a miss into ``slot`` (caller holds the lock), after the slot's last copy
+        where the prefetch stream issued it (a dropped or failed prefetch's slot)."""
+        demand = self._copier.demand
+        after = [self._slots.pending(slot, demand)]
+        event = self._load(state, layer, expert, self._slots.row(slot), after=after)
+        self._slots.wrote(slot, demand, event)
+        return event
+
+    def _load(
+        self,
+        state: _Layer,
+        layer: int,
+        expert: int,
+        dst: torch.Tensor,
+        after: Sequence[torch.cuda.Event | None] = (),
+    ) -> torch.cuda.Event | None:
+        """Serve a miss into ``dst`` (caller holds the lock): host tier or disk, one copy on
+        the demand stream after ``after``. Returns the event after the copy (CUDA)."""
         start = time.perf_counter()
         host, host_hit, nbytes = self._host_flat(state, layer, expert)
-        self._copier.copy(dst, host)
+        event = self._copier.copy(dst, host, after=after)
         stall = time.perf_counter() - start
         with self._stats_lock:
             s = self._stats
@@ -614,6 +661,7 @@ class ExpertCache:
             s.bytes_to_device += self.layout.nbytes
             s.host_hits += host_hit
         log.debug("layer %d expert %d loaded (host tier: %s)", layer, expert, host_hit)
+        return event
 
     def _read_async(
         self,
@@ -621,15 +669,17 @@ class ExpertCache:
         layer: int,
         expert: int,
         dst: torch.Tensor,
-        marker: torch.cuda.Event | None,
-    ) -> None:
-        """Prefetch worker: host tier or disk into ``dst`` (the reserved slot's row),
-        without the lock."""
+        after: Sequence[torch.cuda.Event | None],
+    ) -> torch.cuda.Event | None:
+        """Prefetch worker: host tier or disk into ``dst`` (the reserved slot's row), without
+        the lock, on the prefetch stream after ``after`` (the compute stream's marker, the
+        slot's last copy from another stream). Returns the event after the copy (CUDA)."""
         host, _, nbytes = self._host_flat(state, layer, expert)
-        self._copier.copy(dst, host, after=marker)
+        event = self._copier.copy(dst, host, prefetch=True, after=after)
         with self._stats_lock:
             self._stats.bytes_read += nbytes
             self._stats.bytes_to_device += self.layout.nbytes
+        return event
 
     def _host_get(self, state: _Layer, expert: int) -> torch.Tensor | None:
         if not self.host_capacity:
