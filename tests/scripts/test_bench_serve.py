@@ -1,18 +1,26 @@
 """scripts/bench_serve.py end to end at toy size on the CPU: every row of issue 31's serving
 table is there with its figures, and the counts it reports agree with counts worked by hand
-(requests per token, bytes per load), with a plain LRU replayed here on the ceiling's routing
-(hits and misses of every LRU row), and with what a cache must do (the ceiling hits every
-request, the cache decodes the ceiling's tokens).
+(requests per token, bytes per load, device slots), with a plain LRU replayed here on the
+ceiling's routing (hits and misses of every LRU row), and with what a cache must do (the
+ceiling hits every request, the cache decodes the ceiling's tokens). Then its parts on their
+own: the order rows are measured in, the time budget on a fake clock, the repeats a short
+budget cuts, the n/a rule of the miss time prefetch hides worked by hand, and the printed
+divisor of that figure.
 """
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
-from helpers.paths import REPO
+import torch
+from helpers.paths import REPO, SCRIPTS
 
 SCRIPT = REPO / "scripts" / "bench_serve.py"
 # --tiny: 2 layers of 32 experts, top-2, hidden 64, expert width 32, bf16.
@@ -22,8 +30,10 @@ SIZES = {"k": 2, "2k": 4, "25%": 8, "50%": 16}
 PHASE_KEYS = {
     "tokens", "seconds", "tokens_per_s", "peak_device_bytes", "hit_rate", "bytes_per_token",
     "misses_per_token", "stall_s_per_token", "vs_resident", "vs_accelerate",
-    "memory_vs_accelerate",
+    "memory_vs_accelerate", "repeats", "repeats_wanted", "tokens_per_s_range",
+    "tokens_per_s_each",
 }  # fmt: skip
+REPEATS = 3  # the default: every phase of every row, with no time budget
 
 
 def run_script(*args, timeout=120):
@@ -64,18 +74,30 @@ def test_every_row_of_the_table_is_measured_or_says_why_not(bench):
         row = rows[name]
         assert "error" not in row and not row.get("skipped"), row
         for phase in ("decode", "prefill"):
-            assert set(row[phase]) >= PHASE_KEYS, (name, phase)
-            assert row[phase]["tokens_per_s"] > 0
-            assert row[phase]["peak_device_bytes"] is None  # no device memory on the CPU
+            p = row[phase]
+            assert set(p) >= PHASE_KEYS, (name, phase)
+            assert p["repeats"] == p["repeats_wanted"] == REPEATS == len(p["tokens_per_s_each"])
+            low, high = p["tokens_per_s_range"]
+            assert 0 < low <= p["tokens_per_s"] <= high  # the median of the repeats
+            assert sorted(p["tokens_per_s_each"])[1] == p["tokens_per_s"]
+            assert p["peak_device_bytes"] is None  # no device memory on the CPU
         if name != "resident":
             assert row["capacity"] == SIZES[row["capacity_label"]]
             assert row["same_tokens_as_resident"], name  # served experts, same tokens
+            # the device tier: layers x capacity resident + top_k spare (+ top_k prefetch)
+            slots = LAYERS * row["capacity"] + TOP_K + (TOP_K if row["prefetch"] else 0)
+            assert row["device_slots"]["total"] == slots, name
+            assert row["device_slots"]["bytes"] == slots * EXPERT_BYTES
     assert results["config"]["expert_bytes"] == EXPERT_BYTES
     assert {"tier", "policy", "capacity", "hidden_wall", "hidden_stall", "predicted"} <= set(
         results["prefetch"][0]
     )
     assert len(results["prefetch"]) == 9  # 4 sizes x 2 policies over host memory, 1 on disk
     assert "| resident" in stdout and "| cache lru 25%+prefetch" in stdout
+    # measured in the plan's order, the skipped accelerate row listed with its reason
+    assert [r["name"] for r in results["rows"]] == results["config"]["row_order"]
+    assert results["skipped"] == [{"name": "accelerate", "reason": rows["accelerate"]["reason"]}]
+    assert "skipped 1 of 20 rows" in stdout
 
 
 def test_hit_rates_and_counts_agree_with_counts_by_hand(bench):
@@ -134,13 +156,14 @@ def lru_replay(calls: list[list[int]], capacity: int, counted: range) -> tuple[i
 def test_lru_rows_equal_a_plain_lru_on_the_ceilings_routing(bench):
     """Each LRU row's hits and misses, decode and prefill, equal an OrderedDict LRU fed the
     ceiling's routing in the order the row served it: prefill A, the warm-up and the row's
-    decode steps (the ceiling's first ones: same tokens), then prefill B."""
+    decode steps (the ceiling's first ones: same tokens), then each prefill of B."""
     results, _ = bench
     rows = {r["name"]: r for r in results["rows"]}
     forwards = rows["resident"]["routing"]  # [forward][layer] -> expert ids
     warmup = results["config"]["warmup"]
-    decoded = rows["resident"]["decode"]["tokens"]
-    assert len(forwards) == 1 + warmup + decoded + 1
+    decoded = rows["resident"]["decode"]["tokens"]  # over its repeats (windows back to back)
+    prefills = rows["resident"]["prefill"]["repeats"]
+    assert len(forwards) == 1 + warmup + decoded + prefills
     assert all(len(f) == LAYERS for f in forwards)
     checked = 0
     for name, row in rows.items():
@@ -149,9 +172,10 @@ def test_lru_rows_equal_a_plain_lru_on_the_ceilings_routing(bench):
         steps = row["decode"]["tokens"]
         if steps > decoded:  # the ceiling decoded fewer tokens: nothing to replay it on
             continue
-        order = [*forwards[: 1 + warmup + steps], forwards[-1]]
+        repeats = row["prefill"]["repeats"]  # prompt B each time, from an empty KV cache
+        order = [*forwards[: 1 + warmup + steps], *[forwards[-1]] * repeats]
         decode = range(1 + warmup, 1 + warmup + steps)
-        prefill = range(len(order) - 1, len(order))
+        prefill = range(len(order) - repeats, len(order))
         for phase, counted in (("decode", decode), ("prefill", prefill)):
             hits = misses = 0
             for layer in range(LAYERS):
@@ -165,3 +189,233 @@ def test_lru_rows_equal_a_plain_lru_on_the_ceilings_routing(bench):
 def test_full_sizes_are_refused_on_the_cpu():
     proc = run_script("--device", "cpu", timeout=60)
     assert proc.returncode == 2 and "on the CPU use --tiny" in proc.stderr
+
+
+# ------------------------------------------------------------------ its parts on their own
+@pytest.fixture(scope="module")
+def bs():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serve", SCRIPTS / "bench_serve.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serve"] = module  # its dataclasses look themselves up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_serve", None)
+        sys.path.remove(str(SCRIPTS))
+
+
+@pytest.fixture(scope="module")
+def report(bs):
+    return sys.modules["bench_serve_report"]  # the figures and the table, bench_serve's import
+
+
+class FakeClock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rows_are_measured_key_comparisons_first(bs):
+    names = [spec.name for spec in bs.ROWS]
+    # the ceiling, the prefetch target's pair at 2k, the 2x target's at 25%, its baseline
+    assert names[:6] == [
+        "resident", "cache lru 2k", "cache lru 2k+prefetch", "cache lru 25%",
+        "cache lru 25%+prefetch", "accelerate",
+    ]  # fmt: skip
+    cache = {
+        f"{tier} {policy} {label}{suffix}"
+        for tier, policy, label in [
+            *(("cache", p, lab) for p in ("lru", "static") for lab in SIZES),
+            ("disk", "lru", "2k"),
+        ]
+        for suffix in ("", "+prefetch")
+    }
+    assert sorted(names) == sorted({"resident", "accelerate"} | cache)  # each once
+    for i, spec in enumerate(bs.ROWS):  # each size with prefetch right after it without
+        if spec.prefetch:
+            assert names[i - 1] == spec.name.removesuffix("+prefetch")
+    kinds = {spec.name: spec.kind for spec in bs.ROWS}
+    assert kinds["disk lru 2k"] == "disk" and kinds["cache static 50%"] == "cache"
+
+
+def test_budget_judges_a_cache_row_by_cache_rows_only(bs):
+    clock = FakeClock()
+    budget = bs.Budget(55.0, start=0.0, clock=clock)
+    clock.now = 10.0
+    budget.record("resident", 4.0)
+    clock.now = 50.0
+    budget.record("accelerate", 40.0)  # slow: a model load and every expert at each forward
+    # the first cache row runs, however slow the rows before and however little is left
+    assert budget.skip_reason("cache") is None
+    budget.record("cache", 2.0)
+    clock.now = 52.0
+    assert budget.skip_reason("cache") is None  # 52 + 2 = 54 <= 55
+    budget.record("cache", 1.0)
+    clock.now = 53.5  # 53.5 + the slowest cache row, 2 = 55.5 > 55
+    reason = budget.skip_reason("cache")
+    assert reason.startswith("time budget: 53.5 s spent + 2.0 s estimated (the slowest cache")
+    assert reason.endswith("> --budget-s 55")
+    assert budget.skip_reason("resident", always=True) is None  # the ceiling always runs
+    assert "40.0 s estimated" in budget.skip_reason("accelerate")  # its own kind's time
+    # a first disk row: the slowest cache row plus the disk's extra
+    budget.extra_s["disk"] = (1.5, "reads")
+    clock.now = 51.0
+    assert budget.estimate("disk") == (3.5, "the slowest cache row + reads")
+    assert budget.skip_reason("disk") is None  # 51 + 3.5 = 54.5
+    clock.now = 52.0
+    assert "3.5 s estimated" in budget.skip_reason("disk")
+    assert bs.Budget(0.0, 0.0, clock).skip_reason("disk") is None  # 0: no budget
+    assert bs.Budget(0.0, 0.0, clock).deadline() is None and budget.deadline() == 55.0
+
+
+def measured_row(report) -> dict:
+    phase = report.phase_figures([report.Measure({}, 4, 1.0, None)], 1)
+    return {"decode": phase, "prefill": dict(phase), "decoded": [1, 2, 3]}
+
+
+def test_bench_runs_the_first_cache_row_after_a_slow_accelerate_row(bs, report, tmp_path):
+    clock = FakeClock()
+    args = SimpleNamespace(budget_s=10.0, only="", json=str(tmp_path / "out.json"))
+    bench = bs.Bench(args, {"device": "cpu"}, start=0.0, clock=clock)
+    deadlines = []
+
+    def takes(seconds):
+        def run(deadline):
+            deadlines.append(deadline)
+            clock.now += seconds
+            return measured_row(report)
+
+        return run
+
+    specs = {spec.name: spec for spec in bs.ROWS}
+    bench.row(specs["resident"], {"tier": "device"}, takes(3.0), always=True)
+    bench.row(specs["accelerate"], {"tier": "cpu"}, takes(6.0))  # t = 9
+    for name in ("cache lru 2k", "cache lru 2k+prefetch", "cache lru 25%"):
+        bench.row(specs[name], {"tier": "host"}, takes(0.5))
+    bench.row(specs["disk lru 2k"], {"tier": "disk"}, takes(0.1))  # no estimate: it runs
+    rows = {r["name"]: r for r in bench.out["rows"]}
+    assert rows["cache lru 2k"]["row_s"] == 0.5  # first cache row: t 9 -> 9.5
+    assert rows["cache lru 2k+prefetch"]["row_s"] == 0.5  # 9.5 + 0.5 <= 10
+    assert rows["cache lru 25%"]["skipped"]  # 10 + 0.5 > 10
+    assert "the slowest cache row so far" in rows["cache lru 25%"]["reason"]
+    assert deadlines == [10.0] * 5  # each run is told when the budget ends
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved["skipped"] == [
+        {"name": "cache lru 25%", "reason": rows["cache lru 25%"]["reason"]}
+    ]
+    args.only = "disk"  # rows left out by --only are listed as skipped too
+    bench.row(specs["cache static k"], {"tier": "host"}, takes(0.0))
+    assert bench.out["skipped"][-1] == {
+        "name": "cache static k",
+        "reason": "not selected by --only",
+    }
+
+
+class FakeLM:
+    """A transformers-like causal LM: next token = last token + 1; a KV cache that counts."""
+
+    class Past:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def get_seq_length(self) -> int:
+            return self.n
+
+    def __call__(self, input_ids, past_key_values, use_cache, logits_to_keep):
+        past = self.Past((past_key_values.n if past_key_values else 0) + input_ids.shape[1])
+        logits = torch.nn.functional.one_hot((input_ids[:, -1:] + 1) % 64, 64).float()
+        return SimpleNamespace(logits=logits, past_key_values=past)
+
+
+def test_repeats_stop_where_the_budget_ends(bs):
+    args = argparse.Namespace(warmup=1, repeats=3, row_seconds=60.0, decode_tokens=5)
+    prompts = {"a": torch.zeros(1, 4, dtype=torch.long), "b": torch.zeros(1, 6, dtype=torch.long)}
+    dev = bs.Device(torch.device("cpu"))
+    full = bs.serve(FakeLM(), bs.Probe(), prompts, args, dev)
+    assert [full[p]["repeats"] for p in ("decode", "prefill")] == [3, 3]
+    assert full["decode"]["tokens"] == 15 and full["prefill"]["tokens"] == 18
+    assert full["decoded"] == list(range(1, 1 + 1 + 1 + 15))  # prefill A, warm-up, windows
+    # a budget that has already ended: one repeat of each phase, and the JSON says so
+    short = bs.serve(FakeLM(), bs.Probe(), prompts, args, dev, deadline=time.monotonic() - 1)
+    for phase in ("decode", "prefill"):
+        assert (short[phase]["repeats"], short[phase]["repeats_wanted"]) == (1, 3)
+    assert short["decode"]["tokens"] == 5
+
+
+def phase(tps: float, low: float, high: float, repeats: int = 3) -> dict:
+    return {"tokens_per_s": tps, "tokens_per_s_range": [low, high], "repeats": repeats}
+
+
+def test_hidden_wall_worked_by_hand(report):
+    # s_off = 1/50 = 20 ms, s_on = 1/62.5 = 16 ms a token; the timing noise is the widths of
+    # the repeats' ranges in s/token: (1/48 - 1/52) + (1/62 - 1/63) = 1.6026 + 0.2560 ms
+    off, on = phase(50, 48, 52), phase(62.5, 62, 63)
+    noise = (1 / 48 - 1 / 52) + (1 / 62 - 1 / 63)
+    got = report.hidden_wall(off, on, 8e-3)  # 8 ms >= 4 x 1.8586 = 7.43 ms, >= 20% of 20 ms
+    assert got["timing_noise_s_per_token"] == pytest.approx(noise)
+    assert got["hidden_wall"] == pytest.approx((0.020 - 0.016) / 0.008) == pytest.approx(0.5)
+    assert got["hidden_wall_note"] is None
+    noisy = report.hidden_wall(off, on, 7e-3)  # 7 ms < 7.43 ms: not well above the noise
+    assert noisy["hidden_wall"] is None
+    assert noisy["hidden_wall_note"].startswith("n/a: miss 7 ms/token < 4 x the timing noise")
+    # quiet repeats, but a miss time of 1.5 ms against 10 ms a token: under 20% of it
+    small = report.hidden_wall(phase(100, 99.9, 100.1), phase(110, 109.9, 110.1), 1.5e-3)
+    assert (
+        small["hidden_wall"] is None and "< 20% of the 10 ms per token" in small["hidden_wall_note"]
+    )
+    once = report.hidden_wall(phase(50, 50, 50, repeats=1), on, 8e-3)
+    assert once["hidden_wall"] is None and "fewer than 2 repeats" in once["hidden_wall_note"]
+    assert "no miss time" in report.hidden_wall(off, on, 0.0)["hidden_wall_note"]
+    # outside [0, 1]: clipped, the raw value kept
+    slower = report.hidden_wall(phase(50, 49.9, 50.1), phase(40, 39.9, 40.1), 8e-3)
+    assert slower["hidden_wall"] == 0.0
+    assert slower["hidden_wall_raw"] == pytest.approx((0.020 - 0.025) / 0.008)  # -0.625
+    assert "clipped to 0" in slower["hidden_wall_note"]
+    faster = report.hidden_wall(phase(50, 49.9, 50.1), phase(100, 99.9, 100.1), 8e-3)
+    assert faster["hidden_wall"] == 1.0 and faster["hidden_wall_raw"] == pytest.approx(1.25)
+    assert "clipped to 1" in faster["hidden_wall_note"]
+
+
+def test_the_printed_miss_time_is_the_divisor_used(report, capsys):
+    def row(name, tps, low, high, prefetch, stall):
+        decode = {**phase(tps, low, high), "stall_s_per_token": stall, "misses_per_token": 4.0,
+                  "misses": 40, "prefetch_hits": 20 if prefetch else 0}  # fmt: skip
+        return {"name": name, "tier": "host", "policy": "lru", "capacity": 16,
+                "capacity_label": "2k", "prefetch": prefetch, "decode": decode}  # fmt: skip
+
+    rows = [
+        row("cache lru 2k", 50, 48, 52, False, 1e-3),
+        row("cache lru 2k+prefetch", 62.5, 62, 63, True, 0.5e-3),
+    ]
+    # on a GPU: misses/token (4) x one expert's measured copy (2 ms) = 8 ms, not the stall
+    [link] = report.prefetch_figures(rows, expert_load_s=2e-3)
+    assert (link["miss_s_per_token"], link["miss_basis"]) == (pytest.approx(8e-3), "link")
+    assert link["stall_off_s_per_token"] == 1e-3
+    assert link["hidden_wall"] == pytest.approx((0.020 - 0.016) / 8e-3)
+    assert link["hidden_stall"] == pytest.approx(0.5) and link["predicted"] == 0.5
+    out = {"config": {"layers": 4, "experts": 128, "top_k": 8, "hidden": 2048,
+                      "expert_width": 768, "dtype": "bfloat16", "expert_bytes": 9437184,
+                      "device": "cuda:0", "prompt_tokens": 512, "repeats": 3},
+           "rows": [], "skipped": [], "prefetch": [link]}  # fmt: skip
+    report.print_table(out)
+    printed = capsys.readouterr().out
+    assert "miss 8.000 ms/token (link) | hidden wall 0.50 |" in printed
+    # on the CPU (no copy time measured): the stall is the divisor, and it is what is printed
+    [stall] = report.prefetch_figures(rows, expert_load_s=None)
+    assert (stall["miss_s_per_token"], stall["miss_basis"]) == (1e-3, "stall")
+    assert stall["hidden_wall"] is None  # 1 ms < 4 x 1.86 ms of timing noise
+    report.print_table({**out, "prefetch": [stall]})
+    assert "miss 1.000 ms/token (stall) | hidden wall n/a |" in capsys.readouterr().out
+    # a pair of which one row was skipped: listed, n/a, saying which
+    skipped = {**rows[1], "skipped": True, "reason": "time budget"}
+    del skipped["decode"]
+    [half] = report.prefetch_figures([rows[0], skipped], 2e-3)
+    assert half["hidden_wall"] is None
+    assert half["hidden_wall_note"] == "n/a: cache lru 2k+prefetch not measured"
