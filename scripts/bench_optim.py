@@ -22,12 +22,16 @@ Measures, in one process:
      clipped and unclipped: time, peak device memory, OffloadAdamW's step in parts, and on
      CUDA the time the compute stream sits idle per step (CUDA events) and the pinned copy
      bandwidth each way and both at once. On a GPU the model is the 137M-parameter m137
-     config; on the CPU a tiny one (a dry run of the code);
-  7. the loss of the delayed update over N steps against the exact one.
+     config; on the CPU a tiny one (a dry run of the code). Each contender records whether
+     its step ran pipelined and which host kernel ran it (the table shows them); one that
+     fails is recorded with its error and the others still run;
+  7. the loss of the delayed update over N steps against the exact one (its own
+     ``--only delay_loss`` run; ``--delay-loss-budget-s`` fits it into a time cap).
 
     python scripts/bench_optim.py [--params 8e6] [--experts 8] [--reps 10] [--json out.json]
         [--only throughput] [--thread-counts 1,2,all] [--rounds 3]
-        [--skip-variants master_bf16_compile]
+        [--skip-variants master_bf16_compile] [--delay-loss-steps 200]
+        [--delay-loss-budget-s 0]
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from bench_optim_parts import (  # a sibling module: scripts/ is on sys.path whe
     kernel_streams,
     make_params,
     print_kernel_table,
+    print_train_table,
     set_grads,
     train_step_time,
 )
@@ -391,6 +396,13 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap.add_argument(
         "--delay-loss-steps", type=int, default=200, help="delay_loss: training steps per mode"
     )
+    ap.add_argument(
+        "--delay-loss-budget-s",
+        type=float,
+        default=0.0,
+        help="delay_loss: seconds for both modes (0: no limit); the exact mode stops once "
+        "half is spent (10 steps at least) and the delayed one runs as many steps",
+    )
     args = ap.parse_args()
     skip = [v for v in args.skip_variants.split(",") if v]
     unknown = sorted(set(skip) - set(VARIANTS))
@@ -408,7 +420,9 @@ def print_section(name: str, rows: dict[str, Any]) -> None:
         print_table(rows)
     if name == "kernels":
         print_kernel_table(rows)
-    items = list(rows.items())
+    if name == "train_step":
+        print_train_table(rows)
+    items = [(k, v) for k, v in rows.items() if k != "contenders"]
     if name == "train_step":  # the ratios first, then the step times (a summary's head)
         items.sort(key=lambda kv: 0 if "_vs_" in kv[0] else 1 if "_step_ms" in kv[0] else 2)
     for k, v in items:
@@ -444,7 +458,9 @@ def main() -> None:
         "drift": lambda: drift(args.drift_steps, args.experts),
         "gpu": lambda: gpu_step_time(args.params, args.experts, args.reps),
         "train_step": lambda: train_step_time(device, args.reps, args.train_impl),
-        "delay_loss": lambda: delayed_loss(device, args.delay_loss_steps, args.train_impl),
+        "delay_loss": lambda: delayed_loss(
+            device, args.delay_loss_steps, args.train_impl, args.delay_loss_budget_s
+        ),
     }
     wanted = [w for w in args.only.split(",") if w] or list(sections)
     unknown = sorted(set(wanted) - set(sections))

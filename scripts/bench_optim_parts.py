@@ -25,6 +25,7 @@ from moestack.optim import (
     apply_param_dtype,
     build_optimizer,
     clip_grad_norm,
+    fused,
     param_groups,
 )
 
@@ -356,16 +357,20 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
         contenders += [n for n in TRAIN_CONTENDERS if n.startswith("torchao")]
     elif device.type == "cuda":
         out["torchao_skipped"] = "torchao is not importable (carry its wheel)"
+    out["host_kernel"] = fused.host_kernel_report()
     for name in contenders:
+        got: dict[str, Any] = {}
         try:
-            out.update(_time_contender(name, model_cfg, device, tokens, reps))
-        except Exception as exc:  # a baseline that fails is reported, not the end of the run
-            if not name.startswith("torchao"):
-                raise
-            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            _time_contender(name, model_cfg, device, tokens, reps, got)
+        except Exception as exc:  # reported with its reason; the other contenders still run
+            got[f"{name}_error"] = _one_line(exc)
+        out.update(got)
+    out["contenders"] = contenders
     for name in contenders:
         like = "adamw_unclipped" if name.endswith("unclipped") else "adamw"
         if name in (like, "adamw") or f"{name}_step_ms" not in out:
+            continue
+        if f"{like}_step_ms" not in out:  # the baseline failed: its error says why
             continue
         out[f"{name}_vs_{like}_step_time"] = out[f"{name}_step_ms"] / out[f"{like}_step_ms"]
         if device.type == "cuda":
@@ -375,17 +380,45 @@ def train_step_time(device: torch.device, reps: int, impl: str) -> dict[str, Any
     return out
 
 
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0]}"
+
+
+def how_it_runs(name: str, opt: Any) -> dict[str, Any]:
+    """How contender ``name``'s optimizer runs its step: ``pipelined`` (OffloadAdamW's
+    buckets; None for the others), ``host_step`` (the host kernel: "native", "compile", "off"
+    for the reference path, "in_place"; "none" for AdamW on the device, "torchao" for
+    torchao's host AdamW) and, where OffloadAdamW fell back to its serial step, why."""
+    inner = getattr(opt, "optimizer", opt)
+    if isinstance(inner, OffloadAdamW):
+        out = {f"{name}_pipelined": inner.pipelined, f"{name}_host_step": inner.host_step}
+        if inner.serial_reason:
+            out[f"{name}_serial_reason"] = inner.serial_reason
+        return out
+    host = "torchao" if _is_torchao(opt) else "none"
+    return {f"{name}_pipelined": None, f"{name}_host_step": host}
+
+
 def _time_contender(
-    name: str, model_cfg: ModelConfig, device: torch.device, tokens: torch.Tensor, reps: int
-) -> dict[str, Any]:
-    """Contender ``name``'s training step: median time, peak device memory, first and last
-    loss; OffloadAdamW's parts; an offloading optimizer's idle compute stream (CUDA)."""
-    out: dict[str, Any] = {}
+    name: str,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    tokens: torch.Tensor,
+    reps: int,
+    out: dict[str, Any],
+) -> None:
+    """Contender ``name``'s training step into ``out`` (what it measured stays there if it
+    fails): how it runs (:func:`how_it_runs`), median time, peak device memory, first and
+    last loss; OffloadAdamW's parts; an offloading optimizer's idle compute stream (CUDA)."""
     base = _fresh_cuda_memory() if device.type == "cuda" else 0
     model, opt, clip, dtype = _build_contender(name, model_cfg, device)
+    out.update(how_it_runs(name, opt))
     try:
         step = _step_fn(model, opt, clip, tokens)
         losses = [step(), step()]  # warm-up: lazy state, kernel compilation
+        out.update(how_it_runs(name, opt))  # the host kernel is chosen at the first step
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # the peak of steady-state steps
@@ -412,28 +445,70 @@ def _time_contender(
             out[f"{name}_compute_idle_ms"] = idle
     finally:
         _release(opt)  # its hooks off the parameters: the model and it are freed with this frame
-    return out
 
 
-def delayed_loss(device: torch.device, steps: int, impl: str) -> dict[str, Any]:
+DELAY_LOSS_MODES = ("offload_adamw", "offload_adamw_delayed")
+DELAY_LOSS_MIN_STEPS = 10  # the loss compared is the mean of the last 10 steps
+
+
+def delayed_loss(
+    device: torch.device, steps: int, impl: str, budget_s: float = 0.0
+) -> dict[str, Any]:
     """The loss of ``steps`` training steps with the delayed update against the exact one
     (same model, seed and batches; clipped): the last 10 steps' mean of each, and their
-    relative difference (the issue's target: within 1%)."""
+    relative difference (the issue's target: within 1%). With ``budget_s`` (seconds, 0:
+    none) the exact mode stops once half of it is spent (after 10 steps at least) and the
+    delayed mode runs as many steps: ``steps`` says how many both ran, ``steps_requested``
+    how many were asked for. A mode that fails is reported (``<mode>_error``), with no
+    comparison."""
     model_cfg, batch, seq = _train_model(device, impl)
-    out: dict[str, Any] = {"steps": steps}
-    for name in ("offload_adamw", "offload_adamw_delayed"):
-        model, opt, clip, _ = _build_contender(name, model_cfg, device)
+    out: dict[str, Any] = {"steps_requested": steps, "budget_s": budget_s}
+    start = time.monotonic()
+    for name in DELAY_LOSS_MODES:
+        deadline = start + budget_s / 2 if budget_s and name == DELAY_LOSS_MODES[0] else None
+        try:
+            losses, how = _losses_of(name, model_cfg, device, (batch, seq), steps, deadline)
+        except Exception as exc:
+            out[f"{name}_error"] = _one_line(exc)
+            continue
+        steps = len(losses)  # the next mode runs as many
+        out.update(how)
+        out[f"{name}_steps"] = steps
+        out[f"{name}_last10_loss"] = statistics.mean(losses[-DELAY_LOSS_MIN_STEPS:])
+    out["steps"] = steps
+    out["cut_by_budget"] = steps < out["steps_requested"]
+    out["seconds"] = time.monotonic() - start
+    if all(f"{name}_last10_loss" in out for name in DELAY_LOSS_MODES):
+        exact, delayed = (out[f"{name}_last10_loss"] for name in DELAY_LOSS_MODES)
+        out["delayed_vs_exact_loss"] = delayed / exact - 1.0
+    return out
+
+
+def _losses_of(
+    name: str,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    shape: tuple[int, int],
+    steps: int,
+    deadline: float | None,
+) -> tuple[list[float], dict[str, Any]]:
+    """The loss of each training step of contender ``name`` on the delay_loss batches (seed
+    1), ``steps`` of them or, with ``deadline`` (time.monotonic()), those made before it
+    (:data:`DELAY_LOSS_MIN_STEPS` at least); and how it ran (:func:`how_it_runs`)."""
+    batch, seq = shape
+    model, opt, clip, _ = _build_contender(name, model_cfg, device)
+    try:
         g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(steps):
+        losses: list[float] = []
+        for k in range(steps):
+            late = deadline is not None and time.monotonic() > deadline
+            if late and k >= DELAY_LOSS_MIN_STEPS:
+                break
             tokens = torch.randint(1, 256, (batch, seq + 1), generator=g).to(device)
             losses.append(_step_fn(model, opt, clip, tokens)())
-        out[f"{name}_last10_loss"] = statistics.mean(losses[-10:])
+        return losses, how_it_runs(name, opt)
+    finally:
         _release(opt)
-        del model, opt
-    exact, delayed = out["offload_adamw_last10_loss"], out["offload_adamw_delayed_last10_loss"]
-    out["delayed_vs_exact_loss"] = delayed / exact - 1.0
-    return out
 
 
 def offload_step_parts(
@@ -535,7 +610,7 @@ def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict
     writes cost: equal bytes need not take equal time when one variant writes more.
     Each round runs every thread count and variant once (median of ``reps`` calls); each
     keeps its best round."""
-    from moestack.optim import fused, native
+    from moestack.optim import native
 
     kernel = native.load()
     numel = int(n)
@@ -604,4 +679,24 @@ def print_kernel_table(rows: dict[str, Any]) -> None:
                     f"  {name:<28} {r['bytes_read']:>6} {r['bytes_written']:>9} "
                     f"{r['params_per_s'] / 1e6:>9.0f} {r['vs_torch_kernel']:>8.2f}x"
                 )
+    print()
+
+
+def print_train_table(rows: dict[str, Any]) -> None:
+    """The train_step section's contenders as one table: step time, against AdamW on the
+    device (like for like: clipped against clipped), whether the step ran pipelined, which
+    host kernel ran it, and the error of a contender that failed."""
+    head = ("contender", "step ms", "x AdamW", "pipelined", "host step", "error")
+    print("  {:<38} {:>8} {:>8} {:>9} {:<9} {}".format(*head))
+    for name in rows.get("contenders", []):
+        like = "adamw_unclipped" if name.endswith("unclipped") else "adamw"
+        ms, ratio = rows.get(f"{name}_step_ms"), rows.get(f"{name}_vs_{like}_step_time")
+        pipelined = rows.get(f"{name}_pipelined")
+        why = rows.get(f"{name}_error") or rows.get(f"{name}_serial_reason", "")
+        print(
+            f"  {name:<38} {'-' if ms is None else f'{ms:.4g}':>8} "
+            f"{'-' if ratio is None else f'{ratio:.3g}x':>8} "
+            f"{'-' if pipelined is None else str(pipelined):>9} "
+            f"{rows.get(f'{name}_host_step', '-'):<9} {why}"
+        )
     print()

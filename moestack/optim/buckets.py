@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moestack.optim import update
+from moestack.optim import transfer, update
 from moestack.optim.plan import ParamSpec, ShardPlan, contiguous_runs
 
 DEFAULT_BUCKET_MB = 32.0  # of gradient bytes: tens of MB, as DDP's and DeepSpeed's buckets
@@ -137,8 +137,9 @@ class Pipeline:
         self.d2h = torch.cuda.Stream(device=device) if cuda else None
         self.h2d = torch.cuda.Stream(device=device) if cuda else None
         n = len(buckets)
-        self.landed_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
-        self.back_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
+        # the worker thread blocks on these (Event.synchronize): made to sleep, not spin
+        self.landed_events = [transfer.host_event() for _ in range(n)] if cuda else None
+        self.back_events = [transfer.host_event() for _ in range(n)] if cuda else None
         # per bucket, the compute stream's work queued when its update was submitted
         self.queued_events = [torch.cuda.Event() for _ in range(n)] if cuda else None
         # one stream's work so far, for the other to wait on (Stream.wait_stream would make
@@ -147,7 +148,7 @@ class Pipeline:
         self._d2h_mark = torch.cuda.Event() if cuda else None
         # delayed updates: this step's copies to the host, for the worker to wait on (made
         # once; recorded only when an update is launched, so never for a later step's)
-        self.launched_event = torch.cuda.Event() if cuda else None
+        self.launched_event = transfer.host_event() if cuda else None
         self._back_recorded = [False] * n
         # each parameter's gradient norm, in parameter order (0: no gradient), the one
         # clipping norm's input (update.total_norm), and its fp64 scratch

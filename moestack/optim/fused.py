@@ -300,6 +300,7 @@ class FusedHostStep:
         else:
             self._combos = {(grad_dtype, moment_dtype, self._out_dtype(dt)) for dt in dtypes}
         self.kernel: Kernel | None = None
+        self.why_not = ""  # why the backends tried were unavailable (resolve)
         self.split = split
         if split:
             kernel = _native()
@@ -314,9 +315,10 @@ class FusedHostStep:
         return self.mode != MASTER
 
     def resolve(self) -> bool:
-        """Find the kernel (once); False when the reference path must run instead."""
+        """Find the kernel (once); False when the reference path must run instead (then
+        :attr:`why_not` says why each backend was unavailable)."""
         if self.kernel is None:
-            self.kernel = resolve(self.requested, sorted(self._combos, key=str))
+            self.kernel, self.why_not = resolve_why(self.requested, sorted(self._combos, key=str))
         return self.kernel is not None
 
     def _out_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
@@ -420,16 +422,42 @@ def resolve(requested: str, combos: Sequence[Combo]) -> Kernel | None:
     """The kernel for ``requested`` (a :data:`CHOICES` entry but "off") that handles
     ``combos``, or None: then the caller runs the reference path. Each outcome that is not
     the first choice is logged once per process, in one line."""
+    return resolve_why(requested, combos)[0]
+
+
+def resolve_why(requested: str, combos: Sequence[Combo]) -> tuple[Kernel | None, str]:
+    """:func:`resolve`, and why each backend tried before the one returned was unavailable
+    ("" when the first choice loads): "native unavailable (...); compile unavailable (...)"."""
     reasons = []
     for name in _ORDER[requested]:
         got = _native() if name == "native" else _compiled(combos)
         if not isinstance(got, str):
             if reasons:
                 _warn_once(f"fused host step: {'; '.join(reasons)}; using {name}")
-            return got
+            return got, "; ".join(reasons)
         reasons.append(f"{name} unavailable ({got})")
     _warn_once(f"fused host step: {'; '.join(reasons)}; using the unfused reference path")
-    return None
+    return None, "; ".join(reasons)
+
+
+def host_kernel_report() -> str:
+    """One line for an environment check: whether the native kernel builds (into its cache,
+    now if it was not built yet), loads and matches the formula, and which C++ compiler it is
+    built with. Without it a GPU run's OffloadAdamW cannot pipeline its step (nor reduce on
+    the devices) and runs the serial step instead."""
+    cxx = native.find_compiler()
+    compiler = (
+        f"compiler {cxx} ({native.compiler_version(cxx)})"
+        if cxx
+        else "no C++ compiler found (set CXX, or install g++)"
+    )
+    got = _native()
+    if isinstance(got, str):
+        return (
+            f"native host kernel: unavailable ({got}); {compiler}; OffloadAdamW runs the "
+            "serial step (no pipelined step, no device collectives)"
+        )
+    return f"native host kernel: loads ({got.path}); {compiler}"
 
 
 def kernel_name(kernel: Kernel | None) -> str:

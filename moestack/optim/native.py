@@ -473,13 +473,31 @@ def load(extra_flags: Sequence[str] = ()) -> NativeKernel:
     or that others can write is rebuilt first (:func:`_verified`). ``extra_flags`` go after
     :data:`FLAGS` (the tests build the portable loops, without the AVX-512 ones, with
     ``-mno-avx512f``)."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = find_compiler()
     if not cxx:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
     flags = (*FLAGS, *extra_flags)
     path = cache_dir() / f"fused_adamw_{_key(cxx, flags)}.so"
     fd, digest = _verified_or_built(cxx, path, flags)
     return NativeKernel(_dlopen(fd, digest), path)
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler the kernel is built with: ``$CXX``, else ``g++`` or ``c++`` on the
+    PATH; None when there is none."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def compiler_version(cxx: str) -> str:
+    """The first line of ``cxx --version``, or why it could not be run."""
+    try:
+        proc = subprocess.run(
+            [*shlex.split(cxx), "--version"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"does not run: {type(err).__name__}: {err}"
+    lines = (proc.stdout or proc.stderr).strip().splitlines()
+    return lines[0] if lines else f"--version exited with {proc.returncode}"
 
 
 def is_private(path: Path) -> bool:

@@ -152,7 +152,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         pipeline: step bucket by bucket (:mod:`moestack.optim.buckets`): ``"auto"`` (the
             default) where every parameter is on a GPU and ``overlap`` is on, one process,
             fp32 or bf16 parameters (exact or delayed updates); True forces it (CPU
-            parameters too); False never.
+            parameters too); False never. Its host updates need the fused kernel: where
+            none loads (no C++ compiler), "auto" runs the serial step instead, with a logged
+            warning, and :attr:`serial_reason` says why (so do the device collectives).
         bucket_mb: megabytes of gradients per bucket of the pipelined step (a byte at least).
         reduce_on_device: with sharded state over several ranks, reduce-scatter the
             gradients and all-gather the new weights on the devices, over ``process_group``
@@ -271,6 +273,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         the collectives run and the buffers (:func:`plan_offload`, the rules a memory plan
         counts with too). A pipelined step and device collectives need the fused kernel now
         (neither has a reference path): without one, "auto" plans again without them."""
+        self.serial_reason: str | None = None  # why "auto" fell back to the serial step
         self._plan_with(in_place, fused_step, pipeline, on_device)
         needs_kernel = self._layout.pipelined or self._layout.device_reduce
         devices = {p.device for p in self._params}
@@ -281,20 +284,44 @@ class OffloadAdamW(torch.optim.Optimizer):
                     f"{forced} every parameter on one device, not "
                     f"{sorted(map(str, devices))}; use 'auto'"
                 )
+            self.serial_reason = (
+                f"the parameters are on several devices {sorted(map(str, devices))}"
+            )
+            log.info("OffloadAdamW: %s: the serial step runs", self.serial_reason)
             self._plan_with(in_place, fused_step, False, False)
             needs_kernel = False
         if needs_kernel and not self._fused.resolve():
+            why = self._fused.why_not or "no backend loads"
             if forced:
                 raise RuntimeError(
-                    f"{forced} the fused host step's kernel, and none builds here (the log "
-                    "says why); use 'auto'"
+                    f"{forced} the fused host step's kernel, and none loads here ({why}); "
+                    "install a C++ compiler (or set CXX), or use 'auto'"
                 )
-            self._plan_with(in_place, fused_step, False, False)
+            self._fall_back_to_serial(why, in_place, fused_step)
         if self.update_in_backward and not self._layout.pipelined:
+            because = f": {self.serial_reason}" if self.serial_reason else ""
             raise ValueError(
                 "update_in_backward=True needs the pipelined step, which these settings do "
-                "not take (see OffloadAdamW's pipeline argument)"
+                f"not take (see OffloadAdamW's pipeline argument){because}"
             )
+
+    def _fall_back_to_serial(self, why: str, in_place: bool | None, fused_step: str) -> None:
+        """Plan again without the pipelined step or device collectives "auto" chose, whose
+        host updates need the fused kernel, where none loads; say so (a GPU run is then
+        several times slower, see docs/optim.md)."""
+        planned = {
+            "the pipelined step": self._layout.pipelined,
+            "the device collectives": self._layout.device_reduce,
+        }
+        lost = [name for name, on in planned.items() if on]
+        self.serial_reason = f"the fused host step's kernel does not load ({why})"
+        log.warning(
+            "OffloadAdamW: %s turned off, the serial step runs instead: %s; install a C++ "
+            "compiler (g++, or set CXX) for the native kernel",
+            " and ".join(lost),
+            self.serial_reason,
+        )
+        self._plan_with(in_place, fused_step, False, False)
 
     def _plan_with(
         self, in_place: bool | None, fused_step: str, pipeline: bool | str, on_device: bool | str
@@ -1027,7 +1054,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def own_expert_state(self) -> dict[str, Any]:
         """The entries (:meth:`state_dict`'s) of the expert units this rank's shard holds,
         keyed ``name/expert<local id>``; not collective: nothing is gathered (expert
-        parallelism's checkpoints are written by the ranks owning the experts)."""
+        parallelism's checkpoints are written by the ranks owning the experts). A delayed
+        update in flight is waited for on the host, its weights left to go back (over the
+        ranks when sharded) at the next :meth:`synchronize` or step."""
         return state_format.pack_own_experts(
             self._plan, self._params, self._names, self._is_expert, self._steps, self._own_state()
         )
@@ -1035,19 +1064,25 @@ class OffloadAdamW(torch.optim.Optimizer):
     def own_shard_state(self) -> dict[str, Any]:
         """The pieces (:func:`state_format.pack_own_shard`) of the non-expert parameters in
         this rank's shard; not collective (expert parallelism's checkpoints are written by
-        the ranks holding the state). Unsharded, rank 0 alone returns them (every rank holds
-        the same)."""
+        the ranks holding the state; a delayed update in flight is waited for as
+        :meth:`own_expert_state` does). Unsharded, rank 0 alone returns them (every rank
+        holds the same)."""
         if self.num_shards == 1 and self.rank != 0:
-            self.synchronize()  # collective-free, but the update in flight still ends here
+            self.synchronize()  # unsharded: collective-free, and the update in flight ends here
             return {}
         return state_format.pack_own_shard(
             self._plan, self._params, self._names, self._is_expert, self._steps, self._own_state()
         )
 
     def _own_state(self) -> dict[str, Tensor | None]:
-        """This rank's own state buffers, every update in flight applied first: the moments
-        and the fp32 master (joined from a split one)."""
-        self.synchronize()
+        """This rank's own state buffers, every update in flight ended first: the moments
+        and the fp32 master (joined from a split one). Collective-free: sharded, a delayed
+        update's weights (gathered over the ranks) are left to go back at the next
+        :meth:`synchronize` or step; unsharded it is applied (nothing is gathered)."""
+        if self.num_shards > 1 and isinstance(self._pending, _PendingUpdate):
+            self._pending.future.result()  # the host state is final; the all-gather waits
+        else:
+            self.synchronize()
         transfer.synchronize(self._side)
         master = self._host.master
         if self._split:

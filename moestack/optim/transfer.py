@@ -1,8 +1,10 @@
 """Host <-> device transfers for OffloadAdamW: pinned buffers, the side stream, dtype casts.
 
 The optimizer state lives in host memory, pinned when CUDA is present so that copies can be
-asynchronous. With ``overlap``, gradient copies to the host and weight copies back run on a
-side stream; the compute stream waits on an event, the host does not.
+asynchronous: every buffer is a view of one host block, page-locked in place, so the bytes
+held are the bytes counted (:func:`carve`). With ``overlap``, gradient copies to the host
+and weight copies back run on a side stream; the compute stream waits on an event, the host
+does not.
 
 On CUDA, 16-bit parameters and gradients change dtype on the device, through one fp32
 scratch per device of at most ``_XFER_CHUNK`` elements (64 MiB): the host only runs the
@@ -12,6 +14,7 @@ AdamW step, and no copy needs a device temporary as large as the tensor.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ import torch
 from torch import Tensor
 
 from moestack.optim.plan import ParamSpec, Segment, ShardPlan
+
+log = logging.getLogger(__name__)
 
 # Elements per device-side dtype conversion between 16-bit device tensors and the fp32 host
 # buffers: the device holds one fp32 scratch of at most this size (64 MiB).
@@ -132,9 +137,10 @@ def pack_buffer_sizes(plan: ShardPlan) -> tuple[int, int | None]:
     return plan.total, None
 
 
-def alloc_host_buffers(sizes: Sizes, pin: bool) -> HostBuffers:
-    """Zeroed host buffers of :func:`host_buffer_sizes`, pinned if ``pin``."""
-    bufs = {role: torch.zeros(n, dtype=dtype, pin_memory=pin) for role, (n, dtype) in sizes.items()}
+def alloc_host_buffers(sizes: Sizes, pin: Sequence[torch.device]) -> HostBuffers:
+    """Zeroed host buffers of :func:`host_buffer_sizes`, sliced from one host block
+    (:func:`carve`), pinned for copies with the CUDA devices ``pin`` (none: not pinned)."""
+    bufs = carve(sizes, pin)
     comm = bufs.get("grad_comm")  # None with the collectives on the devices
     return HostBuffers(
         bufs["exp_avg"],
@@ -147,19 +153,110 @@ def alloc_host_buffers(sizes: Sizes, pin: bool) -> HostBuffers:
     )
 
 
-def pinned(params: Sequence[Tensor]) -> bool:
-    """Whether host buffers are pinned: when some parameter is on a CUDA device."""
-    return torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
+def pinned(params: Sequence[Tensor]) -> tuple[torch.device, ...]:
+    """The CUDA devices of ``params``, for which the host buffers are pinned (empty, so
+    false, when there is none)."""
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(sorted({p.device for p in params if p.device.type == "cuda"}, key=str))
 
 
-def alloc_pack_buffers(plan: ShardPlan, pin: bool) -> tuple[Tensor, Tensor]:
+def alloc_pack_buffers(plan: ShardPlan, pin: Sequence[torch.device]) -> tuple[Tensor, Tensor]:
     """The fp32 communication buffer (every shard's slot) and this rank's gradient shard
-    (the same tensor when not sharded)."""
+    (the same tensor when not sharded), from one host block (:func:`carve`)."""
     comm_size, grad_size = pack_buffer_sizes(plan)
-    comm = torch.zeros(comm_size, dtype=torch.float32, pin_memory=pin)
-    if grad_size is None:
-        return comm, comm
-    return comm, torch.zeros(grad_size, dtype=torch.float32, pin_memory=pin)
+    sizes = {"grad_comm": (comm_size, torch.float32)}
+    if grad_size is not None:
+        sizes["grad_shard"] = (grad_size, torch.float32)
+    bufs = carve(sizes, pin)
+    return bufs["grad_comm"], bufs.get("grad_shard", bufs["grad_comm"])
+
+
+# ------------------------------------------------------------------- one host block
+# Why one block: torch's pinned allocator (CachingHostAllocator) rounds every request up to
+# a power of two (c10::llvm::PowerOf2Ceil, unless PYTORCH_ALLOC_CONF sets
+# pinned_max_round_threshold_mb), so buffers pinned one by one took up to twice their bytes
+# (1.96x for the 137M model's). The buffers are views of one plain host block instead,
+# page-locked in place with cudaHostRegister: the bytes held are the bytes counted (the
+# buffers' sum, plus at most ALIGN_BYTES - 1 of padding before each).
+
+ALIGN_BYTES = 64  # each buffer starts on a cache line (and an AVX-512 vector)
+
+
+def block_layout(sizes: Sizes) -> tuple[dict[str, int], int]:
+    """The byte offset of each buffer of ``sizes`` in one block (in their order, each
+    aligned to :data:`ALIGN_BYTES`) and the block's bytes."""
+    offsets, end = {}, 0
+    for role, (n, dtype) in sizes.items():
+        start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        offsets[role] = start
+        end = start + n * dtype.itemsize
+    return offsets, end
+
+
+def carve(sizes: Sizes, pin: Sequence[torch.device] = ()) -> dict[str, Tensor]:
+    """Zeroed flat buffers of ``sizes`` (role -> (elements, dtype)), each a view of one host
+    block (:func:`block_layout`), pinned for copies with the CUDA devices ``pin``."""
+    offsets, nbytes = block_layout(sizes)
+    block = torch.zeros(nbytes, dtype=torch.uint8)
+    if pin:
+        block = pin_block(block, pin)
+    return {
+        role: block[offsets[role] : offsets[role] + n * dtype.itemsize].view(dtype)
+        for role, (n, dtype) in sizes.items()
+    }
+
+
+def pin_block(block: Tensor, devices: Sequence[torch.device]) -> Tensor:
+    """``block`` page-locked in place (``cudaHostRegister``), unregistered when its memory is
+    freed, after ``devices`` finished what they had queued (a copy may still read or write
+    it); where registering fails, a copy from torch's pinned allocator (rounded up, see
+    above), saying so once."""
+    if block.numel() == 0:
+        return block
+    try:
+        _register(block.data_ptr(), block.numel())
+    except Exception as err:  # no CUDA runtime call, or the driver refused
+        _warn_rounded(block.numel(), err)
+        return block.pin_memory()
+    done = weakref.finalize(block.untyped_storage(), _unregister, block.data_ptr(), tuple(devices))
+    done.atexit = False  # at exit the memory goes with the process (and CUDA may be gone)
+    return block
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, as cudaHostAlloc's
+_ROUNDED_WARNED: list[bool] = []
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    """``cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable)``; RuntimeError on failure."""
+    code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {code}")
+
+
+def _unregister(ptr: int, devices: tuple[torch.device, ...]) -> None:
+    """Undo :func:`_register` once ``devices`` are done with the memory (a finalizer: it
+    logs a failure, never raises)."""
+    try:
+        for device in devices:
+            torch.cuda.synchronize(device)
+        code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if code != 0:
+            log.warning("cudaHostUnregister of the host buffers failed with CUDA error %d", code)
+    except Exception as err:
+        log.warning("unpinning the host buffers failed: %s: %s", type(err).__name__, err)
+
+
+def _warn_rounded(nbytes: int, err: BaseException) -> None:
+    if not _ROUNDED_WARNED:
+        _ROUNDED_WARNED.append(True)
+        rounded = 1 << max(nbytes - 1, 0).bit_length()
+        log.warning(
+            "host buffers: page-locking in place failed (%s: %s); pinned through torch's "
+            "allocator instead, which holds %d bytes for %d",
+            *(type(err).__name__, err, rounded, nbytes),
+        )
 
 
 def in_place_possible(specs: Sequence[ParamSpec], distributed: bool) -> bool:
@@ -253,9 +350,18 @@ def copies_done(side: torch.cuda.Stream | None) -> Any:
     one): a delayed update waits on it before it writes the host buffers they read."""
     if side is None:
         return None
-    event = torch.cuda.Event()
+    event = host_event()
     event.record(side)
     return event
+
+
+def host_event() -> torch.cuda.Event:
+    """A CUDA event a host thread waits on (``Event.synchronize``). ``blocking=True`` creates
+    it with ``cudaEventBlockingSync``: ``cudaEventSynchronize`` then puts the waiting thread
+    to sleep until the event completes, where a default event has it busy-wait, spinning a
+    core the host update and the main thread need. (torch's docstring says ``wait()`` blocks;
+    ``wait()`` is a stream's device-side wait, which the flag does not change.)"""
+    return torch.cuda.Event(blocking=True)
 
 
 def casts_on_device(device: str, dtype: torch.dtype, host_dtype: torch.dtype) -> bool:

@@ -315,3 +315,69 @@ def stall_transfers(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(OffloadAdamW, "_to_host", slow_to_host)
     monkeypatch.setattr(OffloadAdamW, "_to_device", slow_to_device)
+
+
+COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_gather_object", "all_reduce",
+               "reduce_scatter_tensor", "broadcast", "barrier")  # fmt: skip
+
+
+def own_state_worker(rank: int, world: int, init_method: str, out_dir: str) -> None:
+    """One rank of delayed runs (host and "device" collectives): the collectives issued
+    while ``own_expert_state``/``own_shard_state`` run with an update in flight, their
+    entries against ``state_dict``'s, and the weights after more steps against a twin run
+    that never called them (both take a state_dict then, which applies the update)."""
+    torch.set_num_threads(1)
+    run_gloo_rank(rank, world, init_method, _own_state_runs, rank, world, out_dir)
+
+
+def _own_state_runs(rank: int, world: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from moestack.optim import OffloadAdamW
+
+    calls: list[str] = []
+    for name in COLLECTIVES:
+        real = getattr(dist, name)
+        setattr(
+            dist,
+            name,
+            lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw),
+        )
+    per = BATCH // world
+    rows = slice(rank * per, (rank + 1) * per)
+    out: dict[str, Any] = {}
+    for config, kw in {"host": {}, "device": {"reduce_on_device": True}}.items():
+        weights, counted, entries = [], [], {}
+        for ask in (True, False):
+            model = TinyMoE()
+            opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.95), update_delay=1, **kw)
+            for step in range(5):
+                if step == 3 and ask:  # an update launched at step 2 is in flight
+                    before = len(calls)
+                    entries = opt.own_expert_state()
+                    shard = opt.own_shard_state()
+                    counted = calls[before:]
+                if step == 3:  # collective, on every rank; it applies the update (both runs)
+                    full = opt.state_dict()["state"]
+                    if ask:
+                        same = all(
+                            torch.equal(v, full[key][field])
+                            for key, entry in entries.items()
+                            for field, v in entry.items()
+                            if isinstance(v, torch.Tensor)
+                        )
+                micro_step(model, step, rows)
+                opt.clip_grad_norm_(MAX_NORM)
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            weights.append(_snapshot(model))
+        out[config] = {
+            "collectives": counted,
+            "entries": len(entries),
+            "shard_pieces": len(shard),
+            "entries_match_state_dict": same,
+            "weights_match": all(torch.equal(p, weights[1][n]) for n, p in weights[0].items()),
+            "shards": opt.num_shards,
+        }
+    torch.save(out, f"{out_dir}/own_{rank}.pt")

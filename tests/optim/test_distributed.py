@@ -182,3 +182,23 @@ def test_bf16_device_collectives_hold_what_they_plan_and_track_the_host_ones(tmp
     for a, b in zip(runs[0]["True"]["history"], runs[1]["True"]["history"], strict=True):
         for n, p in a.items():
             assert torch.equal(p, b[n]), n
+
+
+def test_own_state_with_an_update_in_flight_issues_no_collective(tmp_path) -> None:
+    """own_expert_state and own_shard_state are not collective (expert parallelism's ranks
+    call them for the state they own): with a delayed update in flight on 2 sharded ranks,
+    host or "device" collectives, they issue none (the update's weights go back at the next
+    synchronize or step); their expert entries are state_dict's, and the run trains on as
+    one that never called them."""
+    from _optim_testlib import own_state_worker
+
+    what = "the 2 gloo ranks of _optim_testlib.own_state_worker"
+    spawn_ranks(own_state_worker, (2, file_rendezvous(tmp_path), str(tmp_path)), 2, what)
+    for rank in range(2):
+        runs = torch.load(tmp_path / f"own_{rank}.pt", weights_only=True)
+        for config, run in runs.items():
+            assert run["shards"] == 2, config
+            assert run["collectives"] == [], (rank, config)
+            assert run["entries"] > 0 and run["shard_pieces"] > 0, (rank, config)
+            assert run["entries_match_state_dict"], (rank, config)
+            assert run["weights_match"], (rank, config)

@@ -315,6 +315,30 @@ def test_missing_compiler_is_reported(monkeypatch, caplog, tmp_path, fresh_backe
     assert "no-such-c++" in record.getMessage()
 
 
+def test_host_kernel_report_names_the_compiler_and_the_outcome(
+    monkeypatch, tmp_path, fresh_backends
+) -> None:
+    """The environment check's line: the kernel loads, built by the compiler found (its
+    version line); a compiler that does not run, or none at all, says why and what falls
+    back."""
+    if not fused.native_loads():
+        pytest.skip("the native kernel does not build here")
+    line = fused.host_kernel_report()
+    cxx = native.find_compiler()
+    assert line.startswith("native host kernel: loads (") and f"compiler {cxx} (" in line
+    monkeypatch.setattr(fused, "_STATE", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(tmp_path / "cache"))
+    line = fused.host_kernel_report()
+    assert line.startswith("native host kernel: unavailable (RuntimeError: ")
+    assert "no-such-c++ (does not run: FileNotFoundError" in line and "serial step" in line
+    monkeypatch.setattr(fused, "_STATE", {})
+    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    line = fused.host_kernel_report()
+    assert "unavailable (RuntimeError: no C++ compiler" in line
+    assert "no C++ compiler found (set CXX, or install g++)" in line
+
+
 def test_native_failure_uses_the_compiled_step(monkeypatch, caplog, fresh_backends) -> None:
     def read_only_cache():
         raise OSError("read-only file system")

@@ -294,6 +294,44 @@ def test_device_keeps_only_weights_grads_and_a_bounded_scratch() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_buffers_are_one_block_page_locked_in_place() -> None:
+    """Every host buffer is a pinned view of one block of the bytes the plan counts
+    (registered in place, not taken from torch's pinned allocator, which rounds each
+    request up to a power of two: its byte count does not move), and the optimizer steps
+    as torch AdamW does from there."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+
+    def held() -> int | None:
+        got = stats() if stats is not None else {}
+        return got.get("allocated_bytes.current", got.get("allocated_bytes.all.current"))
+
+    params = make_params("cuda", torch.bfloat16)
+    before = held()
+    opt = OffloadAdamW(list(params.items()), lr=1e-3)
+    assert held() == before
+    bufs = opt.host_buffers()
+    storage = bufs["exp_avg"].untyped_storage()
+    counted = sum(t.numel() * t.element_size() for t in bufs.values())
+    assert all(t.is_pinned() for t in bufs.values())
+    assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in bufs.values())
+    assert counted <= storage.nbytes() < counted + transfer.ALIGN_BYTES * len(bufs)
+    master = {n: p.detach().float().cpu().requires_grad_() for n, p in params.items()}
+    ref = torch.optim.AdamW(list(master.values()), lr=1e-3)
+    for step in range(3):
+        for n, p in params.items():
+            c = coefficients(step, 0)[n]
+            p.grad = c.to("cuda", torch.bfloat16)
+            master[n].grad = c.clone()
+        opt.step()
+        ref.step()
+    opt.synchronize()
+    torch.cuda.synchronize()
+    for n, p in params.items():  # bf16 weights: the fp32 master rounded (half an ulp, 2^-9)
+        torch.testing.assert_close(p.cpu().float(), master[n].detach(), rtol=2**-8, atol=1e-7)
+    del opt, bufs, storage
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dropped_optimizer_is_freed_and_hooks_can_be_removed() -> None:
     import gc
     import weakref

@@ -518,6 +518,39 @@ def test_forcing_the_pipeline_without_its_kernel_names_only_the_pipeline(monkeyp
     assert not _optimizer(_model(torch.float32), "auto").pipelined  # "auto": the serial step
 
 
+def test_no_kernel_where_the_pipeline_pays_runs_the_serial_step_saying_why(monkeypatch, caplog):
+    """As on a GPU image without a C++ compiler: "auto" plans the pipeline (every parameter
+    on a device, stood in for here), neither backend of the fused kernel loads. The serial
+    step runs, exactly the reference path's; one warning says the pipelined step is off and
+    why, serial_reason keeps it, and update_in_backward (which needs the pipeline) is
+    refused naming it."""
+    import logging
+
+    from moestack.optim import buckets, fused
+
+    why = "RuntimeError: no C++ compiler (set CXX, or install g++)"
+    monkeypatch.setattr(buckets, "on_devices", lambda specs: True)
+    monkeypatch.setattr(fused, "_native", lambda: why)
+    monkeypatch.setattr(fused, "_compiled", lambda combos: "RuntimeError: inductor needs one")
+    monkeypatch.setattr(fused, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="moestack.optim"):
+        opt = _optimizer(_model(torch.bfloat16), "auto")
+    assert not opt.pipelined and "no C++ compiler" in opt.serial_reason
+    (line,) = [r for r in caplog.records if r.name == "moestack.optim.offload"]
+    assert line.levelno == logging.WARNING
+    msg = line.getMessage()
+    assert "pipelined step turned off" in msg and "serial step" in msg and "no C++ compiler" in msg
+    with pytest.raises(ValueError, match="update_in_backward=True.*no C\\+\\+ compiler"):
+        _optimizer(_model(torch.bfloat16), "auto", update_in_backward=True)
+    assert opt.host_step == "pending"  # chosen at the first step
+    model, opt, norms = _train(torch.bfloat16, "auto", clip=True, steps=4)
+    ref_model, ref, ref_norms = _train(torch.bfloat16, False, clip=True, steps=4, fused_step="off")
+    assert not opt.pipelined and opt.host_step == ref.host_step == "off"
+    assert norms == ref_norms  # the reference path's step, bitwise
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_forcing_the_pipeline_over_two_devices_names_only_the_pipeline():
     model = _model(torch.float32)
     model.scale = torch.nn.Parameter(torch.ones(8, device="meta"))  # a second device
