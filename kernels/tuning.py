@@ -8,11 +8,18 @@ name, in this order:
 2. the checked-in table ``kernels/tuned_configs.json`` (or the file named by
    ``MOESTACK_TUNED_CONFIGS``), keyed by ``torch.cuda.get_device_name()``, written by
    ``scripts/tune_kernels.py`` on that GPU; a key missing at this row bucket takes the
-   entry of the nearest bucket of the same variant;
+   entry of the nearest bucket of the same variant; inside ``retune(kinds)`` the entries
+   of those kinds are not read (a benchmark re-measures entries seeded or measured before
+   their kind's newer candidates existed);
 3. autotuning: time every candidate once with ``triton.testing.do_bench`` on the real
    arguments and keep the fastest (set ``MOESTACK_AUTOTUNE=0`` to skip and use the
    heuristic default instead, e.g. under CUDA-graph capture);
 4. under ``TRITON_INTERPRET=1``: one fixed small config, no timing.
+
+The cache remembers where each of its configs came from (``cache_sources``): "measured"
+(autotuned in this process), "table" or "default" (untimed). ``export_cache``, what
+``scripts/tune_kernels.py`` and ``scripts/bench_moe.py --save-tuned`` write into a table,
+holds the measured ones only, so a table entry read back is never re-stamped as measured.
 
 A config also names its backend. Every kind runs moestack's Triton kernels ("triton"); the
 weight gradient may instead run ``torch._grouped_mm``'s 2D x 2D form ("torch"), a candidate
@@ -55,7 +62,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -193,8 +200,14 @@ CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
 
 # The autotune cache: (gpu name, key) -> config.
 _AUTOTUNE_CACHE: dict[tuple[str, str], KernelConfig] = {}
+# Where a cached config came from: "measured" (timed here), "table" or "default"; a key
+# without an entry (put in the cache by hand) reads as measured.
+SOURCES = ("measured", "table", "default")
+_SOURCES: dict[tuple[str, str], str] = {}
 # Configs forced per kernel kind by ``forced_config`` (tests and output checks only).
 _FORCED: dict[str, KernelConfig] = {}
+# Kinds whose table entries ``retune`` tells the tuner not to read.
+_RETUNE: set[str] = set()
 
 
 def row_bucket(rows: int) -> int:
@@ -375,6 +388,30 @@ def forced_config(kind: str, cfg: KernelConfig) -> Iterator[None]:
             _FORCED[kind] = previous
 
 
+@contextlib.contextmanager
+def retune(kinds: Iterable[str]) -> Iterator[None]:
+    """Inside the block, the tuned table's entries of ``kinds`` are not read: those keys
+    autotune on first use (or, with ``MOESTACK_AUTOTUNE=0``, take the untimed default), so
+    that a benchmark measures candidates the table's entries were never timed against.
+    Configs of those kinds the cache holds unmeasured (read from the table, or defaults)
+    are dropped on entry; measured ones stay. Not thread-safe."""
+    kinds = set(kinds)
+    unknown = sorted(kinds - set(CANDIDATES))
+    if unknown:
+        raise ValueError(f"retune kinds {unknown} are unknown; use some of {sorted(CANDIDATES)}")
+    for gpu_key, source in list(_SOURCES.items()):
+        if source != "measured" and gpu_key[1].split("|")[0] in kinds:
+            _AUTOTUNE_CACHE.pop(gpu_key, None)
+            del _SOURCES[gpu_key]
+    previous = set(_RETUNE)
+    _RETUNE.update(kinds)
+    try:
+        yield
+    finally:
+        _RETUNE.clear()
+        _RETUNE.update(previous)
+
+
 def choose_config(
     kind: str,
     key: str,
@@ -395,13 +432,19 @@ def choose_config(
     cached = _AUTOTUNE_CACHE.get((gpu, key))
     if cached is not None:
         return cached
-    cfg = lookup_table(gpu, key)
+    cfg, source = (None if kind in _RETUNE else lookup_table(gpu, key)), "table"
     if cfg is None:
         cands = candidates(kind, K, M, dtype, device)
-        cfg = _benchmark(key, cands, run) if autotune_enabled() else cands[0]
-    cfg = _runnable(cfg, kind, device, K, M, dtype)
-    _AUTOTUNE_CACHE[(gpu, key)] = cfg
-    return cfg
+        if autotune_enabled():
+            cfg, source = _benchmark(key, cands, run), "measured"
+        else:
+            cfg, source = cands[0], "default"
+    runnable = _runnable(cfg, kind, device, K, M, dtype)
+    if runnable != cfg:  # a table entry that cannot run here: the untimed default
+        source = "default"
+    _AUTOTUNE_CACHE[(gpu, key)] = runnable
+    _SOURCES[(gpu, key)] = source
+    return runnable
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -466,16 +509,35 @@ def table_entry(cfg: KernelConfig) -> dict[str, int | str | bool]:
     return entry
 
 
-def export_cache() -> dict[str, dict[str, dict[str, int | str | bool]]]:
-    """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py);
-    each entry names its backend, and a persistent one says so."""
+def source_of(gpu: str, key: str) -> str:
+    """Where the cached config of ``key`` came from: one of ``SOURCES``."""
+    return _SOURCES.get((gpu, key), "measured")
+
+
+def export_cache(measured_only: bool = True) -> dict[str, dict[str, dict[str, int | str | bool]]]:
+    """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py):
+    the configs measured in this process, unless ``measured_only`` is false (then also those
+    read from the table and the untimed defaults); each entry names its backend, and a
+    persistent or fused one says so."""
     out: dict[str, dict[str, dict[str, int | str | bool]]] = {}
     for (gpu, key), cfg in sorted(_AUTOTUNE_CACHE.items()):
-        out.setdefault(gpu, {})[key] = table_entry(cfg)
+        if not measured_only or source_of(gpu, key) == "measured":
+            out.setdefault(gpu, {})[key] = table_entry(cfg)
+    return out
+
+
+def cache_sources() -> dict[str, dict[str, str]]:
+    """``{gpu: {key: source}}`` for every cached config (``SOURCES``): what a run measured
+    and what it only read or defaulted, for its report."""
+    out: dict[str, dict[str, str]] = {}
+    for gpu, key in sorted(_AUTOTUNE_CACHE):
+        out.setdefault(gpu, {})[key] = source_of(gpu, key)
     return out
 
 
 def clear_cache() -> None:
-    """Forget every autotuned config and the loaded table (e.g. before re-tuning)."""
+    """Forget every autotuned config, where each came from, and the loaded table (e.g.
+    before re-tuning)."""
     _AUTOTUNE_CACHE.clear()
+    _SOURCES.clear()
     _read_table.cache_clear()

@@ -11,7 +11,10 @@ is its own row, "[torch._grouped_mm]" after the role, and a GEMM that it gives t
 persistent kernel (h@W2, G, dx; its tile table built inside the row) "[persistent]".
 --persistent forces the persistent kernel's default candidate on those GEMMs, to set its
 launches beside the classic ones of a run without it; --fused-dswiglu forces the fused
-G + SwiGLU backward's default tile the same way. Each GEMM row gives its useful TFLOP/s
+G + SwiGLU backward's default tile the same way, and --torch-wgrad torch._grouped_mm's weight
+gradients (where it runs: bf16 on sm90+). The first lines say which configs the run used
+(forced, or the tuned table named and whether autotuning is on). Each GEMM row gives its
+useful TFLOP/s
 and the fraction of the dense bf16 matmul rate measured in the same run; "other" is the rest
 of the step (router, sort, the forward's index gathers, the sum over the k slots,
 allocations), from an untimed pass of the same step. A launch's time runs from its start event, recorded before the Python launcher, to its
@@ -23,6 +26,7 @@ ratio bench_moe reports. Prints a table per shape; --json writes them.
     python scripts/profile_moe.py --shapes mixtral-8k --json profile.json
     python scripts/profile_moe.py --shapes mixtral-8k --persistent   # the persistent GEMMs
     python scripts/profile_moe.py --shapes mixtral-8k --fused-dswiglu  # G + SwiGLU' fused
+    python scripts/profile_moe.py --persistent --fused-dswiglu --torch-wgrad  # every new path
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny   # CPU smoke run
     TRITON_INTERPRET=1 python scripts/profile_moe.py --tiny --steps 1 --no-warmup  # the tests'
 """
@@ -247,7 +251,7 @@ def print_profile(p: dict) -> None:
         print(f"  {r['role']:<40} {r['ms']:9.3f} {share:6.1f}% {tf} {dense}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shapes", default="", help="comma-separated bench_moe shape names")
@@ -272,7 +276,53 @@ def main() -> None:
         help="force the fused G=dy@W2^T + SwiGLU backward's first tile (kind mm_dswiglu) "
         "instead of the tuned or default (unfused) choice",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--torch-wgrad",
+        action="store_true",
+        help="force torch._grouped_mm's weight gradients (kind wgrad) where they run (bf16 on "
+        "sm90+; elsewhere moestack's default tile) instead of the tuned or default choice",
+    )
+    return parser
+
+
+def forced_configs(args: argparse.Namespace) -> dict[str, tuning.KernelConfig]:
+    """The configs the flags force, per kernel kind."""
+    forced = {}
+    if args.persistent:
+        forced["mm"] = tuning.PERSISTENT_CANDIDATES[0]
+    if args.fused_dswiglu:
+        forced["mm_dswiglu"] = tuning.CANDIDATES["mm_dswiglu"][0]
+    if args.torch_wgrad:
+        forced["wgrad"] = tuning.TORCH_WGRAD
+    return forced
+
+
+def describe(cfg: tuning.KernelConfig) -> str:
+    """A config in a few words: its backend or tile, and the path it names."""
+    if cfg.backend == "torch":
+        return "torch._grouped_mm"
+    tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    return tile + (" persistent" if cfg.persistent else "") + (" fused" if cfg.fused else "")
+
+
+def configs_line(forced: dict[str, tuning.KernelConfig]) -> str:
+    """Which configs the run's launches use: the label of its tables."""
+    if _launch.interpreted():
+        source = "the interpreter's fixed tile"
+    elif tuning.autotune_enabled():
+        source = f"the tuned table {tuning.table_path()}, autotuned where it has no entry"
+    else:
+        source = f"the tuned table {tuning.table_path()}, the default where it has no entry"
+    if not forced:
+        return f"configs: every kind from {source}"
+    named = "; ".join(f"{kind} forced to {describe(cfg)}" for kind, cfg in forced.items())
+    unforced = ", ".join(sorted(set(tuning.CANDIDATES) - set(forced)))
+    return f"configs: {named}; {unforced} from {source}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
         sys.exit("profile_moe.py: without a GPU only --tiny runs, under TRITON_INTERPRET=1")
@@ -289,26 +339,22 @@ def main() -> None:
     print(f"device: {machine}, {dtype}, dense matmul {dense:.2f} TFLOP/s")
     timer = LaunchTimer(device)
     install(timer)
-    forced = tuning.PERSISTENT_CANDIDATES[0] if args.persistent else None
-    if forced is not None:
-        print(f"forced on the GEMMs without SwiGLU: {forced}")
-    fused = tuning.CANDIDATES["mm_dswiglu"][0] if args.fused_dswiglu else None
-    if fused is not None:
-        print(f"forced on G with the SwiGLU backward: {fused}")
+    forced = forced_configs(args)
+    print(configs_line(forced))
     header = {
         "device": machine,
         "dtype": str(dtype),
         "torch": torch.__version__,
         "dense_tflops": dense,
-        "forced_mm_config": str(forced) if forced is not None else None,
-        "forced_dswiglu_config": str(fused) if fused is not None else None,
+        "configs": configs_line(forced),
+        "forced_mm_config": str(forced["mm"]) if "mm" in forced else None,
+        "forced_dswiglu_config": str(forced["mm_dswiglu"]) if "mm_dswiglu" in forced else None,
+        "forced_wgrad_config": str(forced["wgrad"]) if "wgrad" in forced else None,
     }
     profiles: list[dict] = []
     with contextlib.ExitStack() as stack:
-        if forced is not None:
-            stack.enter_context(tuning.forced_config("mm", forced))
-        if fused is not None:
-            stack.enter_context(tuning.forced_config("mm_dswiglu", fused))
+        for kind, cfg in forced.items():
+            stack.enter_context(tuning.forced_config(kind, cfg))
         for shape in shapes:
             profiles.append(
                 profile_shape(shape, device, dtype, timer, dense, args.steps, not args.no_warmup)

@@ -13,9 +13,10 @@ an entry it wins says ``"persistent": true``; for the backward's G = dy @ W2^T w
 SwiGLU backward, G's GEMM and the elementwise pass against the fused tiles: an entry the
 fused epilogue wins says ``"fused": true``); the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
-first use of those shapes on that GPU needs no autotuning. Keys carry the power-of-two
-bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes the nearest
-one, so tune at the token counts you train with (``--tokens 8192 16384``).
+first use of those shapes on that GPU needs no autotuning. Only configs measured by this
+run are written, each with its provenance (``sources``: date, torch, triton). Keys carry the
+power-of-two bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes
+the nearest one, so tune at the token counts you train with (``--tokens 8192 16384``).
 """
 
 from __future__ import annotations
@@ -122,14 +123,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
-    """Merge the autotune cache, less the keys in ``skip``, into the table at ``out``
-    (atomically: temp file, rename). A table of a format this moestack still reads keeps its
-    entries and is rewritten in the current format; one of an older key format is replaced."""
+def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
+    """Merge the configs this process measured (never those it read from a table or took as
+    untimed defaults), less the keys in ``skip``, into the table at ``out`` (atomically: temp
+    file, rename); return how many. Each entry written gets its provenance under
+    ``sources[gpu][key]`` (date, torch, triton of this run), and ``measured[gpu]`` stamps the
+    latest run that measured any; with nothing measured the file is left as it is. A table
+    of a format this moestack still reads keeps its entries (and their provenance) and is
+    rewritten in the current format; one of an older key format is replaced."""
     from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
     found = {k: v for k, v in tuning.export_cache().get(gpu, {}).items() if k not in skip}
+    if not found:
+        log.info("nothing measured for %s to save: %s left as it is", gpu, out)
+        return 0
     table = json.loads(out.read_text()) if out.is_file() else {}
     if table.get("format", tuning.TABLE_FORMAT) not in tuning.READABLE_FORMATS:
         log.warning(
@@ -139,26 +147,40 @@ def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> None:
     table["format"] = tuning.TABLE_FORMAT
     table.setdefault("gpus", {}).setdefault(gpu, {}).update(found)
     table["gpus"][gpu] = dict(sorted(table["gpus"][gpu].items()))
-    import triton
-
-    table.setdefault("measured", {})[gpu] = {
-        "date": dt.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
+    stamp = run_stamp()
+    table.setdefault("measured", {})[gpu] = stamp
+    sources = table.setdefault("sources", {}).setdefault(gpu, {})
+    sources.update({key: stamp for key in found})
+    table["sources"][gpu] = dict(sorted(sources.items()))
     table["note"] = (
-        "Tile configs measured by scripts/tune_kernels.py, keyed by "
-        "torch.cuda.get_device_name(); GPUs or shapes not listed autotune on first use."
+        "Tile configs measured by scripts/tune_kernels.py or scripts/bench_moe.py "
+        "--save-tuned, keyed by torch.cuda.get_device_name(); sources[gpu][key] says when "
+        "and with which torch and triton each entry was measured (an entry without one "
+        "predates that record); GPUs or shapes not listed autotune on first use."
     )
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(table, indent=2) + "\n")
     tmp.replace(out)
     persistent = sum(1 for entry in found.values() if entry.get("persistent"))
     fused = sum(1 for entry in found.values() if entry.get("fused"))
+    torch_dw = sum(1 for entry in found.values() if entry.get("backend") == "torch")
     log.info(
-        "wrote %d configs (%d persistent, %d fused) for %s to %s",
-        *(len(found), persistent, fused, gpu, out),
+        "wrote %d measured configs (%d persistent, %d fused, %d torch dW) for %s to %s",
+        *(len(found), persistent, fused, torch_dw, gpu, out),
     )
+    return len(found)
+
+
+def run_stamp() -> dict[str, str]:
+    """Today's date and the torch and triton versions: the provenance of what this run
+    measured."""
+    import triton
+
+    return {
+        "date": dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
 
 
 if __name__ == "__main__":

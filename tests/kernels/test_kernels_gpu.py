@@ -65,22 +65,23 @@ def check_moe(
         assert rel_err(a.detach(), b.detach()) <= tol, name
 
 
-def test_grouped_gemm_bf16(poisoned_buffers):
-    check_grouped_gemm(torch.bfloat16)
-
-
-def test_moe_bf16(poisoned_buffers):
-    check_moe(torch.bfloat16)
-
-
-def test_fp32_is_ieee_by_default(poisoned_buffers, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    check_grouped_gemm(torch.float32, tol=5e-6)
-    check_moe(torch.float32, tol=5e-6)
-
-
-def test_fp16(poisoned_buffers):
-    check_moe(torch.float16, tol=3e-3)
+# The slowest tests first (each compiles every kernel variant of one config: 60-90 s on the
+# H200 machine's 16 cores): pytest-xdist hands tests out in file order, two a worker at first,
+# so these start together and the short ones fill in around them (gpu_check's kernel_tests).
+@pytest.mark.parametrize("bad", [4, -1])
+def test_expert_ids_out_of_range_fail_on_the_device(bad):
+    """A device-side assertion (no host sync) stops the run: in a subprocess, since it ends
+    the CUDA context."""
+    env = dict(os.environ, MOESTACK_AUTOTUNE="0")
+    proc = subprocess.run(
+        [sys.executable, "-c", _BAD_IDS.format(bad=bad)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "NOT-CAUGHT" not in proc.stdout, proc.stdout
+    assert "assert" in proc.stderr.lower(), proc.stderr[-2000:]
 
 
 CANDIDATE_CASES = [
@@ -103,6 +104,24 @@ def test_every_candidate_config_matches_float64(kind, index, poisoned_buffers, m
         check_moe(torch.bfloat16, seed=index)
         check_moe(torch.bfloat16, seed=index + 100, T=1000, D=256, F=512, E=16, k=4, empty=(3, 11))
     tuning.clear_cache()
+
+
+def test_grouped_gemm_bf16(poisoned_buffers):
+    check_grouped_gemm(torch.bfloat16)
+
+
+def test_moe_bf16(poisoned_buffers):
+    check_moe(torch.bfloat16)
+
+
+def test_fp32_is_ieee_by_default(poisoned_buffers, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    check_grouped_gemm(torch.float32, tol=5e-6)
+    check_moe(torch.float32, tol=5e-6)
+
+
+def test_fp16(poisoned_buffers):
+    check_moe(torch.float16, tol=3e-3)
 
 
 def test_torch_weight_gradient_matches_float64(poisoned_buffers, monkeypatch):
@@ -162,22 +181,6 @@ y = moe_experts(x, w1, w2, experts, torch.rand(8, 2, device="cuda"))
 torch.cuda.synchronize()
 print("NOT-CAUGHT")
 """
-
-
-@pytest.mark.parametrize("bad", [4, -1])
-def test_expert_ids_out_of_range_fail_on_the_device(bad):
-    """A device-side assertion (no host sync) stops the run: in a subprocess, since it ends
-    the CUDA context."""
-    env = dict(os.environ, MOESTACK_AUTOTUNE="0")
-    proc = subprocess.run(
-        [sys.executable, "-c", _BAD_IDS.format(bad=bad)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "NOT-CAUGHT" not in proc.stdout, proc.stdout
-    assert "assert" in proc.stderr.lower(), proc.stderr[-2000:]
 
 
 def test_autotune_cache_is_filled(monkeypatch):

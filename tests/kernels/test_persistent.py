@@ -368,6 +368,11 @@ def test_gpu_layer_bf16(monkeypatch, poisoned_buffers):
     from moestack.kernels import _launch, grouped_gemm, moe_experts
     from moestack.kernels.reference import grouped_gemm_reference, moe_experts_reference
 
+    # The other kinds at their untimed defaults, whatever the caller's environment says.
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
+    monkeypatch.setattr(tuning, "_AUTOTUNE_CACHE", {})  # an empty cache, the caller's kept
+    monkeypatch.setattr(tuning, "_SOURCES", {})
     launched = []
     real = _launch.persistent_mm
     monkeypatch.setattr(

@@ -18,6 +18,7 @@ import torch
 
 from moestack import router_losses
 from moestack.config import MoEConfig, RouterConfig
+from moestack.kernels import tuning
 from moestack.moe import MoE, moe_experts_torch, sort_by_expert
 from moestack.router import Router, tokens_per_expert
 
@@ -94,6 +95,43 @@ def test_triton_experts_do_not_sync(monkeypatch):
 
     step()  # compiles the kernels
     assert syncs(step) == []
+
+
+# The backward's newer paths, each forced (none runs by default without a measurement): the
+# persistent GEMM (its tile table built on the device), torch._grouped_mm's weight gradients,
+# the SwiGLU backward fused into G's GEMM; with the launcher each one calls.
+NEW_PATHS = {
+    "persistent": ("mm", tuning.PERSISTENT_CANDIDATES[0], "persistent_mm"),
+    "torch-dW": ("wgrad", tuning.TORCH_WGRAD, "grouped_wgrad_torch"),
+    "fused-dSwiGLU": ("mm_dswiglu", tuning.CANDIDATES["mm_dswiglu"][0], "mm_dswiglu_fused"),
+}
+
+
+@pytest.mark.parametrize("path", NEW_PATHS)
+def test_triton_experts_do_not_sync_on_the_new_paths(path, monkeypatch):
+    pytest.importorskip("triton")
+    from moestack.kernels import _launch, moe_experts
+
+    kind, cfg, launcher = NEW_PATHS[path]
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")  # timing candidates synchronises
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")  # the others: defaults
+    tuning.clear_cache()
+    calls = []
+    real = getattr(_launch, launcher)
+    monkeypatch.setattr(_launch, launcher, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    x, w1, w2, weights = _expert_weights(torch.bfloat16)
+    experts = routed()
+
+    def step():
+        moe_experts(x, w1, w2, experts, weights).sum().backward()
+
+    try:
+        with tuning.forced_config(kind, cfg):
+            step()  # compiles the kernels
+            assert calls, f"{launcher} never ran: the {path} path was not taken"
+            assert syncs(step) == []
+    finally:
+        tuning.clear_cache()
 
 
 @pytest.mark.xfail(

@@ -125,3 +125,88 @@ def test_tuned_configs_of_a_failed_shape_are_not_saved(bench, tmp_path, monkeypa
     saved = json.loads(table.read_text())
     assert saved["format"] == tuning.TABLE_FORMAT
     assert list(saved["gpus"]["Fake GPU"]) == ["mm|shape1"]
+
+
+def rows(bench, shape: str, triton_ms: float, torch_ms: float, triton_mib=90.0):
+    """A shape's two rows as bench_shape gives them (qwen3_30b's FLOPs: only its rate is
+    judged); torch's peak is 100 MiB."""
+    tflops = bench.useful_flops(16384, 8, 2048, 768) / triton_ms / 1e9
+    return [
+        bench.Result(shape, "moestack-torch", torch_ms, 0.0, 100.0),
+        bench.Result(shape, "moestack-triton", triton_ms, tflops, triton_mib),
+    ]
+
+
+def test_issue30_targets_as_the_issue_words_them(bench, capsys):
+    """1.0x on the Mixtral shapes, 1.3x on the fine-grained ones (a 1.25x meets issue 3's
+    1.2x, not issue 30's), 420 TFLOP/s on qwen3_30b-16k, peak memory at or below torch's."""
+    # qwen3_30b-16k: 2 x 16384 x 8 x 3 x 2048 x 768 x 3 = 3.71e12 FLOPs in 10.4 ms: 357 TFLOP/s
+    results = rows(bench, "qwen3_30b-16k", 10.4, 13.0) + rows(bench, "mixtral-8k", 5.0, 5.0, 101)
+    results += rows(bench, "olmoe-8k", 1.0, 1.31)
+    got = {t["what"]: t for t in bench.issue30_targets(results)}
+    assert {w: t["met"] for w, t in got.items()} == {
+        "mixtral-8k forward+backward >= 1.0x torch._grouped_mm": True,
+        "mixtral-8k peak memory at or below torch's (triton / torch <= 1)": False,
+        "olmoe-8k forward+backward >= 1.3x torch._grouped_mm": True,
+        "olmoe-8k peak memory at or below torch's (triton / torch <= 1)": True,
+        "qwen3_30b-16k forward+backward >= 1.3x torch._grouped_mm": False,
+        "qwen3_30b-16k forward+backward >= 420 TFLOP/s": False,
+        "qwen3_30b-16k peak memory at or below torch's (triton / torch <= 1)": True,
+    }
+    assert got["qwen3_30b-16k forward+backward >= 1.3x torch._grouped_mm"]["value"] == 1.25
+    rate = got["qwen3_30b-16k forward+backward >= 420 TFLOP/s"]["value"]
+    assert rate == pytest.approx(2 * 16384 * 8 * 3 * 2048 * 768 * 3 / 10.4e-3 / 1e12)
+    issue3 = {t["what"]: t["met"] for t in bench.issue3_targets(results)}
+    assert issue3["qwen3_30b-16k fwd+bwd speed-up over torch (>= 1.2)"]  # issue 3: met
+    fast = rows(bench, "qwen3_30b-16k", 8.5, 11.5)  # 437 TFLOP/s, 1.35x
+    assert all(t["met"] for t in bench.issue30_targets(fast))
+    bench.print_targets(results)
+    out = capsys.readouterr().out
+    assert "\nissue-30 targets (" in out and "\nissue-3 targets (" in out
+    assert "  MISSED qwen3_30b-16k forward+backward >= 1.3x torch._grouped_mm: 1.250" in out
+
+
+def test_retune_flag_names_kernel_kinds(bench, capsys):
+    pytest.importorskip("triton")
+    from moestack.kernels import tuning
+
+    parser = bench.build_parser()
+    args = parser.parse_args(["--retune", "mm,wgrad,mm_dswiglu"])
+    assert args.retune == ["mm", "wgrad", "mm_dswiglu"]
+    assert parser.parse_args(["--retune", "all"]).retune == sorted(tuning.CANDIDATES)
+    assert parser.parse_args([]).retune == []
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--retune", "mm,dgrad"])
+    assert "kinds ['dgrad'] are unknown" in capsys.readouterr().err
+    with bench.tuning_scope(args):
+        assert sorted(tuning._RETUNE) == ["mm", "mm_dswiglu", "wgrad"]
+    assert not tuning._RETUNE
+    with bench.tuning_scope(parser.parse_args([])):
+        assert not tuning._RETUNE
+
+
+def test_tuning_report_counts_what_was_measured(bench, monkeypatch):
+    pytest.importorskip("triton")
+    from moestack.kernels import tuning
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    tuning.clear_cache()
+    cached = {
+        "mm|a": (tuning.PERSISTENT_CANDIDATES[0], "measured"),
+        "wgrad|b": (tuning.TORCH_WGRAD, "measured"),
+        "mm_dswiglu|c": (tuning.CANDIDATES["mm_dswiglu"][1], "measured"),
+        "mm|d": (tuning.CANDIDATES["mm"][0], "table"),
+        "wgrad|e": (tuning.CANDIDATES["wgrad"][0], "table"),
+        "mm_swiglu|f": (tuning.CANDIDATES["mm_swiglu"][0], "default"),
+    }
+    try:
+        for key, (cfg, source) in cached.items():
+            tuning._AUTOTUNE_CACHE[("Fake GPU", key)] = cfg
+            tuning._SOURCES[("Fake GPU", key)] = source
+        line = bench.tuning_report()
+    finally:
+        tuning.clear_cache()
+    assert line == (
+        "tuned configs this run: 3 measured (1 persistent, 1 torch dW, 1 fused), 2 read from "
+        "the table, 1 untimed defaults"
+    )

@@ -2,12 +2,14 @@
 
 On the CPU the GPU tests skip, so this checks what would waste GPU minutes if it broke: the
 package staged as pip lays it out (mapped kernels/, telemetry/, configs/), pytest from the
-staged tree, the phase selection, the time caps, the files and the summary, and that the
-plan fits one device call of 560 s.
+staged tree, the phase selection, the time caps, the files and the summary, that the plan fits
+one device call of 560 s and the second call the time left after it, and that the phases pass
+flags their scripts accept.
 """
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,7 +49,13 @@ def test_gpu_check_runs_selected_phases_from_a_staged_package(tmp_path):
     assert "--- tests (per phase" in summary and "kernel_tests: " in summary
 
 
-CALL_S = 560  # the timeout_s of the one device call the plan is for (docs/kernels.md)
+CALL_S = 560  # the timeout_s of the first device call (docs/kernels.md)
+SECOND_LEFT_S = 250  # what the 15 minutes leave for a second call after the first and start-up
+# The phases issues 29 (optimizer), 30 (MoE kernels) and 31 (serving) need, in their order.
+NEEDED = [
+    "env", "kernel_tests", "bench_moe", "profile_moe", "profile_moe_new", "optim_tests",
+    "bench_optim", "bench_serve",
+]  # fmt: skip
 
 
 def dry_run(**env: str) -> tuple[list[tuple[str, int, list[str]]], str]:
@@ -69,24 +77,27 @@ def dry_run(**env: str) -> tuple[list[tuple[str, int, list[str]]], str]:
     return phases, proc.stdout
 
 
+def worst_case(out: str) -> tuple[int, int, int, int]:
+    """setup, the phases' caps, grace and summary of the first "worst case:" line."""
+    m = re.search(r"worst case: setup (\d+) \+ phases (\d+) \+ grace (\d+) \+ summary (\d+)", out)
+    return tuple(int(v) for v in m.groups())
+
+
 def test_dry_run_plan_fits_one_call_of_560_seconds(tmp_path):
     phases, out = dry_run(OUT=str(tmp_path))
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
     names = [name for name, _, _ in phases]
-    # The order the issues ask for: kernel correctness, the issue-3 table and its profile,
-    # the optimizer (its modes, issue 29), serving from the cache (issue 31); every default
-    # phase with a cap and the files it writes.
-    assert names == [
-        "env", "kernel_tests", "bench_moe", "profile_moe", "optim_tests", "bench_optim",
-        "bench_serve",
-    ]  # fmt: skip
+    # The order the issues ask for: kernel correctness, the MoE benchmark and its profile
+    # before and after, the optimizer's CUDA tests; every default phase with a cap and the
+    # files it writes. The rest of what the issues need is the second call, below.
+    assert names == NEEDED[:6]
     assert all(cap >= 10 and files for _, cap, files in phases)
-    assert "bench_moe.json" in dict((n, f) for n, _, f in phases)["bench_moe"]
+    files = dict((n, f) for n, _, f in phases)
+    assert "bench_moe.json" in files["bench_moe"]
+    assert files["profile_moe_new"] == ["profile_moe_new.json"]
     budget = int(re.search(r"budget (\d+) s", out).group(1))
-    setup, grace, summary = (
-        int(re.search(rf"{word} (\d+)", out).group(1)) for word in ("setup", "grace", "summary")
-    )
-    caps = sum(cap for _, cap, _ in phases)
+    setup, caps, grace, summary = worst_case(out)
+    assert caps == sum(cap for _, cap, _ in phases)
     # No phase of the plan is cut by the budget, and the worst case (every phase at its cap,
     # one SIGKILL grace, the summary) ends inside the call.
     assert setup + caps <= budget
@@ -96,9 +107,59 @@ def test_dry_run_plan_fits_one_call_of_560_seconds(tmp_path):
     assert "tune" in out.split("optional", 1)[1]
 
 
+def test_the_second_call_covers_the_rest_within_what_is_left(tmp_path):
+    """What the first call leaves out of the phases the issues need is named as one second
+    call, in the plan's order, whose own dry run fits the time the 15 minutes leave."""
+    _, out = dry_run(OUT=str(tmp_path))
+    second = re.search(r"second call .*: GPU_CHECK_PHASES=(\S+) bash scripts/gpu_check.sh", out)
+    assert second and second.group(1).split(",") == NEEDED[6:]
+    call_s = int(re.search(r"its worst case: .* = \d+ s of a (\d+) s call", out).group(1))
+    phases, alone = dry_run(OUT=str(tmp_path), GPU_CHECK_PHASES=second.group(1))
+    assert [name for name, _, _ in phases] == NEEDED[6:]
+    setup, caps, grace, summary = worst_case(alone)
+    assert caps == sum(cap for _, cap, _ in phases)
+    worst = setup + caps + grace + summary
+    assert (
+        f"its worst case: setup {setup} + phases {caps} + grace {grace} + summary {summary} = {worst} s of a {call_s} s call"
+        in out
+    )  # noqa: E501
+    assert worst <= call_s <= SECOND_LEFT_S
+    assert "second call" not in alone  # only the default plan names it
+
+
+def phase_args(name: str) -> list[str]:
+    """The arguments gpu_check.sh passes to the script of phase ``name`` (continuation
+    lines joined, shell quotes removed, variables left as written)."""
+    text = (REPO / "scripts/gpu_check.sh").read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if re.match(rf"^(\w+=\S+ )*phase {name} ", ln))
+    words = shlex.split(line)
+    script = next(i for i, w in enumerate(words) if w.startswith("scripts/"))
+    return words[script + 1 :]
+
+
+def test_the_phases_pass_flags_their_scripts_accept(monkeypatch):
+    """A typo in a flag would cost the GPU minutes of a phase: bench_moe's and both
+    profile_moe passes' arguments parse, and bench_moe retunes the kinds issue 30 added
+    candidates to; the second profile pass forces every new path."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import bench_moe
+    import profile_moe
+
+    args = bench_moe.build_parser().parse_args(phase_args("bench_moe"))
+    assert args.retune == ["mm", "wgrad", "mm_dswiglu"] and args.save_tuned and args.json
+    before = profile_moe.build_parser().parse_args(phase_args("profile_moe"))
+    assert not profile_moe.forced_configs(before)
+    after = profile_moe.build_parser().parse_args(phase_args("profile_moe_new"))
+    assert set(profile_moe.forced_configs(after)) == {"mm", "wgrad", "mm_dswiglu"}
+    assert before.shapes == after.shapes
+
+
 def test_dry_run_follows_the_phase_selection(tmp_path):
     phases, out = dry_run(OUT=str(tmp_path), GPU_CHECK_PHASES="bench_moe,train")
     assert [name for name, _, _ in phases] == ["bench_moe", "train_offload_adamw", "train_adamw"]
+    phases, out = dry_run(OUT=str(tmp_path), GPU_CHECK_PHASES="profile_moe")  # a prefix: both
+    assert [name for name, _, _ in phases] == ["profile_moe", "profile_moe_new"]
     phases, out = dry_run(OUT=str(tmp_path), GPU_CHECK_SECONDS="200")
     assert "over the budget by" in out  # a smaller budget says which caps cannot all hold
 

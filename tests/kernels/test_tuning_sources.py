@@ -1,0 +1,125 @@
+"""Where each tile config came from (measured here, read from the tuned table, or an untimed
+default), what may be exported and saved as measured, and ``tuning.retune``: on the CPU, with a
+fake GPU name, a fake timer and tables written by hand."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from helpers.paths import SCRIPTS
+
+from moestack.kernels import tuning
+
+GPU = "Fake GPU"
+CPU = torch.device("cpu")
+KEY_MM = tuning.make_key("mm", 8, 256, 512, torch.bfloat16, "g0s0c0z0t1", 4096)
+KEY_WGRAD = tuning.make_key("wgrad", 8, 256, 512, torch.bfloat16, "g00", 4096)
+SEED = tuning.KernelConfig(64, 64, 32, 8, 4, 4)  # in the table, never timed here
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """A GPU name, a table holding SEED for KEY_MM and KEY_WGRAD, autotuning on, and a fake
+    timer under which the last candidate of every kind is the fastest."""
+    pytest.importorskip("triton")  # _benchmark names triton's errors
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
+    table = tmp_path / "table.json"
+    entry = tuning.table_entry(SEED)
+    payload = {"format": tuning.TABLE_FORMAT, "gpus": {GPU: {KEY_MM: entry, KEY_WGRAD: entry}}}
+    table.write_text(json.dumps(payload))
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(table))
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "1")
+    launched: list[tuning.KernelConfig] = []
+    monkeypatch.setattr(tuning, "_time_ms", lambda fn: (fn(), 1.0 / (1 + len(launched)))[1])
+    tuning.clear_cache()
+    yield launched
+    tuning.clear_cache()
+
+
+def choose(kind: str, key: str, launched: list) -> tuning.KernelConfig:
+    return tuning.choose_config(
+        kind, key, CPU, 256, 512, torch.bfloat16, launched.append, interpret=False
+    )
+
+
+def test_table_entries_are_not_exported_as_measured(fake_gpu):
+    """A config read from the table is used, but export_cache (what gets saved and stamped
+    as this run's measurement) leaves it out; a measured one is in it."""
+    assert choose("mm", KEY_MM, fake_gpu) == SEED and not fake_gpu  # read, not timed
+    other = KEY_MM.replace("K=256", "K=128")  # no entry at any bucket: autotuned
+    measured = choose("mm", other, fake_gpu)
+    assert measured == tuning.candidates("mm", 256, 512, torch.bfloat16, CPU)[-1]
+    assert list(tuning.export_cache()[GPU]) == [other]
+    assert tuning.cache_sources()[GPU] == {KEY_MM: "table", other: "measured"}
+    assert set(tuning.export_cache(measured_only=False)[GPU]) == {KEY_MM, other}
+
+
+def test_untimed_defaults_are_not_exported(fake_gpu, monkeypatch):
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    key = KEY_MM.replace("E=8", "E=16")
+    assert choose("mm", key, fake_gpu) == tuning.default_config("mm", 256, 512, torch.bfloat16)
+    assert tuning.cache_sources()[GPU] == {key: "default"}
+    assert tuning.export_cache() == {}
+
+
+def test_retune_ignores_the_table_for_its_kinds_only(fake_gpu):
+    """Inside retune("mm"), the mm entry is measured against every candidate (the persistent
+    ones included) and exported; the wgrad entry is still read from the table."""
+    choose("mm", KEY_MM, fake_gpu)  # read from the table before: dropped on entry
+    with tuning.retune(["mm"]):
+        got = choose("mm", KEY_MM, fake_gpu)
+        assert choose("wgrad", KEY_WGRAD, fake_gpu) == SEED
+    cands = tuning.candidates("mm", 256, 512, torch.bfloat16, CPU)
+    assert fake_gpu == cands and got == cands[-1] and got.persistent  # every candidate timed
+    assert tuning.cache_sources()[GPU] == {KEY_MM: "measured", KEY_WGRAD: "table"}
+    assert list(tuning.export_cache()[GPU]) == [KEY_MM]
+    assert not tuning._RETUNE  # left as it was
+    with (
+        pytest.raises(ValueError, match=r"retune kinds \['nope'\] are unknown"),
+        tuning.retune(["mm", "nope"]),
+    ):
+        pass
+
+
+@pytest.fixture
+def tune_kernels(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import tune_kernels
+
+    yield tune_kernels
+    sys.modules.pop("tune_kernels", None)
+
+
+def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, tmp_path):
+    """A run that only read the table saves nothing and leaves the old stamp; a run that
+    measured one key writes that key with its provenance, and keeps the other entries and
+    their provenance as they were."""
+    out = tmp_path / "tuned.json"
+    old = {"date": "2000-01-01", "torch": "2.0.0", "triton": "3.0.0"}
+    seed_entry = tuning.table_entry(SEED)
+    out.write_text(
+        json.dumps(
+            {
+                "format": tuning.TABLE_FORMAT,
+                "gpus": {GPU: {KEY_WGRAD: seed_entry}},
+                "measured": {GPU: old},
+            }
+        )
+    )
+    choose("mm", KEY_MM, fake_gpu)
+    choose("wgrad", KEY_WGRAD, fake_gpu)
+    before = out.read_text()
+    assert tune_kernels.save(out) == 0
+    assert out.read_text() == before  # nothing measured: untouched, old stamp kept
+
+    with tuning.retune(["mm"]):
+        got = choose("mm", KEY_MM, fake_gpu)
+    assert tune_kernels.save(out) == 1
+    table = json.loads(out.read_text())
+    stamp = tune_kernels.run_stamp()
+    assert table["gpus"][GPU] == {KEY_MM: tuning.table_entry(got), KEY_WGRAD: seed_entry}
+    assert table["sources"][GPU] == {KEY_MM: stamp}  # the wgrad seed has no provenance
+    assert table["measured"][GPU] == stamp != old
