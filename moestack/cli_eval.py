@@ -28,6 +28,10 @@ from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
 
+# export --dtype; the same as moestack.interop.hf_export.EXPORT_DTYPES (not imported here:
+# it needs torch, and building the parser should not)
+EXPORT_DTYPES = ("source", "float32", "bfloat16", "float16")
+
 
 def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.data import eval_batches
@@ -244,7 +248,7 @@ def cmd_export(args: argparse.Namespace) -> dict:
             run.model, args.out_dir, source_dir=run.cfg.model.path, rank=run.cfg.lora.rank,
             alpha=run.cfg.lora.alpha, routers=run.cfg.trainable == "routers+lora",
             overwrite=args.overwrite, run_dir=run.run_dir,
-            checkpoint=None if bare else run.checkpoint,
+            checkpoint=None if bare else run.checkpoint, dtype=args.dtype,
         )  # fmt: skip
         print(json.dumps(report, indent=2, default=str))
         return report
@@ -255,7 +259,7 @@ def cmd_export(args: argparse.Namespace) -> dict:
         run.model, args.out_dir, source_dir=run.cfg.model.path, overwrite=args.overwrite,
         run_dir=run.run_dir, checkpoint=None if bare else run.checkpoint,
         checkpoint_sha256=None if bare else model_sha256(run.checkpoint),
-        allow_nonfinite=args.allow_nonfinite,
+        allow_nonfinite=args.allow_nonfinite, dtype=args.dtype,
     )  # fmt: skip
     print(json.dumps(report, indent=2, default=str))
     return report
@@ -475,6 +479,13 @@ def export_parser(verbs: Any) -> None:
         action="store_true",
         help="write a trainable=lora run's adapters alone, as a peft adapter folder where the "
         "installed peft can hold them (default: the whole model, adapters merged in)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default="source",
+        help="the dtype of the written weights (and --adapter tensors); 'source': the one the "
+        "source model folder's config.json declares, float32 if none (default: %(default)s)",
     )
     _allow_nonfinite(p)
     p.set_defaults(func=cmd_export)

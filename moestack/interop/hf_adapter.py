@@ -18,6 +18,8 @@ hold), OUT holds ``moestack_adapter.safetensors`` in moestack's names and the re
 Either way OUT carries the export record (``moestack_export.json``, ``kind: adapter``), so
 ``--overwrite`` treats it as any export. peft refuses dropout on expert tensors; dropout acts
 only in training, so the adapter is saved with ``lora_dropout=0`` and gives the same logits.
+The adapter tensors (and routers saved whole) are written in the export's ``dtype``, as a
+model export's weights are (``hf_export.export_dtype``: by default the source config's).
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ from torch import nn
 
 from moestack.atomic import install_dir, temp_dir
 from moestack.errors import MoestackError
-from moestack.interop.hf_export import REPORT_FILE, export_record, export_target
+from moestack.interop.hf_export import (
+    REPORT_FILE,
+    dtype_name,
+    export_dtype,
+    export_record,
+    export_target,
+)
 from moestack.interop.hf_model import HFMoEModel
 from moestack.lora import adapter_parameters, has_adapters
 
@@ -57,11 +65,14 @@ def export_adapter(
     overwrite: bool = False,
     run_dir: str | Path | None = None,
     checkpoint: str | Path | None = None,
+    dtype: str = "source",
 ) -> dict[str, Any]:
     """Write ``model``'s adapters (rank ``rank``, scale ``alpha / rank``; ``routers``: the
-    routers trained too) as a peft adapter folder, or as moestack safetensors where peft
-    cannot hold them; returns the report, also written as the export record."""
+    routers trained too), in ``dtype`` (as ``export_hf``'s), as a peft adapter folder, or as
+    moestack safetensors where peft cannot hold them; returns the report, also written as
+    the export record."""
     source, out = export_target(out_dir, source_dir, run_dir, overwrite)
+    as_dtype = export_dtype(dtype, source)
     if not has_adapters(model):
         raise MoestackError(
             f"{run_dir or 'the model'} has no LoRA adapters (trainable=lora or routers+lora "
@@ -71,6 +82,7 @@ def export_adapter(
     report: dict[str, Any] = {
         **export_record(model, out, source, run_dir, checkpoint),
         "kind": "adapter",
+        "dtype": dtype_name(as_dtype),
         "adapter_format": "moestack" if why_not else "peft",
         "peft_unavailable": why_not,
     }
@@ -78,9 +90,9 @@ def export_adapter(
     tmp = temp_dir(out)
     try:
         if why_not:
-            _write_moestack_adapter(model, tmp, rank, alpha)
+            _write_moestack_adapter(model, tmp, rank, alpha, as_dtype)
         else:
-            _write_peft_adapter(model, source, tmp, rank, alpha, routers)
+            _write_peft_adapter(model, source, tmp, rank, alpha, routers, as_dtype)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         report["files"] = sorted(f.name for f in tmp.iterdir())
         for f in tmp.iterdir():
@@ -114,8 +126,10 @@ def _expert_adapters(model: HFMoEModel) -> bool:
     return any(moe.expert_adapters() is not None for moe in model.moe_layers)
 
 
-def _write_moestack_adapter(model: HFMoEModel, folder: Path, rank: int, alpha: float) -> None:
-    tensors = {name: p.detach().contiguous() for name, p in adapter_parameters(model)}
+def _write_moestack_adapter(
+    model: HFMoEModel, folder: Path, rank: int, alpha: float, dtype: torch.dtype
+) -> None:
+    tensors = {name: p.detach().to(dtype).contiguous() for name, p in adapter_parameters(model)}
     safetensors.torch.save_file(tensors, folder / MOESTACK_ADAPTER_FILE,
                                 metadata={"rank": str(rank), "alpha": str(alpha)})  # fmt: skip
 
@@ -127,7 +141,13 @@ def _block_paths(model: HFMoEModel) -> list[str]:
 
 
 def _write_peft_adapter(
-    model: HFMoEModel, source: Path, folder: Path, rank: int, alpha: float, routers: bool
+    model: HFMoEModel,
+    source: Path,
+    folder: Path,
+    rank: int,
+    alpha: float,
+    routers: bool,
+    dtype: torch.dtype,
 ) -> None:
     """Build the peft model of ``source`` on meta, fill its adapters, let peft save it."""
     from peft import LoraConfig, get_peft_model
@@ -153,7 +173,7 @@ def _write_peft_adapter(
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
     peft_model = get_peft_model(base, config)
-    filled = _fill(peft_model, model, blocks, attention, routers)
+    filled = _fill(peft_model, model, blocks, attention, routers, dtype)
     expected = 2 * len(adapted) + len(attention) + (len(blocks) if routers else 0)
     if filled != expected:
         raise RuntimeError(f"filled {filled} peft adapters of {expected}: the layout changed")
@@ -166,8 +186,10 @@ def _fill(
     blocks: list[str],
     attention: dict[str, nn.Linear],
     routers: bool,
+    dtype: torch.dtype,
 ) -> int:
-    """Put moestack's adapters (and routers) into ``peft_model``'s; returns how many."""
+    """Put moestack's adapters (and routers) into ``peft_model``'s, as ``dtype``; returns
+    how many."""
     moe_of = {path: moe for path, moe in zip(blocks, model.moe_layers, strict=True)}
     filled = 0
     for name, module in peft_model.named_modules():
@@ -182,12 +204,12 @@ def _fill(
                 a, b = attention[path].lora_A, attention[path].lora_B
             else:
                 continue
-            _set(lora_a["default"], a)
-            _set(module.lora_B["default"], b)
+            _set(lora_a["default"], a, dtype)
+            _set(module.lora_B["default"], b, dtype)
             filled += 1
         elif routers and hasattr(module, "modules_to_save") and path.endswith(".gate"):
             moe = moe_of[path.removesuffix(".gate")]
-            _set(module.modules_to_save["default"], moe.router.weight)
+            _set(module.modules_to_save["default"], moe.router.weight, dtype)
             filled += 1
     return filled
 
@@ -210,9 +232,10 @@ def _peft_expert_factors(moe: nn.Module, param_name: str) -> tuple[torch.Tensor,
     return lora_a, lora_b
 
 
-def _set(linear: nn.Module, value: torch.Tensor) -> None:
-    """``linear.weight`` becomes a real tensor holding ``value`` (it was built on meta)."""
+def _set(linear: nn.Module, value: torch.Tensor, dtype: torch.dtype) -> None:
+    """``linear.weight`` becomes a real ``dtype`` tensor holding ``value`` (it was built on
+    meta)."""
     want = tuple(linear.weight.shape)
     if tuple(value.shape) != want:
         raise RuntimeError(f"adapter of shape {tuple(value.shape)} where peft holds {want}")
-    linear.weight = nn.Parameter(value.detach().to(torch.float32).contiguous().clone())
+    linear.weight = nn.Parameter(value.detach().to(dtype).contiguous().clone())

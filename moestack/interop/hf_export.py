@@ -9,6 +9,13 @@ renamed; ``moestack.atomic``: the leftovers of an export killed midway are clean
 next export to the same OUT).
 ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the moestack model's logits.
 
+The weights are written in one dtype (``dtype``): by default (``"source"``) the one the
+source folder's config.json declares (``dtype``, or ``torch_dtype`` on older configs;
+float32 when it declares none), so a bf16 model fine-tuned in fp32 is exported bf16;
+``"float32"``, ``"bfloat16"`` or ``"float16"`` choose. The cast copies live only while
+``save_pretrained`` runs (the model keeps its own weights), and config.json says the dtype
+as transformers writes it.
+
 The aux-loss-free ``expert_bias`` of a router has no transformers equivalent in the
 supported families (their routers have no selection bias), so it cannot be folded: every
 layer with a nonzero bias is listed in the report (max |bias|), in ``moestack_export.json``
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -52,6 +60,46 @@ log = logging.getLogger(__name__)
 
 REPORT_FILE = "moestack_export.json"  # the export record: what was exported, from where
 EXPORT_FORMAT = "moestack-export"  # its format key: --overwrite replaces only such a folder
+EXPORT_DTYPES = ("source", "float32", "bfloat16", "float16")  # export --dtype choices
+_WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(name: str, source: Path) -> torch.dtype:
+    """The dtype an export writes: ``name``, or for ``"source"`` the one ``source``'s
+    config.json declares (``dtype``, ``torch_dtype`` on older configs; float32 if none)."""
+    if name not in EXPORT_DTYPES:
+        raise MoestackError(f"export dtype {name!r} is unknown; use one of {EXPORT_DTYPES}")
+    if name != "source":
+        return _WEIGHT_DTYPES[name]
+    raw = json.loads((source / CONFIG_FILE).read_text())
+    declared = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if declared not in _WEIGHT_DTYPES:
+        raise MoestackError(
+            f"{source / CONFIG_FILE} declares dtype {declared!r}, which an export cannot "
+            f"write; choose one with --dtype (dtype=) {tuple(_WEIGHT_DTYPES)}"
+        )
+    return _WEIGHT_DTYPES[declared]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as transformers writes it in config.json."""
+    return str(dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def cast_weights(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """``module``'s floating parameters and buffers hold ``dtype`` copies inside the block
+    (a tensor shared under two names is cast once); the originals are back on exit."""
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    try:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if t.is_floating_point() and t.dtype != dtype:
+                kept.append((t, t.data))
+                t.data = t.data.to(dtype)
+        yield
+    finally:
+        for t, data in kept:
+            t.data = data
 
 
 def _refill(block: nn.Module, moe: MoE) -> None:
@@ -88,6 +136,16 @@ def original_blocks(model: HFMoEModel) -> Iterator[nn.Module]:
         for p in patched:
             setattr(p.parent, p.name, p.wrapper)
             release_routed_weights(p.original)
+
+
+@contextlib.contextmanager
+def _kept_config_dtype(hf: nn.Module) -> Iterator[None]:
+    """``save_pretrained`` sets ``hf.config.dtype`` to what it writes; put it back after."""
+    before = getattr(hf.config, "dtype", None)
+    try:
+        yield
+    finally:
+        hf.config.dtype = before
 
 
 def expert_bias_report(model: HFMoEModel) -> dict[int, float]:
@@ -249,11 +307,14 @@ def export_hf(
     checkpoint: str | Path | None = None,
     checkpoint_sha256: str | None = None,
     allow_nonfinite: bool = False,
+    dtype: str = "source",
 ) -> dict[str, Any]:
     """Write ``model`` as a transformers model folder ``out_dir`` (see the module docstring),
-    with the tokenizer files of ``source_dir``. Returns the report, also written as the
+    its weights in ``dtype`` (``EXPORT_DTYPES``; ``"source"``: the source config's), with the
+    tokenizer files of ``source_dir``. Returns the report, also written as the
     export record ``moestack_export.json``: ``format``, ``out_dir`` and ``source_dir``
     (absolute), ``source_config_sha256`` (of the source's config.json), ``family``,
+    ``dtype`` (the weights' dtype name, as in config.json),
     ``run_dir``, ``checkpoint`` and ``checkpoint_sha256`` (what was exported, None when not
     given), ``tokenizer_files``, ``expert_bias_dropped`` ({MoE layer: max |bias|}) and
     ``expert_bias_folded`` (the layers whose bias went into the exported routers: always
@@ -267,6 +328,7 @@ def export_hf(
     unless ``allow_nonfinite``; a disk without room for the export (the bytes needed and
     free), also when it fills up while writing (the partial folder removed)."""
     source, out = export_target(out_dir, source_dir, run_dir, overwrite)
+    as_dtype = export_dtype(dtype, source)
     if has_adapters(model):
         raise MoestackError(
             "the model carries LoRA adapters, which a transformers folder has no place for: "
@@ -280,6 +342,7 @@ def export_hf(
     report: dict[str, Any] = {
         **export_record(model, out, source, run_dir, checkpoint),
         "checkpoint_sha256": checkpoint_sha256,
+        "dtype": dtype_name(as_dtype),
         "expert_bias_dropped": dropped,
         "expert_bias_folded": {},
     }
@@ -287,7 +350,12 @@ def export_hf(
     needed = 0
     tmp = temp_dir(out)
     try:
-        with torch.no_grad(), original_blocks(model) as hf:
+        with (
+            torch.no_grad(),
+            original_blocks(model) as hf,
+            _kept_config_dtype(hf),
+            cast_weights(hf, as_dtype),  # config.json's dtype follows the weights'
+        ):
             needed = _export_bytes(hf, source, tokenizer_files(source))
             if shutil.disk_usage(tmp).free < needed:  # known to fail: refused before writing
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))

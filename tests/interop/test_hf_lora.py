@@ -153,3 +153,21 @@ def test_without_peft_the_adapter_is_written_in_moestack_names(lora_run, tmp_pat
     trained = dict(adapter_parameters(load_run(lora_run).model))
     assert saved.keys() == trained.keys()
     assert all(torch.equal(saved[k], trained[k].detach()) for k in saved)
+
+
+def test_the_adapter_is_written_in_the_dtype_asked_for(lora_run, tmp_path, monkeypatch, capsys):
+    import safetensors.torch
+
+    trained = dict(adapter_parameters(load_run(lora_run).model))
+    cli.main(["export", str(lora_run), str(tmp_path / "peft"), "--adapter", "--dtype", "bfloat16"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16"
+    if report["adapter_format"] == "peft":
+        saved = safetensors.torch.load_file(tmp_path / "peft" / "adapter_model.safetensors")
+        assert saved and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    monkeypatch.setitem(sys.modules, "peft", None)  # moestack's names: the values, rounded
+    cli.main(["export", str(lora_run), str(tmp_path / "own"), "--adapter", "--dtype", "float16"])
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float16"
+    saved = safetensors.torch.load_file(tmp_path / "own" / "moestack_adapter.safetensors")
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[k], trained[k].detach().to(torch.float16)) for k in saved)
