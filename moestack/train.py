@@ -186,9 +186,12 @@ def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
         _jobs.append(ended(None, summary))
 
 
-def _hydra_task(dict_cfg: Any) -> None:
+def _hydra_task(dict_cfg: Any, before: _FolderBefore | None = None) -> None:
+    """One hydra job: a sweep's job, or the run (``before``: its ``out_dir`` as ``main``
+    found it, so that a refused start removes only what it added)."""
     from hydra.core.hydra_config import HydraConfig
 
+    before = before or _FolderBefore()
     hydra_cfg = HydraConfig.get()
     if _is_sweep(hydra_cfg):
         _sweep_job(dict_cfg, hydra_cfg)
@@ -201,8 +204,8 @@ def _hydra_task(dict_cfg: Any) -> None:
         log.error("error: %s", err)
         out_dir = Path(hydra_cfg.runtime.output_dir)
         if os.environ.get("RANK", "0") == "0" and bool(dict_cfg.resume):
-            _before.restore_hydra_record(out_dir)
-        _remove_refused_folder(out_dir, dated=not dict_cfg.out_dir)
+            before.restore_hydra_record(out_dir)
+        _remove_refused_folder(out_dir, before, dated=not dict_cfg.out_dir)
         sys.exit(2)
 
 
@@ -248,17 +251,14 @@ class _FolderBefore:
             (record / name).write_bytes(data)
 
 
-_before = _FolderBefore()  # the command line's out_dir as main() found it
-
-
-def _remove_refused_folder(out_dir: Path, dated: bool) -> None:
+def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) -> None:
     """A refused start leaves nothing new: when all it added to ``out_dir`` is what a start
     writes before it reads data (hydra's record and log, config.yaml, provenance.json: a
     missing data file is refused after them), those are removed, and the folder too when
     it was not there before (with the empty ``outputs/<date>`` above a dated default one).
     Once a run wrote more (metrics, checkpoints), everything stays."""
     try:
-        added = [p for p in out_dir.iterdir() if dated or p.name not in _before.names]
+        added = [p for p in out_dir.iterdir() if dated or p.name not in before.names]
     except OSError:
         return
     if not all(_START_FILES.fullmatch(p.name) for p in added):
@@ -268,7 +268,7 @@ def _remove_refused_folder(out_dir: Path, dated: bool) -> None:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    if dated or not _before.existed:
+    if dated or not before.existed:
         with contextlib.suppress(OSError):
             out_dir.rmdir()  # only while empty
     for parent in (out_dir.parent, out_dir.parent.parent) if dated else ():
@@ -395,13 +395,17 @@ def main() -> None:
 
     from moestack.config import register_configs
 
-    global _before
-    _before = _FolderBefore.read(_command_line_out_dir(sys.argv[1:]))
+    before = _FolderBefore.read(_command_line_out_dir(sys.argv[1:]))
+
+    @functools.wraps(_hydra_task)
+    def task(dict_cfg: Any) -> None:
+        _hydra_task(dict_cfg, before)
+
     register_configs()
     _jobs.clear()
     app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
     try:
-        app(_hydra_task)()
+        app(task)()
     except KeyboardInterrupt:  # outside a run (a run says where it stopped)
         _say("moestack-train: interrupted", sys.stderr)
         sys.exit(_INTERRUPTED)
