@@ -17,19 +17,24 @@ def exchange_metrics(
     r sent to / received from other ranks (forward); ``ep/bytes_per_step``: bytes a rank sent
     to others per step, forward and backward, mean over ranks; ``ep/a2a_share``: the largest
     share of the interval any rank spent inside all-to-alls (wall time: exact on gloo, which
-    blocks; on NCCL the time to enqueue); ``ep/load_imbalance``: mean over layers and steps
-    of max / mean rows per EP rank (the straggler's excess).
+    blocks; on NCCL the time to enqueue); ``ep/load_imbalance``: mean over layers, steps and
+    every rank of max / mean rows per EP rank of its group (the straggler's excess; every
+    expert-parallel group counted alike, not the logging rank's alone).
     """
     steps = max(steps, 1)
     mine = torch.tensor(
-        [stats.rows_sent, stats.rows_received, stats.bytes_moved, stats.seconds],
+        [
+            *(stats.rows_sent, stats.rows_received, stats.bytes_moved, stats.seconds),
+            *(stats.load_imbalance_sum, stats.layers),
+        ],
         dtype=torch.float64,
     )
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     metrics = {
         "ep/a2a_share": max(float(t[3]) for t in every) / max(elapsed, 1e-9),
-        "ep/load_imbalance": stats.load_imbalance_sum / max(stats.layers, 1),
+        "ep/load_imbalance": sum(float(t[4]) for t in every)
+        / max(sum(float(t[5]) for t in every), 1.0),
         "ep/bytes_per_step": sum(float(t[2]) for t in every) / len(every) / steps,
     }
     for rank, t in enumerate(every):
