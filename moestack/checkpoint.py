@@ -15,15 +15,15 @@ gathers another's experts, and a reader at any layout reads the rows it needs.
 
 A checkpoint is written into a temporary folder (``.step_...``), every file fsynced, then
 renamed into place (the folder and its files get the modes the umask gives the run's other
-files: readable by all under a umask of 022), so a crash never leaves a half-written checkpoint that looks complete;
-only the newest ``keep_last`` are kept, and an old one is renamed to ``.trash-...`` before it
-is deleted, so a kill mid-prune leaves nothing that looks like a checkpoint. A save that
-replaces a checkpoint of the same step renames the old copy to ``.trash-...``, the new one
-into place, and only then deletes the old. ``clean_partial`` removes such leftovers at the
-next start, and renames a complete ``.trash-step_N`` back when ``step_N`` is missing. Loading checks sizes and sha256 of each file it
-reads (older checkpoints without digests load with a warning), so flipped bytes are refused
-naming the file; ``newest_verified`` finds the newest checkpoint whose files all verify.
-"""
+files: readable by all under a umask of 022), so a crash never leaves a half-written
+checkpoint that looks complete; only the newest ``keep_last`` are kept, and an old one is
+renamed to ``.trash-...`` before it is deleted, so a kill mid-prune leaves nothing that
+looks like a checkpoint. A save that replaces a checkpoint of the same step renames the old
+copy to ``.trash-...``, the new one into place, and only then deletes the old.
+``clean_partial`` removes such leftovers at the next start, and renames a complete
+``.trash-step_N`` back when ``step_N`` is missing. Loading checks sizes and sha256 of each
+file it reads (older checkpoints without digests load with a warning), so flipped bytes are
+refused naming the file; ``newest_verified`` finds the newest checkpoint whose files all verify."""
 
 from __future__ import annotations
 
