@@ -5,27 +5,18 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 import torch
-from helpers.paths import SCRIPTS
+from helpers.scripts import script_module
 
 from moestack import MoE, MoEConfig, RouterConfig
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_moe", SCRIPTS / "bench_moe.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_moe"] = module  # its dataclasses look themselves up there
-        spec.loader.exec_module(module)
+    with script_module("bench_moe") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_moe", None)
-        sys.path.remove(str(SCRIPTS))
 
 
 class Scaled(torch.nn.Module):

@@ -9,7 +9,6 @@ divisor of that figure.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.paths import REPO, SCRIPTS
+from helpers.paths import REPO
+from helpers.scripts import script_module
 
 SCRIPT = REPO / "scripts" / "bench_serve.py"
 # --tiny: 2 layers of 32 experts, top-2, hidden 64, expert width 32, bf16.
@@ -195,16 +195,8 @@ def test_full_sizes_are_refused_on_the_cpu():
 @pytest.fixture(scope="module")
 def bs():
     pytest.importorskip("transformers")
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_serve", SCRIPTS / "bench_serve.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_serve"] = module  # its dataclasses look themselves up there
-        spec.loader.exec_module(module)
+    with script_module("bench_serve") as module:
         yield module
-    finally:
-        sys.modules.pop("bench_serve", None)
-        sys.path.remove(str(SCRIPTS))
 
 
 @pytest.fixture(scope="module")
