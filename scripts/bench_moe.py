@@ -336,14 +336,21 @@ def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, args) -> float
     return 2 * n**3 / ms / 1e9
 
 
-def issue3_targets(results: list[Result]) -> list[dict]:
-    """Each target of issue 3 at each shape: the measured value and whether it is met."""
+def _paired(results: list[Result]) -> list[tuple[str, Result, Result]]:
+    """(shape, the Triton layer's result, the torch path's) for every shape that has both."""
     by = {(r.shape, r.contender): r for r in results}
-    out = []
+    pairs = []
     for shape in sorted({r.shape for r in results}):
         ours, torch_path = by.get((shape, "moestack-triton")), by.get((shape, "moestack-torch"))
-        if ours is None or torch_path is None:
-            continue
+        if ours is not None and torch_path is not None:
+            pairs.append((shape, ours, torch_path))
+    return pairs
+
+
+def issue3_targets(results: list[Result]) -> list[dict]:
+    """Each target of issue 3 at each shape: the measured value and whether it is met."""
+    out = []
+    for shape, ours, torch_path in _paired(results):
         speedup = torch_path.ms / ours.ms
         need = 1.0 if shape.startswith("mixtral") else 1.2
         out.append(
@@ -377,12 +384,8 @@ ISSUE30_TFLOPS = {"qwen3_30b-16k": 420.0}
 def issue30_targets(results: list[Result]) -> list[dict]:
     """Each target of issue 30 at each shape, as the issue words them: the measured value
     and whether it is met."""
-    by = {(r.shape, r.contender): r for r in results}
     out = []
-    for shape in sorted({r.shape for r in results}):
-        ours, torch_path = by.get((shape, "moestack-triton")), by.get((shape, "moestack-torch"))
-        if ours is None or torch_path is None:
-            continue
+    for shape, ours, torch_path in _paired(results):
         need = ISSUE30_SPEEDUP.get(shape.rsplit("-", 1)[0])
         if need is not None:
             speedup = torch_path.ms / ours.ms
