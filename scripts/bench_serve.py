@@ -88,7 +88,10 @@ or more and ``miss`` is at least ``NOISE_FACTOR`` x the timing noise (the ranges
 rows' seconds per token over their repeats, summed: the most the difference of the medians
 is off within what the repeats show, so the figure is good to +-1/NOISE_FACTOR) and at least
 ``MISS_SHARE`` of ``s_off`` (drift between two rows measured at different moments is not in
-their ranges). Outside [0, 1] it is clipped, the raw value kept with a note. Issue 31's
+their ranges). Outside [0, 1] it is clipped, the raw value kept with a note.
+``hidden_stall`` is n/a by the same rule, with ``stall_off`` as the divisor and the ranges of
+the two rows' stall per token over their repeats as the noise (no ``MISS_SHARE`` rule: the
+ratio takes no difference of whole token times, which drift between the rows moves). Issue 31's
 targets are judged on ``hidden_wall`` at 2k and on the median decode tokens/s at 25% over
 accelerate's; the device memory is printed beside the latter as measured, with the cache's
 slot count, not judged: the cache holds layers x capacity experts where accelerate holds

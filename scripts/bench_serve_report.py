@@ -1,7 +1,8 @@
 """The figures and the printed table of scripts/bench_serve.py (its docstring says what they
 mean): a phase's figures from its timed repeats, the ratios to the ceiling and to
-accelerate, how much of the miss time prefetch hides (``hidden_wall``, n/a where the miss
-time is not well above the timing noise), and issue 31's targets met or missed.
+accelerate, how much of the miss time prefetch hides (``hidden_wall`` and
+``hidden_stall``, each n/a where its divisor is not well above the timing noise), and issue
+31's targets met or missed.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-NOISE_FACTOR = 4.0  # hidden_wall needs miss >= this x the timing noise (good to +-0.25)
-MISS_SHARE = 0.2  # ... and miss >= this share of the seconds per token without prefetch
+NOISE_FACTOR = 4.0  # a hidden figure needs its divisor >= this x the noise (good to +-0.25)
+MISS_SHARE = 0.2  # hidden_wall's miss >= this share of the seconds per token without prefetch
 
 
 @dataclass
@@ -31,7 +32,8 @@ COUNT_KEYS = ("requests", "hits", "misses", "loads", "moved_bytes", "stall_s",
 def phase_figures(measures: list[Measure], wanted: int) -> dict[str, Any]:
     """One timed phase's row fields from its repeats: tokens/s as the median of the repeats
     (with their range and each value); the counts summed over the repeats, and the
-    per-token figures from the sums; the largest peak."""
+    per-token figures from the sums; the range of the repeats' stall per token (the noise of
+    ``hidden_stall``); the largest peak."""
     counts: dict[str, float | None] = {}
     for key in COUNT_KEYS:
         values = [m.counts.get(key) for m in measures if key in m.counts]
@@ -40,6 +42,11 @@ def phase_figures(measures: list[Measure], wanted: int) -> dict[str, Any]:
     tokens = sum(m.tokens for m in measures)
     rates = [m.tokens / m.seconds for m in measures if m.seconds > 0]
     peaks = [m.peak for m in measures if m.peak is not None]
+    stall_each = [
+        None if m.counts.get("stall_s") is None else m.counts["stall_s"] / m.tokens
+        for m in measures
+        if m.tokens
+    ]
     requests, hits = counts.get("requests"), counts.get("hits")
     hit_rate = hits / requests if requests and hits is not None else None
     if any("hit_rate" in m.counts for m in measures):  # the probe says (accelerate: none)
@@ -58,6 +65,9 @@ def phase_figures(measures: list[Measure], wanted: int) -> dict[str, Any]:
         "bytes_per_token": moved / tokens if moved is not None and tokens else None,
         "misses_per_token": misses / tokens if misses is not None and tokens else None,
         "stall_s_per_token": stall / tokens if stall is not None and tokens else None,
+        "stall_s_per_token_range": (
+            [min(stall_each), max(stall_each)] if stall_each and None not in stall_each else None
+        ),
     }
     for key in COUNT_KEYS:
         if key in counts and key not in ("moved_bytes", "stall_s"):
@@ -100,31 +110,53 @@ def seconds_per_token(phase: dict[str, Any]) -> tuple[float | None, float | None
     return 1 / tps, width
 
 
+def not_above_noise(
+    what: str,
+    size: float | None,
+    noise: float | None,
+    repeats: int,
+    share_of: float | None = None,
+) -> str | None:
+    """Why a hidden figure (a difference between the rows without and with prefetch over its
+    divisor ``size``, ``what``'s seconds per decode token without prefetch) is n/a, or None
+    where it stands: ``size`` missing or not positive; fewer than 2 ``repeats`` in one of the
+    rows or no ``noise`` (the widths of the two rows' ranges over their repeats, summed: the
+    most the difference is off within what the repeats show); ``size`` under NOISE_FACTOR x
+    ``noise`` (the figure would be off by more than 1/NOISE_FACTOR); or, where ``share_of``
+    (the seconds per token without prefetch) is given, ``size`` under MISS_SHARE of it."""
+    if not size or size <= 0:
+        return f"no {what} time without prefetch"
+    if repeats < 2:
+        return "fewer than 2 repeats: no estimate of the timing noise"
+    if noise is None:
+        return "no estimate of the timing noise"
+    if size < NOISE_FACTOR * noise:
+        return (
+            f"{what} {size * 1e3:.3g} ms/token < {NOISE_FACTOR:g} x the timing noise "
+            f"{noise * 1e3:.3g} ms/token"
+        )
+    if share_of is not None and size < MISS_SHARE * share_of:
+        return (
+            f"{what} {size * 1e3:.3g} ms/token < {MISS_SHARE:.0%} of the {share_of * 1e3:.3g} ms "
+            "per token without prefetch"
+        )
+    return None
+
+
 def hidden_wall(off: dict[str, Any], on: dict[str, Any], miss: float | None) -> dict[str, Any]:
     """``(s_off - s_on) / miss`` from two decode phases (bench_serve's docstring), or n/a with the
-    reason: fewer than two repeats, ``miss`` under NOISE_FACTOR x the timing noise or under
-    MISS_SHARE of ``s_off``; outside [0, 1] clipped, with the raw value and a note."""
+    reason (not_above_noise: ``miss`` against the ranges of the seconds per token, and
+    MISS_SHARE of ``s_off``: drift between two rows measured at different moments is not in
+    their ranges); outside [0, 1] clipped, with the raw value and a note."""
     (s_off, w_off), (s_on, w_on) = seconds_per_token(off), seconds_per_token(on)
     noise = w_off + w_on if w_off is not None and w_on is not None else None
     out: dict[str, Any] = {"hidden_wall": None, "hidden_wall_raw": None,
                            "hidden_wall_note": None, "timing_noise_s_per_token": noise}  # fmt: skip
-    why = None
     if s_off is None or s_on is None:
         why = "no decode timing"
-    elif not miss or miss <= 0:
-        why = "no miss time without prefetch"
-    elif min(off.get("repeats", 0), on.get("repeats", 0)) < 2 or noise is None:
-        why = "fewer than 2 repeats: no estimate of the timing noise"
-    elif miss < NOISE_FACTOR * noise:
-        why = (
-            f"miss {miss * 1e3:.3g} ms/token < {NOISE_FACTOR:g} x the timing noise "
-            f"{noise * 1e3:.3g} ms/token"
-        )
-    elif miss < MISS_SHARE * s_off:
-        why = (
-            f"miss {miss * 1e3:.3g} ms/token < {MISS_SHARE:.0%} of the {s_off * 1e3:.3g} ms "
-            "per token without prefetch"
-        )
+    else:
+        repeats = min(off.get("repeats", 0), on.get("repeats", 0))
+        why = not_above_noise("miss", miss, noise, repeats, share_of=s_off)
     if why:
         out["hidden_wall_note"] = f"n/a: {why}"
         return out
@@ -141,6 +173,28 @@ def hidden_wall(off: dict[str, Any], on: dict[str, Any], miss: float | None) -> 
             f"raw {raw:.2f} clipped to 1: prefetch saved more than the miss time counted "
             "(work per miss besides it, such as the host's bookkeeping, was hidden too)"
         )
+    return out
+
+
+def hidden_stall(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """``1 - stall_on / stall_off`` from two decode phases, or n/a with the reason
+    (not_above_noise: ``stall_off`` against the ranges of the two phases' stall per token over
+    their repeats; no MISS_SHARE rule: the ratio takes no difference of whole token times,
+    which is what drift between the two rows moves)."""
+    stall_off, stall_on = off.get("stall_s_per_token"), on.get("stall_s_per_token")
+    spans = [p.get("stall_s_per_token_range") for p in (off, on)]
+    noise = sum(b - a for a, b in spans) if None not in spans else None  # type: ignore[misc]
+    out: dict[str, Any] = {"hidden_stall": None, "hidden_stall_note": None,
+                           "stall_noise_s_per_token": noise}  # fmt: skip
+    if stall_on is None:
+        why = "no stall counted with prefetch"
+    else:
+        repeats = min(off.get("repeats", 0), on.get("repeats", 0))
+        why = not_above_noise("stall", stall_off, noise, repeats)
+    if why:
+        out["hidden_stall_note"] = f"n/a: {why}"
+        return out
+    out["hidden_stall"] = 1 - stall_on / stall_off  # type: ignore[operator]
     return out
 
 
@@ -166,13 +220,14 @@ def prefetch_figures(
         }  # fmt: skip
         if on is None or off is None:
             missing = [n for n, r in ((base, off), (row["name"], on)) if r is None]
+            note = f"n/a: {' and '.join(missing)} not measured"
             entry.update(hidden_wall=None, hidden_stall=None, predicted=None,
                          miss_s_per_token=None, miss_basis=None,
-                         hidden_wall_note=f"n/a: {' and '.join(missing)} not measured")  # fmt: skip
+                         hidden_wall_note=note, hidden_stall_note=note)  # fmt: skip
             out.append(entry)
             continue
         d_on, d_off = on["decode"], off["decode"]
-        stall_off, stall_on = d_off["stall_s_per_token"], d_on["stall_s_per_token"]
+        stall_off = d_off["stall_s_per_token"]
         per_token = d_off["misses_per_token"]
         link = (
             per_token * expert_load_s
@@ -185,7 +240,7 @@ def prefetch_figures(
             miss_s_per_token=miss, miss_basis=basis,
             stall_off_s_per_token=stall_off, link_miss_s_per_token=link,
             **hidden_wall(d_off, d_on, miss),
-            hidden_stall=1 - stall_on / stall_off if stall_off and stall_on is not None else None,
+            **hidden_stall(d_off, d_on),
             predicted=d_on.get("prefetch_hits", 0) / misses if misses else None,
         )  # fmt: skip
         out.append(entry)
@@ -213,6 +268,16 @@ def table_order(row: dict[str, Any]) -> tuple:
         LABELS.index(label) if label in LABELS else -1,
         bool(row.get("prefetch")),
     )
+
+
+def figure_notes(f: dict[str, Any]) -> str:
+    """A prefetch line's notes: hidden_wall's and hidden_stall's, each named (once where the
+    two are the same, such as a row not measured)."""
+    wall, stall = f.get("hidden_wall_note"), f.get("hidden_stall_note")
+    if wall and wall == stall:
+        return f" ({wall})"
+    notes = [f"{name} {note}" for name, note in (("wall", wall), ("stall", stall)) if note]
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def print_table(out: dict[str, Any]) -> None:
@@ -276,17 +341,19 @@ def print_table(out: dict[str, Any]) -> None:
               "n/a unless miss >= "
               f"{NOISE_FACTOR:g} x the timing noise and >= {MISS_SHARE:.0%} of s_off, clipped to "
               "[0, 1]; miss: link = misses/token x one expert's measured copy, stall = the "
-              "serving thread's wait on loads; stall = 1 - stall_on / stall_off; predicted = "
+              "serving thread's wait on loads; stall = 1 - stall_on / stall_off, n/a unless "
+              f"stall_off >= {NOISE_FACTOR:g} x the stall's timing noise; predicted = "
               "prefetch hits / misses)")  # fmt: skip
         for f in sorted(out["prefetch"], key=table_order):
             miss = f["miss_s_per_token"]
             wall = fmt(f["hidden_wall"]) if f["hidden_wall"] is not None else "n/a"
-            note = f" ({f['hidden_wall_note']})" if f.get("hidden_wall_note") else ""
+            stall = fmt(f["hidden_stall"]) if f["hidden_stall"] is not None else "n/a"
+            note = figure_notes(f)
             print(
                 f"|   {f['tier']:<5}{f['policy']:<7}{f['capacity_label']:>4} "
                 f"({f['capacity'] or '-':>3}) | miss {fmt(miss and miss * 1e3, 3)} ms/token "
-                f"({f['miss_basis'] or '-'}) | hidden wall {wall} | stall "
-                f"{fmt(f['hidden_stall'])} | predicted {fmt(f['predicted'])} |{note}"
+                f"({f['miss_basis'] or '-'}) | hidden wall {wall} | stall {stall} "
+                f"| predicted {fmt(f['predicted'])} |{note}"
             )
 
 

@@ -4,8 +4,8 @@ table is there with its figures, and the counts it reports agree with counts wor
 ceiling's routing (hits and misses of every LRU row), and with what a cache must do (the
 ceiling hits every request, the cache decodes the ceiling's tokens). Then its parts on their
 own: the order rows are measured in, the time budget on a fake clock, the repeats a short
-budget cuts, the n/a rule of the miss time prefetch hides worked by hand, and the printed
-divisor of that figure.
+budget cuts, the n/a rule of the miss time prefetch hides worked by hand (by the wall clock
+and by the serving thread's stall), and the printed divisor of that figure.
 """
 
 import argparse
@@ -378,7 +378,8 @@ def test_hidden_wall_worked_by_hand(report):
 def test_the_printed_miss_time_is_the_divisor_used(report, capsys):
     def row(name, tps, low, high, prefetch, stall):
         decode = {**phase(tps, low, high), "stall_s_per_token": stall, "misses_per_token": 4.0,
-                  "misses": 40, "prefetch_hits": 20 if prefetch else 0}  # fmt: skip
+                  "misses": 40, "prefetch_hits": 20 if prefetch else 0,
+                  "stall_s_per_token_range": [stall - 5e-5, stall + 5e-5]}  # fmt: skip
         return {"name": name, "tier": "host", "policy": "lru", "capacity": 16,
                 "capacity_label": "2k", "prefetch": prefetch, "decode": decode}  # fmt: skip
 
@@ -411,3 +412,58 @@ def test_the_printed_miss_time_is_the_divisor_used(report, capsys):
     [half] = report.prefetch_figures([rows[0], skipped], 2e-3)
     assert half["hidden_wall"] is None
     assert half["hidden_wall_note"] == "n/a: cache lru 2k+prefetch not measured"
+    assert half["hidden_stall"] is None and half["hidden_stall_note"] == half["hidden_wall_note"]
+
+
+def test_the_stall_per_token_range_is_over_the_repeats(report):
+    # 0.4 s of stall over 100 tokens (4 ms a token), 0.6 s over 200 (3 ms a token)
+    measures = [report.Measure({"stall_s": 0.4}, 100, 1.0, None),
+                report.Measure({"stall_s": 0.6}, 200, 1.0, None)]  # fmt: skip
+    got = report.phase_figures(measures, 2)
+    assert got["stall_s_per_token"] == pytest.approx(1.0 / 300)
+    assert got["stall_s_per_token_range"] == pytest.approx([3e-3, 4e-3])
+    counted_once = [*measures, report.Measure({"stall_s": None}, 100, 1.0, None)]
+    assert report.phase_figures(counted_once, 3)["stall_s_per_token_range"] is None
+
+
+def test_hidden_stall_worked_by_hand(report, capsys):
+    def row(name, prefetch, stall, low, high):
+        decode = {**phase(50, 49.9, 50.1), "misses_per_token": 4.0, "misses": 40,
+                  "prefetch_hits": 20 if prefetch else 0, "stall_s_per_token": stall,
+                  "stall_s_per_token_range": [low, high]}  # fmt: skip
+        return {"name": name, "tier": "host", "policy": "lru", "capacity": 16,
+                "capacity_label": "2k", "prefetch": prefetch, "decode": decode}  # fmt: skip
+
+    # stall_off 0.5 ms a token within its repeats' spread: noise (0.9 - 0.1) + (1.0 - 0.2) =
+    # 1.6 ms, and 0.5 ms < 4 x 1.6 = 6.4 ms; the plain ratio, 1 - 0.6 / 0.5 = -0.2, is noise
+    noisy = [row("cache lru 2k", False, 0.5e-3, 0.1e-3, 0.9e-3),
+             row("cache lru 2k+prefetch", True, 0.6e-3, 0.2e-3, 1.0e-3)]  # fmt: skip
+    [na] = report.prefetch_figures(noisy, expert_load_s=None)
+    note = "n/a: stall 0.5 ms/token < 4 x the timing noise 1.6 ms/token"
+    assert na["hidden_stall"] is None and na["hidden_stall_note"] == note
+    # a clear stall_off, 4 ms a token; noise (4.2 - 3.8) + (1.1 - 0.9) = 0.6 ms, and
+    # 4 ms >= 4 x 0.6 = 2.4 ms: 1 - 1 / 4 = 0.75
+    clear = [row("cache lru 2k", False, 4e-3, 3.8e-3, 4.2e-3),
+             row("cache lru 2k+prefetch", True, 1e-3, 0.9e-3, 1.1e-3)]  # fmt: skip
+    [got] = report.prefetch_figures(clear, expert_load_s=None)
+    assert got["stall_noise_s_per_token"] == pytest.approx(0.6e-3)
+    assert got["hidden_stall"] == pytest.approx(0.75) and got["hidden_stall_note"] is None
+    # no stall without prefetch, or a single repeat: n/a, saying why
+    zero = [row("cache lru 2k", False, 0.0, 0.0, 0.0), clear[1]]
+    assert report.prefetch_figures(zero, None)[0]["hidden_stall_note"] == (
+        "n/a: no stall time without prefetch"
+    )
+    once = [{**clear[0], "decode": {**clear[0]["decode"], "repeats": 1}}, clear[1]]
+    [single] = report.prefetch_figures(once, None)
+    assert single["hidden_stall"] is None and "fewer than 2 repeats" in single["hidden_stall_note"]
+    # the table prints n/a with the reason in the line's note, beside hidden_wall's
+    out = {"config": {"layers": 4, "experts": 128, "top_k": 8, "hidden": 2048,
+                      "expert_width": 768, "dtype": "bfloat16", "expert_bytes": 9437184,
+                      "device": "cpu", "prompt_tokens": 512, "repeats": 3},
+           "rows": [], "skipped": [], "prefetch": [na]}  # fmt: skip
+    report.print_table(out)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "hidden wall" in x)
+    assert "| stall n/a |" in line and f"stall {note}" in line
+    assert f"wall {na['hidden_wall_note']}" in line
+    report.print_table({**out, "prefetch": [got]})
+    assert "| stall 0.75 |" in capsys.readouterr().out
