@@ -16,10 +16,22 @@ name, in this order:
    heuristic default instead, e.g. under CUDA-graph capture);
 4. under ``TRITON_INTERPRET=1``: one fixed small config, no timing.
 
+Every table entry says where it came from (``TableEntry``): ``"source": "seed"`` (a starting
+point written by hand or carried over from another key, never timed at its own) or
+``"source": "measured"`` with its ``provenance`` (the GPU, date, torch and triton of the run
+that timed it). ``lookup_entry`` hands back the entry with its source. Tables written before
+entries named their source (formats 2 and 3) are still read: an entry without the field is a
+seed, unless the table's ``sources[gpu][key]`` record (written by the tuner before format 4)
+says when it was measured. Reading them as seeds, not refusing them, keeps their tiles in use
+(refused, every launch would autotune mid-run or run the untimed default) while claiming no
+measurement the table cannot show.
+
 The cache remembers where each of its configs came from (``cache_sources``): "measured"
-(autotuned in this process), "table" or "default" (untimed). ``export_cache``, what
-``scripts/tune_kernels.py`` and ``scripts/bench_moe.py --save-tuned`` write into a table,
-holds the measured ones only, so a table entry read back is never re-stamped as measured.
+(autotuned in this process), "table" or "default" (untimed); ``entry_sources`` says, per
+config, whether its tile was measured (here, or in the run its table entry names, at its own
+key) or is a seed. ``export_cache``, what ``scripts/tune_kernels.py`` and
+``scripts/bench_moe.py --save-tuned`` write into a table, holds the measured ones only, each
+with this run's provenance, so a table entry read back is never re-stamped as measured.
 
 A config also names its backend. Every kind runs moestack's Triton kernels ("triton"); the
 weight gradient may instead run ``torch._grouped_mm``'s 2D x 2D form ("torch"), a candidate
@@ -58,6 +70,7 @@ raised, naming the config, instead of being hidden behind "no config could run".
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import functools
 import json
 import logging
@@ -65,6 +78,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,9 +90,14 @@ TABLE_PATH = Path(__file__).with_name("tuned_configs.json")
 # backend field, are read as "triton". Entries of kind "mm" may also say ``persistent`` and
 # ``num_programs`` (written only where persistent, so classic entries read as before); an
 # entry without them is the classic kernel, so the format stays 3.
-TABLE_FORMAT = 3
-READABLE_FORMATS = (2, 3)
+# 4: every entry says where it came from ("source": "seed", or "measured" with its
+# "provenance"); a moestack reading format 3 would take the field for a tile field.
+TABLE_FORMAT = 4
+READABLE_FORMATS = (2, 3, 4)
 BACKENDS = ("triton", "torch")
+# Where a table entry came from, and what a measured one records of the run that timed it.
+ENTRY_SOURCES = ("seed", "measured")
+PROVENANCE_FIELDS = ("gpu", "date", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,35 @@ class KernelConfig:
                 f"num_programs={self.num_programs} needs persistent=True and must be >= 0 "
                 "(0: one program per SM)"
             )
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One entry of the tuned table: its config, where it came from (``ENTRY_SOURCES``:
+    "seed", never timed at its key; "measured", timed on the GPU its ``provenance`` names,
+    with the date, torch and triton of that run) and the key it is stored under (a
+    neighbouring row bucket's, where a lookup's own bucket has no entry)."""
+
+    config: KernelConfig
+    source: str = "seed"
+    provenance: dict[str, str] | None = None
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in ENTRY_SOURCES:
+            raise ValueError(f"source={self.source!r} is unknown; use one of {ENTRY_SOURCES}")
+        if self.source == "seed" and self.provenance is not None:
+            raise ValueError(
+                'a seed has no provenance; drop it, or mark the entry "source": "measured"'
+            )
+        if self.source == "measured":
+            given = self.provenance or {}
+            missing = [f for f in PROVENANCE_FIELDS if not given.get(f)]
+            if missing:
+                raise ValueError(
+                    f"a measured entry needs its provenance's {missing}; give "
+                    f'{list(PROVENANCE_FIELDS)}, or mark the entry "source": "seed"'
+                )
 
 
 # One fixed config for the interpreter: big enough that few programs run (the interpreter
@@ -204,6 +252,9 @@ _AUTOTUNE_CACHE: dict[tuple[str, str], KernelConfig] = {}
 # without an entry (put in the cache by hand) reads as measured.
 SOURCES = ("measured", "table", "default")
 _SOURCES: dict[tuple[str, str], str] = {}
+# The table entry behind a cached config: the one read, or the one measured here (with this
+# run's provenance). Untimed defaults have none.
+_ENTRIES: dict[tuple[str, str], TableEntry] = {}
 # Configs forced per kernel kind by ``forced_config`` (tests and output checks only).
 _FORCED: dict[str, KernelConfig] = {}
 # Kinds whose table entries ``retune`` tells the tuner not to read.
@@ -251,8 +302,66 @@ def torch_wgrad_runs(device: torch.device, dtype: torch.dtype, K: int, M: int) -
     return grouped_mm_runs(device, dtype)
 
 
+def run_provenance(gpu: str) -> dict[str, str]:
+    """What a measured entry records of this run: the GPU, today's date, torch's and
+    triton's versions."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # a config put in the cache by hand, without triton
+        triton_version = "not installed"
+    return {
+        "gpu": gpu,
+        "date": dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+    }
+
+
+def parse_entry(raw: dict[str, Any], key: str, record: dict[str, str] | None) -> TableEntry:
+    """One table entry as stored (``raw``: the config's fields, ``source`` and, if measured,
+    ``provenance``). Without ``source`` (a table written before format 4): measured with
+    ``record`` (its ``sources[gpu][key]`` stamp, the GPU added) where there is one, else a
+    seed."""
+    fields = dict(raw)
+    source = fields.pop("source", None)
+    provenance = fields.pop("provenance", None)
+    if source is None:
+        source, provenance = ("measured", record) if record else ("seed", None)
+    return TableEntry(KernelConfig(**fields), source, provenance, key)
+
+
+def parse_table(data: dict[str, Any], where: str) -> dict[str, dict[str, TableEntry]]:
+    """``{gpu: {key: TableEntry}}`` of a table of a readable format (``where`` names it in
+    errors): an entry that is no config, or names an unknown source, raises naming it."""
+    records = data.get("sources", {})  # format 3: {gpu: {key: {date, torch, triton}}}
+    out: dict[str, dict[str, TableEntry]] = {}
+    for gpu, entries in data.get("gpus", {}).items():
+        for key, raw in entries.items():
+            stamp = records.get(gpu, {}).get(key)
+            record = {"gpu": gpu, **stamp} if stamp else None
+            try:
+                out.setdefault(gpu, {})[key] = parse_entry(raw, key, record)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"tuned-config table {where}: entry {key!r} of {gpu!r}: {exc}; fix or "
+                    "delete the entry (scripts/tune_kernels.py rewrites what it measures)"
+                ) from exc
+    return out
+
+
+def entry_json(entry: TableEntry) -> dict[str, Any]:
+    """``entry`` as stored in a table: the config's fields (``table_entry``), its source and,
+    if measured, its provenance."""
+    out: dict[str, Any] = {**table_entry(entry.config), "source": entry.source}
+    if entry.provenance is not None:
+        out["provenance"] = dict(entry.provenance)
+    return out
+
+
 @functools.lru_cache(maxsize=4)
-def _read_table(path: str) -> dict[str, dict[str, dict[str, int | str | bool]]]:
+def _read_table(path: str) -> dict[str, dict[str, TableEntry]]:
     p = Path(path)
     if not p.is_file():
         return {}
@@ -266,7 +375,7 @@ def _read_table(path: str) -> dict[str, dict[str, dict[str, int | str | bool]]]:
             ", ".join(map(str, READABLE_FORMATS)),
         )
         return {}
-    return data.get("gpus", {})
+    return parse_table(data, str(p))
 
 
 def table_path() -> Path:
@@ -274,12 +383,13 @@ def table_path() -> Path:
     return Path(os.environ.get("MOESTACK_TUNED_CONFIGS", str(TABLE_PATH)))
 
 
-def lookup_table(gpu: str, key: str) -> KernelConfig | None:
-    """The tuned config for ``key`` on ``gpu`` from the table, or None.
+def lookup_entry(gpu: str, key: str) -> TableEntry | None:
+    """The table's entry for ``key`` on ``gpu`` (its config and source), or None.
 
     Without an entry at the key's row bucket, the entry of the nearest bucket (in powers of
     two; the smaller one on a tie) of the same variant is used: a neighbour's tile beats
-    autotuning mid-run, or the untimed default where autotuning is off.
+    autotuning mid-run, or the untimed default where autotuning is off. Its ``key`` says
+    which bucket's it is.
     """
     entries = _read_table(str(table_path())).get(gpu, {})
     entry = entries.get(key)
@@ -295,7 +405,13 @@ def lookup_table(gpu: str, key: str) -> KernelConfig | None:
             if v == variant and b.isdigit()
         ]
         entry = entries[min(near)[2]] if near else None
-    return KernelConfig(**entry) if entry else None
+    return entry
+
+
+def lookup_table(gpu: str, key: str) -> KernelConfig | None:
+    """The tuned config for ``key`` on ``gpu`` from the table (``lookup_entry``), or None."""
+    entry = lookup_entry(gpu, key)
+    return entry.config if entry else None
 
 
 def _clip(cfg: KernelConfig, K: int, M: int, kind: str) -> KernelConfig:
@@ -402,6 +518,7 @@ def retune(kinds: Iterable[str]) -> Iterator[None]:
     for gpu_key, source in list(_SOURCES.items()):
         if source != "measured" and gpu_key[1].split("|")[0] in kinds:
             _AUTOTUNE_CACHE.pop(gpu_key, None)
+            _ENTRIES.pop(gpu_key, None)
             del _SOURCES[gpu_key]
     previous = set(_RETUNE)
     _RETUNE.update(kinds)
@@ -432,18 +549,23 @@ def choose_config(
     cached = _AUTOTUNE_CACHE.get((gpu, key))
     if cached is not None:
         return cached
-    cfg, source = (None if kind in _RETUNE else lookup_table(gpu, key)), "table"
-    if cfg is None:
+    entry = None if kind in _RETUNE else lookup_entry(gpu, key)
+    if entry is not None:
+        cfg, source = entry.config, "table"
+    else:
         cands = candidates(kind, K, M, dtype, device)
         if autotune_enabled():
             cfg, source = _benchmark(key, cands, run), "measured"
+            entry = TableEntry(cfg, "measured", run_provenance(gpu), key)
         else:
             cfg, source = cands[0], "default"
     runnable = _runnable(cfg, kind, device, K, M, dtype)
     if runnable != cfg:  # a table entry that cannot run here: the untimed default
-        source = "default"
+        source, entry = "default", None
     _AUTOTUNE_CACHE[(gpu, key)] = runnable
     _SOURCES[(gpu, key)] = source
+    if entry is not None:
+        _ENTRIES[(gpu, key)] = entry
     return runnable
 
 
@@ -498,9 +620,10 @@ def _benchmark(key: str, cands: list[KernelConfig], run: Callable[[KernelConfig]
 
 
 def table_entry(cfg: KernelConfig) -> dict[str, int | str | bool]:
-    """``cfg`` as a table entry: every field, less ``persistent`` and ``num_programs`` for a
-    classic config and ``fused`` for an unfused one (their entries read the same in a
-    moestack without the persistent kernel or the fused SwiGLU backward)."""
+    """``cfg``'s fields as a table entry holds them (``entry_json`` adds the source): every
+    field, less ``persistent`` and ``num_programs`` for a classic config and ``fused`` for an
+    unfused one (their entries read the same in a moestack without the persistent kernel or
+    the fused SwiGLU backward)."""
     entry = asdict(cfg)
     if not cfg.persistent:
         del entry["persistent"], entry["num_programs"]
@@ -514,15 +637,31 @@ def source_of(gpu: str, key: str) -> str:
     return _SOURCES.get((gpu, key), "measured")
 
 
-def export_cache(measured_only: bool = True) -> dict[str, dict[str, dict[str, int | str | bool]]]:
-    """The autotune cache as table entries ``{gpu: {key: config}}`` (for tune_kernels.py):
-    the configs measured in this process, unless ``measured_only`` is false (then also those
-    read from the table and the untimed defaults); each entry names its backend, and a
+def cached_entry(gpu: str, key: str) -> TableEntry:
+    """The cached config of ``key`` as a table entry: measured here (with the provenance of
+    this run), read from the table at its own key (as the table has it), else a seed (an
+    untimed default, or a neighbouring row bucket's entry: never timed at this key)."""
+    cfg = _AUTOTUNE_CACHE[(gpu, key)]
+    entry = _ENTRIES.get((gpu, key))
+    if source_of(gpu, key) == "measured":
+        if entry is None:  # put in the cache by hand
+            return TableEntry(cfg, "measured", run_provenance(gpu), key)
+        return entry
+    if entry is not None and entry.key == key and entry.config == cfg:
+        return entry
+    return TableEntry(cfg, "seed", None, key)
+
+
+def export_cache(measured_only: bool = True) -> dict[str, dict[str, dict[str, Any]]]:
+    """The autotune cache as table entries ``{gpu: {key: entry}}`` (``entry_json``, for
+    tune_kernels.py): the configs measured in this process, each "measured" with this run's
+    provenance, unless ``measured_only`` is false (then also those read from the table, as the
+    table has them, and the untimed defaults, as seeds); each entry names its backend, and a
     persistent or fused one says so."""
-    out: dict[str, dict[str, dict[str, int | str | bool]]] = {}
-    for (gpu, key), cfg in sorted(_AUTOTUNE_CACHE.items()):
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for gpu, key in sorted(_AUTOTUNE_CACHE):
         if not measured_only or source_of(gpu, key) == "measured":
-            out.setdefault(gpu, {})[key] = table_entry(cfg)
+            out.setdefault(gpu, {})[key] = entry_json(cached_entry(gpu, key))
     return out
 
 
@@ -535,9 +674,21 @@ def cache_sources() -> dict[str, dict[str, str]]:
     return out
 
 
+def entry_sources() -> dict[str, dict[str, str]]:
+    """``{gpu: {key: source}}`` (``ENTRY_SOURCES``) for every cached config: "measured" where
+    its tile was timed at this key (in this process, or in the run its table entry names),
+    "seed" where it never was (a seeded entry, a neighbouring bucket's, an untimed default),
+    so that a run can tell which of its configs a measurement stands behind."""
+    out: dict[str, dict[str, str]] = {}
+    for gpu, key in sorted(_AUTOTUNE_CACHE):
+        out.setdefault(gpu, {})[key] = cached_entry(gpu, key).source
+    return out
+
+
 def clear_cache() -> None:
     """Forget every autotuned config, where each came from, and the loaded table (e.g.
     before re-tuning)."""
     _AUTOTUNE_CACHE.clear()
     _SOURCES.clear()
+    _ENTRIES.clear()
     _read_table.cache_clear()

@@ -14,7 +14,8 @@ SwiGLU backward, G's GEMM and the elementwise pass against the fused tiles: an e
 fused epilogue wins says ``"fused": true``); the winners are
 merged into ``kernels/tuned_configs.json`` under ``torch.cuda.get_device_name()``, so the
 first use of those shapes on that GPU needs no autotuning. Only configs measured by this
-run are written, each with its provenance (``sources``: date, torch, triton). Keys carry the
+run are written, each ``"source": "measured"`` with its ``provenance`` (GPU, date, torch,
+triton); the entries it did not measure keep theirs. Keys carry the
 power-of-two bucket of the sorted rows (tokens x top_k); a lookup without its bucket takes
 the nearest one, so tune at the token counts you train with (``--tokens 8192 16384``).
 """
@@ -22,7 +23,6 @@ the nearest one, so tune at the token counts you train with (``--tokens 8192 163
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import logging
 import os
@@ -126,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
 def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
     """Merge the configs this process measured (never those it read from a table or took as
     untimed defaults), less the keys in ``skip``, into the table at ``out`` (atomically: temp
-    file, rename); return how many. Each entry written gets its provenance under
-    ``sources[gpu][key]`` (date, torch, triton of this run), and ``measured[gpu]`` stamps the
-    latest run that measured any; with nothing measured the file is left as it is. A table
-    of a format this moestack still reads keeps its entries (and their provenance) and is
-    rewritten in the current format; one of an older key format is replaced."""
+    file, rename); return how many. Each entry written is ``"source": "measured"`` with this
+    run's provenance (GPU, date, torch, triton), and ``measured[gpu]`` stamps the latest run
+    that measured any; with nothing measured the file is left as it is. A table of a format
+    this moestack still reads keeps its other entries with their sources (an older one's
+    entries read as ``tuning.parse_table`` reads them: seeds, or measured where its
+    ``sources`` record says so) and is rewritten in the current format; one of an older key
+    format is replaced."""
     from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
@@ -144,19 +146,21 @@ def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
             "replacing %s: key format %s, not %s", out, table["format"], tuning.TABLE_FORMAT
         )
         table = {}
+    gpus = {
+        name: {key: tuning.entry_json(entry) for key, entry in entries.items()}
+        for name, entries in tuning.parse_table(table, str(out)).items()
+    }
+    gpus.setdefault(gpu, {}).update(found)
+    table.pop("sources", None)  # format 3's provenance, now in each entry
     table["format"] = tuning.TABLE_FORMAT
-    table.setdefault("gpus", {}).setdefault(gpu, {}).update(found)
-    table["gpus"][gpu] = dict(sorted(table["gpus"][gpu].items()))
-    stamp = run_stamp()
-    table.setdefault("measured", {})[gpu] = stamp
-    sources = table.setdefault("sources", {}).setdefault(gpu, {})
-    sources.update({key: stamp for key in found})
-    table["sources"][gpu] = dict(sorted(sources.items()))
+    table["gpus"] = {name: dict(sorted(entries.items())) for name, entries in gpus.items()}
+    table.setdefault("measured", {})[gpu] = tuning.run_provenance(gpu)
     table["note"] = (
-        "Tile configs measured by scripts/tune_kernels.py or scripts/bench_moe.py "
-        "--save-tuned, keyed by torch.cuda.get_device_name(); sources[gpu][key] says when "
-        "and with which torch and triton each entry was measured (an entry without one "
-        "predates that record); GPUs or shapes not listed autotune on first use."
+        "Tile configs keyed by torch.cuda.get_device_name(); each entry says where it came "
+        'from: "source": "measured" by scripts/tune_kernels.py or scripts/bench_moe.py '
+        '--save-tuned, with its "provenance" (GPU, date, torch, triton), or "seed" (never '
+        "timed at its key); measured[gpu] is the latest run that measured any. GPUs or "
+        "shapes not listed autotune on first use."
     )
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(table, indent=2) + "\n")
@@ -169,18 +173,6 @@ def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
         *(len(found), persistent, fused, torch_dw, gpu, out),
     )
     return len(found)
-
-
-def run_stamp() -> dict[str, str]:
-    """Today's date and the torch and triton versions: the provenance of what this run
-    measured."""
-    import triton
-
-    return {
-        "date": dt.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
 
 
 if __name__ == "__main__":

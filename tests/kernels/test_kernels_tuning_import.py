@@ -14,12 +14,19 @@ from moestack.kernels import tuning
 
 
 def test_shipped_table_parses_and_invents_nothing():
+    """Every shipped entry is a valid config that says where it came from in so many words
+    (not by the default of an older table); a measured one names the GPU it is filed under."""
     data = json.loads(tuning.TABLE_PATH.read_text())
     assert data["format"] == tuning.TABLE_FORMAT
+    parsed = tuning.parse_table(data, "shipped")
     for gpu, entries in data["gpus"].items():
-        for key, cfg in entries.items():  # every entry must be a valid config
+        for key, raw in entries.items():
             assert key.split("|")[0] in tuning.CANDIDATES, (gpu, key)
-            tuning.KernelConfig(**cfg)
+            assert raw["source"] in tuning.ENTRY_SOURCES, (gpu, key)
+            entry = parsed[gpu][key]
+            assert entry.source == raw["source"] and entry.key == key
+            if entry.source == "measured":
+                assert entry.provenance["gpu"] == gpu, (gpu, key)
 
 
 def write_table(path, entries, monkeypatch, fmt=tuning.TABLE_FORMAT):
@@ -77,6 +84,67 @@ def test_format_2_tables_are_read_as_moestack_kernels(tmp_path, monkeypatch):
                 monkeypatch, fmt=2)  # fmt: skip
     assert tuning.lookup_table("Fancy GPU", key) == tuning.KernelConfig(64, 64, 32)
     assert tuning.lookup_table("Fancy GPU", key).backend == "triton"
+    tuning.clear_cache()
+
+
+SEED_ENTRY = {"block_m": 64, "block_n": 64, "block_k": 32, "source": "seed"}
+SEED_CFG = tuning.KernelConfig(64, 64, 32)
+H200 = {"gpu": "Fancy GPU", "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
+MEASURED_ENTRY = {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8,
+                  "source": "measured", "provenance": H200}  # fmt: skip
+
+
+def wkey(rows: int, flags: str = "g00") -> str:
+    return tuning.make_key("wgrad", 8, 4096, 28672, torch.bfloat16, flags, rows)
+
+
+def test_lookups_report_each_entrys_source(tmp_path, monkeypatch):
+    """A seeded and a measured entry: each lookup hands back the config with its source and
+    the measured one's provenance; a lookup that takes a neighbouring row bucket's entry says
+    which key it is."""
+    write_table(tmp_path / "v4.json", {wkey(16384): SEED_ENTRY, wkey(16384, "g10"): MEASURED_ENTRY},
+                monkeypatch)  # fmt: skip
+    seed = tuning.lookup_entry("Fancy GPU", wkey(16384))
+    assert (seed.config, seed.source, seed.provenance) == (SEED_CFG, "seed", None)
+    measured = tuning.lookup_entry("Fancy GPU", wkey(16384, "g10"))
+    assert measured.config == tuning.KernelConfig(128, 128, 64, num_warps=8)
+    assert (measured.source, measured.provenance) == ("measured", H200)
+    near = tuning.lookup_entry("Fancy GPU", wkey(32768, "g10"))  # its neighbour's entry
+    assert near.source == "measured" and near.key == wkey(16384, "g10")
+    assert tuning.lookup_table("Fancy GPU", wkey(16384)) == seed.config
+    tuning.clear_cache()
+
+
+def test_tables_without_sources_read_their_entries_as_seeds(tmp_path, monkeypatch):
+    """A format 3 table (no source field) is read, not refused: its entries are seeds,
+    except those its ``sources`` record says were measured (the GPU added to the record)."""
+    stamp = {"date": "2026-01-02", "torch": "2.9.0", "triton": "3.5.0"}
+    old = {"block_m": 64, "block_n": 64, "block_k": 32}
+    payload = {"format": 3, "gpus": {"Fancy GPU": {wkey(16384): old, wkey(16384, "g10"): old}},
+               "sources": {"Fancy GPU": {wkey(16384, "g10"): stamp}}}  # fmt: skip
+    (tmp_path / "v3.json").write_text(json.dumps(payload))
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(tmp_path / "v3.json"))
+    tuning.clear_cache()
+    seed = tuning.lookup_entry("Fancy GPU", wkey(16384))
+    assert (seed.config, seed.source, seed.provenance) == (SEED_CFG, "seed", None)
+    measured = tuning.lookup_entry("Fancy GPU", wkey(16384, "g10"))
+    assert (measured.source, measured.provenance) == ("measured", {"gpu": "Fancy GPU", **stamp})
+    tuning.clear_cache()
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({**SEED_ENTRY, "source": "guessed"}, r"source='guessed' is unknown"),
+        ({**SEED_ENTRY, "source": "measured"}, r"needs its provenance's \['gpu', 'date'"),
+        ({**SEED_ENTRY, "provenance": H200}, r"a seed has no provenance"),
+    ],
+)
+def test_an_entry_with_a_bad_source_names_itself(tmp_path, monkeypatch, entry, match):
+    write_table(tmp_path / "bad.json", {wkey(16384): entry}, monkeypatch)
+    with pytest.raises(ValueError, match=match) as err:
+        tuning.lookup_entry("Fancy GPU", wkey(16384))
+    assert wkey(16384) in str(err.value) and str(tmp_path / "bad.json") in str(err.value)
     tuning.clear_cache()
 
 

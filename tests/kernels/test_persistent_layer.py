@@ -229,7 +229,7 @@ def test_table_entries_read_and_written(tmp_path, monkeypatch):
         tuning.clear_cache()
     assert exported[key_p]["persistent"] is True and exported[key_p]["num_programs"] == 66
     assert "persistent" not in exported[key_c] and "num_programs" not in exported[key_c]
-    assert tuning.KernelConfig(**exported[key_p]) == persistent
+    assert tuning.parse_entry(exported[key_p], key_p, None).config == persistent
 
 
 def test_a_persistent_entry_of_another_kind_gives_the_default(tmp_path, monkeypatch):

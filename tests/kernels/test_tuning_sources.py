@@ -1,6 +1,7 @@
 """Where each tile config came from (measured here, read from the tuned table, or an untimed
-default), what may be exported and saved as measured, and ``tuning.retune``: on the CPU, with a
-fake GPU name, a fake timer and tables written by hand."""
+default; a seed or measured, as its table entry says), what may be exported and saved as
+measured and with which provenance, and ``tuning.retune``: on the CPU, with a fake GPU name, a
+fake timer and tables written by hand."""
 
 from __future__ import annotations
 
@@ -95,17 +96,20 @@ def tune_kernels(monkeypatch):
 
 def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, tmp_path):
     """A run that only read the table saves nothing and leaves the old stamp; a run that
-    measured one key writes that key with its provenance, and keeps the other entries and
-    their provenance as they were."""
+    measured one key writes that key as measured with this run's provenance, and keeps the
+    other entries and their sources as they were: a format 3 table's seed (no record) stays a
+    seed, its recorded entry becomes measured with that record, in the current format."""
     out = tmp_path / "tuned.json"
     old = {"date": "2000-01-01", "torch": "2.0.0", "triton": "3.0.0"}
     seed_entry = tuning.table_entry(SEED)
+    key_old = KEY_WGRAD.replace("R=4096", "R=64")
     out.write_text(
         json.dumps(
             {
-                "format": tuning.TABLE_FORMAT,
-                "gpus": {GPU: {KEY_WGRAD: seed_entry}},
+                "format": 3,
+                "gpus": {GPU: {KEY_WGRAD: seed_entry, key_old: seed_entry}},
                 "measured": {GPU: old},
+                "sources": {GPU: {key_old: old}},
             }
         )
     )
@@ -119,7 +123,77 @@ def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, t
         got = choose("mm", KEY_MM, fake_gpu)
     assert tune_kernels.save(out) == 1
     table = json.loads(out.read_text())
-    stamp = tune_kernels.run_stamp()
-    assert table["gpus"][GPU] == {KEY_MM: tuning.table_entry(got), KEY_WGRAD: seed_entry}
-    assert table["sources"][GPU] == {KEY_MM: stamp}  # the wgrad seed has no provenance
-    assert table["measured"][GPU] == stamp != old
+    stamp = tuning.run_provenance(GPU)
+    assert stamp["gpu"] == GPU and stamp["torch"] == torch.__version__
+    assert table["format"] == tuning.TABLE_FORMAT and "sources" not in table
+    assert table["gpus"][GPU] == {
+        KEY_MM: {**tuning.table_entry(got), "source": "measured", "provenance": stamp},
+        KEY_WGRAD: {**seed_entry, "source": "seed"},
+        key_old: {**seed_entry, "source": "measured", "provenance": {"gpu": GPU, **old}},
+    }
+    assert table["measured"][GPU] == stamp
+
+
+def test_export_round_trips_each_entrys_source(fake_gpu, tune_kernels, tmp_path, monkeypatch):
+    """A table of a seeded and a measured entry, read by a run that measures a third key:
+    ``entry_sources`` tells the seed from the two measured ones; the export of everything
+    gives the two read entries back as the table has them (the measured one's provenance
+    untouched, not this run's) and the third as measured with this run's provenance; saved
+    and read back, each lookup reports the same source and provenance."""
+    h200 = {"gpu": GPU, "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
+    measured_cfg = tuning.KernelConfig(128, 128, 32, 8, 4, 4)
+    table = {
+        KEY_MM: {**tuning.table_entry(SEED), "source": "seed"},
+        KEY_WGRAD: {**tuning.table_entry(measured_cfg), "source": "measured", "provenance": h200},
+    }
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: table}}))
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
+    tuning.clear_cache()
+    assert choose("mm", KEY_MM, fake_gpu) == SEED
+    assert choose("wgrad", KEY_WGRAD, fake_gpu) == measured_cfg
+    assert not fake_gpu  # both read, neither timed
+    other = KEY_MM.replace("K=256", "K=128")  # no entry at any bucket: measured here
+    got = choose("mm", other, fake_gpu)
+    assert tuning.cache_sources()[GPU] == {KEY_MM: "table", KEY_WGRAD: "table", other: "measured"}
+    assert tuning.entry_sources()[GPU] == {KEY_MM: "seed", KEY_WGRAD: "measured", other: "measured"}
+    stamp = tuning.run_provenance(GPU)
+    fresh = {**tuning.table_entry(got), "source": "measured", "provenance": stamp}
+    assert tuning.export_cache(measured_only=False)[GPU] == {**table, other: fresh}
+    assert tuning.export_cache()[GPU] == {other: fresh}  # the table's own never re-stamped
+
+    out = tmp_path / "saved.json"
+    out.write_text(path.read_text())
+    assert tune_kernels.save(out) == 1
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(out))
+    tuning.clear_cache()
+    back = {key: tuning.lookup_entry(GPU, key) for key in (KEY_MM, KEY_WGRAD, other)}
+    assert {k: (e.config, e.source, e.provenance) for k, e in back.items()} == {
+        KEY_MM: (SEED, "seed", None),
+        KEY_WGRAD: (measured_cfg, "measured", h200),
+        other: (got, "measured", stamp),
+    }
+
+
+def test_a_neighbours_entry_or_a_default_is_exported_as_a_seed(fake_gpu, monkeypatch, tmp_path):
+    """A measured entry read for another row bucket was never timed at that key, nor was an
+    untimed default: both export as seeds (never as measured)."""
+    h200 = {"gpu": GPU, "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
+    entry = {**tuning.table_entry(SEED), "source": "measured", "provenance": h200}
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: {KEY_WGRAD: entry}}}))
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
+    monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
+    tuning.clear_cache()
+    near = KEY_WGRAD.replace("R=4096", "R=8192")  # takes KEY_WGRAD's entry
+    default = KEY_MM.replace("E=8", "E=16")  # no entry: the untimed default
+    assert choose("wgrad", near, fake_gpu) == SEED
+    choose("wgrad", KEY_WGRAD, fake_gpu)
+    choose("mm", default, fake_gpu)
+    assert tuning.cache_sources()[GPU] == {near: "table", KEY_WGRAD: "table", default: "default"}
+    want = {near: "seed", KEY_WGRAD: "measured", default: "seed"}
+    assert tuning.entry_sources()[GPU] == want
+    exported = tuning.export_cache(measured_only=False)[GPU]
+    assert {k: e["source"] for k, e in exported.items()} == want
+    assert exported[KEY_WGRAD] == entry
+    assert "provenance" not in exported[near] and "provenance" not in exported[default]
