@@ -1,11 +1,15 @@
 """What produced a run: one record per start (new or resumed) in ``<run>/provenance.json``.
 
-Every start appends ``{"status": "running", "started_at", "launch", "moestack", git commit and
-whether the tree had changes, library versions, device, host}``; when the start ends its
-record says "finished", "failed" (with the error) or "interrupted" (Ctrl-C). A run killed
-outright keeps "running". ``moestack.trainer.train`` records every start, whoever calls it:
-the ``moestack-train`` command adds its command line, overrides and config choices
-(``launch``); any other caller gets its process's command line, or passes ``launch`` itself.
+Every start that begins appends ``{"status": "running", "started_at", "launch", "moestack", git
+commit and whether the tree had changes, library versions, device, host}``; when the start
+ends its record says "finished", "failed" (with the error) or "interrupted" (Ctrl-C). A run
+killed outright keeps "running". A start begins once its checks passed, just before it first
+writes into the run's folder (``StartRecord.begin``): a start refused before then (a changed
+config on resume, missing data, a checkpoint of another shape) adds no record, so a run's
+records hold only the starts that trained it. ``moestack.trainer.train`` records every start,
+whoever calls it: the ``moestack-train`` command adds its command line, overrides and config
+choices (``launch``); any other caller gets its process's command line, or passes ``launch``
+itself.
 """
 
 from __future__ import annotations
@@ -142,38 +146,64 @@ def earlier_starts(out_dir: Path) -> list[dict[str, Any]]:
     return starts
 
 
+class StartRecord:
+    """One start's record in provenance.json: appended when the start begins (``begin``), then
+    marked with how it ended (``end``). ``record`` is None off rank 0, where nothing is
+    written; ``begun`` is kept on every rank."""
+
+    def __init__(self, out_dir: Path, record: dict[str, Any] | None) -> None:
+        self.out_dir = out_dir
+        self.record = record
+        self.begun = False
+        self._starts: list[dict[str, Any]] = []
+
+    def begin(self) -> None:
+        """The start's checks passed and it is about to write into the run's folder: append
+        its record, "running" (a second call does nothing)."""
+        if self.begun:
+            return
+        self.begun = True
+        if self.record is None:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._starts = [*earlier_starts(self.out_dir), self.record]
+        _write_starts(self.out_dir, self._starts)
+
+    def end(self, err: BaseException | None) -> None:
+        """Mark the begun start finished, or failed with ``err`` ("interrupted" for Ctrl-C); a
+        start that never began writes nothing."""
+        if not self.begun or self.record is None:
+            return
+        if err is None:
+            self.record["status"] = "finished"
+        else:
+            status = "failed" if isinstance(err, Exception) else "interrupted"
+            self.record.update(status=status, error=f"{type(err).__name__}: {err}")
+        self.record["ended_at"] = _now()
+        _write_starts(self.out_dir, self._starts)
+
+
 @contextlib.contextmanager
 def recorded_start(
     out_dir: Path, cfg: TrainConfig, launch: dict[str, Any] | None = None
-) -> Iterator[None]:
+) -> Iterator[StartRecord]:
     """:func:`recorded` with :func:`start_record`, built on rank 0 only (the others write
     nothing, and need not ask git or the GPU)."""
-    if os.environ.get("RANK", "0") != "0":
-        yield
-        return
-    with recorded(out_dir, start_record(cfg, launch)):
-        yield
+    record = start_record(cfg, launch) if os.environ.get("RANK", "0") == "0" else None
+    with recorded(out_dir, record) as start:
+        yield start
 
 
 @contextlib.contextmanager
-def recorded(out_dir: Path, record: dict[str, Any]) -> Iterator[None]:
-    """Append ``record`` to the run's provenance.json (rank 0), then mark how the start
-    ended: finished, or failed with the error (a killed run stays "running")."""
-    if os.environ.get("RANK", "0") != "0":
-        yield
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    starts = [*earlier_starts(out_dir), record]
-    _write_starts(out_dir, starts)
+def recorded(out_dir: Path, record: dict[str, Any] | None) -> Iterator[StartRecord]:
+    """The run's record of this start (rank 0): the body calls ``begin()`` on what it yields
+    when the start begins, and the record then says how the start ended: finished, or failed
+    with the error (a killed run stays "running"). A body that ends before ``begin()``, a
+    refused start, leaves provenance.json as it was."""
+    start = StartRecord(out_dir, record if os.environ.get("RANK", "0") == "0" else None)
     try:
-        yield
-        record["status"] = "finished"
+        yield start
     except BaseException as err:  # Ctrl-C included; a kill -9 leaves "running"
-        failed = isinstance(err, Exception)
-        record.update(
-            status="failed" if failed else "interrupted", error=f"{type(err).__name__}: {err}"
-        )
+        start.end(err)
         raise
-    finally:
-        record["ended_at"] = _now()
-        _write_starts(out_dir, starts)
+    start.end(None)

@@ -4,7 +4,8 @@
 before anything is written; ``holding_run_dir`` keeps a second process from training into the
 same folder at once. ``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run
 keeps its config and its transformers source; leftovers of a killed run are removed; a corrupt
-newest checkpoint falls back to the newest one that verifies). ``load_run`` serves ``moestack
+newest checkpoint falls back to the newest one that verifies), and ``start_out_dir`` writes the
+run's config once the start's checks passed. ``load_run`` serves ``moestack
 eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation, so that they
 all rebuild a run the same way; it too refuses a run whose transformers source folder changed
 since it trained (``check_run_source``).
@@ -242,9 +243,9 @@ def load_run(
 def prepare_out_dir(
     cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo
 ) -> Path | None:
-    """Check ``out_dir`` against ``resume``, remove a killed run's leftovers and write a new
-    run's resolved config (a resumed run's: ``write_run_config``, after its weights load);
-    returns the checkpoint to resume from (None for a new run)."""
+    """Check ``out_dir`` against ``resume`` and remove a killed run's leftovers (a save cut
+    short); returns the checkpoint to resume from (None for a new run). The run's own files
+    are written by ``start_out_dir``, once every check of the start passed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_root = out_dir / "checkpoints"
     if dist_info.is_main:
@@ -276,20 +277,30 @@ def prepare_out_dir(
             log.warning("resuming from %s: the newer %s does not verify", resume_from, latest)
     elif (out_dir / "metrics.jsonl").exists():
         log.warning("%s holds metrics of a run that never checkpointed: starting clean", out_dir)
-        if dist_info.is_main:  # its metrics are truncated when opened; a new wandb run too
-            (out_dir / "wandb_id.txt").unlink(missing_ok=True)
     distributed.barrier(dist_info)  # every rank has checked out_dir before rank 0 writes
-    if dist_info.is_main and not cfg.resume:  # a resumed run's: once its weights loaded
-        write_run_config(cfg, out_dir, dist_info)
-        if isinstance(cfg.model, HFModelConfig):
-            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
     return resume_from
 
 
+def start_out_dir(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> None:
+    """Write the run's files a start begins with (rank 0): the resolved config, and for a new
+    run the digests of its transformers source; a new run over the metrics of one that never
+    checkpointed gets a new wandb run (its metrics are truncated when opened). Called once
+    every check passed and the model (a resumed run's weights) is built, so that a refused
+    start leaves the folder's files as they were."""
+    if not dist_info.is_main:
+        return
+    if not cfg.resume:
+        if (out_dir / "metrics.jsonl").exists():
+            (out_dir / "wandb_id.txt").unlink(missing_ok=True)
+        if isinstance(cfg.model, HFModelConfig):
+            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
+    write_run_config(cfg, out_dir, dist_info)
+
+
 def write_run_config(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> None:
-    """Write the resolved config (config.yaml) on rank 0. A resumed run writes it only once
-    the checkpoint's weights loaded into its model: a resume refused for a config that does
-    not fit the checkpoint (another lora.rank) leaves the folder's config as it was."""
+    """Write the resolved config (config.yaml) on rank 0 (``start_out_dir`` calls it once the
+    start's checks passed: a resume refused for a config that does not fit the checkpoint,
+    another lora.rank, leaves the folder's config as it was)."""
     if dist_info.is_main:
         atomic.write_text(out_dir / "config.yaml", to_yaml(cfg))
 

@@ -11,10 +11,13 @@ the sweep goes on; the exit status is the number of jobs that failed.
 Before hydra composes anything, the overrides are checked against the config
 (``moestack.overrides``: an unknown key or a value of the wrong type is one line, exit
 status 2), and ``out_dir`` against what it holds (a run's checkpoints without
-``resume=true`` are refused before hydra writes its record there). A refused start leaves
-nothing new: what it wrote is removed, and a refused resume puts the run's ``.hydra/``
-record back. Ctrl-C ends a run with one line naming the last step logged, the newest
-checkpoint and the command that continues from it (exit status 130).
+``resume=true`` are refused before hydra writes its record there). A start refused later,
+before it begins (a changed config on resume, missing data, a checkpoint of another shape:
+the trainer writes nothing then, ``moestack.trainer.refused_start``), leaves the folder as it
+was: the lines it logged are cut from train.log, the run's ``.hydra/`` record is put back and
+what hydra added is removed (a folder it made too). Ctrl-C ends a run with one line naming the
+last step logged, the newest checkpoint and the command that continues from it (exit status
+130).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from moestack.errors import MoestackError
 from moestack.metrics import read_metrics
 from moestack.overrides import check_command_line, check_overrides
 from moestack.runs import LOCK_FILE, check_out_dir, check_run_dir_free
-from moestack.trainer import train
+from moestack.trainer import refused_start, train
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,12 @@ def launch_record(hydra_cfg: Any) -> dict[str, Any]:
 def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
     """Build the config (its overrides were checked before hydra composed them), then train
     in the run's folder; returns its summary."""
+    cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
+    return train(cfg, out_dir, launch=launch_record(hydra_cfg))
+
+
+def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
+    """The run's config, built from hydra's (a bad value raises ValueError), and its folder."""
     cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.out_dir:
         raise MoestackError(
@@ -143,7 +152,7 @@ def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
         Path(cfg.out_dir) if cfg.out_dir and not multirun else Path(hydra_cfg.runtime.output_dir)
     )
     cfg.out_dir = str(out_dir)  # config.yaml names the folder the run lives in
-    return train(cfg, out_dir, launch=launch_record(hydra_cfg))
+    return cfg, out_dir
 
 
 @contextlib.contextmanager
@@ -196,37 +205,37 @@ def _hydra_task(dict_cfg: Any, before: _FolderBefore | None = None) -> None:
     if _is_sweep(hydra_cfg):
         _sweep_job(dict_cfg, hydra_cfg)
         return
+    training = False  # a config refused before train() is a refused start too
     try:
-        _run(dict_cfg, hydra_cfg)
+        cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
+        training = True
+        train(cfg, out_dir, launch=launch_record(hydra_cfg))
     except KeyboardInterrupt:  # Ctrl-C: one line saying how to continue, not a traceback
         _stop_interrupted(hydra_cfg)
     except (MoestackError, ValueError) as err:
         log.error("error: %s", err)
-        out_dir = Path(hydra_cfg.runtime.output_dir)
-        if os.environ.get("RANK", "0") == "0" and bool(dict_cfg.resume):
-            before.restore_hydra_record(out_dir)
-        _remove_refused_folder(out_dir, before, dated=not dict_cfg.out_dir)
+        if not training or refused_start(err):  # the run wrote nothing: nor does hydra
+            before.put_back(Path(hydra_cfg.runtime.output_dir), dated=not dict_cfg.out_dir)
         sys.exit(2)
 
 
 # --------------------------------------------------------------------------- a refused start
-# What a start writes before it reads data or builds the model: hydra's record and log, the
-# folder's lock, the resolved config, the provenance record, a transformers source's digests.
-_START_FILES = re.compile(
-    r"\.hydra|train(\.rank\d+)?\.log|"
-    + re.escape(LOCK_FILE)
-    + r"|config\.yaml|provenance\.json|source_model\.json"
-)
+# What a start writes before it begins (moestack.trainer.build_run): hydra's record and log,
+# and the folder's lock; the run's own files (config.yaml, provenance.json, ...) come after.
+_LOG_FILE = re.compile(r"train(\.rank\d+)?\.log")  # hydra's log of the run, one a rank
+_START_FILES = re.compile(r"\.hydra|" + _LOG_FILE.pattern + "|" + re.escape(LOCK_FILE))
 
 
 @dataclass
 class _FolderBefore:
     """What the command line's ``out_dir`` held before hydra wrote into it: whether it
-    existed, the names in it, and the files of its ``.hydra/`` record (small YAML files)."""
+    existed, the names in it, the files of its ``.hydra/`` record (small YAML files) and the
+    sizes of its log files (hydra appends to them)."""
 
     existed: bool = False
     names: frozenset[str] = frozenset()
     hydra_record: dict[str, bytes] = field(default_factory=dict)
+    log_sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def read(cls, out_dir: Path | None) -> _FolderBefore:
@@ -236,11 +245,37 @@ class _FolderBefore:
         files = sorted(record.iterdir()) if record.is_dir() else []
         saved = {p.name: p.read_bytes() for p in files if p.is_file()}
         names = frozenset(p.name for p in out_dir.iterdir())
-        return cls(existed=True, names=names, hydra_record=saved)
+        logs = {n: (out_dir / n).stat().st_size for n in names if _LOG_FILE.fullmatch(n)}
+        return cls(existed=True, names=names, hydra_record=saved, log_sizes=logs)
+
+    def put_back(self, out_dir: Path, dated: bool) -> None:
+        """Leave ``out_dir`` as it was before a refused start: this process's log lines cut
+        off, the ``.hydra/`` record put back (rank 0), and what the start added removed."""
+        self.cut_log(out_dir)
+        if os.environ.get("RANK", "0") == "0":
+            self.restore_hydra_record(out_dir)
+        _remove_refused_folder(out_dir, self, dated)
+
+    def cut_log(self, out_dir: Path) -> None:
+        """Cut the lines this process logged into ``out_dir``'s log file (hydra's file
+        handler, closed here) back to the size the file had: hydra only appends."""
+        folder = os.path.abspath(out_dir)
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            if not isinstance(handler, logging.FileHandler):
+                continue
+            path = Path(handler.baseFilename)
+            if str(path.parent) != folder or path.name not in self.log_sizes:
+                continue
+            root.removeHandler(handler)
+            handler.close()  # flushed: nothing more lands in the file
+            with contextlib.suppress(OSError):
+                if path.stat().st_size >= self.log_sizes[path.name]:
+                    os.truncate(path, self.log_sizes[path.name])
 
     def restore_hydra_record(self, out_dir: Path) -> None:
-        """Put back the ``.hydra/`` record a refused resume of a run overwrote with its own
-        (hydra writes it before the run's checks can refuse)."""
+        """Put back the ``.hydra/`` record a refused start into a run's folder overwrote with
+        its own (hydra writes it before the run's checks can refuse)."""
         record = out_dir / ".hydra"
         if not self.hydra_record or not record.is_dir():
             return
@@ -252,11 +287,10 @@ class _FolderBefore:
 
 
 def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) -> None:
-    """A refused start leaves nothing new: when all it added to ``out_dir`` is what a start
-    writes before it reads data (hydra's record and log, config.yaml, provenance.json: a
-    missing data file is refused after them), those are removed, and the folder too when
-    it was not there before (with the empty ``outputs/<date>`` above a dated default one).
-    Once a run wrote more (metrics, checkpoints), everything stays."""
+    """A refused start leaves nothing new: what it added to ``out_dir`` (hydra's record and
+    log, the lock file) is removed, and the folder too when it was not there before (with the
+    empty ``outputs/<date>`` above a dated default one). Should it have added anything else
+    (a run's metrics, checkpoints), everything stays."""
     try:
         added = [p for p in out_dir.iterdir() if dated or p.name not in before.names]
     except OSError:

@@ -55,13 +55,14 @@ from moestack.model import ModelConfig, RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
 from moestack.runs import (
+    LOCK_FILE,
     check_out_dir,
     check_same_config_on_every_rank,
     holding_run_dir,
     prepare_out_dir,
     run_corpus,
+    start_out_dir,
     write_json,
-    write_run_config,
 )
 
 log = logging.getLogger(__name__)
@@ -152,19 +153,78 @@ def train(
     The folder is held while the run trains: a second run into it is refused. ``cfg`` is
     resolved first (``TrainConfig.resolve``: a transformers model's architecture read from
     its folder), before anything is written.
+
+    A start refused before it begins (``build_run``'s ``begin``: its config, data, checkpoint
+    and model checked) writes nothing into ``out_dir``: no record, no config, and the lock
+    file or folder it made are removed again; the error it raises is marked
+    (``refused_start``).
     """
-    cfg = cfg.resolve()
-    provenance.check_launch(launch)  # on every rank, before any of them starts
     out_dir = Path(out_dir)
-    check_out_dir(out_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    first_job = not (launch or {}).get("sweep") or launch["sweep"].get("job") == 0
-    with _holding(out_dir), provenance.recorded_start(out_dir, cfg, launch):
-        try:
-            return _train(cfg, out_dir, plan_table=first_job)
-        except OSError as err:  # a run file that cannot be written: one line, not a traceback
-            raise _unwritable(err, out_dir) from err
+    made = _not_there(out_dir), _not_there(out_dir / LOCK_FILE)
+    try:
+        cfg = cfg.resolve()
+        provenance.check_launch(launch)  # on every rank, before any of them starts
+        check_out_dir(out_dir)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        first_job = not (launch or {}).get("sweep") or launch["sweep"].get("job") == 0
+        with _holding(out_dir):
+            return _train_held(cfg, out_dir, launch, first_job, made)
+    except Exception as err:
+        if not hasattr(err, _REFUSED_START):  # refused before the folder was held
+            setattr(err, _REFUSED_START, True)
+        raise
+
+
+_REFUSED_START = "moestack_refused_start"  # set by ``train`` on the errors it raises
+
+
+def refused_start(err: BaseException) -> bool:
+    """Whether ``err`` ended a start of ``train`` before it began: the run's folder holds
+    what it held before (``moestack-train`` then puts back what hydra wrote there too)."""
+    return bool(getattr(err, _REFUSED_START, False))
+
+
+def _train_held(
+    cfg: TrainConfig,
+    out_dir: Path,
+    launch: dict[str, Any] | None,
+    first_job: bool,
+    made: tuple[bool, bool],
+) -> dict[str, Any]:
+    """The start, in the folder this process holds, recorded in provenance.json once it
+    begins. Its error says whether it was refused before it began; then what it made (the
+    lock file, the folder: ``made``) is removed, while the folder is still held."""
+    start: provenance.StartRecord | None = None
+    try:
+        with provenance.recorded_start(out_dir, cfg, launch) as start:
+            try:
+                return _train(cfg, out_dir, start.begin, plan_table=first_job)
+            except OSError as err:  # a run file that cannot be written: one line
+                raise _unwritable(err, out_dir) from err
+    except Exception as err:
+        refused = start is None or not start.begun
+        setattr(err, _REFUSED_START, refused)
+        if refused and os.environ.get("RANK", "0") == "0":
+            _remove_made(out_dir, *made)
+        raise
+
+
+def _not_there(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return not path.exists() and not path.is_symlink()
+    return False  # cannot tell: kept
+
+
+def _remove_made(out_dir: Path, folder_made: bool, lock_made: bool) -> None:
+    """Remove what a refused start made: the folder's lock file, and the folder (nothing
+    else is written before a start begins)."""
+    if lock_made:
+        with contextlib.suppress(OSError):
+            (out_dir / LOCK_FILE).unlink(missing_ok=True)
+    if folder_made:
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()  # only while empty
 
 
 def _unwritable(err: OSError, out_dir: Path) -> BaseException:
@@ -185,9 +245,15 @@ def _holding(out_dir: Path) -> contextlib.AbstractContextManager:
     )
 
 
-def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str, Any]:
+def _train(
+    cfg: TrainConfig,
+    out_dir: Path,
+    begin: Callable[[], None] | None = None,
+    plan_table: bool = True,
+) -> dict[str, Any]:
     """The run itself: build it, step to ``cfg.steps`` (checkpointing, logging), finish.
-    ``plan_table=False`` logs the memory plan's totals only (a sweep's later jobs).
+    ``begin`` is called once the start's checks passed (``build_run``); ``plan_table=False``
+    logs the memory plan's totals only (a sweep's later jobs).
 
     The process groups are ended after the run's objects are gone (on failure too: the
     traceback's frames are cleared), so nothing keeps a group, and gloo's threads, alive
@@ -195,7 +261,7 @@ def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str
     dist_info = distributed.init_from_env(resolve_device(cfg.device).type)
     try:
         check_same_config_on_every_rank(cfg, dist_info)  # before any other collective
-        summary = _build_and_step(cfg, out_dir, dist_info, plan_table)
+        summary = _build_and_step(cfg, out_dir, dist_info, begin, plan_table)
         # No rank tears its process group down while another still talks to it: gloo aborts
         # a rank whose peer closed the connection first (seen as a SIGABRT at exit).
         distributed.barrier(dist_info)
@@ -208,10 +274,14 @@ def _train(cfg: TrainConfig, out_dir: Path, plan_table: bool = True) -> dict[str
 
 
 def _build_and_step(
-    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo, plan_table: bool
+    cfg: TrainConfig,
+    out_dir: Path,
+    dist_info: distributed.DistInfo,
+    begin: Callable[[], None] | None,
+    plan_table: bool,
 ) -> dict[str, Any]:
     """Build the run, step it to ``cfg.steps`` and finish it: its summary."""
-    run = build_run(cfg, out_dir, dist_info)
+    run = build_run(cfg, out_dir, dist_info, begin)
     plan = (
         memory_plan.log_plan(cfg, dist_info.world_size, run.device, plan_table, run.model)
         if dist_info.is_main
@@ -496,9 +566,19 @@ def _build_model(
     return model, mesh, exchange, start_step
 
 
-def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) -> Run:
+def build_run(
+    cfg: TrainConfig,
+    out_dir: Path,
+    dist_info: distributed.DistInfo,
+    begin: Callable[[], None] | None = None,
+) -> Run:
     """Device, model, optimizer, scheduler, data, metrics sink and telemetry of a run, from
-    its config; with ``resume=true`` restored from the newest checkpoint."""
+    its config; with ``resume=true`` restored from the newest checkpoint.
+
+    Everything that can refuse the start comes first and writes nothing into ``out_dir``
+    (the folder against ``resume``, the config against the run's, the data, the impl, the
+    model and a resumed run's weights); then ``begin()`` (``train`` records the start) and
+    the run's files: its config, metrics, wandb run and trace."""
     device = resolve_device(cfg.device, dist_info.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -510,8 +590,9 @@ def build_run(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo) 
     corpus = run_corpus(cfg)
     check_impl(cfg.model.moe.impl, device)
     model, mesh, exchange, start_step = _build_model(cfg, dist_info, resume_from)
-    if resume_from is not None:  # the checkpoint fits this config: now it is the run's
-        write_run_config(cfg, out_dir, dist_info)
+    if begin is not None:  # the start is not refused: from here on it writes the run's files
+        begin()
+    start_out_dir(cfg, out_dir, dist_info)  # a resumed run's: its checkpoint fits this config
     model.to(device)
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:

@@ -58,20 +58,26 @@ def test_resume_after_a_crash_gives_identical_losses(tmp_path):
     assert starts[1]["device"] == "cpu" and starts[1]["ended_at"] >= starts[1]["started_at"]
 
 
-def test_launch_record_is_kept_and_a_failed_start_says_why(tmp_path):
-    with pytest.raises(MoestackError):
-        train(small_config(steps=5, resume=True), tmp_path, launch={"api": "notebook"})
+def test_launch_record_is_kept_and_a_refused_start_adds_none(tmp_path):
+    """(A start that fails once it began says why: tests/train/test_refused_start.py.)"""
+    with pytest.raises(MoestackError, match="holds no checkpoint"):
+        train(small_config(steps=2, resume=True), tmp_path, launch={"api": "notebook"})
+    assert list(tmp_path.iterdir()) == []  # refused before it began: no record
+    train(small_config(steps=2, ckpt_every=0), tmp_path, launch={"api": "notebook"})
     (start,) = json.loads((tmp_path / "provenance.json").read_text())["starts"]
     assert start["api"] == "notebook" and "command" not in start
-    assert start["status"] == "failed" and "holds no checkpoint" in start["error"]
+    assert start["status"] == "finished"
     from moestack import provenance
 
     assert set(provenance.start_record(small_config(), {})) <= provenance.RECORD_KEYS
     with pytest.raises(ValueError, match="status"):  # the record's own keys are refused
         train(small_config(steps=5), tmp_path / "b", launch={"status": "mine"})
-    (tmp_path / "provenance.json").write_text("{not json")  # unreadable: kept aside
-    with pytest.raises(MoestackError):
-        train(small_config(steps=5, resume=True), tmp_path)
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "provenance.json").write_text("{not json")  # unreadable: kept aside...
+    with pytest.raises(MoestackError, match="resume=true"):
+        train(small_config(steps=2, ckpt_every=0), tmp_path)
+    assert (tmp_path / "provenance.json").read_text() == "{not json"  # ...by a start that began
+    train(small_config(steps=2, ckpt_every=0, resume=True), tmp_path)
     (bad,) = tmp_path.glob("provenance.json.bad-*")
     assert bad.read_text() == "{not json"
     assert len(json.loads((tmp_path / "provenance.json").read_text())["starts"]) == 1

@@ -1,7 +1,8 @@
 """What moestack-train leaves in its out_dir when a start is refused or stopped: a refused
-start leaves nothing new (a finished run's .hydra/ record stays as the run wrote it; a new
-folder refused for its data is not left behind), and Ctrl-C ends a run with one line naming
-the last step logged, the newest checkpoint and the command that continues it."""
+start leaves nothing new (a run's folder stays byte for byte as the run wrote it: train.log,
+provenance.json, .hydra/; a new folder refused for its data is not left behind), and Ctrl-C
+ends a run with one line naming the last step logged, the newest checkpoint and the command
+that continues it."""
 
 from __future__ import annotations
 
@@ -61,14 +62,39 @@ def test_a_refused_start_leaves_a_finished_run_as_it_was(finished, tmp_path):
     assert files_of(run) == before  # .hydra/config.yaml still says the run's d_model=32
 
 
-def test_a_refused_resume_puts_the_runs_hydra_record_back(finished, tmp_path):
+def tree_of(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder``, relative: a file's bytes, None for a folder."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "checkpoints", "says"),
+    [
+        (["model.d_model=64", "resume=true"], True, "changed config (model.d_model 32 -> 64)"),
+        (["model.moe.top_k=8", "resume=true"], True, "top_k"),  # refused as hydra's config
+        (["resume=true"], False, "holds no checkpoint"),
+        (["data=files", "data.paths=[MISSING]"], False, "MISSING does not exist"),
+    ],
+    ids=["changed-config", "bad-value", "nothing-to-resume", "missing-data"],
+)
+def test_a_refused_start_leaves_a_runs_folder_as_it_was(finished, tmp_path, args, checkpoints,
+                                                        says):  # fmt: skip
+    """No line in train.log, no record in provenance.json, .hydra/ and config.yaml as the
+    run wrote them: in a finished run, and in one that never checkpointed (a start that is
+    not refused starts it over)."""
     run = copy_of(finished, tmp_path)
-    record = files_of(run / ".hydra")
-    done = run_module(*TINY, "model.d_model=64", "resume=true", f"out_dir={run}", cwd=tmp_path)
-    assert done.returncode == 2 and "changed config (model.d_model 32 -> 64)" in done.stderr
-    assert files_of(run / ".hydra") == record
+    if not checkpoints:
+        shutil.rmtree(run / "checkpoints")
+    before = tree_of(run)
+    missing = str(tmp_path / "missing.txt")
+    args = [a.replace("MISSING", missing) for a in args]
+    done = run_module(*TINY, *args, f"out_dir={run}", cwd=tmp_path)
+    assert done.returncode == 2 and says.replace("MISSING", missing) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert tree_of(run) == before
     starts = json.loads((run / "provenance.json").read_text())["starts"]
-    assert [s["status"] for s in starts] == ["finished", "failed"]  # the start is on record
+    assert [s["status"] for s in starts] == ["finished"]
 
 
 def test_a_new_folder_refused_for_its_data_is_not_left_behind(tmp_path):

@@ -1,0 +1,117 @@
+"""A start that ``moestack.trainer.train`` refuses before it begins (a changed config on resume,
+a checkpoint of another shape, missing data, nothing to resume) writes nothing: a run's folder
+keeps every file, byte for byte, and no provenance record; a folder it would have made is not
+left behind. A start that fails after it began is on record, saying why."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers.runs import small_config
+
+from moestack import trainer
+from moestack.config import DataConfig, OptimConfig, to_yaml
+from moestack.errors import MoestackError
+from moestack.runs import load_run_config
+from moestack.trainer import refused_start, train
+
+
+def tree_of(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder``, relative: a file's bytes, None for a folder."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
+def run_config(**overrides):
+    """A run of 4 steps, checkpointed at 2 and 4."""
+    return small_config(**{"steps": 4, "ckpt_every": 2, **overrides})
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished run trained through the Python API."""
+    folder = tmp_path_factory.mktemp("finished") / "run"
+    train(run_config(), folder, launch={"api": "notebook"})
+    return folder
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def refused(cfg, run: Path, match: str) -> MoestackError:
+    """Start ``cfg`` in ``run``, expect it refused with ``match``; the error."""
+    with pytest.raises(MoestackError, match=match) as info:
+        train(cfg, run)
+    assert refused_start(info.value)
+    return info.value
+
+
+def test_a_resume_with_a_changed_config_leaves_the_run_as_it_was(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    before = tree_of(run)
+    cfg = run_config(optim=OptimConfig(lr=1e-3, warmup_steps=5), resume=True)
+    refused(cfg, run, r"changed config \(optim.lr 0.003 -> 0.001\)")
+    assert tree_of(run) == before
+    starts = json.loads((run / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["finished"]
+
+
+def test_a_resume_whose_checkpoint_does_not_fit_leaves_the_run_as_it_was(finished, tmp_path):
+    """Refused when the weights load, after the config, data and impl checks passed."""
+    run = copy_of(finished, tmp_path)
+    wider = dataclasses.replace(run_config(resume=True), out_dir=str(run))
+    wider.model = dataclasses.replace(wider.model, d_model=64)
+    (run / "config.yaml").write_text(to_yaml(wider))  # the config check cannot tell
+    before = tree_of(run)
+    refused(wider, run, "was trained with model.d_model=32, this model has 64")
+    assert tree_of(run) == before
+
+
+def test_a_start_refused_for_its_data_leaves_a_run_folder_as_it_was(finished, tmp_path):
+    """A folder holding a run that never checkpointed is started over, unless the data is
+    refused: then its config, metrics and records stay."""
+    run = copy_of(finished, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    before = tree_of(run)
+    missing = tmp_path / "missing.txt"
+    cfg = run_config(data=DataConfig(source="files", paths=[str(missing)], seq_len=32))
+    refused(cfg, run, "does not exist")
+    assert tree_of(run) == before
+    assert load_run_config(run).data.source == "stdlib"
+
+
+def test_a_resume_with_nothing_to_resume_leaves_the_folder_as_it_was(finished, tmp_path):
+    run = copy_of(finished, tmp_path)
+    shutil.rmtree(run / "checkpoints")
+    before = tree_of(run)
+    refused(run_config(resume=True), run, "holds no checkpoint")
+    assert tree_of(run) == before
+
+
+def test_a_refused_start_into_a_new_folder_leaves_no_folder(tmp_path):
+    refused(run_config(resume=True), tmp_path / "a" / "new", "holds no checkpoint")
+    assert not (tmp_path / "a" / "new").exists()
+    empty = tmp_path / "empty"  # a folder of the user's stays, empty
+    empty.mkdir()
+    refused(run_config(resume=True), empty, "holds no checkpoint")
+    assert tree_of(empty) == {}
+
+
+def test_a_start_that_fails_after_it_began_is_on_record(tmp_path, monkeypatch):
+    def broken(run):
+        raise MoestackError("the disk went away")
+
+    monkeypatch.setattr(trainer, "train_step", broken)
+    with pytest.raises(MoestackError, match="disk went away") as info:
+        train(run_config(), tmp_path / "run", launch={"api": "notebook"})
+    assert not refused_start(info.value)
+    (start,) = json.loads((tmp_path / "run" / "provenance.json").read_text())["starts"]
+    assert start["api"] == "notebook" and start["status"] == "failed"
+    assert start["error"] == "MoestackError: the disk went away"
+    assert (tmp_path / "run" / "config.yaml").is_file()
