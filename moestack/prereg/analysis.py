@@ -90,9 +90,7 @@ def evaluate_run(
     """
 
     from moestack import checkpoint
-    from moestack.data import eval_batches
-    from moestack.evaluation import resolve_device
-    from moestack.runs import load_run, run_corpus
+    from moestack.runs import load_run
     from moestack.telemetry import simulate
 
     run = load_run(run_dir)
@@ -101,18 +99,9 @@ def evaluate_run(
         raise MoestackError(
             f"{ckpt} is step {step}, not the final step {cfg.steps}; finish the run first"
         )
-    device = resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
+    device = eval_device(cfg, analysis)
     model = run.model.to(device)
-    corpora = {} if corpora is None else corpora
-    source = cfg.model.path if isinstance(cfg.model, HFModelConfig) else ""  # its tokenizer
-    key = repr((cfg.data, source, cfg.model.doc_separator))
-    if key not in corpora:  # read as the run's model reads text (a model.path: its tokenizer)
-        corpora[key] = run_corpus(cfg)
-    batch_size = analysis.eval_batch_size or cfg.batch_size
-    seq_len = analysis.eval_seq_len or cfg.data.seq_len
-    val = windows_of(corpora[key].val, analysis.eval_windows, seq_len)
-    batches = eval_batches(val, batch_size, seq_len, analysis.eval_batches)
-    tokens = batch_size * seq_len * analysis.eval_batches
+    batches, tokens = test_batches(cfg, analysis, corpora)
     result, trace = traced_evaluation(model, batches, device, analysis.policies,
                                       analysis.capacities, tokens)  # fmt: skip
     metrics: dict[str, float] = {
@@ -143,6 +132,36 @@ def evaluate_run(
         "num_experts": cfg.model.moe.num_experts,
         "metrics": metrics,
     }
+
+
+def eval_device(cfg: Any, analysis: Analysis) -> Any:
+    """The torch device a run trained with ``cfg`` is evaluated on (``analysis.device``;
+    "auto": the run's own)."""
+    from moestack.evaluation import resolve_device
+
+    return resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
+
+
+def test_batches(
+    cfg: Any, analysis: Analysis, corpora: dict[str, Any] | None = None
+) -> tuple[list, int]:
+    """The pre-registered evaluation batches of a run trained with ``cfg`` (its test windows,
+    read as its model reads text) and the number of tokens they hold. ``corpora`` caches
+    loaded corpora between runs (keyed by the data config and, for a transformers model
+    folder, its path: its own tokenizer reads the text, as in training)."""
+    from moestack.data import eval_batches
+    from moestack.runs import run_corpus
+
+    corpora = {} if corpora is None else corpora
+    source = cfg.model.path if isinstance(cfg.model, HFModelConfig) else ""  # its tokenizer
+    key = repr((cfg.data, source, cfg.model.doc_separator))
+    if key not in corpora:  # read as the run's model reads text (a model.path: its tokenizer)
+        corpora[key] = run_corpus(cfg)
+    batch_size = analysis.eval_batch_size or cfg.batch_size
+    seq_len = analysis.eval_seq_len or cfg.data.seq_len
+    val = windows_of(corpora[key].val, analysis.eval_windows, seq_len)
+    batches = eval_batches(val, batch_size, seq_len, analysis.eval_batches)
+    return batches, batch_size * seq_len * analysis.eval_batches
 
 
 def traced_evaluation(
