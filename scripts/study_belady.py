@@ -140,7 +140,8 @@ def render(spec: Prereg, runs: dict[str, Any]) -> str:
     ]
     for batch in serve_batches(a):
         head = "| arm | " + " | ".join(f"{c} slots" for c in a.capacities) + " |"
-        lines += [f"## {batch} sequence{'s' if batch > 1 else ''} served together", "", head]
+        title = f"{batch} sequences served together" if batch > 1 else "One stream"
+        lines += [f"## {title}", "", head]
         lines.append("|---|" + "---|" * len(a.capacities))
         for arm, m in means.items():
             cells = []
@@ -172,6 +173,7 @@ def plot(spec: Prereg, runs: dict[str, Any], path: Path) -> None:
                 ys = [m[metric_name(policy, c, batch)] for c in a.capacities]
                 label = arm if policy == "lru" else None
                 ax.plot(a.capacities, ys, style, marker="o", color=color, label=label)
+        ax.set_xticks(list(a.capacities))
         ax.set_xlabel("cache slots per layer")
         ax.set_ylabel("misses per token")
         ax.set_title(f"batch {batch} (solid LRU, dashed Belady)", fontsize=9)
