@@ -83,7 +83,7 @@ def holding_run_dir(out_dir: Path) -> Iterator[None]:
     fd = os.open(out_dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         if not locks.lock_exclusive(fd):
-            raise MoestackError(_busy(out_dir))
+            raise FolderInUse(_busy(out_dir))
         yield
     finally:
         os.close(fd)  # drops the lock
@@ -93,7 +93,12 @@ def check_run_dir_free(out_dir: Path) -> None:
     """Refuse now, without holding it, a folder another process trains into (the command
     line asks before hydra writes its own record into the folder)."""
     if locks.is_held(out_dir / LOCK_FILE):
-        raise MoestackError(_busy(out_dir))
+        raise FolderInUse(_busy(out_dir))
+
+
+class FolderInUse(MoestackError):
+    """``out_dir`` is held by another process that trains into it: nothing in it is this
+    start's to undo (its log lines, .hydra/ record and lock file are the other run's)."""
 
 
 def _busy(out_dir: Path) -> str:

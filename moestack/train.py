@@ -38,7 +38,7 @@ from typing import Any, TextIO
 from omegaconf import OmegaConf
 
 import moestack
-from moestack import checkpoint, sweep_summary
+from moestack import checkpoint, locks, sweep_summary
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.metrics import read_metrics
@@ -250,15 +250,21 @@ class _FolderBefore:
 
     def put_back(self, out_dir: Path, dated: bool) -> None:
         """Leave ``out_dir`` as it was before a refused start: this process's log lines cut
-        off, the ``.hydra/`` record put back (rank 0), and what the start added removed."""
-        self.cut_log(out_dir)
+        off, the ``.hydra/`` record put back (rank 0), and what the start added removed.
+        While another process holds the folder (it took it after this start was refused)
+        nothing in it is touched: its log lines, record and lock are that run's."""
+        held = locks.is_held(out_dir / LOCK_FILE)
+        self.cut_log(out_dir, truncate=not held)
+        if held:
+            return
         if os.environ.get("RANK", "0") == "0":
             self.restore_hydra_record(out_dir)
         _remove_refused_folder(out_dir, self, dated)
 
-    def cut_log(self, out_dir: Path) -> None:
+    def cut_log(self, out_dir: Path, truncate: bool = True) -> None:
         """Cut the lines this process logged into ``out_dir``'s log file (hydra's file
-        handler, closed here) back to the size the file had: hydra only appends."""
+        handler, closed here) back to the size the file had: hydra only appends
+        (``truncate=False``: the handler closed only)."""
         folder = os.path.abspath(out_dir)
         root = logging.getLogger()
         for handler in list(root.handlers):
@@ -270,7 +276,7 @@ class _FolderBefore:
             root.removeHandler(handler)
             handler.close()  # flushed: nothing more lands in the file
             with contextlib.suppress(OSError):
-                if path.stat().st_size >= self.log_sizes[path.name]:
+                if truncate and path.stat().st_size >= self.log_sizes[path.name]:
                     os.truncate(path, self.log_sizes[path.name])
 
     def restore_hydra_record(self, out_dir: Path) -> None:

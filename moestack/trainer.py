@@ -56,6 +56,7 @@ from moestack.moe import check_impl
 from moestack.optim import TrainingOptimizer, apply_param_dtype, build_training_optimizer
 from moestack.runs import (
     LOCK_FILE,
+    FolderInUse,
     check_out_dir,
     check_same_config_on_every_rank,
     holding_run_dir,
@@ -171,8 +172,9 @@ def train(
         with _holding(out_dir):
             return _train_held(cfg, out_dir, launch, first_job, made)
     except Exception as err:
-        if not hasattr(err, _REFUSED_START):  # refused before the folder was held
-            setattr(err, _REFUSED_START, True)
+        if not hasattr(err, _REFUSED_START):  # refused before the folder was held: by
+            # another process holding it, nothing here is this start's to undo
+            setattr(err, _REFUSED_START, not isinstance(err, FolderInUse))
         raise
 
 

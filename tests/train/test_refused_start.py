@@ -115,3 +115,30 @@ def test_a_start_that_fails_after_it_began_is_on_record(tmp_path, monkeypatch):
     assert start["api"] == "notebook" and start["status"] == "failed"
     assert start["error"] == "MoestackError: the disk went away"
     assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+def test_a_folder_another_process_holds_is_not_this_starts_to_undo(finished, tmp_path):
+    """Refused because another process trains into the folder (it took the lock after the
+    command line's early check): the error is not a refused start of this process, so the
+    command line cuts none of the other run's log lines and leaves its lock file."""
+    import os
+
+    from moestack import locks
+    from moestack.runs import LOCK_FILE, FolderInUse
+    from moestack.train import _FolderBefore
+
+    run = copy_of(finished, tmp_path)
+    before = _FolderBefore.read(run)
+    fd = os.open(run / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        assert locks.lock_exclusive(fd)  # the other process holds the folder
+        (run / "train.log").write_text("the other run's line\n")
+        with pytest.raises(FolderInUse, match="is in use") as info:
+            train(run_config(resume=True), run)
+        assert not refused_start(info.value)
+        after = tree_of(run)
+        before.put_back(run, dated=False)  # what the command line would do if it were
+        assert tree_of(run) == after  # the held lock file and the other run's lines stay
+        assert locks.is_held(run / LOCK_FILE)
+    finally:
+        os.close(fd)
