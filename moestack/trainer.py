@@ -204,7 +204,7 @@ def _train_held(
                 return _train(cfg, out_dir, start.begin, plan_table=first_job)
             except OSError as err:  # a run file that cannot be written: one line
                 raise _unwritable(err, out_dir) from err
-    except Exception as err:
+    except BaseException as err:  # Ctrl-C before the start began leaves nothing either
         refused = start is None or not start.begun
         setattr(err, _REFUSED_START, refused)
         if refused and os.environ.get("RANK", "0") == "0":

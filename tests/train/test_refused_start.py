@@ -142,3 +142,15 @@ def test_a_folder_another_process_holds_is_not_this_starts_to_undo(finished, tmp
         assert locks.is_held(run / LOCK_FILE)
     finally:
         os.close(fd)
+
+
+def test_ctrl_c_before_a_new_start_began_leaves_no_folder(tmp_path, monkeypatch):
+    """Interrupted while its data loads (before it began): no folder, no lock file left."""
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "run_corpus", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(run_config(), tmp_path / "new")
+    assert not (tmp_path / "new").exists()
