@@ -444,19 +444,23 @@ def tuning_scope(args: argparse.Namespace) -> contextlib.AbstractContextManager:
 
 def tuning_report() -> str:
     """One line: the tile configs this run measured (persistent, torch dW, fused among
-    them) and those it read from the table or took as untimed defaults."""
+    them), those it read from the table (the seeds among them: entries never timed at their
+    key) and its untimed defaults."""
     from moestack.kernels import tuning
 
     gpu = torch.cuda.get_device_name()
     sources = tuning.cache_sources().get(gpu, {})
+    entries = tuning.entry_sources().get(gpu, {})
     measured = tuning.export_cache().get(gpu, {}).values()
     count = {s: sum(1 for v in sources.values() if v == s) for s in tuning.SOURCES}
+    seeds = sum(1 for k, v in sources.items() if v == "table" and entries.get(k) == "seed")
     return (
         f"tuned configs this run: {count['measured']} measured "
         f"({sum(1 for e in measured if e.get('persistent'))} persistent, "
         f"{sum(1 for e in measured if e.get('backend') == 'torch')} torch dW, "
         f"{sum(1 for e in measured if e.get('fused'))} fused), {count['table']} read from "
-        f"the table, {count['default']} untimed defaults"
+        f"the table ({seeds} of them seeds, never timed at their key), {count['default']} "
+        "untimed defaults"
     )
 
 

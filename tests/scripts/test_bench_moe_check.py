@@ -190,14 +190,22 @@ def test_tuning_report_counts_what_was_measured(bench, monkeypatch):
         "wgrad|e": (tuning.CANDIDATES["wgrad"][0], "table"),
         "mm_swiglu|f": (tuning.CANDIDATES["mm_swiglu"][0], "default"),
     }
+    timed = {"gpu": "Fake GPU", "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
     try:
         for key, (cfg, source) in cached.items():
             tuning._AUTOTUNE_CACHE[("Fake GPU", key)] = cfg
             tuning._SOURCES[("Fake GPU", key)] = source
+        # mm|d's table entry was measured at its key; wgrad|e's is a seed
+        tuning._ENTRIES[("Fake GPU", "mm|d")] = tuning.TableEntry(
+            cached["mm|d"][0], "measured", timed, "mm|d"
+        )
+        tuning._ENTRIES[("Fake GPU", "wgrad|e")] = tuning.TableEntry(
+            cached["wgrad|e"][0], "seed", None, "wgrad|e"
+        )
         line = bench.tuning_report()
     finally:
         tuning.clear_cache()
     assert line == (
         "tuned configs this run: 3 measured (1 persistent, 1 torch dW, 1 fused), 2 read from "
-        "the table, 1 untimed defaults"
+        "the table (1 of them seeds, never timed at their key), 1 untimed defaults"
     )
