@@ -207,3 +207,15 @@ def micro_study(width: int, layers: int, max_bytes: int, train: list[str] | None
         train=["telemetry=off", "wandb_mode=disabled", "progress=false", "eval_batches=1",
                "threads=1", *(train or [])],
     )  # fmt: skip
+
+
+def two_arm_micro_study() -> dict[str, Any]:
+    """:func:`micro_study` (width 32, two layers) cut to the baseline and arm a, seed 0, and
+    the two hypotheses on arm a: the smallest study that really trains and evaluates."""
+    data = micro_study(width=32, layers=2, max_bytes=1_000_000)
+    data["runs"]["arms"].pop("b")
+    data["runs"]["seeds"] = [0]
+    data["hypotheses"] = data["hypotheses"][:2]
+    for hyp in data["hypotheses"]:
+        hyp["arms"] = ["a"]
+    return data

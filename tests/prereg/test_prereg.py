@@ -26,6 +26,7 @@ from helpers.prereg import (
     full_metrics,
     micro_study,
     study,
+    two_arm_micro_study,
     write,
 )
 
@@ -380,12 +381,7 @@ def test_t_quantile() -> None:
 
 def test_end_to_end_micro_study(tmp_path: Path, caplog) -> None:
     """The real train and evaluation on a micro model: two arms, one seed, two steps."""
-    data = micro_study(width=32, layers=2, max_bytes=1_000_000)
-    data["runs"]["arms"].pop("b")
-    data["runs"]["seeds"] = [0]
-    data["hypotheses"] = data["hypotheses"][:2]
-    for hyp in data["hypotheses"]:
-        hyp["arms"] = ["a"]
+    data = two_arm_micro_study()
     data["hypotheses"][0]["metric"] = "lru/cap2/b2/miss_rate"  # at cap 4 nothing misses
     data["analysis"]["serve_batches"] = [1, 2]  # also served two sequences at a time
     path = write(tmp_path, data)

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.prereg import micro_study, write
+from helpers.prereg import two_arm_micro_study, write
 from helpers.scripts import script_module
 
 from moestack import prereg
@@ -21,12 +21,7 @@ BATCHES = (1, 2)
 def evaluated(tmp_path_factory) -> tuple[Path, Path]:
     """A locked micro study (baseline and arm a, seed 0) trained and evaluated: (file, out)."""
     root = tmp_path_factory.mktemp("belady")
-    data = micro_study(width=32, layers=2, max_bytes=1_000_000)
-    data["runs"]["arms"].pop("b")
-    data["runs"]["seeds"] = [0]
-    data["hypotheses"] = data["hypotheses"][:2]
-    for hyp in data["hypotheses"]:
-        hyp["arms"] = ["a"]
+    data = two_arm_micro_study()
     # no warmup: every request counts, so Belady's misses can be no more than LRU's
     data["analysis"].update(capacities=list(CAPS), serve_batches=list(BATCHES), warmup=0.0)
     path = write(root, data)
