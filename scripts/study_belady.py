@@ -69,13 +69,13 @@ def runs_to_bound(spec: Prereg, runs_dir: Path, seeds: set[int] | None) -> list[
     return picked
 
 
-def bound_run(run: RunSpec, analysis: Analysis) -> dict[str, Any]:
-    """LRU (checked against the run's evaluation) and Belady misses per token of one run."""
+def bound_run(run: RunSpec, analysis: Analysis, evaluated: dict[str, Any]) -> dict[str, Any]:
+    """LRU (checked against ``evaluated``, the run's cached evaluation) and Belady misses per
+    token of one run."""
     from moestack.prereg.provenance import final_checkpoint
     from moestack.runs import load_run
     from moestack.telemetry import simulate
 
-    evaluated = json.loads((run.run_dir / EVAL_FILE).read_text())
     _, _, sha = final_checkpoint(run.run_dir)
     if sha != evaluated["model_sha256"]:
         raise MoestackError(
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         evaluated = json.loads((run.run_dir / EVAL_FILE).read_text())
         if done.get(run.name, {}).get("model_sha256") == evaluated["model_sha256"]:
             continue
-        done[run.name] = bound_run(run, spec.analysis)
+        done[run.name] = bound_run(run, spec.analysis, evaluated)
         record = {"study": spec.study, "exploratory": True, "runs": dict(sorted(done.items()))}
         write_text(results_path, json.dumps(record, indent=1) + "\n")
     write_text(out / "belady.md", render(spec, done))

@@ -73,7 +73,7 @@ def test_a_finished_sweep_is_not_evaluated_again(study, tmp_path, monkeypatch) -
     docs = tmp_path / "docs"
     first = bound(study, docs)
     with script_module("study_belady") as m:
-        monkeypatch.setattr(m, "bound_run", lambda run, analysis: pytest.fail(run.name))
+        monkeypatch.setattr(m, "bound_run", lambda run, analysis, evaluated: pytest.fail(run.name))
         assert m.main([str(study[0]), "--runs", str(study[1]), "--out", str(docs)]) == 0
     assert json.loads((docs / "belady.json").read_text()) == first
 
