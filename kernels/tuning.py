@@ -10,7 +10,8 @@ name, in this order:
    ``scripts/tune_kernels.py`` on that GPU; a key missing at this row bucket takes the
    entry of the nearest bucket of the same variant; inside ``retune(kinds)`` the entries
    of those kinds are not read (a benchmark re-measures entries seeded or measured before
-   their kind's newer candidates existed);
+   their kind's newer candidates existed), inside ``retune(kinds, sources=("seed",))``
+   only their seeds are not (a run measures what no measurement stands behind);
 3. autotuning: time every candidate once with ``triton.testing.do_bench`` on the real
    arguments and keep the fastest (set ``MOESTACK_AUTOTUNE=0`` to skip and use the
    heuristic default instead, e.g. under CUDA-graph capture);
@@ -26,12 +27,14 @@ says when it was measured. Reading them as seeds, not refusing them, keeps their
 (refused, every launch would autotune mid-run or run the untimed default) while claiming no
 measurement the table cannot show.
 
-The cache remembers where each of its configs came from (``cache_sources``): "measured"
-(autotuned in this process), "table" or "default" (untimed); ``entry_sources`` says, per
-config, whether its tile was measured (here, or in the run its table entry names, at its own
-key) or is a seed. ``export_cache``, what ``scripts/tune_kernels.py`` and
-``scripts/bench_moe.py --save-tuned`` write into a table, holds the measured ones only, each
-with this run's provenance, so a table entry read back is never re-stamped as measured.
+The cache holds one record per key (``CachedConfig``: the config, where it came from, the
+table entry behind it; ``cache_config`` puts one in), so it remembers where each of its
+configs came from (``cache_sources``): "measured" (autotuned in this process), "table" or
+"default" (untimed); ``entry_sources`` says, per config, whether its tile was measured
+(here, or in the run its table entry names, at its own key) or is a seed. ``export_cache``,
+what ``scripts/tune_kernels.py`` and ``scripts/bench_moe.py --save-tuned`` write into a
+table, holds the measured ones only, each with this run's provenance, so a table entry read
+back is never re-stamped as measured.
 
 A config also names its backend. Every kind runs moestack's Triton kernels ("triton"); the
 weight gradient may instead run ``torch._grouped_mm``'s 2D x 2D form ("torch"), a candidate
@@ -246,19 +249,47 @@ CANDIDATES: dict[str, tuple[KernelConfig, ...]] = {
     "mm_dswiglu": _DSWIGLU_CANDIDATES,
 }
 
-# The autotune cache: (gpu name, key) -> config.
-_AUTOTUNE_CACHE: dict[tuple[str, str], KernelConfig] = {}
-# Where a cached config came from: "measured" (timed here), "table" or "default"; a key
-# without an entry (put in the cache by hand) reads as measured.
+# Where a cached config came from: "measured" (timed here), "table" or "default".
 SOURCES = ("measured", "table", "default")
-_SOURCES: dict[tuple[str, str], str] = {}
-# The table entry behind a cached config: the one read, or the one measured here (with this
-# run's provenance). Untimed defaults have none.
-_ENTRIES: dict[tuple[str, str], TableEntry] = {}
+
+
+@dataclass(frozen=True)
+class CachedConfig:
+    """One config of the autotune cache: the config launched, where it came from
+    (``SOURCES``) and the table entry behind it (the one read, or the one measured here with
+    this run's provenance; None for an untimed default, or a config put in the cache by hand
+    without one)."""
+
+    config: KernelConfig
+    source: str = "measured"
+    entry: TableEntry | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source={self.source!r} is unknown; use one of {SOURCES}")
+        if self.entry is None:
+            return
+        if self.source == "default":
+            raise ValueError("an untimed default has no table entry; pass entry=None")
+        if self.entry.config != self.config:
+            raise ValueError(
+                f"the entry's config {self.entry.config} is not the cached {self.config}; "
+                "pass the entry of the config cached, or entry=None"
+            )
+        if self.source == "measured" and self.entry.source != "measured":
+            raise ValueError(
+                'a config measured here has a "measured" entry; pass one, or entry=None '
+                "(this run's provenance is added)"
+            )
+
+
+# The autotune cache: (gpu name, key) -> the config and where it came from.
+_CACHE: dict[tuple[str, str], CachedConfig] = {}
 # Configs forced per kernel kind by ``forced_config`` (tests and output checks only).
 _FORCED: dict[str, KernelConfig] = {}
-# Kinds whose table entries ``retune`` tells the tuner not to read.
-_RETUNE: set[str] = set()
+# Kinds whose table entries ``retune`` tells the tuner not to read, each with the sources
+# (``ENTRY_SOURCES``) of the entries not read.
+_RETUNE: dict[str, frozenset[str]] = {}
 
 
 def row_bucket(rows: int) -> int:
@@ -505,28 +536,61 @@ def forced_config(kind: str, cfg: KernelConfig) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def retune(kinds: Iterable[str]) -> Iterator[None]:
-    """Inside the block, the tuned table's entries of ``kinds`` are not read: those keys
-    autotune on first use (or, with ``MOESTACK_AUTOTUNE=0``, take the untimed default), so
-    that a benchmark measures candidates the table's entries were never timed against.
-    Configs of those kinds the cache holds unmeasured (read from the table, or defaults)
-    are dropped on entry; measured ones stay. Not thread-safe."""
+def retune(kinds: Iterable[str], sources: Iterable[str] = ENTRY_SOURCES) -> Iterator[None]:
+    """Inside the block, the tuned table's entries of ``kinds`` whose source is one of
+    ``sources`` (``ENTRY_SOURCES``; by default both) are not read: those keys autotune on
+    first use (or, with ``MOESTACK_AUTOTUNE=0``, take the untimed default), so that a
+    benchmark measures candidates the table's entries were never timed against. The other
+    entries of those kinds are read as before: ``sources=("seed",)`` re-measures only what no
+    measurement stands behind. An entry's source is the one it has at the key looked up, as
+    ``entry_sources`` says: a neighbouring row bucket's entry is a seed there. Configs of
+    those kinds the cache holds unmeasured (read from the table, or defaults) whose source
+    is one of ``sources`` are dropped on entry; measured ones stay. Not thread-safe."""
     kinds = set(kinds)
     unknown = sorted(kinds - set(CANDIDATES))
     if unknown:
         raise ValueError(f"retune kinds {unknown} are unknown; use some of {sorted(CANDIDATES)}")
-    for gpu_key, source in list(_SOURCES.items()):
-        if source != "measured" and gpu_key[1].split("|")[0] in kinds:
-            _AUTOTUNE_CACHE.pop(gpu_key, None)
-            _ENTRIES.pop(gpu_key, None)
-            del _SOURCES[gpu_key]
-    previous = set(_RETUNE)
-    _RETUNE.update(kinds)
+    wanted = frozenset([sources] if isinstance(sources, str) else sources)
+    bad = sorted(wanted - set(ENTRY_SOURCES))
+    if bad or not wanted:
+        what = f"retune sources {bad} are unknown" if bad else "retune got no sources"
+        raise ValueError(f"{what}; use some of {list(ENTRY_SOURCES)}")
+    for (gpu, key), cached in list(_CACHE.items()):
+        unmeasured = key.split("|")[0] in kinds and cached.source != "measured"
+        if unmeasured and cached_entry(gpu, key).source in wanted:
+            del _CACHE[(gpu, key)]
+    previous = dict(_RETUNE)
+    _RETUNE.update(dict.fromkeys(kinds, wanted))
     try:
         yield
     finally:
         _RETUNE.clear()
         _RETUNE.update(previous)
+
+
+def retuning() -> dict[str, tuple[str, ...]]:
+    """``{kind: sources}``: the kinds whose table entries of those sources the open
+    ``retune`` blocks leave unread (an inner block's sources of a kind replace an outer
+    one's; empty outside every block)."""
+    return {k: tuple(s for s in ENTRY_SOURCES if s in v) for k, v in sorted(_RETUNE.items())}
+
+
+def _entry_at(entry: TableEntry, key: str) -> TableEntry:
+    """``entry`` as it stands at ``key``: itself at its own key; a seed of its config at
+    another (a neighbouring row bucket's entry was never timed at ``key``)."""
+    return entry if entry.key == key else TableEntry(entry.config, "seed", None, key)
+
+
+def _table_entry(gpu: str, kind: str, key: str) -> TableEntry | None:
+    """The table's entry for ``key`` (``lookup_entry``), unless ``retune`` leaves entries of
+    its source (at ``key``) unread."""
+    retuned = _RETUNE.get(kind, frozenset())
+    if retuned >= set(ENTRY_SOURCES):  # none of this kind read: no lookup
+        return None
+    entry = lookup_entry(gpu, key)
+    if entry is None or _entry_at(entry, key).source in retuned:
+        return None
+    return entry
 
 
 def choose_config(
@@ -546,10 +610,10 @@ def choose_config(
     if interpret:
         return INTERPRET_CONFIG
     gpu = torch.cuda.get_device_name(device)
-    cached = _AUTOTUNE_CACHE.get((gpu, key))
+    cached = _CACHE.get((gpu, key))
     if cached is not None:
-        return cached
-    entry = None if kind in _RETUNE else lookup_entry(gpu, key)
+        return cached.config
+    entry = _table_entry(gpu, kind, key)
     if entry is not None:
         cfg, source = entry.config, "table"
     else:
@@ -562,11 +626,22 @@ def choose_config(
     runnable = _runnable(cfg, kind, device, K, M, dtype)
     if runnable != cfg:  # a table entry that cannot run here: the untimed default
         source, entry = "default", None
-    _AUTOTUNE_CACHE[(gpu, key)] = runnable
-    _SOURCES[(gpu, key)] = source
-    if entry is not None:
-        _ENTRIES[(gpu, key)] = entry
+    cache_config(gpu, key, runnable, source, entry)
     return runnable
+
+
+def cache_config(
+    gpu: str,
+    key: str,
+    cfg: KernelConfig,
+    source: str = "measured",
+    entry: TableEntry | None = None,
+) -> None:
+    """Put ``cfg`` in the autotune cache for ``key`` on ``gpu``, as come from ``source``
+    (``SOURCES``) with the table ``entry`` behind it (``CachedConfig``): what
+    ``choose_config`` does after choosing, and how tests and checks fill the cache. A
+    measured config without an entry exports with this run's provenance."""
+    _CACHE[(gpu, key)] = CachedConfig(cfg, source, entry)
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -633,23 +708,24 @@ def table_entry(cfg: KernelConfig) -> dict[str, int | str | bool]:
 
 
 def source_of(gpu: str, key: str) -> str:
-    """Where the cached config of ``key`` came from: one of ``SOURCES``."""
-    return _SOURCES.get((gpu, key), "measured")
+    """Where the cached config of ``key`` came from: one of ``SOURCES`` ("measured" for a
+    key the cache does not hold)."""
+    cached = _CACHE.get((gpu, key))
+    return cached.source if cached is not None else "measured"
 
 
 def cached_entry(gpu: str, key: str) -> TableEntry:
     """The cached config of ``key`` as a table entry: measured here (with the provenance of
     this run), read from the table at its own key (as the table has it), else a seed (an
     untimed default, or a neighbouring row bucket's entry: never timed at this key)."""
-    cfg = _AUTOTUNE_CACHE[(gpu, key)]
-    entry = _ENTRIES.get((gpu, key))
-    if source_of(gpu, key) == "measured":
-        if entry is None:  # put in the cache by hand
-            return TableEntry(cfg, "measured", run_provenance(gpu), key)
-        return entry
-    if entry is not None and entry.key == key and entry.config == cfg:
-        return entry
-    return TableEntry(cfg, "seed", None, key)
+    cached = _CACHE[(gpu, key)]
+    if cached.source == "measured":
+        if cached.entry is None:  # put in the cache by hand
+            return TableEntry(cached.config, "measured", run_provenance(gpu), key)
+        return cached.entry
+    if cached.entry is not None:
+        return _entry_at(cached.entry, key)
+    return TableEntry(cached.config, "seed", None, key)
 
 
 def export_cache(measured_only: bool = True) -> dict[str, dict[str, dict[str, Any]]]:
@@ -659,7 +735,7 @@ def export_cache(measured_only: bool = True) -> dict[str, dict[str, dict[str, An
     table has them, and the untimed defaults, as seeds); each entry names its backend, and a
     persistent or fused one says so."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for gpu, key in sorted(_AUTOTUNE_CACHE):
+    for gpu, key in sorted(_CACHE):
         if not measured_only or source_of(gpu, key) == "measured":
             out.setdefault(gpu, {})[key] = entry_json(cached_entry(gpu, key))
     return out
@@ -669,7 +745,7 @@ def cache_sources() -> dict[str, dict[str, str]]:
     """``{gpu: {key: source}}`` for every cached config (``SOURCES``): what a run measured
     and what it only read or defaulted, for its report."""
     out: dict[str, dict[str, str]] = {}
-    for gpu, key in sorted(_AUTOTUNE_CACHE):
+    for gpu, key in sorted(_CACHE):
         out.setdefault(gpu, {})[key] = source_of(gpu, key)
     return out
 
@@ -680,7 +756,7 @@ def entry_sources() -> dict[str, dict[str, str]]:
     "seed" where it never was (a seeded entry, a neighbouring bucket's, an untimed default),
     so that a run can tell which of its configs a measurement stands behind."""
     out: dict[str, dict[str, str]] = {}
-    for gpu, key in sorted(_AUTOTUNE_CACHE):
+    for gpu, key in sorted(_CACHE):
         out.setdefault(gpu, {})[key] = cached_entry(gpu, key).source
     return out
 
@@ -688,7 +764,5 @@ def entry_sources() -> dict[str, dict[str, str]]:
 def clear_cache() -> None:
     """Forget every autotuned config, where each came from, and the loaded table (e.g.
     before re-tuning)."""
-    _AUTOTUNE_CACHE.clear()
-    _SOURCES.clear()
-    _ENTRIES.clear()
+    _CACHE.clear()
     _read_table.cache_clear()

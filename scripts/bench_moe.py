@@ -15,7 +15,11 @@ writes it.
 --retune KINDS (GPU) does not read the tuned table's entries of those kernel kinds: they
 autotune at every shape, so the candidates added since the table was measured (the
 persistent GEMM, torch's weight gradient, the fused SwiGLU backward) are timed against the
-classic tiles; with --save-tuned the measured winners go into the table.
+classic tiles; with --save-tuned the measured winners go into the table. --retune-seeds
+narrows that to the entries never timed at their key (``"source": "seed"``, or a
+neighbouring row bucket's entry) of the --retune kinds, or of every kind without --retune:
+measured entries are read as they are, so a run turns the table's seeds into measurements
+without re-timing what a measurement stands behind.
 
 Before timing a shape, every contender's output, input gradient and (where it shares
 moestack's weights) weight gradients, and its forward without grad, are compared once with
@@ -26,6 +30,7 @@ the table and the JSON, its shape's tuned configs are not saved, and the exit st
     python scripts/bench_moe.py                       # CPU defaults
     python scripts/bench_moe.py --json bench.json     # also write JSON
     python scripts/bench_moe.py --retune mm,wgrad,mm_dswiglu --save-tuned tuned.json  # GPU
+    python scripts/bench_moe.py --retune-seeds --save-tuned tuned.json  # GPU: seeds only
 """
 
 from __future__ import annotations
@@ -432,14 +437,27 @@ def parse_kinds(text: str) -> list[str]:
     return kinds
 
 
+def retune_plan(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The kinds retuned and the sources of their table entries left unread: --retune's
+    kinds, every source; with --retune-seeds, the seeds only, of every kind without
+    --retune; ([], []) with neither flag."""
+    from moestack.kernels import tuning
+
+    if not (args.retune or args.retune_seeds):
+        return [], []
+    kinds = args.retune or sorted(tuning.CANDIDATES)
+    return kinds, ["seed"] if args.retune_seeds else list(tuning.ENTRY_SOURCES)
+
+
 def tuning_scope(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """Where the run's kernels choose their configs: with --retune, the tuned table's
-    entries of those kinds unread (they autotune)."""
-    if not args.retune:
+    """Where the run's kernels choose their configs: with --retune (or --retune-seeds), the
+    tuned table's entries of those kinds (or their seeds) unread (they autotune)."""
+    kinds, sources = retune_plan(args)
+    if not kinds:
         return contextlib.nullcontext()
     from moestack.kernels import tuning
 
-    return tuning.retune(args.retune)
+    return tuning.retune(kinds, sources)
 
 
 def tuning_report() -> str:
@@ -488,12 +506,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU: kernel kinds (comma-separated: mm, mm_swiglu, wgrad, mm_dswiglu; or all) "
         "whose tuned-table entries are not read: they autotune at every shape",
     )
+    parser.add_argument(
+        "--retune-seeds",
+        action="store_true",
+        help="GPU: retune only the seed entries (never timed at their key) of the --retune "
+        "kinds, or of all kinds without --retune; measured entries are read as they are",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.save_tuned or args.retune:  # measure, never fall back to untimed defaults
+    retuned, retuned_sources = retune_plan(args)
+    if args.save_tuned or retuned:  # measure, never fall back to untimed defaults
         os.environ["MOESTACK_AUTOTUNE"] = "1"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -512,8 +537,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"device: {machine}, dense {dtype} matmul: {dense:.2f} TFLOP/s", flush=True)
     results: list[Result] = []
-    if args.retune:
-        print(f"retuning (the tuned table's entries unread): {', '.join(args.retune)}")
+    if retuned:
+        what = "entries" if len(retuned_sources) > 1 else "seed entries"
+        print(f"retuning (the tuned table's {what} unread): {', '.join(retuned)}")
     tuned_before = _tuned_keys() if device.type == "cuda" else set()
     with tuning_scope(args):
         for shape in shapes:
@@ -524,7 +550,9 @@ def main(argv: list[str] | None = None) -> None:
             results += rows
             # After every shape, so that a run stopped part-way keeps what it measured.
             if args.json:
-                write_json(args.json, machine, dtype, dense, results, device, args.retune)
+                write_json(
+                    args.json, machine, dtype, dense, results, device, retuned, retuned_sources
+                )
             if args.save_tuned and device.type == "cuda":
                 save_checked(Path(args.save_tuned), rows, tuned_before)
                 tuned_before = _tuned_keys()
@@ -616,9 +644,11 @@ def write_json(
     results: list[Result],
     device: torch.device,
     retune: list[str] | None = None,
+    retune_sources: list[str] | None = None,
 ) -> None:
-    """The results so far, with the targets, the kinds retuned and the count of configs
-    measured on a GPU (atomically: temp file, rename)."""
+    """The results so far, with the targets, the kinds retuned (and the sources of their
+    table entries left unread) and the count of configs measured on a GPU (atomically: temp
+    file, rename)."""
     cuda = device.type == "cuda"
     payload = {
         "device": machine,
@@ -630,6 +660,7 @@ def write_json(
         "targets": issue3_targets(results) if cuda else [],
         "targets_issue30": issue30_targets(results) if cuda else [],
         "retuned_kinds": retune or [],
+        "retuned_sources": retune_sources or [],
         "tuning": tuning_report() if cuda else "",
     }
     tmp = Path(path + ".tmp")

@@ -153,8 +153,8 @@ def test_table_entries_name_their_backend(tmp_path, monkeypatch):
     entry = {"block_m": 128, "block_n": 128, "block_k": 64, "backend": "torch"}
     write_table(tmp_path / "v3.json", {key: entry}, monkeypatch)
     assert tuning.lookup_table("Fancy GPU", key) == tuning.TORCH_WGRAD
-    tuning._AUTOTUNE_CACHE[("Fancy GPU", key)] = tuning.TORCH_WGRAD
-    tuning._AUTOTUNE_CACHE[("Fancy GPU", "mm|k")] = tuning.CANDIDATES["mm"][0]
+    tuning.cache_config("Fancy GPU", key, tuning.TORCH_WGRAD)
+    tuning.cache_config("Fancy GPU", "mm|k", tuning.CANDIDATES["mm"][0])
     exported = tuning.export_cache()["Fancy GPU"]
     assert exported[key]["backend"] == "torch" and exported["mm|k"]["backend"] == "triton"
     tuning.clear_cache()

@@ -371,8 +371,7 @@ def test_gpu_layer_bf16(monkeypatch, poisoned_buffers):
     # The other kinds at their untimed defaults, whatever the caller's environment says.
     monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", "/nonexistent.json")
-    monkeypatch.setattr(tuning, "_AUTOTUNE_CACHE", {})  # an empty cache, the caller's kept
-    monkeypatch.setattr(tuning, "_SOURCES", {})
+    monkeypatch.setattr(tuning, "_CACHE", {})  # an empty cache, the caller's kept
     launched = []
     real = _launch.persistent_mm
     monkeypatch.setattr(

@@ -222,8 +222,8 @@ def test_table_entries_read_and_written(tmp_path, monkeypatch):
         assert tuning.lookup_table("Fancy GPU", key_p) == persistent
         old = tuning.lookup_table("Fancy GPU", key_c)
         assert not old.persistent and old.num_programs == 0
-        tuning._AUTOTUNE_CACHE[("Fancy GPU", key_p)] = persistent
-        tuning._AUTOTUNE_CACHE[("Fancy GPU", key_c)] = old
+        tuning.cache_config("Fancy GPU", key_p, persistent)
+        tuning.cache_config("Fancy GPU", key_c, old)
         exported = tuning.export_cache()["Fancy GPU"]
     finally:
         tuning.clear_cache()

@@ -77,12 +77,90 @@ def test_retune_ignores_the_table_for_its_kinds_only(fake_gpu):
     assert fake_gpu == cands and got == cands[-1] and got.persistent  # every candidate timed
     assert tuning.cache_sources()[GPU] == {KEY_MM: "measured", KEY_WGRAD: "table"}
     assert list(tuning.export_cache()[GPU]) == [KEY_MM]
-    assert not tuning._RETUNE  # left as it was
+    assert not tuning.retuning()  # left as it was
     with (
         pytest.raises(ValueError, match=r"retune kinds \['nope'\] are unknown"),
         tuning.retune(["mm", "nope"]),
     ):
         pass
+    with (
+        pytest.raises(ValueError, match=r"retune sources \['seeds'\] are unknown; use some"),
+        tuning.retune(["mm"], ["seeds"]),
+    ):
+        pass
+    with pytest.raises(ValueError, match=r"retune got no sources"), tuning.retune(["mm"], []):
+        pass
+
+
+def test_retune_by_source_reads_measured_entries_and_remeasures_seeds(
+    fake_gpu, tmp_path, monkeypatch
+):
+    """Inside retune(kinds, sources=("seed",)), a seed entry of those kinds is measured
+    against every candidate, a measured one is read as it is, and so is every entry of the
+    other kinds; a neighbouring bucket's measured entry is a seed at a key it was not timed
+    at, so that key is measured too. Cached seeds of those kinds are dropped on entry, a
+    cached measured entry stays."""
+    h200 = {"gpu": GPU, "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
+    measured_cfg = tuning.KernelConfig(128, 128, 32, 8, 4, 4)
+    key_seed = KEY_MM.replace("E=8", "E=16")
+    key_near = KEY_MM.replace("R=4096", "R=8192")  # KEY_MM's bucket neighbour
+    key_swiglu = tuning.make_key("mm_swiglu", 8, 256, 512, torch.bfloat16, "g1s0c0z1t0", 4096)
+    seed = {**tuning.table_entry(SEED), "source": "seed"}
+    table = {
+        KEY_MM: {**tuning.table_entry(measured_cfg), "source": "measured", "provenance": h200},
+        key_seed: seed,
+        key_swiglu: seed,
+    }
+    path = tmp_path / "v4.json"
+    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: table}}))
+    monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
+    tuning.clear_cache()
+    assert choose("mm", key_seed, fake_gpu) == SEED  # read before: dropped on entry
+    assert choose("mm", KEY_MM, fake_gpu) == measured_cfg  # read before: kept
+    assert not fake_gpu
+    cands = tuning.candidates("mm", 256, 512, torch.bfloat16, CPU)
+    with tuning.retune(["mm"], sources=("seed",)):
+        assert tuning.retuning() == {"mm": ("seed",)}
+        assert choose("mm", KEY_MM, fake_gpu) == measured_cfg and not fake_gpu
+        assert choose("mm_swiglu", key_swiglu, fake_gpu) == SEED and not fake_gpu
+        got = choose("mm", key_seed, fake_gpu)
+        assert fake_gpu == cands and got == cands[-1]  # every candidate timed
+        fake_gpu.clear()
+        assert choose("mm", key_near, fake_gpu) == cands[-1] and fake_gpu == cands
+    assert not tuning.retuning()
+    assert tuning.cache_sources()[GPU] == {
+        KEY_MM: "table",
+        key_near: "measured",
+        key_seed: "measured",
+        key_swiglu: "table",
+    }
+    assert set(tuning.export_cache()[GPU]) == {key_near, key_seed}
+    # The same run with the default sources: the measured entry is not read either.
+    tuning.clear_cache()
+    fake_gpu.clear()
+    with tuning.retune(["mm"]):
+        assert choose("mm", KEY_MM, fake_gpu) == cands[-1] and fake_gpu == cands
+
+
+def test_cache_config_records_agree(fake_gpu):
+    """A cached config, where it came from and its table entry are one record: an untimed
+    default has no entry, an entry is that of the config cached, a measured config's entry
+    is a measured one; a config put in by hand reads as measured."""
+    entry = tuning.TableEntry(SEED, "seed", None, KEY_MM)
+    tuning.cache_config(GPU, KEY_MM, SEED, "table", entry)
+    tuning.cache_config(GPU, KEY_WGRAD, SEED)
+    assert tuning.cache_sources()[GPU] == {KEY_MM: "table", KEY_WGRAD: "measured"}
+    assert tuning.cached_entry(GPU, KEY_MM) == entry
+    assert tuning.source_of(GPU, "mm|not cached") == "measured"
+    other = tuning.KernelConfig(128, 128, 64)
+    for source, bad, match in [
+        ("nope", None, r"source='nope' is unknown"),
+        ("default", entry, r"an untimed default has no table entry"),
+        ("table", tuning.TableEntry(other, "seed", None, KEY_MM), r"is not the cached"),
+        ("measured", entry, r'a config measured here has a "measured" entry'),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            tuning.cache_config(GPU, KEY_MM, SEED, source, bad)
 
 
 @pytest.fixture

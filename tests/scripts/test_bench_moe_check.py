@@ -104,11 +104,11 @@ def test_tuned_configs_of_a_failed_shape_are_not_saved(bench, tmp_path, monkeypa
     tuning.clear_cache()
     cfg = tuning.KernelConfig(64, 64, 32)
     try:
-        tuning._AUTOTUNE_CACHE[("Fake GPU", "mm|shape1")] = cfg
+        tuning.cache_config("Fake GPU", "mm|shape1", cfg)
         ok = bench.Result("shape1", "moestack-triton", 1.0, 1.0, 1.0)
         bench.save_checked(table, [ok], set())
         before = bench._tuned_keys()
-        tuning._AUTOTUNE_CACHE[("Fake GPU", "wgrad|shape2")] = cfg
+        tuning.cache_config("Fake GPU", "wgrad|shape2", cfg)
         bad = bench.Result("shape2", "moestack-triton", 1.0, 1.0, 1.0, check_ok=False)
         bench.save_checked(table, [bad], before)
     finally:
@@ -169,11 +169,42 @@ def test_retune_flag_names_kernel_kinds(bench, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--retune", "mm,dgrad"])
     assert "kinds ['dgrad'] are unknown" in capsys.readouterr().err
+    every = tuning.ENTRY_SOURCES
     with bench.tuning_scope(args):
-        assert sorted(tuning._RETUNE) == ["mm", "mm_dswiglu", "wgrad"]
-    assert not tuning._RETUNE
+        assert tuning.retuning() == {"mm": every, "mm_dswiglu": every, "wgrad": every}
+    assert not tuning.retuning()
     with bench.tuning_scope(parser.parse_args([])):
-        assert not tuning._RETUNE
+        assert not tuning.retuning()
+
+
+def test_retune_seeds_flag_narrows_retune_to_seed_entries(bench, tmp_path):
+    """--retune-seeds retunes the seeds of the --retune kinds, or of every kind without
+    --retune; the JSON records the sources left unread."""
+    pytest.importorskip("triton")
+    from moestack.kernels import tuning
+
+    parser = bench.build_parser()
+    assert not parser.parse_args([]).retune_seeds
+    args = parser.parse_args(["--retune", "mm,wgrad", "--retune-seeds"])
+    assert args.retune_seeds and bench.retune_plan(args) == (["mm", "wgrad"], ["seed"])
+    with bench.tuning_scope(args):
+        assert tuning.retuning() == {"mm": ("seed",), "wgrad": ("seed",)}
+    alone = parser.parse_args(["--retune-seeds"])
+    assert bench.retune_plan(alone) == (sorted(tuning.CANDIDATES), ["seed"])
+    with bench.tuning_scope(alone):
+        assert tuning.retuning() == dict.fromkeys(sorted(tuning.CANDIDATES), ("seed",))
+    assert not tuning.retuning()
+    assert bench.retune_plan(parser.parse_args(["--retune", "mm"])) == (
+        ["mm"],
+        list(tuning.ENTRY_SOURCES),
+    )
+    assert bench.retune_plan(parser.parse_args([])) == ([], [])
+    out = tmp_path / "bench.json"
+    bench.write_json(
+        str(out), "cpu", torch.float32, 1.0, [], torch.device("cpu"), *bench.retune_plan(args)
+    )
+    payload = json.loads(out.read_text())
+    assert payload["retuned_kinds"] == ["mm", "wgrad"] and payload["retuned_sources"] == ["seed"]
 
 
 def test_tuning_report_counts_what_was_measured(bench, monkeypatch):
@@ -191,17 +222,14 @@ def test_tuning_report_counts_what_was_measured(bench, monkeypatch):
         "mm_swiglu|f": (tuning.CANDIDATES["mm_swiglu"][0], "default"),
     }
     timed = {"gpu": "Fake GPU", "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
+    # mm|d's table entry was measured at its key; wgrad|e's is a seed
+    entries = {
+        "mm|d": tuning.TableEntry(cached["mm|d"][0], "measured", timed, "mm|d"),
+        "wgrad|e": tuning.TableEntry(cached["wgrad|e"][0], "seed", None, "wgrad|e"),
+    }
     try:
         for key, (cfg, source) in cached.items():
-            tuning._AUTOTUNE_CACHE[("Fake GPU", key)] = cfg
-            tuning._SOURCES[("Fake GPU", key)] = source
-        # mm|d's table entry was measured at its key; wgrad|e's is a seed
-        tuning._ENTRIES[("Fake GPU", "mm|d")] = tuning.TableEntry(
-            cached["mm|d"][0], "measured", timed, "mm|d"
-        )
-        tuning._ENTRIES[("Fake GPU", "wgrad|e")] = tuning.TableEntry(
-            cached["wgrad|e"][0], "seed", None, "wgrad|e"
-        )
+            tuning.cache_config("Fake GPU", key, cfg, source, entries.get(key))
         line = bench.tuning_report()
     finally:
         tuning.clear_cache()
