@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,34 @@ def holding_run_dir(out_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the lock
+
+
+def missing_folders(path: Path) -> tuple[Path, ...]:
+    """``path`` and the folders above it that do not exist (absolute, deepest first): those
+    that ``mkdir(parents=True)`` would make, so that a refused start removes what it made and
+    never a folder that was there before."""
+    missing: list[Path] = []
+    for folder in (path.absolute(), *path.absolute().parents):
+        try:
+            if folder.exists() or folder.is_symlink():
+                break
+        except OSError:  # cannot tell: taken as there, never removed
+            break
+        missing.append(folder)
+    return tuple(missing)
+
+
+def remove_made_folders(folders: Sequence[Path]) -> None:
+    """Remove ``folders`` (a refused start's, ``missing_folders``: deepest first), each only
+    while empty: the first that holds something (a sibling another process made meanwhile)
+    stays, and so do the folders above it. One already gone (another rank's) is passed over."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 def check_run_dir_free(out_dir: Path) -> None:

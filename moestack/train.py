@@ -14,10 +14,10 @@ status 2), and ``out_dir`` against what it holds (a run's checkpoints without
 ``resume=true`` are refused before hydra writes its record there). A start refused later,
 before it begins (a changed config on resume, missing data, a checkpoint of another shape:
 the trainer writes nothing then, ``moestack.trainer.refused_start``), leaves the folder as it
-was: the lines it logged are cut from train.log, the run's ``.hydra/`` record is put back and
-what hydra added is removed (a folder it made too). Ctrl-C ends a run with one line naming the
-last step logged, the newest checkpoint and the command that continues from it (exit status
-130).
+was: the lines each rank logged are cut from its log, the run's ``.hydra/`` record is put back
+and what hydra added is removed (the folders it made too, and only those). Ctrl-C ends a run
+with one line naming the last step logged, the newest checkpoint and the command that
+continues from it (exit status 130).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,13 @@ from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.metrics import read_metrics
 from moestack.overrides import check_command_line, check_overrides
-from moestack.runs import LOCK_FILE, check_out_dir, check_run_dir_free
+from moestack.runs import (
+    LOCK_FILE,
+    check_out_dir,
+    check_run_dir_free,
+    missing_folders,
+    remove_made_folders,
+)
 from moestack.trainer import refused_start, train
 
 log = logging.getLogger(__name__)
@@ -229,18 +236,22 @@ _START_FILES = re.compile(r"\.hydra|" + _LOG_FILE.pattern + "|" + re.escape(LOCK
 @dataclass
 class _FolderBefore:
     """What the command line's ``out_dir`` held before hydra wrote into it: whether it
-    existed, the names in it, the files of its ``.hydra/`` record (small YAML files) and the
+    existed (if not, the folders hydra would make: it and those above it that were not
+    there), the names in it, the files of its ``.hydra/`` record (small YAML files) and the
     sizes of its log files (hydra appends to them)."""
 
     existed: bool = False
+    missing: tuple[Path, ...] = ()  # runs.missing_folders: absolute, deepest first
     names: frozenset[str] = frozenset()
     hydra_record: dict[str, bytes] = field(default_factory=dict)
     log_sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def read(cls, out_dir: Path | None) -> _FolderBefore:
-        if out_dir is None or not out_dir.is_dir():
+        if out_dir is None:
             return cls()
+        if not out_dir.is_dir():
+            return cls(missing=missing_folders(out_dir))
         record = out_dir / ".hydra"
         files = sorted(record.iterdir()) if record.is_dir() else []
         saved = {p.name: p.read_bytes() for p in files if p.is_file()}
@@ -253,7 +264,7 @@ class _FolderBefore:
         off, the ``.hydra/`` record put back (rank 0), and what the start added removed.
         While another process holds the folder (it took it after this start was refused)
         nothing in it is touched: its log lines, record and lock are that run's."""
-        held = locks.is_held(out_dir / LOCK_FILE)
+        held = _held_by_another_run(out_dir / LOCK_FILE)
         self.cut_log(out_dir, truncate=not held)
         if held:
             return
@@ -292,11 +303,29 @@ class _FolderBefore:
             (record / name).write_bytes(data)
 
 
+_RANK0_LETS_GO_S = 10.0  # how long a rank > 0 waits for its rank 0 to drop the folder's lock
+
+
+def _held_by_another_run(lock: Path) -> bool:
+    """Whether another run holds the folder's ``lock`` now. On a rank > 0 of a torchrun
+    launch the holder may be this launch's rank 0, refused too and about to let go: it is
+    waited for (up to ``_RANK0_LETS_GO_S``), else that rank's own log lines would stay."""
+    if os.environ.get("RANK", "0") == "0":
+        return locks.is_held(lock)
+    deadline = time.monotonic() + _RANK0_LETS_GO_S
+    while locks.is_held(lock):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) -> None:
     """A refused start leaves nothing new: what it added to ``out_dir`` (hydra's record and
-    log, the lock file) is removed, and the folder too when it was not there before (with the
-    empty ``outputs/<date>`` above a dated default one). Should it have added anything else
-    (a run's metrics, checkpoints), everything stays."""
+    log, the lock file) is removed, and the folders it made too, each only while empty:
+    ``out_dir`` and those above it that were not there before (``outputs/<date>`` and
+    ``outputs`` above a dated default one). Should it have added anything else (a run's
+    metrics, checkpoints), everything stays."""
     try:
         added = [p for p in out_dir.iterdir() if dated or p.name not in before.names]
     except OSError:
@@ -308,12 +337,11 @@ def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) ->
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    if dated or not before.existed:
-        with contextlib.suppress(OSError):
-            out_dir.rmdir()  # only while empty
-    for parent in (out_dir.parent, out_dir.parent.parent) if dated else ():
-        with contextlib.suppress(OSError):
-            parent.rmdir()  # only while empty
+    if dated:
+        remove_made_folders([out_dir, out_dir.parent, out_dir.parent.parent])
+    elif not before.existed:
+        above = [p for p in out_dir.absolute().parents if p in before.missing]
+        remove_made_folders([out_dir, *above])
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -431,6 +459,9 @@ def main() -> None:
     except MoestackError as err:
         _say(f"error: {err}", sys.stderr)
         sys.exit(2)
+    if os.environ.get("RANK", "0") != "0":  # one .hydra/ record a run, rank 0's: another
+        # rank's would land after rank 0 put the run's back when a start is refused
+        sys.argv.append("hydra.output_subdir=null")
     import hydra
 
     from moestack.config import register_configs

@@ -60,7 +60,9 @@ from moestack.runs import (
     check_out_dir,
     check_same_config_on_every_rank,
     holding_run_dir,
+    missing_folders,
     prepare_out_dir,
+    remove_made_folders,
     run_corpus,
     start_out_dir,
     write_json,
@@ -157,11 +159,11 @@ def train(
 
     A start refused before it begins (``build_run``'s ``begin``: its config, data, checkpoint
     and model checked) writes nothing into ``out_dir``: no record, no config, and the lock
-    file or folder it made are removed again; the error it raises is marked
-    (``refused_start``).
+    file or folders it made (``out_dir`` and those above it) are removed again; the error it
+    raises is marked (``refused_start``).
     """
     out_dir = Path(out_dir)
-    made = _not_there(out_dir), _not_there(out_dir / LOCK_FILE)
+    made = missing_folders(out_dir), _not_there(out_dir / LOCK_FILE)
     try:
         cfg = cfg.resolve()
         provenance.check_launch(launch)  # on every rank, before any of them starts
@@ -192,11 +194,11 @@ def _train_held(
     out_dir: Path,
     launch: dict[str, Any] | None,
     first_job: bool,
-    made: tuple[bool, bool],
+    made: tuple[tuple[Path, ...], bool],
 ) -> dict[str, Any]:
     """The start, in the folder this process holds, recorded in provenance.json once it
     begins. Its error says whether it was refused before it began; then what it made (the
-    lock file, the folder: ``made``) is removed, while the folder is still held."""
+    folders, the lock file: ``made``) is removed, while the folder is still held."""
     start: provenance.StartRecord | None = None
     try:
         with provenance.recorded_start(out_dir, cfg, launch) as start:
@@ -218,15 +220,14 @@ def _not_there(path: Path) -> bool:
     return False  # cannot tell: kept
 
 
-def _remove_made(out_dir: Path, folder_made: bool, lock_made: bool) -> None:
-    """Remove what a refused start made: the folder's lock file, and the folder (nothing
-    else is written before a start begins)."""
+def _remove_made(out_dir: Path, folders_made: tuple[Path, ...], lock_made: bool) -> None:
+    """Remove what a refused start made: the folder's lock file, and the folders (``out_dir``
+    and the ones above it that were not there; nothing else is written before a start
+    begins), each only while empty."""
     if lock_made:
         with contextlib.suppress(OSError):
             (out_dir / LOCK_FILE).unlink(missing_ok=True)
-    if folder_made:
-        with contextlib.suppress(OSError):
-            out_dir.rmdir()  # only while empty
+    remove_made_folders(folders_made)
 
 
 def _unwritable(err: OSError, out_dir: Path) -> BaseException:

@@ -95,12 +95,33 @@ def test_a_resume_with_nothing_to_resume_leaves_the_folder_as_it_was(finished, t
 
 
 def test_a_refused_start_into_a_new_folder_leaves_no_folder(tmp_path):
-    refused(run_config(resume=True), tmp_path / "a" / "new", "holds no checkpoint")
-    assert not (tmp_path / "a" / "new").exists()
+    """Nor the folders above it that the start made; those that were there stay."""
+    root = tmp_path / "root"
+    root.mkdir()
+    refused(run_config(resume=True), root / "a" / "b" / "new", "holds no checkpoint")
+    assert tree_of(root) == {}
+    (root / "a").mkdir()  # a folder of the user's above the new one stays, empty
+    refused(run_config(resume=True), root / "a" / "b" / "new", "holds no checkpoint")
+    assert tree_of(root) == {"a": None}
     empty = tmp_path / "empty"  # a folder of the user's stays, empty
     empty.mkdir()
     refused(run_config(resume=True), empty, "holds no checkpoint")
     assert tree_of(empty) == {}
+
+
+def test_a_refused_start_keeps_a_folder_it_made_that_now_holds_another(tmp_path, monkeypatch):
+    """Another process made a folder beside the new run's (in ``a/``, which this start
+    made) while the start checked its data: ``a/b/new`` and ``a/b`` go, ``a`` stays with it."""
+    root = tmp_path / "root"
+    root.mkdir()
+
+    def sibling_then_refused(cfg):
+        (root / "a" / "other").mkdir()
+        raise MoestackError("data/missing.txt does not exist")
+
+    monkeypatch.setattr(trainer, "run_corpus", sibling_then_refused)
+    refused(run_config(), root / "a" / "b" / "new", "does not exist")
+    assert tree_of(root) == {"a": None, "a/other": None}
 
 
 def test_a_start_that_fails_after_it_began_is_on_record(tmp_path, monkeypatch):

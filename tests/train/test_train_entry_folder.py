@@ -98,11 +98,13 @@ def test_a_refused_start_leaves_a_runs_folder_as_it_was(finished, tmp_path, args
 
 
 def test_a_new_folder_refused_for_its_data_is_not_left_behind(tmp_path):
+    """Nor the folders above it that hydra made (a/b); a folder that was there (kept) stays."""
     missing = tmp_path / "missing.txt"
     args = [*TINY, "data=files", f"data.paths=[{missing}]"]
-    done = run_module(*args, f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    (tmp_path / "kept").mkdir()
+    done = run_module(*args, f"out_dir={tmp_path / 'kept/a/b/new'}", cwd=tmp_path)
     assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
-    assert not (tmp_path / "new").exists()
+    assert tree_of(tmp_path / "kept") == {}
     mine = tmp_path / "mine"  # a folder of the user's: only what the start added goes
     mine.mkdir()
     (mine / "notes.txt").write_text("kept")
@@ -111,6 +113,22 @@ def test_a_new_folder_refused_for_its_data_is_not_left_behind(tmp_path):
     assert files_of(mine) == {"notes.txt": b"kept"}
     done = run_module(*args, cwd=tmp_path)  # the dated default folder
     assert done.returncode == 2 and not (tmp_path / "outputs").exists()
+
+
+def test_a_refused_start_removes_only_the_folders_it_made_and_left_empty(tmp_path):
+    """What ``moestack-train`` does once a start into a new ``a/b/run`` is refused, with
+    hydra's writes made by hand: ``run`` and its files go, and so does ``a/b``; ``a`` stays,
+    holding a folder another process made there meanwhile, and so does ``tmp_path``."""
+    from moestack.train import _FolderBefore
+
+    run = tmp_path / "a" / "b" / "run"
+    before = _FolderBefore.read(run)
+    (run / ".hydra").mkdir(parents=True)  # what hydra writes before the start is refused
+    (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
+    (run / "train.log").write_text("error: refused\n")
+    (tmp_path / "a" / "other").mkdir()  # another process's, made meanwhile
+    before.put_back(run, dated=False)
+    assert tree_of(tmp_path) == {"a": None, "a/other": None}
 
 
 # --------------------------------------------------------------------------- Ctrl-C
