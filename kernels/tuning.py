@@ -545,8 +545,9 @@ def retune(kinds: Iterable[str], sources: Iterable[str] = ENTRY_SOURCES) -> Iter
     measurement stands behind. An entry's source is the one it has at the key looked up, as
     ``entry_sources`` says: a neighbouring row bucket's entry is a seed there. Configs of
     those kinds the cache holds unmeasured (read from the table, or defaults) whose source
-    is one of ``sources`` are dropped on entry; measured ones stay. Not thread-safe."""
-    kinds = set(kinds)
+    is one of ``sources`` are dropped on entry; measured ones stay. A block inside another
+    adds to it: what the outer block leaves unread stays unread. Not thread-safe."""
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds)
     unknown = sorted(kinds - set(CANDIDATES))
     if unknown:
         raise ValueError(f"retune kinds {unknown} are unknown; use some of {sorted(CANDIDATES)}")
@@ -560,7 +561,7 @@ def retune(kinds: Iterable[str], sources: Iterable[str] = ENTRY_SOURCES) -> Iter
         if unmeasured and cached_entry(gpu, key).source in wanted:
             del _CACHE[(gpu, key)]
     previous = dict(_RETUNE)
-    _RETUNE.update(dict.fromkeys(kinds, wanted))
+    _RETUNE.update({k: previous.get(k, frozenset()) | wanted for k in kinds})
     try:
         yield
     finally:
@@ -570,7 +571,7 @@ def retune(kinds: Iterable[str], sources: Iterable[str] = ENTRY_SOURCES) -> Iter
 
 def retuning() -> dict[str, tuple[str, ...]]:
     """``{kind: sources}``: the kinds whose table entries of those sources the open
-    ``retune`` blocks leave unread (an inner block's sources of a kind replace an outer
+    ``retune`` blocks leave unread (an inner block's sources of a kind add to an outer
     one's; empty outside every block)."""
     return {k: tuple(s for s in ENTRY_SOURCES if s in v) for k, v in sorted(_RETUNE.items())}
 

@@ -92,6 +92,16 @@ def test_retune_ignores_the_table_for_its_kinds_only(fake_gpu):
         pass
 
 
+def test_nested_retune_blocks_add_up_and_a_kind_may_be_named_alone():
+    """A block inside another leaves unread what either leaves unread, and the outer block's
+    sources come back when the inner one ends; retune("mm") names the kind mm."""
+    with tuning.retune(["mm"], ["measured"]):
+        with tuning.retune("mm", ["seed"]):
+            assert tuning.retuning() == {"mm": ("seed", "measured")}
+        assert tuning.retuning() == {"mm": ("measured",)}
+    assert not tuning.retuning()
+
+
 def test_retune_by_source_reads_measured_entries_and_remeasures_seeds(
     fake_gpu, tmp_path, monkeypatch
 ):
