@@ -18,6 +18,8 @@ import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,31 +92,51 @@ def holding_run_dir(out_dir: Path) -> Iterator[None]:
 
 
 def missing_folders(path: Path) -> tuple[Path, ...]:
-    """``path`` and the folders above it that do not exist (absolute, deepest first): those
-    that ``mkdir(parents=True)`` would make, so that a refused start removes what it made and
+    """The folders ``mkdir(parents=True)`` of ``path`` would make: ``path`` and those above it
+    that do not exist, and with a ``..`` in it the missing ones it passes through (``a`` of
+    ``a/../b/run``), each absolute and normalised as hydra names its run folder
+    (``os.path.abspath``), deepest first; so that a refused start removes what it made and
     never a folder that was there before."""
-    missing: list[Path] = []
-    for folder in (path.absolute(), *path.absolute().parents):
+    missing: set[Path] = set()
+    for step in (path.absolute(), *path.absolute().parents):  # '..' kept: the steps mkdir takes
+        folder = Path(os.path.abspath(step))
         try:
             if folder.exists() or folder.is_symlink():
-                break
+                continue
         except OSError:  # cannot tell: taken as there, never removed
-            break
-        missing.append(folder)
-    return tuple(missing)
+            continue
+        missing.add(folder)
+    return tuple(sorted(missing, key=lambda folder: len(folder.parts), reverse=True))
 
 
 def remove_made_folders(folders: Sequence[Path]) -> None:
     """Remove ``folders`` (a refused start's, ``missing_folders``: deepest first), each only
-    while empty: the first that holds something (a sibling another process made meanwhile)
-    stays, and so do the folders above it. One already gone (another rank's) is passed over."""
+    while empty: one that holds something (a sibling another process made meanwhile) stays,
+    and so do the folders above it. One already gone (another rank's) is passed over."""
     for folder in folders:
-        try:
+        with contextlib.suppress(OSError):
             folder.rmdir()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """Hold off SIGTERM while a refused start puts its folder back: torchrun stops the other
+    ranks (SIGTERM, SIGKILL 30 s later) as soon as one fails, which would cut the put-back
+    short, half done. A SIGTERM that came meanwhile is sent again once the previous handler
+    is back. Only the main thread may set a handler, and only one set from Python can be put
+    back: otherwise nothing is held off."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def check_run_dir_free(out_dir: Path) -> None:

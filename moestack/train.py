@@ -15,7 +15,8 @@ status 2), and ``out_dir`` against what it holds (a run's checkpoints without
 before it begins (a changed config on resume, missing data, a checkpoint of another shape:
 the trainer writes nothing then, ``moestack.trainer.refused_start``), leaves the folder as it
 was: the lines each rank logged are cut from its log, the run's ``.hydra/`` record is put back
-and what hydra added is removed (the folders it made too, and only those). Ctrl-C ends a run
+and what hydra added is removed (the folders it made too, and only those; a folder not known
+before hydra ran, an interpolated ``out_dir``, is left as hydra left it). Ctrl-C ends a run
 with one line naming the last step logged, the newest checkpoint and the command that
 continues from it (exit status 130).
 """
@@ -50,6 +51,7 @@ from moestack.runs import (
     check_run_dir_free,
     missing_folders,
     remove_made_folders,
+    sigterm_deferred,
 )
 from moestack.trainer import refused_start, train
 
@@ -222,7 +224,7 @@ def _hydra_task(dict_cfg: Any, before: _FolderBefore | None = None) -> None:
     except (MoestackError, ValueError) as err:
         log.error("error: %s", err)
         if not training or refused_start(err):  # the run wrote nothing: nor does hydra
-            before.put_back(Path(hydra_cfg.runtime.output_dir), dated=not dict_cfg.out_dir)
+            before.put_back(Path(hydra_cfg.runtime.output_dir))
         sys.exit(2)
 
 
@@ -233,13 +235,32 @@ _LOG_FILE = re.compile(r"train(\.rank\d+)?\.log")  # hydra's log of the run, one
 _START_FILES = re.compile(r"\.hydra|" + _LOG_FILE.pattern + "|" + re.escape(LOCK_FILE))
 
 
+_DATED_ROOT = "outputs"  # hydra's run folder without out_dir: outputs/<date>/<time>
+
+
+def _command_line_value(argv: list[str], key: str) -> str | None:
+    """The value of the command line's last ``key=`` override, unquoted (None: absent)."""
+    found = None
+    for arg in argv:
+        name, sep, value = arg.lstrip("+~").partition("=")
+        if sep and name == key:
+            found = value.strip("'\"")
+    return found
+
+
 @dataclass
 class _FolderBefore:
-    """What the command line's ``out_dir`` held before hydra wrote into it: whether it
-    existed (if not, the folders hydra would make: it and those above it that were not
-    there), the names in it, the files of its ``.hydra/`` record (small YAML files) and the
-    sizes of its log files (hydra appends to them)."""
+    """What the run folder held before hydra wrote into it: the folder (``folder``: absolute
+    and normalised, as hydra's ``runtime.output_dir``), whether it existed (if not, the
+    folders hydra would make: it and those above it that were not there), the names in it,
+    the files of its ``.hydra/`` record (small YAML files) and the sizes of its log files
+    (hydra appends to them). Hydra's dated default folder is new (``dated``: all in it is the
+    start's): only which folders above it were missing is recorded. A folder not known
+    before hydra (``folder`` None and not dated: an interpolated ``out_dir``, one set other
+    than on the command line) is not this start's to put back: nothing in it is touched."""
 
+    folder: Path | None = None
+    dated: bool = False
     existed: bool = False
     missing: tuple[Path, ...] = ()  # runs.missing_folders: absolute, deepest first
     names: frozenset[str] = frozenset()
@@ -247,30 +268,51 @@ class _FolderBefore:
     log_sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def read(cls, out_dir: Path | None) -> _FolderBefore:
-        if out_dir is None:
-            return cls()
+    def of_command_line(cls, argv: list[str]) -> _FolderBefore:
+        """The run folder the command line names, read before hydra: ``hydra.run.dir=``,
+        else ``out_dir=`` (configs/train.yaml), else the dated default; unknown when the
+        value is interpolated."""
+        value = _command_line_value(argv, "hydra.run.dir") or _command_line_value(argv, "out_dir")
+        if not value:  # hydra's ${now:%Y-%m-%d} (a start across midnight leaves that folder)
+            today = Path(_DATED_ROOT, time.strftime("%Y-%m-%d"))
+            return cls(dated=True, missing=missing_folders(today))
+        return cls() if "${" in value else cls.read(Path(value))
+
+    @classmethod
+    def read(cls, out_dir: Path) -> _FolderBefore:
+        folder = Path(os.path.abspath(out_dir))
         if not out_dir.is_dir():
-            return cls(missing=missing_folders(out_dir))
+            return cls(folder=folder, missing=missing_folders(out_dir))
         record = out_dir / ".hydra"
         files = sorted(record.iterdir()) if record.is_dir() else []
         saved = {p.name: p.read_bytes() for p in files if p.is_file()}
         names = frozenset(p.name for p in out_dir.iterdir())
         logs = {n: (out_dir / n).stat().st_size for n in names if _LOG_FILE.fullmatch(n)}
-        return cls(existed=True, names=names, hydra_record=saved, log_sizes=logs)
+        return cls(folder=folder, existed=True, names=names, hydra_record=saved, log_sizes=logs)
 
-    def put_back(self, out_dir: Path, dated: bool) -> None:
+    def describes(self, out_dir: Path) -> bool:
+        """Whether ``out_dir`` (hydra's run folder) is the folder read before the start."""
+        folder = Path(os.path.abspath(out_dir))
+        if self.dated:
+            return folder.parent.parent == Path(os.path.abspath(_DATED_ROOT))
+        return self.folder is not None and folder == self.folder
+
+    def put_back(self, out_dir: Path) -> None:
         """Leave ``out_dir`` as it was before a refused start: this process's log lines cut
         off, the ``.hydra/`` record put back (rank 0), and what the start added removed.
-        While another process holds the folder (it took it after this start was refused)
-        nothing in it is touched: its log lines, record and lock are that run's."""
-        held = _held_by_another_run(out_dir / LOCK_FILE)
-        self.cut_log(out_dir, truncate=not held)
-        if held:
+        Nothing in it is touched while another process holds the folder (it took it after
+        this start was refused: its log lines, record and lock are that run's), nor when it
+        is not the folder read before (``describes``). SIGTERM waits till the end."""
+        if not self.describes(out_dir):
             return
-        if os.environ.get("RANK", "0") == "0":
-            self.restore_hydra_record(out_dir)
-        _remove_refused_folder(out_dir, self, dated)
+        with sigterm_deferred():
+            held = _held_by_another_run(out_dir / LOCK_FILE)
+            self.cut_log(out_dir, truncate=not held)
+            if held:
+                return
+            if os.environ.get("RANK", "0") == "0":
+                self.restore_hydra_record(out_dir)
+            _remove_refused_folder(out_dir, self)
 
     def cut_log(self, out_dir: Path, truncate: bool = True) -> None:
         """Cut the lines this process logged into ``out_dir``'s log file (hydra's file
@@ -320,14 +362,14 @@ def _held_by_another_run(lock: Path) -> bool:
     return False
 
 
-def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) -> None:
+def _remove_refused_folder(out_dir: Path, before: _FolderBefore) -> None:
     """A refused start leaves nothing new: what it added to ``out_dir`` (hydra's record and
     log, the lock file) is removed, and the folders it made too, each only while empty:
-    ``out_dir`` and those above it that were not there before (``outputs/<date>`` and
-    ``outputs`` above a dated default one). Should it have added anything else (a run's
-    metrics, checkpoints), everything stays."""
+    ``out_dir`` and those above it that were not there before (a dated default one is new,
+    ``outputs/<date>`` and ``outputs`` when they were missing). Should it have added
+    anything else (a run's metrics, checkpoints), everything stays."""
     try:
-        added = [p for p in out_dir.iterdir() if dated or p.name not in before.names]
+        added = [p for p in out_dir.iterdir() if before.dated or p.name not in before.names]
     except OSError:
         return
     if not all(_START_FILES.fullmatch(p.name) for p in added):
@@ -337,11 +379,10 @@ def _remove_refused_folder(out_dir: Path, before: _FolderBefore, dated: bool) ->
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    if dated:
-        remove_made_folders([out_dir, out_dir.parent, out_dir.parent.parent])
+    if before.dated:
+        remove_made_folders([Path(os.path.abspath(out_dir)), *before.missing])
     elif not before.existed:
-        above = [p for p in out_dir.absolute().parents if p in before.missing]
-        remove_made_folders([out_dir, *above])
+        remove_made_folders(before.missing)
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -466,7 +507,7 @@ def main() -> None:
 
     from moestack.config import register_configs
 
-    before = _FolderBefore.read(_command_line_out_dir(sys.argv[1:]))
+    before = _FolderBefore.of_command_line(sys.argv[1:])
 
     @functools.wraps(_hydra_task)
     def task(dict_cfg: Any) -> None:

@@ -64,6 +64,7 @@ from moestack.runs import (
     prepare_out_dir,
     remove_made_folders,
     run_corpus,
+    sigterm_deferred,
     start_out_dir,
     write_json,
 )
@@ -210,7 +211,8 @@ def _train_held(
         refused = start is None or not start.begun
         setattr(err, _REFUSED_START, refused)
         if refused and os.environ.get("RANK", "0") == "0":
-            _remove_made(out_dir, *made)
+            with sigterm_deferred():  # torchrun's SIGTERM, once another rank fails, waits
+                _remove_made(out_dir, *made)
         raise
 
 

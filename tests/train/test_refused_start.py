@@ -109,6 +109,16 @@ def test_a_refused_start_into_a_new_folder_leaves_no_folder(tmp_path):
     assert tree_of(empty) == {}
 
 
+def test_a_refused_start_into_a_path_with_dotdot_removes_only_what_it_made(tmp_path, monkeypatch):
+    """``a/../b/run`` with ``a`` missing and ``b`` there, empty: ``mkdir(parents=True)`` makes
+    ``a`` (on its way through ``a/..``) and ``b/run``; both go, ``b`` stays."""
+    root = tmp_path / "root"
+    (root / "b").mkdir(parents=True)
+    monkeypatch.chdir(root)
+    refused(run_config(resume=True), Path("a/../b/run"), "holds no checkpoint")
+    assert tree_of(root) == {"b": None}
+
+
 def test_a_refused_start_keeps_a_folder_it_made_that_now_holds_another(tmp_path, monkeypatch):
     """Another process made a folder beside the new run's (in ``a/``, which this start
     made) while the start checked its data: ``a/b/new`` and ``a/b`` go, ``a`` stays with it."""
@@ -158,7 +168,7 @@ def test_a_folder_another_process_holds_is_not_this_starts_to_undo(finished, tmp
             train(run_config(resume=True), run)
         assert not refused_start(info.value)
         after = tree_of(run)
-        before.put_back(run, dated=False)  # what the command line would do if it were
+        before.put_back(run)  # what the command line would do if it were
         assert tree_of(run) == after  # the held lock file and the other run's lines stay
         assert locks.is_held(run / LOCK_FILE)
     finally:

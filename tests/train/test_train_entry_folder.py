@@ -7,6 +7,7 @@ that continues it."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -127,8 +128,94 @@ def test_a_refused_start_removes_only_the_folders_it_made_and_left_empty(tmp_pat
     (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
     (run / "train.log").write_text("error: refused\n")
     (tmp_path / "a" / "other").mkdir()  # another process's, made meanwhile
-    before.put_back(run, dated=False)
+    before.put_back(run)
     assert tree_of(tmp_path) == {"a": None, "a/other": None}
+
+
+def test_a_refused_start_removes_no_folder_that_was_there(tmp_path):
+    """``out_dir=../new/run`` (hydra names it normalised): ``new`` goes with ``run``. Without
+    out_dir, an empty ``outputs/`` that was there stays (the dated folder and its date's
+    go); with ``hydra.run.dir=me/x``, ``me`` stays."""
+    missing = tmp_path / "missing.txt"
+    args = [*TINY, "data=files", f"data.paths=[{missing}]"]
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    done = run_module(*args, "out_dir=../new/run", cwd=cwd)
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
+    assert tree_of(tmp_path) == {"cwd": None}
+    (cwd / "outputs").mkdir()
+    done = run_module(*args, cwd=cwd)
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
+    assert tree_of(tmp_path) == {"cwd": None, "cwd/outputs": None}
+    (tmp_path / "me").mkdir()
+    done = run_module(*args, f"hydra.run.dir={tmp_path / 'me/x'}", cwd=cwd)
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
+    assert tree_of(tmp_path) == {"cwd": None, "cwd/outputs": None, "me": None}
+
+
+def test_a_folder_not_read_before_hydra_is_left_as_hydra_left_it(tmp_path, monkeypatch):
+    """An interpolated out_dir cannot be read before hydra resolves it, nor one set other
+    than on the command line (the command line names none: the dated default is expected):
+    nothing in the folder is taken as the start's, so nothing is cut, put back or removed."""
+    from moestack.train import _FolderBefore
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)  # hydra's record and log: the start's, or older?
+    (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
+    (run / "train.log").write_text("a line\n")
+    after = tree_of(run)
+    monkeypatch.setenv("RUN_ROOT", str(tmp_path))
+    for argv in (["out_dir=${oc.env:RUN_ROOT}/run"], []):
+        before = _FolderBefore.of_command_line(argv)
+        before.put_back(run)
+        assert tree_of(run) == after, argv
+
+
+class Terminated(Exception):
+    """Raised by the test's SIGTERM handler (the default one ends the process)."""
+
+
+def test_sigterm_waits_till_a_refused_start_put_its_folder_back(tmp_path, monkeypatch):
+    """torchrun sends SIGTERM to the other ranks once one fails: one that comes while a rank
+    puts the folder back (here after its log lines were cut, before the record is restored)
+    waits till the folder is as it was, then reaches the handler, which is put back."""
+    from moestack.runs import LOCK_FILE
+    from moestack.train import _FolderBefore
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
+    (run / "train.log").write_text("the run's line\n")
+    was = tree_of(run)
+    before = _FolderBefore.read(run)
+    (run / ".hydra" / "config.yaml").write_text("steps: 3\n")  # what the refused start wrote
+    (run / ".hydra" / "overrides.yaml").write_text("- steps=3\n")
+    (run / LOCK_FILE).touch()
+    handler = logging.FileHandler(run / "train.log")
+    logging.getLogger().addHandler(handler)
+    logging.getLogger("moestack.train").error("error: refused")
+    assert "error: refused" in (run / "train.log").read_text()
+
+    restore = _FolderBefore.restore_hydra_record
+
+    def terminated_midway(self, out_dir):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's
+        restore(self, out_dir)
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    monkeypatch.setattr(_FolderBefore, "restore_hydra_record", terminated_midway)
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        with pytest.raises(Terminated):
+            before.put_back(run)
+        assert signal.getsignal(signal.SIGTERM) is terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        logging.getLogger().removeHandler(handler)  # put_back's to close, unless cut short
+        handler.close()
+    assert tree_of(run) == was
 
 
 # --------------------------------------------------------------------------- Ctrl-C
