@@ -401,7 +401,10 @@ def _simulate_parser(verbs: Any) -> None:
         "resident; loads in series, none hidden behind compute), and bytes_loaded = misses "
         "x N.",
     )
-    p.add_argument("trace", help="a trace folder (a run's trace/<part>, or RoutingTrace.save's)")
+    p.add_argument(
+        "trace",
+        help="a trace folder: a run's trace/ (its parts joined) or one part, or RoutingTrace.save's",
+    )
     p.add_argument("--policies", default=POLICIES, help="cache policies (default: %(default)s)")
     p.add_argument("--capacities", default="", help="experts per layer (default: k and 2k)")
     p.add_argument(

@@ -1,3 +1,6 @@
 #!/usr/bin/env bash
 # The pre-registered CPU study (experiments/prereg_cpu_v2.yaml, docs/prereg.md, docs/research.md): lock (unless locked), run its 240 runs on two runners (resumable: run it again after a stop), write the report into docs/prereg_cpu_v2/.
-set -euo pipefail; m=${MOESTACK:-.venv/bin/moestack}; f=experiments/prereg_cpu_v2.yaml; out=runs/prereg/prereg_cpu_v2; [ -f "$f.lock.json" ] || $m prereg lock "$f"; $m prereg run "$f" --out "$out" --jobs 2 && $m prereg analyze "$f" --out "$out" --jobs 2 --report docs/prereg_cpu_v2
+# It ran before the layout-free initial weights (b38d9cf, 2026-12-01), so its numbers come from the code of its lock's commit (03cd8e5): at a later commit the runs would start from other weights and the committed report would be rewritten from them.
+set -euo pipefail
+if git merge-base --is-ancestor b38d9cf HEAD 2>/dev/null; then echo "prereg_cpu_v2's runs start from the initial weights of the code before b38d9cf (2026-12-01); here they would not, and its report would be rewritten from other runs. Train and analyse it at its lock's commit: git checkout 03cd8e5, then the commands of docs/prereg.md with experiments/prereg_cpu_v2.yaml (docs/research.md, 'Which commit a study's numbers come from')" >&2; exit 1; fi
+m=${MOESTACK:-.venv/bin/moestack}; f=experiments/prereg_cpu_v2.yaml; out=runs/prereg/prereg_cpu_v2; [ -f "$f.lock.json" ] || $m prereg lock "$f"; $m prereg run "$f" --out "$out" --jobs 2 && $m prereg analyze "$f" --out "$out" --jobs 2 --report docs/prereg_cpu_v2
