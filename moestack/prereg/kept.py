@@ -28,11 +28,10 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from moestack.atomic import install_dir
+from moestack.atomic import install_dir, recover_dir, temp_dir
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import EVAL_FILE, analysis_key, cached_evaluation, metric_names
 from moestack.prereg.locking import verify
@@ -104,6 +103,7 @@ def keep(
             continue
         files = _records_of(item)
         target = where / item.name
+        recover_dir(target)  # a killed keep's leftovers, never to be committed beside it
         if _same_files(target, files):
             already.append(item.name)
             continue
@@ -147,6 +147,7 @@ def restore(
                 f"elsewhere: delete {item.run_dir} to restore the kept run, or delete "
                 f"{source} to train it here"
             )
+        recover_dir(item.run_dir)
         _install(item.run_dir, _kept_files(source))
         try:
             check_run(item.run_dir, lock_info)
@@ -275,16 +276,16 @@ def _check_same_run(item: RunSpec, source: Path, study: str) -> None:
 
 def _install(target: Path, files: dict[str, bytes]) -> None:
     """Write ``files`` into a fresh folder beside ``target`` and move it into place
-    (``atomic.install_dir``): a kill leaves the old folder or the new one, never half."""
+    (``atomic.install_dir``, from ``atomic.temp_dir``): a kill leaves the old folder or the
+    new one, never half, and what it left beside them ``atomic.recover_dir`` cleans up."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = temp_dir(target)
     try:
         for name, data in files.items():
             with open(tmp / name, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o755)
         install_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

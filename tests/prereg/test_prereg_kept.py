@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -95,6 +97,29 @@ def test_keep_and_restore_again_change_nothing(study_copy, tmp_path) -> None:
     assert len(prereg.restore(path, fresh, kept).already) == 9
     # a restored study kept again keeps the same records
     assert len(prereg.keep(path, fresh, kept).already) == 9
+
+
+def test_keep_cleans_up_what_a_killed_keep_left(study_copy, tmp_path) -> None:
+    """A keep killed mid-write leaves its half-written folder beside the kept run (named by
+    its process): the next keep removes it, so it is never committed with the records; a live
+    writer's folder stays."""
+    path, out, kept = kept_study(study_copy, tmp_path)
+    run = sorted(kept.iterdir())[0]
+    half = run.with_name(f".{run.name}.tmp-{_dead_pid()}")
+    half.mkdir()
+    (half / "prereg_eval.json").write_text('{"half": ')
+    live = run.with_name(f".{run.name}.tmp-{os.getppid()}")
+    live.mkdir()
+    again = prereg.keep(path, out, kept)
+    assert len(again.already) == 9
+    assert not half.exists() and live.is_dir()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def test_a_study_in_pieces_keeps_what_is_evaluated_and_trains_the_rest(
