@@ -65,14 +65,20 @@ _check_overrides = check_overrides  # the overrides' check (moestack.overrides),
 _INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 
-def _command_line_out_dir(argv: list[str]) -> Path | None:
-    """The ``out_dir=`` override of the command line (None when absent or interpolated)."""
+def _command_line_value(argv: list[str], key: str) -> str | None:
+    """The value of the command line's last ``key=`` override, unquoted (None: absent)."""
     found = None
     for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key == "out_dir" and value and "${" not in value:
-            found = Path(value.strip("'\""))
+        name, sep, value = arg.lstrip("+~").partition("=")
+        if sep and name == key:
+            found = value.strip("'\"")
     return found
+
+
+def _command_line_out_dir(argv: list[str]) -> Path | None:
+    """The ``out_dir=`` override of the command line (None when absent or interpolated)."""
+    value = _command_line_value(argv, "out_dir")
+    return Path(value) if value and "${" not in value else None
 
 
 def torchrun_out_dir(argv: list[str], env: dict[str, str]) -> str | None:
@@ -236,16 +242,6 @@ _START_FILES = re.compile(r"\.hydra|" + _LOG_FILE.pattern + "|" + re.escape(LOCK
 
 
 _DATED_ROOT = "outputs"  # hydra's run folder without out_dir: outputs/<date>/<time>
-
-
-def _command_line_value(argv: list[str], key: str) -> str | None:
-    """The value of the command line's last ``key=`` override, unquoted (None: absent)."""
-    found = None
-    for arg in argv:
-        name, sep, value = arg.lstrip("+~").partition("=")
-        if sep and name == key:
-            found = value.strip("'\"")
-    return found
 
 
 @dataclass
