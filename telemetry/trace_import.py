@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -61,6 +62,9 @@ FORMATS = ("npz", "records")
 _ZIP_MAGIC = b"PK\x03\x04"
 _NPY_MAGIC = b"\x93NUMPY"
 _RECORD_HEADER = 3  # int32 layer, n_tokens, k
+# The most bytes one compressed byte can stand for: deflate's limit is 1032 to 1 (258-byte
+# matches at 2 bits each); a stored member holds what it says.
+_MAX_RATIO = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: 1032}
 
 
 @dataclass
@@ -148,8 +152,70 @@ def _check_num_experts(src: Path, given: int | None) -> None:
 
 
 # --------------------------------------------------------------------------- npz
+def _member_bytes(src: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> int:
+    """The uncompressed bytes of ``info``: the zip directory's number, refused where its
+    compressed bytes could not hold that many (a damaged or forged directory). Methods
+    without a known bound (bzip2, lzma) are counted by decompressing, keeping nothing."""
+    ratio = _MAX_RATIO.get(info.compress_type)
+    if ratio is None:
+        with archive.open(info) as f:
+            return sum(len(block) for block in iter(lambda: f.read(1 << 20), b""))
+    if info.file_size > info.compress_size * ratio:
+        raise _refuse(
+            src,
+            f"archive member {info.filename} says it holds {info.file_size} bytes from "
+            f"{info.compress_size} compressed bytes, more than they can hold; the zip "
+            "directory is damaged: re-save the trace (numpy.savez)",
+        )
+    return info.file_size
+
+
+def _check_member(src: Path, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+    """Refuse a member whose .npy header claims more bytes (shape x itemsize) than the
+    member holds, before numpy allocates what the header claims."""
+    holds = _member_bytes(src, archive, info)
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0  # 3.0 differs in the text's encoding only
+        )
+        shape, _, dtype = read(f)
+        data = holds - f.tell()
+    if dtype.hasobject:
+        return  # a pickled array: np.load(allow_pickle=False) refuses it
+    claims = math.prod(shape) * dtype.itemsize
+    if claims > data:
+        raise _refuse(
+            src,
+            f"archive member {info.filename}: its header says shape {shape} of {dtype.str} "
+            f"and so claims {claims} bytes, the member holds {data}; the file is cut or "
+            "damaged: re-save the trace (numpy.savez)",
+        )
+
+
+def _check_npz_sizes(src: Path) -> None:
+    """Every member np.load will read checked against the bytes it holds (``_check_member``);
+    what zipfile or numpy cannot parse is left to np.load's own refusal."""
+    try:
+        with zipfile.ZipFile(src) as archive:
+            names = set(archive.namelist())
+            for key in ("experts", "meta"):  # the member np.load reads for each key
+                name = key if key in names else f"{key}.npy"
+                if name in names:
+                    _check_member(src, archive, archive.getinfo(name))
+    except MoestackError:
+        raise
+    except (OSError, ValueError, TypeError, EOFError, SyntaxError, zipfile.BadZipFile,
+            zlib.error) as err:  # fmt: skip
+        raise _refuse(src, f"not a readable .npz archive (truncated or damaged): {err}") from err
+
+
 def _load_npz_arrays(src: Path) -> tuple[np.ndarray, np.ndarray]:
-    """``experts`` and ``meta`` of the archive, read without pickle."""
+    """``experts`` and ``meta`` of the archive, read without pickle, once each member's
+    header is known to claim no more than the member holds."""
+    _check_npz_sizes(src)
     try:
         with np.load(src, allow_pickle=False) as archive:
             names = sorted(archive.files)
