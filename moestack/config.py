@@ -32,6 +32,8 @@ from moestack.lora import LoRAConfig
 from moestack.metrics import check_wandb_mode
 from moestack.model import CHECKPOINTING, TRAINABLE, ModelConfig
 from moestack.moe import MOE_IMPLS, MoEConfig
+from moestack.optim.populations import POPULATIONS, PopulationConfig, population_field
+from moestack.optim.tiered import MASTER
 from moestack.router import ROUTER_SCORES, RouterConfig
 
 __all__ = [
@@ -57,7 +59,7 @@ __all__ = [
     "to_yaml",
 ]
 
-OPTIMIZERS = ("adamw", "offload_adamw")
+OPTIMIZERS = ("adamw", "offload_adamw", "tiered")
 DATA_SOURCES = ("stdlib", "files", "hf")
 
 
@@ -120,7 +122,9 @@ def choose_model(value: Any) -> ModelChoice:
 class OptimConfig:
     """Optimizer, learning-rate schedule and gradient clipping."""
 
-    name: str = "adamw"  # "adamw" (torch.optim.AdamW) or "offload_adamw" (host state, sharded)
+    # "adamw" (torch.optim.AdamW), "offload_adamw" (host state, sharded) or "tiered" (state
+    # sized per parameter population: the fields from clip_update on; docs/optim.md)
+    name: str = "adamw"
     lr: float = 3e-3  # peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)  # Adam moment decay rates
     eps: float = 1e-8  # Adam epsilon
@@ -152,8 +156,20 @@ class OptimConfig:
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
     # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
     param_dtype: str = "auto"
+    # tiered: the RMS threshold of each matrix's update (each expert's on its own; 0 = off)
+    clip_update: float = 1.0
+    # tiered: "float32" keeps an fp32 master copy of bf16 weights; "none" keeps the weights
+    # bf16 and writes each fp32 update back by stochastic rounding (auto param_dtype: bf16)
+    master: str = "none"
+    # tiered: the state of each parameter population (momentum, second_moment, weight_decay)
+    experts: PopulationConfig = population_field("experts")
+    routers: PopulationConfig = population_field("routers")
+    embeddings: PopulationConfig = population_field("embeddings")
+    backbone: PopulationConfig = population_field("backbone")
+    adapters: PopulationConfig = population_field("adapters")
 
     def __post_init__(self) -> None:
+        self._check_tiered()
         _check(
             self.name in OPTIMIZERS, f"optim.name={self.name!r} is unknown; use one of {OPTIMIZERS}"
         )
@@ -199,6 +215,21 @@ class OptimConfig:
         _check(
             isinstance(self.reduce_on_device, bool) or self.reduce_on_device == "auto",
             f"optim.reduce_on_device={self.reduce_on_device!r}; use auto, true or false",
+        )
+
+    def policy(self, population: str) -> PopulationConfig:
+        """The state policy of ``population`` (optim=tiered)."""
+        return getattr(self, population)
+
+    def _check_tiered(self) -> None:
+        for population in POPULATIONS:
+            setattr(self, population, _coerce(getattr(self, population), PopulationConfig))
+            self.policy(population).check(population)
+        _check(
+            self.master in MASTER, f"optim.master={self.master!r} is unknown; use one of {MASTER}"
+        )
+        _check(
+            self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)"
         )
 
 

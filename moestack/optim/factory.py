@@ -13,6 +13,8 @@ import torch
 from moestack.optim.container import LocalOptimizer, TrainingOptimizer
 from moestack.optim.expert_parallel import ExpertParallelAdamW, ExpertParallelOffload
 from moestack.optim.offload import OffloadAdamW
+from moestack.optim.populations import classify
+from moestack.optim.tiered import TieredAdamW, tiered_groups
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings (under
     ``torch.distributed`` it averages the gradients itself: do not wrap the model in DDP).
     """
-    return _maker(cfg)(param_groups(model, float(cfg.weight_decay)))
+    return _maker(cfg, model)(param_groups(model, float(cfg.weight_decay)))
 
 
 def uses_ddp(name: str, world_size: int, expert_parallel: bool) -> bool:
@@ -62,7 +64,7 @@ def build_training_optimizer(
     several ranks, OffloadAdamW averaging its own gradients. Under expert parallelism,
     :class:`ExpertParallelAdamW` or the OffloadAdamW pair :class:`ExpertParallelOffload`.
     """
-    make = _maker(cfg)
+    make = _maker(cfg, model)
     groups = param_groups(model, float(cfg.weight_decay))
     if mesh is None:
         ddp = uses_ddp(cfg.name, world_size, expert_parallel=False)
@@ -70,16 +72,21 @@ def build_training_optimizer(
         if isinstance(optimizer, OffloadAdamW):  # a pipelined step's weights, layer by layer
             optimizer.wait_per_layer(model)
         return LocalOptimizer(optimizer, model, ddp=ddp)
+    if cfg.name == "tiered":
+        raise ValueError("optim=tiered does not run with parallel.ep > 1 yet; use optim=adamw")
     if cfg.name == "offload_adamw":
         return ExpertParallelOffload(groups, model, mesh, make)
     return ExpertParallelAdamW(make(groups), model)
 
 
-def _maker(cfg: Any) -> Maker:
-    """``make(groups, process_group=None)`` for the optimizer ``cfg`` names."""
+def _maker(cfg: Any, model: torch.nn.Module) -> Maker:
+    """``make(groups, process_group=None)`` for the optimizer ``cfg`` names (``model``: whose
+    parameters the groups hold, for the tiered optimizer's populations)."""
     kw = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
     if cfg.name == "adamw":
         return lambda groups, process_group=None: _adamw(groups, kw)
+    if cfg.name == "tiered":
+        return lambda groups, process_group=None: _tiered(groups, cfg, model, kw, process_group)
     if cfg.name == "offload_adamw":
 
         def make(groups: list[dict[str, Any]], process_group: Any = None) -> OffloadAdamW:
@@ -101,7 +108,28 @@ def _maker(cfg: Any) -> Maker:
             )
 
         return make
-    raise ValueError(f"optim.name={cfg.name!r} is unknown; use 'adamw' or 'offload_adamw'")
+    raise ValueError(
+        f"optim.name={cfg.name!r} is unknown; use 'adamw', 'offload_adamw' or 'tiered'"
+    )
+
+
+def _tiered(
+    groups: list[dict[str, Any]],
+    cfg: Any,
+    model: torch.nn.Module,
+    kw: dict[str, Any],
+    process_group: Any,
+) -> TieredAdamW:
+    """TieredAdamW over the groups' parameters, regrouped by population."""
+    named = [pair for g in groups for pair in g["params"]]
+    regrouped = tiered_groups(named, classify(model), cfg.policy, float(cfg.weight_decay))
+    return TieredAdamW(
+        regrouped,
+        clip_update=float(cfg.clip_update),
+        master=cfg.master,
+        process_group=process_group,
+        **kw,
+    )
 
 
 def _adamw(groups: list[dict[str, Any]], kw: dict[str, Any]) -> torch.optim.AdamW:
@@ -121,13 +149,16 @@ def device_param_dtype(cfg: Any, device: torch.device) -> torch.dtype:
     """The dtype the model's weights (and so gradients) take on ``device`` (``cfg.param_dtype``).
 
     ``"auto"``: bfloat16 for ``offload_adamw`` on CUDA, where the fp32 master weights live in
-    host memory, so the device holds 4 bytes per parameter (weights and gradients); float32
-    otherwise (torch AdamW keeps the parameters as its master copy).
+    host memory, so the device holds 4 bytes per parameter (weights and gradients); for
+    ``tiered`` on CUDA, and with ``master="none"`` everywhere (its updates are stochastically
+    rounded into bf16 weights); float32 otherwise (torch AdamW keeps the parameters as its
+    master copy).
     """
     name = getattr(cfg, "param_dtype", "auto")
     if name == "auto":
-        offloaded = cfg.name == "offload_adamw" and device.type == "cuda"
-        return torch.bfloat16 if offloaded else torch.float32
+        host_master = cfg.name in ("offload_adamw", "tiered") and device.type == "cuda"
+        no_master = cfg.name == "tiered" and cfg.master == "none"
+        return torch.bfloat16 if host_master or no_master else torch.float32
     if name not in ("float32", "bfloat16"):
         raise ValueError(f"optim.param_dtype={name!r}; use 'auto', 'float32' or 'bfloat16'")
     if name == "bfloat16" and cfg.name == "adamw":

@@ -1,0 +1,409 @@
+"""TieredAdamW: optimizer state sized to each parameter population (``optim=tiered``).
+
+Why: in an MoE most parameters are experts, and each expert sees a small share of the
+tokens, so full Adam state (two fp32 moments and an fp32 master: 12 bytes a parameter) is
+mostly spent where it buys least. Each population (:mod:`moestack.optim.populations`) keeps
+only the state its policy names: a first moment or none (fp32 or bf16), a full or a factored
+second moment (Adafactor's row and column means of g^2, each expert's matrix factored on its
+own). Updates can be RMS-clipped per matrix, and with ``master="none"`` bf16 weights take
+each fp32 update by unbiased stochastic rounding, with no fp32 master copy.
+
+The equations, and why each choice the published method leaves open is made as it is, are in
+docs/optim.md ("Tiered state"); tests/optim/test_tiered.py checks them against a float64
+reference written out in the test. With every population at ``momentum=float32,
+second_moment=full`` and clipping off, the update is torch AdamW's.
+
+Under ``torch.distributed`` (data parallel behind DDP, which averages the gradients), each
+rank keeps the state of its own whole tensors only (ZeRO-1: assigned by state bytes, the same
+on every rank) and broadcasts their new weights; ``state_dict`` is collective and
+layout-free (keyed by name, stacked experts one by one), so any number of ranks loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moestack import seeding
+from moestack.optim.populations import POPULATIONS, ParamInfo
+
+log = logging.getLogger(__name__)
+
+FORMAT = "moestack-tiered-1"
+MASTER = ("float32", "none")
+_TINY = 1e-30  # the factored estimate's denominator floor (an all-zero gradient history)
+_STATS = ("sq_sum", "numel", "clipped", "units")
+
+
+class TieredAdamW(torch.optim.Optimizer):
+    """AdamW-style updates whose state each param group's policy sizes.
+
+    ``params``: groups as :func:`tiered_groups` makes them, each with ``params`` a list of
+    ``(name, tensor)`` pairs and the keys ``population``, ``momentum``, ``second_moment``,
+    ``weight_decay`` and ``stacked`` (a set of the names whose dim 0 stacks experts).
+    ``master``: ``"float32"`` keeps an fp32 copy of every parameter that is not fp32 (none is
+    needed for an fp32 one); ``"none"`` writes each update into the parameter itself, by
+    stochastic rounding when it is bf16 or fp16. ``clip_update``: the RMS threshold of each
+    matrix's update (each expert's on its own; 0 = off). ``seed``: the stochastic rounding's,
+    drawn from torch's generator when None (so the run's seed fixes it); it is saved with the
+    state, and every rounding draws from a generator keyed by (seed, parameter, expert, step),
+    so a resumed run, or one at another layout, rounds bit for bit as the uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        clip_update: float = 0.0,
+        master: str = "none",
+        seed: int | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if master not in MASTER:
+            raise ValueError(f"optim.master={master!r} is unknown; use one of {MASTER}")
+        if clip_update < 0:
+            raise ValueError(f"optim.clip_update={clip_update} must be >= 0 (0 = off)")
+        groups = list(params)
+        self.names = {id(p): n for g in groups for n, p in g["params"]}
+        self.info = {
+            n: ParamInfo(g["population"], n in g.get("stacked", ()))
+            for g in groups
+            for n, _ in g["params"]
+        }
+        for g in groups:
+            g["params"] = [p for _, p in g["params"]]
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": 0.0}
+        super().__init__(groups, defaults)
+        self.clip_update = float(clip_update)
+        self.master = master
+        self.seed = seeding.draw_seed() if seed is None else int(seed)
+        self.group = process_group
+        self.owner = _assign_owners(self.param_groups, self.names, self._ranks())
+        self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+
+    # -- the layout -------------------------------------------------------------------------
+
+    def _ranks(self) -> tuple[int, int]:
+        """(this rank, number of ranks) of the state's process group; (0, 1) alone."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    def owns(self, p: Tensor) -> bool:
+        """Whether this rank keeps ``p``'s state and computes its update."""
+        return self.owner[id(p)] == self._ranks()[0]
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every owned parameter with a gradient, then (several ranks) every
+        parameter's new weights broadcast from its owner."""
+        loss = closure() if closure is not None else None
+        self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and self.owns(p):
+                    self._update(p, group)
+        self._share_weights()
+        self._reduce_stats()
+        return loss
+
+    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
+        """The documented update of one parameter (docs/optim.md, "Tiered state")."""
+        name = self.names[id(p)]
+        info = self.info[name]
+        st = self.state[p]
+        if not st:
+            self._init_state(p, group, st)
+        st["step"] += 1
+        t = st["step"]
+        beta1, beta2 = group["betas"]
+        g = p.grad.float()
+        denom = _denominator(st, g, beta2, t, group["eps"])
+        if "m" in st:
+            m = st["m"].float().lerp_(g, 1 - beta1)
+            if m.data_ptr() != st["m"].data_ptr():
+                st["m"].copy_(m)
+            u = torch.div(m, denom, out=denom).div_(1 - beta1**t)
+        else:
+            u = torch.div(g, denom, out=denom)
+        rms, factor = _rms_and_clip(u, self.clip_update, info.stacked)
+        w = st["master"] if "master" in st else p.float()
+        decay = group["weight_decay"] if p.ndim >= 2 else 0.0
+        if decay:
+            w.mul_(1 - group["lr"] * decay)
+        if factor is None:
+            w.add_(u, alpha=-group["lr"])
+        else:
+            w.addcmul_(u, factor.reciprocal().mul_(-group["lr"]))
+        self._write(p, w, name, info, t)
+        self._count(info, u, rms, factor)
+
+    def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
+        st["step"] = 0
+        if group["momentum"] != "none":
+            st["m"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum"]))
+        if group["second_moment"] == "factored" and p.ndim >= 2:
+            st["row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
+            st["col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+        else:
+            st["v"] = torch.zeros_like(p, dtype=torch.float32)
+        if self.master == "float32" and p.dtype != torch.float32:
+            st["master"] = p.detach().float()
+
+    def _write(self, p: Tensor, w: Tensor, name: str, info: ParamInfo, step: int) -> None:
+        """``w`` (fp32) into ``p``: as it is (fp32), rounded to nearest from a master copy,
+        or (no master, bf16) stochastically rounded, each expert of a stacked tensor from a
+        generator of its own, so the draws do not depend on the layout."""
+        if p.dtype == torch.float32:
+            if w.data_ptr() != p.data_ptr():
+                p.copy_(w)
+        elif "master" in self.state[p] or p.dtype != torch.bfloat16:
+            p.copy_(w)
+        elif not info.stacked:
+            p.copy_(stochastic_round_bf16(w, self._noise_bits(w.shape, w.device, f"{name}@{step}")))
+        else:
+            for e in range(w.shape[0]):
+                noise = self._noise_bits(w.shape[1:], w.device, f"{name}/expert{e}@{step}")
+                p[e].copy_(stochastic_round_bf16(w[e], noise))
+
+    def _noise_bits(self, shape: torch.Size, device: torch.device, key: str) -> Tensor:
+        """16 random bits per element (int32), from a generator keyed by (seed, ``key``)."""
+        seed = seeding.generator(self.seed, key).initial_seed()
+        gen = torch.Generator(device).manual_seed(seed)
+        return torch.randint(0, 1 << 16, shape, dtype=torch.int32, device=device, generator=gen)
+
+    def _share_weights(self) -> None:
+        """Several ranks: every parameter's weights from the rank that updated them."""
+        rank, world = self._ranks()
+        if world == 1:
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    src = (
+                        dist.get_global_rank(self.group, self.owner[id(p)])
+                        if self.group
+                        else self.owner[id(p)]
+                    )
+                    dist.broadcast(p.data, src=src, group=self.group)
+
+    # -- what it reports --------------------------------------------------------------------
+
+    def _count(self, info: ParamInfo, u: Tensor, rms: Tensor, factor: Tensor | None) -> None:
+        """Add one parameter's update (its matrices' RMS before clipping, ``rms``, and their
+        clip factors) to its population's statistics."""
+        s = self.stats[info.population]
+        units = rms.numel()
+        applied = rms if factor is None else rms / factor
+        s["sq_sum"] += float(applied.double().square().sum()) * (u.numel() / units)
+        s["numel"] += u.numel()
+        s["clipped"] += 0 if factor is None else int((factor > 1).sum())
+        s["units"] += units
+
+    def _reduce_stats(self) -> None:
+        if self._ranks()[1] == 1:
+            return
+        flat = torch.tensor(
+            [self.stats[p][k] for p in POPULATIONS for k in _STATS], dtype=torch.float64
+        )
+        dist.all_reduce(flat, group=self.group)
+        values = iter(flat.tolist())
+        self.stats = {pop: {k: next(values) for k in _STATS} for pop in POPULATIONS}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of state this rank keeps between steps, per population (moments, factors,
+        master copies; a parameter not yet stepped holds none)."""
+        out = dict.fromkeys(POPULATIONS, 0)
+        for p, st in self.state.items():
+            pop = self.info[self.names[id(p)]].population
+            out[pop] += sum(
+                t.numel() * t.element_size() for t in st.values() if isinstance(t, Tensor)
+            )
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """``optim/<population>/update_rms`` (of the last step's updates, before the learning
+        rate), ``.../clipped`` (the share of its matrices clipped) and ``.../state_bytes`` (all
+        ranks together), for each population the model has."""
+        present = {info.population for info in self.info.values()}
+        held = self.state_bytes()
+        if self._ranks()[1] > 1:
+            flat = torch.tensor([held[p] for p in POPULATIONS], dtype=torch.float64)
+            dist.all_reduce(flat, group=self.group)
+            held = dict(zip(POPULATIONS, (int(x) for x in flat.tolist()), strict=True))
+        out: dict[str, float] = {}
+        for pop in POPULATIONS:
+            if pop not in present:
+                continue
+            s = self.stats[pop]
+            out[f"optim/{pop}/update_rms"] = (
+                math.sqrt(s["sq_sum"] / s["numel"]) if s["numel"] else 0.0
+            )
+            out[f"optim/{pop}/clipped"] = s["clipped"] / s["units"] if s["units"] else 0.0
+            out[f"optim/{pop}/state_bytes"] = float(held[pop])
+        return out
+
+    # -- the checkpoint ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The layout-free state: ``{"format", "seed", "entries"}``, entries keyed by
+        parameter name (``name/expert<e>`` for each expert of a stacked tensor). Collective
+        over the ranks holding shards (every rank returns the whole state)."""
+        own: dict[str, dict[str, Any]] = {}
+        for p, st in self.state.items():
+            name = self.names[id(p)]
+            own.update(_entries(name, st, self.info[name].stacked))
+        if self._ranks()[1] > 1:
+            gathered: list[Any] = [None] * self._ranks()[1]
+            dist.all_gather_object(gathered, own, group=self.group)
+            own = {k: v for part in gathered for k, v in part.items()}
+        return {"format": FORMAT, "seed": self.seed, "entries": dict(sorted(own.items()))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state saved by :meth:`state_dict` at any number of ranks: each rank takes
+        the entries of the parameters it owns. Raises ValueError for a state of another
+        optimizer or one missing a parameter this rank owns."""
+        if state_dict.get("format") != FORMAT:
+            raise ValueError(
+                f"optimizer state of format {state_dict.get('format')!r} is not optim=tiered's "
+                f"({FORMAT}); resume with the optimizer the run was trained with"
+            )
+        self.seed = int(state_dict["seed"])
+        entries = state_dict["entries"]
+        self.state.clear()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.owns(p):
+                    name = self.names[id(p)]
+                    st = _from_entries(name, entries, p, self.info[name].stacked)
+                    if st is not None:
+                        self.state[p] = st
+
+
+def tiered_groups(
+    named: Iterable[tuple[str, Tensor]],
+    info: dict[str, ParamInfo],
+    policy: Callable[[str], Any],
+    weight_decay: float,
+) -> list[dict[str, Any]]:
+    """One param group per population present in ``named`` (trainable ``(name, tensor)``
+    pairs), each with the population's policy (``policy(population)``: a PopulationConfig)
+    and decoupled weight decay (``policy.weight_decay``, else ``weight_decay``; matrices only)."""
+    by_pop: dict[str, list[tuple[str, Tensor]]] = {}
+    for name, p in named:
+        by_pop.setdefault(info[name].population, []).append((name, p))
+    groups = []
+    for pop in POPULATIONS:
+        if pop not in by_pop:
+            continue
+        rule = policy(pop)
+        decay = weight_decay if rule.weight_decay is None else rule.weight_decay
+        groups.append({
+            "params": by_pop[pop],
+            "population": pop,
+            "momentum": rule.momentum,
+            "second_moment": rule.second_moment,
+            "weight_decay": float(decay),
+            "stacked": {n for n, _ in by_pop[pop] if info[n].stacked},
+        })  # fmt: skip
+    return groups
+
+
+def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
+    """fp32 ``w`` to bf16, rounded up in magnitude with probability equal to the dropped
+    fraction: 16 random low bits (``noise``, int32 in [0, 2^16)) added to the bit pattern,
+    then the low 16 bits cut. Unbiased: E[round(w)] = w. Non-finite values pass as they are."""
+    bits = w.contiguous().view(torch.int32)
+    rounded = ((bits + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(w), rounded, w).to(torch.bfloat16)
+
+
+def _denominator(st: dict[str, Any], g: Tensor, beta2: float, t: int, eps: float) -> Tensor:
+    """Update the second-moment state with ``g`` and return ``sqrt(v_hat) + eps`` (a new
+    tensor): the full estimate, or the factored one, ``sqrt(r_i / mean(r)) * sqrt(c_j)``, its
+    square roots taken of the row and column vectors only."""
+    bias2 = 1 - beta2**t
+    sq = g.square()
+    if "v" in st:
+        v = st["v"].mul_(beta2).add_(sq, alpha=1 - beta2)
+        return v.sqrt().div_(math.sqrt(bias2)).add_(eps)
+    row, col = st["row"], st["col"]
+    row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1 - beta2)
+    col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
+    scale = row.mean(dim=-1, keepdim=True).clamp_min_(_TINY).mul_(bias2)
+    a = (row / scale).sqrt_().unsqueeze(-1)
+    b = col.sqrt().unsqueeze(-2)
+    return torch.addcmul(torch.full((), eps, dtype=g.dtype, device=g.device), a, b)
+
+
+def _rms_and_clip(u: Tensor, threshold: float, stacked: bool) -> tuple[Tensor, Tensor | None]:
+    """Each matrix's (each expert's) RMS of ``u``, and with clipping on the factor (>= 1,
+    broadcastable to ``u``) that brings it to at most ``threshold``; None with clipping off."""
+    dims = tuple(range(1, u.ndim)) if stacked else tuple(range(u.ndim))
+    numel = math.prod(u.shape[d] for d in dims) if dims else 1
+    rms = torch.linalg.vector_norm(u, dim=dims, keepdim=True).div_(math.sqrt(numel))
+    if threshold <= 0:
+        return rms, None
+    return rms, (rms / threshold).clamp_min_(1.0)
+
+
+def _entries(name: str, st: dict[str, Any], stacked: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A parameter's state as saved: one entry, or one per expert of a stacked tensor."""
+    tensors = {k: v.detach().cpu() for k, v in st.items() if isinstance(v, Tensor)}
+    if not stacked:
+        yield name, {"step": st["step"], **tensors}
+        return
+    for e in range(next(iter(tensors.values())).shape[0]):
+        yield (
+            f"{name}/expert{e}",
+            {"step": st["step"], **{k: v[e].clone() for k, v in tensors.items()}},
+        )
+
+
+def _from_entries(
+    name: str, entries: dict[str, Any], p: Tensor, stacked: bool
+) -> dict[str, Any] | None:
+    """The state of ``p`` from saved entries (None: never stepped when saved)."""
+    keys = [f"{name}/expert{e}" for e in range(p.shape[0])] if stacked else [name]
+    have = [k in entries for k in keys]
+    if not any(have):
+        return None
+    if not all(have):
+        missing = keys[have.index(False)]
+        raise ValueError(
+            f"optimizer state has no entry {missing!r}; it was saved for another model"
+        )
+    parts = [entries[k] for k in keys]
+    st: dict[str, Any] = {"step": int(parts[0]["step"])}
+    for k in (k for k in parts[0] if k != "step"):
+        value = torch.stack([e[k] for e in parts]) if stacked else parts[0][k]
+        st[k] = value.to(p.device)
+    return st
+
+
+def _assign_owners(
+    groups: list[dict[str, Any]], names: dict[int, str], ranks: tuple[int, int]
+) -> dict[int, int]:
+    """Each parameter's owning rank: the largest first, each to the least loaded rank (by
+    elements; ties to the lowest rank), in name order, so every rank computes the same."""
+    world = ranks[1]
+    params = sorted(
+        (p for g in groups for p in g["params"]), key=lambda p: (-p.numel(), names[id(p)])
+    )
+    load = [0] * world
+    owner = {}
+    for p in params:
+        r = min(range(world), key=lambda i: (load[i], i))
+        owner[id(p)] = r
+        load[r] += p.numel()
+    return owner
