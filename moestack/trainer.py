@@ -403,6 +403,7 @@ def log_interval(
         "perf/bad_steps": state.bad_steps,
     }
     metrics.update({k: float(v) for k, v in result.router_metrics.items()})
+    metrics.update(run.optimizer.metrics())  # the optimizer's own (optim=tiered: per population)
     metrics["eval/train_perplexity"] = perplexity(metrics["loss/train"])
     if run.exchange is not None:
         steps = state.interval_steps

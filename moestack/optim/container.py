@@ -63,6 +63,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Apply a delayed update in flight; nothing is delayed here."""
 
+    def metrics(self) -> dict[str, float]:
+        """The optimizer's own metrics of its last step (``optim/...``); none here."""
+        return {}
+
     def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """``(common, own)``: the state rank 0 writes and the parts this rank writes (its
         experts', its shard of the replicated state; none: []). Here all of it is common
@@ -113,6 +117,10 @@ class SingleOptimizer(TrainingOptimizer):
         own = getattr(self.optimizer, "synchronize", None)
         if callable(own):
             own()
+
+    def metrics(self) -> dict[str, float]:
+        own = getattr(self.optimizer, "metrics", None)
+        return own() if callable(own) else {}
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from moestack.optim import state_format
+from moestack.optim.tiered import FORMAT as TIERED_FORMAT
 
 OFFLOAD = "offload"
 ADAMW = "adamw"
@@ -76,6 +77,8 @@ def merge(
             raise ValueError(f"optimizer part of kind {part.get('kind')!r}, not one of {_KINDS}")
     if common.get("format") == state_format.FORMAT:
         return _merge_offload(common, parts, numel_of)
+    if common.get("format") == TIERED_FORMAT and not parts:
+        return common  # TieredAdamW's state is layout-free as saved
     if names is None:
         raise ValueError("merging torch AdamW parts needs the parameter names in order")
     return _merge_adamw(common, parts, names, rows_of)
