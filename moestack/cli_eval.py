@@ -34,7 +34,11 @@ EXPORT_DTYPES = ("source", "float32", "bfloat16", "float16")
 
 
 def cmd_eval(args: argparse.Namespace) -> dict:
+    """Check first, then load only what is used: a refusal the run's config decides comes
+    before its model is read, the model (and its weights' checks) before any text, and of
+    the corpus only the validation split is read and tokenised."""
     from moestack.data import eval_batches
+    from moestack.eval_corpus import validation_tokens
     from moestack.evaluation import (
         check_finite_loss,
         check_finite_weights,
@@ -43,8 +47,10 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         model_tensors,
         resolve_device,
     )
-    from moestack.runs import load_run, run_corpus
+    from moestack.runs import load_run
 
+    if args.offload:
+        check_offload_config(args.run_dir)
     # offloaded, the experts are never read into memory: the store serves them, written
     # from the checkpoint's (or the folder's) safetensors one layer at a time
     run = load_run(args.run_dir, args.checkpoint, experts=not args.offload)
@@ -57,9 +63,8 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device or cfg.device)
     codec = _text_codec(cfg.model) if args.generate else None  # the prompt refused early
     prompt = codec[0](args.prompt) if codec else []
-    corpus = run_corpus(cfg)
     batches = eval_batches(
-        corpus.val, cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
+        validation_tokens(cfg), cfg.batch_size, cfg.data.seq_len, args.batches or cfg.eval_batches
     )
     if args.offload:
         metrics, new = _eval_offloaded(args, run, batches, device, prompt)
@@ -77,6 +82,25 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     if codec:
         result["generation"] = _print_generation(codec[1], prompt, new)
     return result
+
+
+def check_offload_config(run_dir: str | Path) -> None:
+    """Refuse ``eval --offload`` of a run with LoRA adapters on its experts from its config
+    alone, before any weight is read: an expert store holds the experts, not the adapters
+    (``cache.offload.check_servable`` says the same of a model already built)."""
+    from moestack.lora import LORA_TRAINABLE
+    from moestack.runs import is_transformers_dir, load_run_config
+
+    if is_transformers_dir(run_dir):  # a model folder as it was saved: no adapters
+        return
+    cfg = load_run_config(run_dir)
+    if cfg.trainable in LORA_TRAINABLE and cfg.lora.on_experts:
+        raise MoestackError(
+            f"{run_dir} trained LoRA adapters on its experts (trainable={cfg.trainable}, "
+            f"lora.targets={cfg.lora.targets}), which an expert store does not hold: evaluate "
+            "it without --offload, or merge them (moestack export RUN OUT, for a transformers "
+            "model's run) and serve the merged model"
+        )
 
 
 def _print_generation(decode: Callable[[list[int]], str], prompt: list[int], new: list[int]) -> str:
