@@ -15,9 +15,10 @@ D]`` / ``experts.down_proj [E, D, F]``.
 
 ``check_weights(DIR)`` runs before any tensor is read (by ``iter_hf_experts`` and by
 ``load_hf_moe``): the safetensors headers must be whole (``hf_weights.folder_tensors``: a
-truncated shard names its file and tensor; the shard index may not leave the folder) and
-each routed-expert tensor must have the shape config.json implies, else one MoestackError
-naming the file and the tensor.
+truncated shard names its file and tensor; the shard index may not leave the folder), the
+experts stored in one layout (a folder holding both per-expert and fused tensors is
+refused, naming one of each) and each routed-expert tensor must have the shape config.json
+implies, else one MoestackError naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -88,12 +89,42 @@ def check_expert_shapes(info: dict[str, Any], tensors: dict[str, TensorHeader]) 
             )
 
 
+def check_one_layout(tensors: dict[str, TensorHeader]) -> None:
+    """Refuse a folder whose routed experts are stored both per expert (``experts.N.
+    gate_proj``...) and fused (``experts.gate_up_proj`` / ``down_proj``), naming a tensor
+    of each: transformers' loader fails on such a folder, and a reader taking one layout
+    would serve it while the other, with other values, is what someone else reads."""
+    layouts: dict[str, dict[int, str]] = {"per_expert": {}, "fused": {}}  # layer -> a key
+    for key in sorted(tensors):
+        match = _EXPERT_KEY.match(key)
+        if match is None:
+            continue
+        fused = match.group(2).removesuffix(".weight") in _FUSED
+        if fused or _PER_EXPERT.match(match.group(2)):
+            layouts["fused" if fused else "per_expert"].setdefault(int(match.group(1)), key)
+    if layouts["per_expert"] and layouts["fused"]:
+        both = sorted(set(layouts["per_expert"]) & set(layouts["fused"]))  # same layer first
+        per, fused = (
+            (layouts["per_expert"][both[0]], layouts["fused"][both[0]])
+            if both
+            else (min(layouts["per_expert"].values()), min(layouts["fused"].values()))
+        )
+        files = dict.fromkeys(str(tensors[k].file) for k in (per, fused))
+        raise MoestackError(
+            f"{' and '.join(files)}: the experts are stored twice, per expert ({per}) and "
+            f"fused ({fused}); which one is read would depend on the reader: keep one "
+            "layout (re-save the model, or delete the other tensors)"
+        )
+
+
 def check_weights(path: str | Path) -> dict[str, Path]:
-    """The model folder's {tensor name: file}, once its safetensors headers are whole and
-    its expert tensors have the shapes config.json implies (MoestackError naming the file
-    and the tensor otherwise). Reads headers only: run before any weight is read."""
+    """The model folder's {tensor name: file}, once its safetensors headers are whole, its
+    experts are stored in one layout (``check_one_layout``) and its expert tensors have the
+    shapes config.json implies (MoestackError naming the file and the tensor otherwise).
+    Reads headers only: run before any weight is read."""
     info = read_hf_config(path)
     tensors = folder_tensors(Path(info["path"]))
+    check_one_layout(tensors)
     check_expert_shapes(info, tensors)
     return {key: header.file for key, header in tensors.items()}
 

@@ -137,6 +137,30 @@ def test_index_naming_files_outside_the_folder_is_refused(
 
 
 @pytest.mark.parametrize("offload", [False, True], ids=["in memory", "offloaded"])
+def test_per_expert_and_fused_experts_in_one_folder_are_refused(
+    folder, tmp_path, capsys, fault_report, offload
+):
+    """Layer 1's experts stored twice, per expert and fused (transformers 5's in-memory
+    layout), with different values: transformers' loader ends in an AttributeError, the
+    offloaded path would serve one of the two (or a mix). Refused naming one of each."""
+    path = copy(folder, tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    E, D, F = cfg["num_local_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
+    gen = torch.Generator().manual_seed(0)
+    fused = {
+        "model.layers.1.mlp.experts.gate_up_proj": torch.randn(E, 2 * F, D, generator=gen),
+        "model.layers.1.mlp.experts.down_proj": torch.randn(E, D, F, generator=gen),
+    }
+    rewrite(path / "model.safetensors", lambda t: t.update(fused))
+    line = refused(capsys, fault_report, "per-expert and fused experts in one folder", "eval",
+                   str(path), *SMALL, *(["--offload"] if offload else []))  # fmt: skip
+    assert str(path / "model.safetensors") in line
+    assert "per expert (model.layers.1.mlp.experts.0.down_proj.weight)" in line
+    assert "fused (model.layers.1.mlp.experts.down_proj)" in line
+    assert not (tmp_path / "m.experts").exists()  # no expert store written from it
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["in memory", "offloaded"])
 def test_nan_expert_weights_in_a_folder(folder, tmp_path, capsys, fault_report, offload):
     path = copy(folder, tmp_path)
 
