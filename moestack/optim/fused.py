@@ -429,14 +429,18 @@ def resolve_why(requested: str, combos: Sequence[Combo]) -> tuple[Kernel | None,
     """:func:`resolve`, and why each backend tried before the one returned was unavailable
     ("" when the first choice loads): "native unavailable (...); compile unavailable (...)"."""
     reasons = []
+    level = logging.WARNING  # an error where a compiler is there and the native build failed
     for name in _ORDER[requested]:
         got = _native() if name == "native" else _compiled(combos)
         if not isinstance(got, str):
             if reasons:
-                _warn_once(f"fused host step: {'; '.join(reasons)}; using {name}")
+                _warn_once(f"fused host step: {'; '.join(reasons)}; using {name}", level)
             return got, "; ".join(reasons)
+        if isinstance(got, Unavailable) and got.broken:
+            level = logging.ERROR
+            got = f"{got}; a C++ compiler is there, so the native build is broken: report it"
         reasons.append(f"{name} unavailable ({got})")
-    _warn_once(f"fused host step: {'; '.join(reasons)}; using the unfused reference path")
+    _warn_once(f"fused host step: {'; '.join(reasons)}; using the unfused reference path", level)
     return None, "; ".join(reasons)
 
 
@@ -453,9 +457,12 @@ def host_kernel_report() -> str:
     )
     got = _native()
     if isinstance(got, str):
+        broken = (
+            ", a broken build: report it" if isinstance(got, Unavailable) and got.broken else ""
+        )
         return (
-            f"native host kernel: unavailable ({got}); {compiler}; OffloadAdamW runs the "
-            "serial step (no pipelined step, no device collectives)"
+            f"native host kernel: unavailable ({got}{broken}); {compiler}; OffloadAdamW runs "
+            "the serial step (no pipelined step, no device collectives)"
         )
     return f"native host kernel: loads ({got.path}); {compiler}"
 
@@ -465,17 +472,49 @@ def kernel_name(kernel: Kernel | None) -> str:
     return "off" if kernel is None else getattr(kernel, "name", "eager")
 
 
+class Unavailable(str):
+    """Why the native kernel is unavailable (the one-line reason, a ``str``). ``broken``:
+    a C++ compiler is there, yet the kernel did not build, load or pass its self-check: a
+    defect of the build or the kernel to report (an error), not an environment without a
+    compiler, where the fallback is the plan."""
+
+    broken: bool
+
+    def __new__(cls, why: str, broken: bool) -> Unavailable:
+        text = super().__new__(cls, why)
+        text.broken = broken
+        return text
+
+
+def native_broken() -> bool:
+    """Whether the native kernel failed although a C++ compiler exists (:class:`Unavailable`);
+    False when it loads or when there is no compiler."""
+    got = _native()
+    return isinstance(got, Unavailable) and got.broken
+
+
 def _native() -> Kernel | str:
     if "native" not in _STATE:
-        try:
-            kernel = native.load()
-            self_check(kernel, ALL_COMBOS)
-            self_check(kernel, SPLIT_COMBOS, split=True)
-            _STATE["native"] = kernel
-            log.info("fused host step: native kernel %s", kernel.path)
-        except Exception as err:  # any failure to build or load means: not available
-            _STATE["native"] = _one_line(err)
+        _STATE["native"] = _load_native()
     return _STATE["native"]
+
+
+def _load_native() -> Kernel | Unavailable:
+    """The native kernel, built, loaded and checked bitwise against the formula; or why not,
+    telling a missing compiler from a failed build or self-check."""
+    if not native.find_compiler():
+        return Unavailable("RuntimeError: no C++ compiler (set CXX, or install g++)", False)
+    try:
+        kernel = native.load()
+    except Exception as err:  # the build or the load failed: unavailable, reported as an error
+        return Unavailable(_one_line(err), True)
+    try:
+        self_check(kernel, ALL_COMBOS)
+        self_check(kernel, SPLIT_COMBOS, split=True)
+    except Exception as err:  # a wrong build must not train
+        return Unavailable(f"{_one_line(err)} (the library built, its self-check failed)", True)
+    log.info("fused host step: native kernel %s", kernel.path)
+    return kernel
 
 
 def _compiled(combos: Sequence[Combo]) -> Kernel | str:
@@ -530,10 +569,10 @@ def _seg_of(base: list[Tensor], combo: Combo, coef: tuple[float, ...], split: bo
     return Seg(x, g.to(g_dt), m.to(s_dt), v.to(s_dt), out, coef)
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, level: int = logging.WARNING) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        log.warning(message)
+        log.log(level, message)
 
 
 def _one_line(err: BaseException) -> str:
