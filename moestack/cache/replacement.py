@@ -44,7 +44,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 # Below this many requests the vectorised paths loop instead (numpy set-up costs more).
-_VECTOR_MIN = 32
+_VECTOR_MIN = 256
+# Words (64 keys each) in one level of stack_distances' sparse table: 32 MB.
+_TABLE_WORDS = 1 << 22
 
 
 def _check_capacity(capacity: int) -> int:
@@ -62,14 +64,76 @@ def _as_keys(keys: Iterable[int] | np.ndarray) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _small(values: np.ndarray) -> np.ndarray:
+    """``values`` (ints >= 0) in the narrowest unsigned dtype that holds them: numpy's stable
+    sort is a radix sort for 8 and 16 bits, several times faster than for int64."""
+    top = int(values.max()) if values.size else 0
+    dtype = np.uint8 if top < 1 << 8 else np.uint16 if top < 1 << 16 else np.int64
+    return values.astype(dtype, copy=False)
+
+
+def _previous(ids: np.ndarray) -> np.ndarray:
+    """For each position, the index of the previous position with the same id (-1: none)."""
+    prev = np.full(ids.size, -1, dtype=np.int64)
+    if ids.size > 1:
+        order = np.argsort(_small(ids), kind="stable")
+        same = ids[order[1:]] == ids[order[:-1]]
+        prev[order[1:][same]] = order[:-1][same]
+    return prev
+
+
+def _window_distinct(ids: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """For each position i with ``prev[i] >= 0``: how many distinct ids lie strictly between
+    ``prev[i]`` and i (0 elsewhere); ``ids`` are ints >= 0, as dense as may be.
+
+    Each id is one bit of a row of 64-bit words; a window's ids are the OR of its rows, read
+    off a sparse table (level L, row j: the OR of rows j .. j + 2^L - 1) as two overlapping
+    power-of-two halves, and counted with a popcount. The levels are built one at a time and
+    each answers the windows of its length class, so memory is two levels of ``len(ids)``
+    rows. Work: O(n log n) words.
+    """
+    n = ids.size
+    out = np.zeros(n, dtype=np.int64)
+    ends = np.flatnonzero(prev >= 0)
+    starts = prev[ends] + 1
+    keep = ends > starts  # an empty window counts 0
+    ends, starts = ends[keep], starts[keep]
+    if ends.size == 0:
+        return out
+    word_of, bit = ids >> 6, np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64))
+    table = [np.where(word_of == w, bit, np.uint64(0)) for w in range(int(word_of.max()) + 1)]
+    level = _small(np.frexp((ends - starts).astype(np.float64))[1] - 1)  # floor(log2(len))
+    top = int(level.max())
+    order = np.argsort(level, kind="stable")
+    bounds = np.searchsorted(level[order], np.arange(top + 2))
+    for lvl in range(top + 1):
+        sel = order[bounds[lvl] : bounds[lvl + 1]]
+        if sel.size:
+            end, start = ends[sel], starts[sel]
+            mid = end - (1 << lvl)
+            count = np.zeros(sel.size, dtype=np.int64)
+            for word in table:
+                count += np.bitwise_count(word[start] | word[mid])
+            out[end] = count
+        if lvl < top:
+            half = 1 << lvl
+            table = [word[:-half] | word[half:] for word in table]
+    return out
+
+
 def stack_distances(keys: np.ndarray, last: np.ndarray, tick: int) -> tuple[np.ndarray, np.ndarray]:
     """LRU stack (reuse) distances of ``keys``, vectorised.
 
-    ``last[u]`` is the tick of key u's latest request (-1: never); the requests get ticks
-    ``tick, tick+1, ...``. Returns ``dist`` (int64 [n]: distinct other keys requested since
-    the same key's previous request, -1 for a first request) and the updated ``last`` (a new
-    array, as long as needed). An LRU cache of capacity c hits exactly when 0 <= dist < c.
-    Work: O(n) numpy per distinct key in ``keys`` plus O(n log U); memory O(n).
+    ``last[u]`` is the tick of key u's latest request (-1: never; ticks of different keys
+    differ); the requests get ticks ``tick, tick+1, ...``. Returns ``dist`` (int64 [n]: distinct
+    other keys requested since the same key's previous request, -1 for a first request) and
+    the updated ``last`` (a new array, as long as needed). An LRU cache of capacity c hits
+    exactly when 0 <= dist < c.
+
+    The keys seen before (``last``) go first, oldest first, then ``keys``: a distance is the
+    count of distinct keys in the window between two requests of a key (``_window_distinct``).
+    Work: O(n log n x words) numpy, words = distinct keys / 64, whatever the distances; inputs
+    longer than a table of ``_TABLE_WORDS`` words are taken in pieces.
     """
     keys = np.asarray(keys, dtype=np.int64)
     n = keys.size
@@ -78,26 +142,29 @@ def stack_distances(keys: np.ndarray, last: np.ndarray, tick: int) -> tuple[np.n
     state[: last.size] = last
     if n == 0:
         return np.zeros(0, dtype=np.int64), state
-    # tick of the previous request of the same key (in this chunk, else from ``state``)
-    prev = state[keys]
-    order = np.argsort(keys, kind="stable")
-    same = keys[order[1:]] == keys[order[:-1]]
-    prev[order[1:][same]] = tick + order[:-1][same]
-    times = np.arange(tick, tick + n, dtype=np.int64)
-    present = np.flatnonzero(np.bincount(keys, minlength=size))
-    dist = np.zeros(n, dtype=np.int64)
-    for u in present.tolist():  # count keys whose latest request is newer than prev
-        col = np.where(keys == u, times, state[u])
-        np.maximum.accumulate(col, out=col)  # col[i]: latest tick of u up to request i
-        dist[0] += state[u] > prev[0]
-        dist[1:] += col[:-1] > prev[1:]
-        state[u] = col[-1]
-    # keys not requested in this chunk keep their old tick: count those newer than prev
-    absent = np.ones(size, dtype=bool)
-    absent[present] = False
-    old = np.sort(state[absent & (state >= 0)])
-    dist += old.size - np.searchsorted(old, prev, side="right")
-    dist[prev < 0] = -1
+    old = np.flatnonzero(state >= 0)
+    words = min(size, old.size + n) // 64 + 1  # at least the sparse table's row width
+    step = max(4096, _TABLE_WORDS // words - old.size)
+    if n > step:  # in pieces, each starting from the state the previous one left
+        parts = []
+        for begin in range(0, n, step):
+            dist, state = stack_distances(keys[begin : begin + step], state, tick + begin)
+            parts.append(dist)
+        return np.concatenate(parts), state
+    old = old[np.argsort(state[old], kind="stable")]
+    seq = np.concatenate([old, keys])
+    if size <= 8 * seq.size:  # dense ids through a lookup table, else by sorting
+        ids = (np.cumsum(np.bincount(seq, minlength=size) > 0) - 1)[seq]
+    else:
+        ids = np.unique(seq, return_inverse=True)[1]
+    prev = _previous(ids)
+    dist = _window_distinct(ids, prev)[old.size :]
+    dist[prev[old.size :] < 0] = -1
+    latest = np.ones(seq.size, dtype=bool)  # each key's latest request: no one's previous
+    latest[prev[prev >= 0]] = False
+    latest[: old.size] = False
+    where = np.flatnonzero(latest)
+    state[seq[where]] = tick + where - old.size
     return dist, state
 
 
@@ -159,9 +226,7 @@ class LRUPolicy(CachePolicy):
 
     def access_many(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
         arr = _as_keys(keys)
-        # the vector path costs O(n) numpy per distinct key: past a few dozen (a 128-expert
-        # layer) the O(1) dict walk is faster, with the same hits
-        if arr.size < _VECTOR_MIN or np.unique(arr).size > _VECTOR_MIN:
+        if arr.size < _VECTOR_MIN:  # numpy's set-up would cost more than the dict walk
             return super().access_many(arr)
         resident = list(self._order)
         size = max(int(arr.max()) + 1, max(resident, default=-1) + 1)
