@@ -252,3 +252,20 @@ def test_triton_impl_matches_torch_impl(dtype, atol):
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=atol, rtol=atol)
     for got, want in zip(grads["triton"], grads["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=atol * 10, rtol=atol * 10)
+
+
+def test_training_step_never_counts_with_bincount(monkeypatch):
+    """torch.bincount syncs host and device on CUDA (it sizes its output from the data);
+    tests/model/test_no_host_sync_gpu.py catches that on a GPU, this on any machine: a
+    training step of the layer with the default router losses runs with bincount refused."""
+    torch.manual_seed(0)
+    layer = MoE(16, MoEConfig(num_experts=6, top_k=2, d_ff=8, impl="torch"), RouterConfig())
+    layer.train()
+    x = torch.randn(2, 7, 16, requires_grad=True)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("torch.bincount called on the MoE hot path (a host sync on CUDA)")
+
+    monkeypatch.setattr(torch, "bincount", refused)
+    (layer(x).square().mean() + layer.aux_loss).backward()
+    assert layer.aux_loss.item() > 0 and x.grad is not None

@@ -9,17 +9,15 @@ step, and the first test checks that the counting sees a known sync (``torch.bin
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from moestack import router_losses
 from moestack.config import MoEConfig, RouterConfig
 from moestack.kernels import tuning
-from moestack.moe import MoE, moe_experts_torch, sort_by_expert
+from moestack.moe import MoE, moe_experts_torch
 from moestack.router import Router, tokens_per_expert
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -38,11 +36,6 @@ def syncs(fn: Callable[[], object]) -> list[str]:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
-
-
-def still_counts_with_bincount(*fns: Callable) -> bool:
-    """Whether code outside this change still counts with torch.bincount (a sync)."""
-    return any("bincount" in inspect.getsource(fn) for fn in fns)
 
 
 def routed(seed: int = 0) -> torch.Tensor:
@@ -134,10 +127,6 @@ def test_triton_experts_do_not_sync_on_the_new_paths(path, monkeypatch):
         tuning.clear_cache()
 
 
-@pytest.mark.xfail(
-    still_counts_with_bincount(sort_by_expert),
-    reason="moe.sort_by_expert still counts with torch.bincount (tokens_per_expert does not)",
-)
 def test_torch_experts_do_not_sync():
     x, w1, w2, weights = _expert_weights(torch.bfloat16)
     experts = routed()
@@ -153,10 +142,6 @@ def test_torch_experts_do_not_sync():
 def test_moe_layer_training_step_does_not_sync(impl, monkeypatch):
     if impl == "triton":
         pytest.importorskip("triton")
-    if still_counts_with_bincount(router_losses.load_balance) or (
-        impl == "torch" and still_counts_with_bincount(sort_by_expert)
-    ):
-        pytest.xfail("router_losses.load_balance or moe.sort_by_expert still use bincount")
     monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
     layer = MoE(D, MoEConfig(num_experts=E, top_k=K, d_ff=F, impl=impl), RouterConfig())
     layer = layer.cuda().train()
