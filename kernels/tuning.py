@@ -11,7 +11,9 @@ name, in this order:
    entry of the nearest bucket of the same variant; inside ``retune(kinds)`` the entries
    of those kinds are not read (a benchmark re-measures entries seeded or measured before
    their kind's newer candidates existed), inside ``retune(kinds, sources=("seed",))``
-   only their seeds are not (a run measures what no measurement stands behind);
+   only their seeds are not (a run measures what no measurement stands behind); a file
+   that is no table, or an entry the kernels cannot launch (``_table_check``: an unknown
+   field, a tile of 2^40 or "128"), is refused in one ValueError naming the file and entry;
 3. autotuning: time every candidate once with ``triton.testing.do_bench`` on the real
    arguments and keep the fastest (set ``MOESTACK_AUTOTUNE=0`` to skip and use the
    heuristic default instead, e.g. under CUDA-graph capture);
@@ -75,15 +77,16 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
-import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ._table_check import check_entry, check_structure, read_table_json
 
 log = logging.getLogger(__name__)
 
@@ -354,18 +357,21 @@ def parse_entry(raw: dict[str, Any], key: str, record: dict[str, str] | None) ->
     """One table entry as stored (``raw``: the config's fields, ``source`` and, if measured,
     ``provenance``). Without ``source`` (a table written before format 4): measured with
     ``record`` (its ``sources[gpu][key]`` stamp, the GPU added) where there is one, else a
-    seed."""
-    fields = dict(raw)
-    source = fields.pop("source", None)
-    provenance = fields.pop("provenance", None)
+    seed. A field the kernels cannot launch raises ValueError naming it (``check_entry``)."""
+    check_entry(raw, {f.name for f in fields(KernelConfig)} | {"source", "provenance"})
+    config = dict(raw)
+    source = config.pop("source", None)
+    provenance = config.pop("provenance", None)
     if source is None:
         source, provenance = ("measured", record) if record else ("seed", None)
-    return TableEntry(KernelConfig(**fields), source, provenance, key)
+    return TableEntry(KernelConfig(**config), source, provenance, key)
 
 
 def parse_table(data: dict[str, Any], where: str) -> dict[str, dict[str, TableEntry]]:
     """``{gpu: {key: TableEntry}}`` of a table of a readable format (``where`` names it in
-    errors): an entry that is no config, or names an unknown source, raises naming it."""
+    errors): a table of another structure (``check_structure``), an entry that is no config
+    the kernels can launch, or names an unknown source, raises naming it."""
+    check_structure(data, where)
     records = data.get("sources", {})  # format 3: {gpu: {key: {date, torch, triton}}}
     out: dict[str, dict[str, TableEntry]] = {}
     for gpu, entries in data.get("gpus", {}).items():
@@ -396,7 +402,7 @@ def _read_table(path: str) -> dict[str, dict[str, TableEntry]]:
     p = Path(path)
     if not p.is_file():
         return {}
-    data = json.loads(p.read_text())
+    data = read_table_json(p)  # an object, else one ValueError naming the file
     if data.get("format") not in READABLE_FORMATS:
         log.warning(
             "ignoring tuned-config table %s: unknown format %r (this moestack reads formats "
