@@ -17,6 +17,7 @@ from pathlib import Path
 from moestack.errors import MoestackError
 from moestack.prereg.locking import check_code, verify
 from moestack.prereg.runner import default_out_dir, is_finished, plan
+from moestack.prereg.signals import sigterm_as_interrupt
 from moestack.prereg.spec import load
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,9 @@ def run_jobs(
     amend: str | None = None,
 ) -> list[Path]:
     """Train every unfinished run of the locked study with ``jobs`` runner processes; returns
-    all run dirs. Raises, naming their logs, when a runner fails; Ctrl-C stops them all
-    (each interrupted run resumes later from its last checkpoint). A code change is checked
+    all run dirs. Raises, naming their logs, when a runner fails; Ctrl-C, or a SIGTERM to this
+    process (``timeout``, a scheduler, systemd), stops them all (each interrupted run resumes
+    later from its last checkpoint). A code change is checked
     (and, with ``amend``, put on record) once, here, before any runner starts."""
     if jobs < 1:
         raise MoestackError(f"--jobs {jobs}: give 1 or more runner processes")
@@ -46,18 +48,19 @@ def run_jobs(
     command = [sys.executable, "-m", "moestack.cli", "prereg", "run", str(path)]
     command += ["--out", str(root), "--quiet"]
     logs = [root / f"runner-{i}.log" for i in range(jobs)]
-    with contextlib.ExitStack() as stack:
+    procs: list[subprocess.Popen] = []
+    with contextlib.ExitStack() as stack, sigterm_as_interrupt():
         files = [stack.enter_context(open(p, "a")) for p in logs]
-        # their own sessions: Ctrl-C reaches this process only, which then stops each runner
-        # once (a second SIGINT would cut a runner's own clean-up short)
-        procs = [
-            subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            for f in files
-        ]
-        log.info("study %s: %d runners (logs: %s)", spec.study, jobs, root / "runner-*.log")
         try:
+            # their own sessions: Ctrl-C reaches this process only, which then stops each
+            # runner once (a second signal would cut a runner's own clean-up short)
+            for f in files:
+                procs.append(subprocess.Popen(
+                    command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+                ))  # fmt: skip
+            log.info("study %s: %d runners (logs: %s)", spec.study, jobs, root / "runner-*.log")
             _watch(procs, runs, spec.study, poll_s, progress)
-        except BaseException:  # Ctrl-C: the runners stop too (their runs resume later)
+        except BaseException:  # Ctrl-C or SIGTERM: the runners stop too (they resume later)
             _stop(procs)
             raise
     failed = [f"{logs[i]} (exit {p.returncode})" for i, p in enumerate(procs) if p.returncode]
@@ -67,18 +70,24 @@ def run_jobs(
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
-    """Interrupt the runners as Ctrl-C does (they stop between or inside runs and free their
-    claims), then kill any still running after ``grace_s``."""
+    """Stop the runners as Ctrl-C does: SIGTERM, which a runner turns into Ctrl-C's
+    KeyboardInterrupt once and then ignores (``signals``: a runner that got its own SIGTERM
+    already is not cut short), so each stops between or inside a run, records it as
+    interrupted and frees its claim; any still running after ``grace_s``, or all at once on
+    a second Ctrl-C here, is killed."""
     for proc in procs:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _watch(

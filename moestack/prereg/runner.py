@@ -23,6 +23,7 @@ from moestack.prereg.provenance import (
     is_finished,
     write_run_record,
 )
+from moestack.prereg.signals import sigterm_as_interrupt
 from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,22 @@ def run(
     anything trains.
     Nothing trains with moestack sources other than the lock's (``locking.check_code``)
     unless ``amend`` says why the change leaves the answer alone (it becomes an amendment).
-    ``train_fn`` replaces ``moestack.trainer.train``.
+    ``train_fn`` replaces ``moestack.trainer.train``. SIGTERM stops it as Ctrl-C does
+    (``signals.sigterm_as_interrupt``): the run in training is recorded as interrupted and
+    resumes later from its last checkpoint.
     """
+    with sigterm_as_interrupt():
+        return _run(path, out_dir, train_fn, progress, amend)
+
+
+def _run(
+    path: Path | str,
+    out_dir: Path | str | None,
+    train_fn: Callable[[TrainConfig, Path], dict[str, Any]] | None,
+    progress: bool,
+    amend: str | None,
+) -> list[Path]:
+    """:func:`run`'s body."""
     info = check_code(path, verify(path), amend, out_dir)
     spec = load(path)
     runs = plan(spec, out_dir)
