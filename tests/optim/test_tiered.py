@@ -1,0 +1,303 @@
+"""TieredAdamW (optim=tiered) against the equations of docs/optim.md ("Tiered state"),
+written out here in float64, and against torch.optim.AdamW where the policy makes it AdamW."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _tiered_testlib import (
+    SAVE_AFTER,
+    STEPS,
+    rank_worker,
+    run_steps,
+    small_model,
+    tiered,
+    weights,
+)
+from helpers.multiprocess import file_rendezvous, spawn_ranks
+
+from moestack.config import ModelConfig, MoEConfig, OptimConfig
+from moestack.lora import LoRAConfig, add_adapters
+from moestack.optim.populations import PopulationConfig, classify
+from moestack.optim.tiered import TieredAdamW, stochastic_round_bf16
+
+LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
+
+# -- the float64 reference of the documented equations -----------------------------------
+
+
+def reference_update(w, g, st, momentum, factored, t, wd, clip, stacked):  # noqa: ANN001, ANN201
+    """One step of the documented update in float64 (w, g: float64; st: this tensor's
+    state, filled on the first call)."""
+    b1, b2 = BETAS
+    if factored and w.ndim >= 2:
+        r = b2 * st.get("r", 0.0) + (1 - b2) * (g * g).mean(-1)
+        c = b2 * st.get("c", 0.0) + (1 - b2) * (g * g).mean(-2)
+        st["r"], st["c"] = r, c
+        v = r[..., :, None] * c[..., None, :] / r.mean(-1)[..., None, None].clamp_min(1e-30)
+    else:
+        v = st["v"] = b2 * st.get("v", 0.0) + (1 - b2) * g * g
+    v_hat = v / (1 - b2**t)
+    if momentum:
+        m = st["m"] = b1 * st.get("m", 0.0) + (1 - b1) * g
+        d = m / (1 - b1**t)
+    else:
+        d = g
+    u = d / (v_hat.sqrt() + EPS)
+    if clip > 0:
+        dims = tuple(range(1, u.ndim)) if stacked else tuple(range(u.ndim))
+        rms = u.square().mean(dim=dims, keepdim=True).sqrt()
+        u = u / (rms / clip).clamp_min(1.0)
+    if w.ndim >= 2:
+        w = w * (1 - LR * wd)
+    return w - LR * u
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
+
+
+def _grad(shape: tuple[int, ...], step: int, zero_expert: bool) -> torch.Tensor:
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+    if zero_expert:
+        g[1] = 0  # expert 1 got no tokens this step
+    return g * 3
+
+
+CASES = [
+    # shape, stacked, momentum, factored, clip, weight decay
+    ((3, 5, 7), True, False, True, 1.0, 0.1),  # experts: odd shapes, per-expert factors
+    ((3, 5, 7), True, False, True, 0.0, 0.0),  # clipping and decay off
+    ((3, 5, 7), True, True, False, 0.3, 0.1),  # experts with momentum and a full moment
+    ((5, 3), False, True, True, 0.5, 0.1),  # backbone matrix
+    ((4, 9), False, False, False, 1.0, 0.1),  # router
+    ((7,), False, True, True, 1.0, 0.1),  # a 1-D tensor: always full, never decayed
+]
+
+
+@pytest.mark.parametrize("shape,stacked,momentum,factored,clip,wd", CASES)
+def test_update_matches_float64_reference(shape, stacked, momentum, factored, clip, wd) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    w0 = torch.randn(shape, dtype=torch.float64)
+    p = torch.nn.Parameter(w0.float())
+    group = {
+        "params": [("w", p)], "population": "experts" if stacked else "backbone",
+        "momentum": "float32" if momentum else "none",
+        "second_moment": "factored" if factored else "full",
+        "weight_decay": wd, "stacked": {"w"} if stacked else set(),
+    }  # fmt: skip
+    opt = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=clip, master="none")
+    w, st = w0.clone(), {}
+    for t in range(1, 7):
+        g = _grad(shape, t, zero_expert=stacked and t % 2 == 0)
+        p.grad = g.float()
+        opt.step()
+        w = reference_update(w, g, st, momentum, factored, t, wd, clip, stacked)
+        assert _relerr(p.data, w) < 2e-6, f"step {t}"
+    expected = {"v"} if not factored or len(shape) < 2 else {"row", "col"}
+    expected |= {"m"} if momentum else set()
+    assert set(opt.state[p]) - {"step"} == expected
+
+
+def test_an_expert_without_tokens_moves_by_weight_decay_alone() -> None:
+    """Zero gradient: the factored estimate is finite, the update of that expert is 0, only
+    decay moves it (by exactly lr x wd of itself)."""
+    p = torch.nn.Parameter(torch.randn(3, 4, 6))
+    group = {"params": [("w", p)], "population": "experts", "momentum": "none",
+             "second_moment": "factored", "weight_decay": 0.1, "stacked": {"w"}}  # fmt: skip
+    opt = TieredAdamW([group], lr=LR, clip_update=1.0)
+    g = torch.randn(3, 4, 6)
+    g[2] = 0
+    before = p.detach().clone()
+    p.grad = g
+    opt.step()
+    assert torch.equal(p.data[2], before[2] * (1 - LR * 0.1))
+    assert torch.isfinite(p.data).all()
+
+
+def test_all_full_fp32_policy_is_torch_adamw() -> None:
+    """momentum=float32, second_moment=full everywhere, clipping off: torch AdamW's update."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(6, 5))
+    b = torch.nn.Parameter(a.detach().clone())
+    group = {"params": [("w", a)], "population": "backbone", "momentum": "float32",
+             "second_moment": "full", "weight_decay": 0.1, "stacked": set()}  # fmt: skip
+    ours = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=0.0)
+    ref = torch.optim.AdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.1)
+    for t in range(10):
+        g = torch.randn(6, 5, generator=torch.Generator().manual_seed(t))
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert _relerr(a.data, b.data) < 1e-6
+
+
+def test_bf16_momentum_is_rounded_each_step() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 5))
+    group = {"params": [("w", p)], "population": "backbone", "momentum": "bfloat16",
+             "second_moment": "full", "weight_decay": 0.0, "stacked": set()}  # fmt: skip
+    opt = TieredAdamW([group], lr=LR, betas=BETAS, clip_update=0.0)
+    m = torch.zeros(4, 5, dtype=torch.float64)
+    for t in range(3):
+        g = torch.randn(4, 5, generator=torch.Generator().manual_seed(t))
+        p.grad = g
+        opt.step()
+        m = (BETAS[0] * m + (1 - BETAS[0]) * g.double()).to(torch.bfloat16).double()
+    assert opt.state[p]["m"].dtype == torch.bfloat16
+    assert _relerr(opt.state[p]["m"], m) < 2**-8
+
+
+# -- stochastic rounding -------------------------------------------------------------------
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    """Each rounding is one of the two bf16 neighbours; the mean of N roundings is within 5
+    standard errors (ulp / (2 sqrt N) at most) of the fp32 value."""
+    torch.manual_seed(0)
+    w = torch.randn(64) * torch.logspace(-3, 3, 64)
+    n = 4000
+    noise = torch.randint(0, 1 << 16, (n, 64), dtype=torch.int32)
+    rounded = stochastic_round_bf16(w.expand(n, 64).contiguous(), noise).double()
+    down = (w.view(torch.int32) & -65536).view(torch.float32).double()
+    ulp = (torch.nextafter(w.bfloat16(), torch.tensor(math.inf).bfloat16()).double()
+           - w.bfloat16().double()).abs()  # fmt: skip
+    up = torch.where(down.abs() < w.double().abs(), down + down.sign() * ulp, down)
+    assert ((rounded == down) | (rounded == up)).all()
+    bound = 5 * ulp / (2 * math.sqrt(n))
+    assert ((rounded.mean(0) - w.double()).abs() <= bound).all()
+
+
+def test_stochastic_rounding_passes_non_finite() -> None:
+    w = torch.tensor([math.inf, -math.inf, math.nan, 1.0])
+    out = stochastic_round_bf16(w, torch.full((4,), 65535, dtype=torch.int32))
+    assert out[0] == math.inf and out[1] == -math.inf and out[2].isnan() and out[3] == 1.0
+
+
+def test_master_none_resumes_bitwise() -> None:
+    """bf16 weights, no master: 4 steps straight equal 2 steps, a saved state loaded into a
+    new optimizer (its own seed drawn otherwise), and 2 more, bit for bit."""
+    straight = small_model()
+    run_steps(straight, tiered(straight), range(STEPS))
+    first = small_model()
+    opt = tiered(first)
+    run_steps(first, opt, range(SAVE_AFTER))
+    saved = opt.state_dict()
+    torch.manual_seed(99)  # a resumed process's generator is elsewhere
+    again = TieredAdamW(_regroup(first), lr=1e-2, clip_update=1.0)
+    again.load_state_dict(saved)
+    run_steps(first, again, range(SAVE_AFTER, STEPS))
+    for name, p in weights(straight).items():
+        assert torch.equal(p, dict(first.named_parameters())[name].detach()), name
+
+
+def _regroup(model: torch.nn.Module) -> list[dict]:
+    from moestack.optim.tiered import tiered_groups
+
+    named = list(model.named_parameters())
+    return tiered_groups(named, classify(model), OptimConfig(name="tiered").policy, 0.1)
+
+
+def test_master_float32_keeps_an_fp32_copy() -> None:
+    """With an fp32 master the bf16 weights are the master rounded to nearest."""
+    model = small_model()
+    opt = tiered(model, master="float32")
+    run_steps(model, opt, range(3))
+    for p in model.parameters():
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32
+        assert torch.equal(p.data, master.to(torch.bfloat16))
+
+
+# -- populations, bytes, settings ------------------------------------------------------------
+
+
+def test_populations_of_a_moestack_model_with_adapters() -> None:
+    cfg = ModelConfig(vocab_size=40, d_model=12, n_layers=1, n_heads=2,
+                      moe=MoEConfig(num_experts=3, top_k=1, d_ff=10))  # fmt: skip
+    model = cfg.build()
+    add_adapters(model, LoRAConfig(rank=2, targets="both"), seed=0)
+    info = classify(model)
+    assert info["embed.weight"].population == "embeddings"
+    assert info["layers.0.moe.w1"].population == "experts" and info["layers.0.moe.w1"].stacked
+    assert info["layers.0.moe.router.weight"].population == "routers"
+    assert info["layers.0.attn.qkv.weight"].population == "backbone"
+    assert info["norm.weight"].population == "backbone"
+    lora = [n for n in info if "lora" in n]
+    assert lora and all(info[n].population == "adapters" for n in lora)
+    assert info["layers.0.moe.lora_w1_A"].stacked
+
+
+def test_state_bytes_counted_by_hand() -> None:
+    """Default policy, master none, every population stepped once: bytes worked by hand."""
+    model = small_model()
+    opt = tiered(model)
+    run_steps(model, opt, range(1))
+    d, f, e, v, layers = 12, 10, 3, 40, 2
+    experts = layers * 4 * (e * d + e * 2 * f + e * f + e * d)  # w1 [E,D,2F], w2 [E,F,D] factors
+    routers = layers * 4 * e * d  # full fp32 second moment
+    embeddings = 4 * v * d + 4 * (v + d)  # momentum + row/col factors
+    attn = layers * (4 * 3 * d * d + 4 * (3 * d + d) + 4 * d * d + 4 * (d + d))
+    norms = (2 * layers + 1) * 8 * d  # 1-D: momentum + full moment
+    assert opt.state_bytes() == {
+        "experts": experts, "routers": routers, "embeddings": embeddings,
+        "backbone": attn + norms, "adapters": 0,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ({"master": "fp16"}, "optim.master"),
+        ({"clip_update": -1.0}, "optim.clip_update"),
+        ({"experts": {"momentum": "int8"}}, "optim.experts.momentum"),
+        ({"routers": {"second_moment": "diag"}}, "optim.routers.second_moment"),
+        ({"backbone": {"weight_decay": -0.1}}, "optim.backbone.weight_decay"),
+    ],
+)
+def test_bad_settings_refused_naming_the_field(override: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        OptimConfig(name="tiered", **override)
+
+
+def test_policy_fields_reach_the_groups() -> None:
+    model = small_model(torch.float32)
+    opt = tiered(model, experts=PopulationConfig(momentum="bfloat16", second_moment="full",
+                                                 weight_decay=0.0))  # fmt: skip
+    group = next(g for g in opt.param_groups if g["population"] == "experts")
+    assert (group["momentum"], group["second_moment"], group["weight_decay"]) == (
+        "bfloat16", "full", 0.0)  # fmt: skip
+
+
+# -- several ranks ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_two_ranks_equal_one_process_and_reshard(tmp_path: Path) -> None:
+    """2 gloo ranks, each holding the state of its own tensors only, update as one process
+    bit for bit (bf16 weights, stochastic rounding); a state they saved resumes in one
+    process as the uninterrupted run."""
+    spawn_ranks(rank_worker, (2, file_rendezvous(tmp_path), str(tmp_path)), 2, "tiered ranks")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    one = small_model()
+    opt = tiered(one)
+    run_steps(one, opt, range(SAVE_AFTER))
+    whole = sum(opt.state_bytes().values())
+    run_steps(one, opt, range(SAVE_AFTER, STEPS))
+    for name, p in weights(one).items():
+        for r in ranks:
+            assert torch.equal(r["weights"][name], p), name
+    held = [r["held"] for r in ranks]
+    assert sum(held) == whole and max(held) < 0.75 * whole, held
+    assert ranks[0]["metrics"]["optim/experts/state_bytes"] == opt.metrics()[
+        "optim/experts/state_bytes"]  # fmt: skip
+    resumed = small_model()
+    again = tiered(resumed)
+    run_steps(resumed, again, range(SAVE_AFTER))
+    again.load_state_dict(ranks[1]["saved"])
+    run_steps(resumed, again, range(SAVE_AFTER, STEPS))
+    for name, p in weights(one).items():
+        assert torch.equal(dict(resumed.named_parameters())[name].detach(), p), name
