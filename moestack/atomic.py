@@ -96,28 +96,39 @@ def _aside(path: Path, kind: str) -> Path:
     return path.with_name(f".{path.name}.{kind}-{os.getpid()}")
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at ``path``: a symbolic link unlinked, never followed (what it points
+    to stays), a folder with everything in it; nothing there is no error."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def temp_dir(path: Path) -> Path:
     """A new, empty folder ``.NAME.tmp-PID`` beside ``path`` to write ``path``'s contents
-    into (made as ``mkdir`` makes any folder, under the umask: not private); one left there
-    by an earlier process that had this PID is removed first (this process removes its own
-    when it fails)."""
+    into (made as ``mkdir`` makes any folder, under the umask: not private); what an earlier
+    process that had this PID left there (a folder or a link) is removed first (this process
+    removes its own when it fails)."""
     tmp = _aside(path, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     tmp.mkdir()
     return tmp
 
 
 def install_dir(tmp: Path, path: Path) -> None:
     """Move the finished folder ``tmp`` to ``path``, every file in it flushed to disk first,
-    replacing an old one there (renamed aside to ``.NAME.old-PID`` first, so ``path`` holds
-    a whole folder or none; a kill between the two renames leaves it to ``recover_dir``)."""
+    replacing what is there (renamed aside to ``.NAME.old-PID`` first, so ``path`` holds a
+    whole folder or none; a kill between the two renames leaves it to ``recover_dir``). A
+    symbolic link at ``path`` is replaced, not followed: the link goes, what it pointed to
+    stays."""
     fsync_tree(tmp)
-    if path.exists():
+    if os.path.lexists(path):
         old = _aside(path, "old")
-        shutil.rmtree(old, ignore_errors=True)  # left by an earlier process with this PID
+        _remove(old)  # left by an earlier process with this PID
         os.rename(path, old)
         os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     else:
         os.rename(tmp, path)
     fsync_dir(path.parent)
@@ -140,8 +151,9 @@ def recover_dir(path: Path) -> None:
     """Clean up after writers of ``path`` that were killed: where ``path`` is missing, the
     newest ``.NAME.old-PID`` of a dead process is renamed back to it (the writer died
     between moving the old folder aside and the new one in); then every ``.NAME.tmp-PID``
-    and ``.NAME.old-PID`` of a dead process is removed. Folders of live processes (another
-    writer at work) are left alone."""
+    and ``.NAME.old-PID`` of a dead process is removed. Each may be a folder or a symbolic
+    link (an old ``path`` that was a link): a link is put back or unlinked, never followed.
+    What live processes left (another writer at work) is left alone."""
     pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-(\d+)")
     try:
         entries = list(path.parent.iterdir())
@@ -150,18 +162,19 @@ def recover_dir(path: Path) -> None:
     dead = {}
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[2])):
+        ours = entry.is_symlink() or entry.is_dir()  # a folder, or an old OUT that was a link
+        if match and ours and not _alive(int(match[2])):
             dead[entry] = match[1]
     olds = [entry for entry, kind in dead.items() if kind == "old"]
     if olds and not os.path.lexists(path):
-        newest = max(olds, key=lambda entry: entry.stat().st_ctime)
+        newest = max(olds, key=lambda entry: entry.lstat().st_ctime)
         os.rename(newest, path)
         fsync_dir(path.parent)
         del dead[newest]
         log.warning("%s was missing after a killed write; put back its earlier copy %s",
                     path, newest.name)  # fmt: skip
     for entry in dead:
-        shutil.rmtree(entry, ignore_errors=True)
+        _remove(entry)
         log.info("removed %s, left by a killed write of %s", entry, path)
 
 
