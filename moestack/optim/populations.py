@@ -82,27 +82,40 @@ class ParamInfo:
 
 def classify(model: nn.Module) -> dict[str, ParamInfo]:
     """Every parameter name of ``model`` (as ``named_parameters`` gives it) -> its
-    :class:`ParamInfo`, by the module that owns it (a moestack ``MoE`` or ``Router``, an
-    ``nn.Embedding``, the output projection) and, for adapters, by name."""
-    from moestack.moe import MoE  # the layer; imported here: optim is imported by the model's users
-    from moestack.router import Router
-
+    :class:`ParamInfo`, by the module that owns it: moestack's ``MoE`` and ``Router``, or
+    transformers' own (an ``*Experts`` module, stacked ``[E, ...]`` in v5; a ``*TopKRouter``;
+    the ``gate`` of a ``*SparseMoeBlock`` and its ``experts`` list in v4), an
+    ``nn.Embedding`` or the output projection; adapters by name (``lora``)."""
     embeddings = _output_embeddings(model)
     owned: dict[int, ParamInfo] = {}
-    for _, module in model.named_modules():
+    for path, module in model.named_modules():
         for attr, p in module.named_parameters(recurse=False):
-            if id(p) in owned:
-                continue
-            if "lora" in attr:
-                owned[id(p)] = ParamInfo("adapters", isinstance(module, MoE) and p.ndim == 3)
-            elif isinstance(module, MoE):
-                owned[id(p)] = ParamInfo("experts", p.ndim == 3)
-            elif isinstance(module, Router):
-                owned[id(p)] = ParamInfo("routers", False)
-            elif isinstance(module, nn.Embedding) or id(p) in embeddings:
-                owned[id(p)] = ParamInfo("embeddings", False)
+            if id(p) not in owned:
+                owned[id(p)] = _population(path, module, attr, p, id(p) in embeddings)
     backbone = ParamInfo("backbone", False)
     return {name: owned.get(id(p), backbone) for name, p in model.named_parameters()}
+
+
+def _population(
+    path: str, module: nn.Module, attr: str, p: nn.Parameter, output_embedding: bool
+) -> ParamInfo:
+    """The population of parameter ``attr`` of the module at ``path``."""
+    from moestack.moe import MoE  # the layer; imported here: optim is imported by its users
+    from moestack.router import Router
+
+    kind = type(module).__name__
+    parts = path.split(".")
+    if "lora" in attr:
+        return ParamInfo("adapters", isinstance(module, MoE) and p.ndim == 3)
+    if isinstance(module, MoE) or kind.endswith("Experts"):
+        return ParamInfo("experts", p.ndim == 3)
+    if "experts" in parts[:-1]:  # transformers v4: one module per expert
+        return ParamInfo("experts", False)
+    if isinstance(module, Router) or kind.endswith("Router") or parts[-1] == "gate":
+        return ParamInfo("routers", False)
+    if isinstance(module, nn.Embedding) or output_embedding:
+        return ParamInfo("embeddings", False)
+    return ParamInfo("backbone", False)
 
 
 def _output_embeddings(model: nn.Module) -> set[int]:

@@ -319,6 +319,37 @@ def tiered_groups(
     return groups
 
 
+def planned_state_bytes(
+    named: Iterable[tuple[str, Tensor]],
+    info: dict[str, ParamInfo],
+    policy: Callable[[str], Any],
+    master: str,
+    param_dtype: torch.dtype,
+) -> dict[str, int]:
+    """The bytes of state :class:`TieredAdamW` keeps per population for the trainable
+    ``(name, tensor)`` pairs once every one has stepped, from their shapes alone (meta
+    tensors will do): what ``state_bytes`` counts, summed over the ranks."""
+    out = dict.fromkeys(POPULATIONS, 0)
+    for name, p in named:
+        out[info[name].population] += _tensor_state_bytes(
+            p.shape, policy(info[name].population), master, param_dtype
+        )
+    return out
+
+
+def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: torch.dtype) -> int:
+    numel = math.prod(shape)
+    size = 0 if rule.momentum == "none" else numel * getattr(torch, rule.momentum).itemsize
+    if rule.second_moment == "factored" and len(shape) >= 2:
+        lead = math.prod(shape[:-2])
+        size += 4 * lead * (shape[-2] + shape[-1])
+    else:
+        size += 4 * numel
+    if master == "float32" and param_dtype != torch.float32:
+        size += 4 * numel
+    return size
+
+
 def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
     """fp32 ``w`` to bf16, rounded up in magnitude with probability equal to the dropped
     fraction: 16 random low bits (``noise``, int32 in [0, 2^16)) added to the bit pattern,

@@ -23,7 +23,7 @@ from helpers.multiprocess import file_rendezvous, spawn_ranks
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.lora import LoRAConfig, add_adapters
 from moestack.optim.populations import PopulationConfig, classify
-from moestack.optim.tiered import TieredAdamW, stochastic_round_bf16
+from moestack.optim.tiered import TieredAdamW, planned_state_bytes, stochastic_round_bf16
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
 
@@ -246,6 +246,43 @@ def test_state_bytes_counted_by_hand() -> None:
         "experts": experts, "routers": routers, "embeddings": embeddings,
         "backbone": attn + norms, "adapters": 0,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("master", ["none", "float32"])
+def test_planned_bytes_are_the_bytes_held(master: str) -> None:
+    """The plan from shapes alone (meta tensors) is what the optimizer holds after a step."""
+    model = small_model()
+    opt = tiered(model, master=master)
+    run_steps(model, opt, range(1))
+    with torch.device("meta"):
+        shapes = small_model()
+    cfg = OptimConfig(name="tiered")
+    named = list(shapes.named_parameters())
+    planned = planned_state_bytes(named, classify(shapes), cfg.policy, master, torch.bfloat16)
+    assert planned == opt.state_bytes()
+
+
+def test_transformers_populations() -> None:
+    """A transformers Qwen3-MoE model (v5: stacked experts, a TopKRouter), classified by
+    its own module types."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    info = classify(model)
+    by_pop: dict[str, list[str]] = {}
+    for name, i in info.items():
+        by_pop.setdefault(i.population, []).append(name)
+    assert sorted(by_pop["experts"]) == [
+        "model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]  # fmt: skip
+    assert all(info[n].stacked for n in by_pop["experts"])
+    assert by_pop["routers"] == ["model.layers.0.mlp.gate.weight"]
+    assert sorted(by_pop["embeddings"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert "model.layers.0.self_attn.q_proj.weight" in by_pop["backbone"]
 
 
 @pytest.mark.parametrize(
