@@ -1,7 +1,8 @@
 """Low-rank adapters (LoRA) on the routed experts and the attention projections.
 
 ``trainable=lora`` (or ``routers+lora``) freezes the model and adds, per target weight W, two
-small trained tensors whose product is added to W's output, scaled by ``alpha / rank``:
+small trained tensors whose product is added to W's output, scaled by ``alpha / rank``
+(``lora.alpha`` defaults to 2 x ``lora.rank``: a scale of 2 whatever the rank):
 
 - experts: each MoE layer's ``w1 [E, D, 2F]`` gets ``lora_w1_A [E, D, r]`` and
   ``lora_w1_B [E, r, 2F]``; ``w2 [E, F, D]`` gets ``lora_w2_A [E, F, r]`` and
@@ -44,7 +45,9 @@ class LoRAConfig:
     """The adapters of ``trainable=lora`` / ``routers+lora`` (ignored otherwise)."""
 
     rank: int = 16  # r: inner width of every adapter; 1 <= r <= min(in, out) of its weight
-    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    # the adapters' output is scaled by alpha / rank; unset (null): 2 x rank, so the scale
+    # is 2 at any rank
+    alpha: float | None = None
     dropout: float = 0.0  # dropout on each adapter's input while training (0 = none)
     targets: str = "experts"  # "experts", "attention" (its projections) or "both"
     # the frozen base weights' dtype: "bfloat16" holds them in half the memory (the adapters,
@@ -54,7 +57,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         check(self.rank >= 1, f"lora.rank={self.rank} must be >= 1 (16 is usual)")
         check(
-            math.isfinite(self.alpha) and self.alpha > 0,
+            self.alpha is None or (math.isfinite(self.alpha) and self.alpha > 0),
             f"lora.alpha={self.alpha} must be a positive number (2 x lora.rank is usual)",
         )
         check(0 <= self.dropout < 1, f"lora.dropout={self.dropout} must be in [0, 1)")
@@ -77,8 +80,25 @@ class LoRAConfig:
             _check_rank(self, "the attention projections", d_model, d_model)
 
     @property
+    def alpha_value(self) -> float:
+        """``alpha``, or 2 x ``rank`` where it is unset. The field itself stays None then: the
+        config schema is built from a default instance, and a resolved 32 there would be kept
+        by ``lora.rank=4`` (a scale of 8 nobody asked for)."""
+        return 2.0 * self.rank if self.alpha is None else float(self.alpha)
+
+    @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        """The factor on every adapter's output: ``alpha / rank`` (2 where alpha is unset)."""
+        return self.alpha_value / self.rank
+
+    def describe(self) -> str:
+        """The run's line about its adapters: rank, alpha and the scale they make, so that the
+        scale shows among the run's first lines."""
+        given = "" if self.alpha is not None else " (2 x rank: lora.alpha unset)"
+        return (
+            f"lora: rank {self.rank}, alpha {self.alpha_value:g}{given}, scale alpha/rank = "
+            f"{self.scale:g}; targets {self.targets}, dropout {self.dropout:g}"
+        )
 
     @property
     def on_experts(self) -> bool:
