@@ -16,10 +16,12 @@
     moestack report RUN_DIR [--out DIR]                       charts and an HTML page of a run
     moestack prereg lock|run|status|evaluate|keep|restore|analyze|power FILE
                                                                       pre-registered experiments
-    moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run
+    moestack plan [OVERRIDES] [--ranks N] [--device D]        the memory plan of a run (also
+             [--gpu-gb N]                                     model=hf model.path=DIR), and
+                                                              whether it fits a GPU of N GiB
     moestack --version
 
-The eval and export verbs are in ``moestack.cli_eval``.
+The eval and export verbs are in ``moestack.cli_eval``, plan in ``moestack.cli_plan``.
 
 Each verb prints its result, with progress bars on the slow ones (log lines do not break
 them); bad input, a missing file or a missing extra end with one line on stderr and exit
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from moestack.cli_eval import eval_parser, export_parser
+from moestack.cli_plan import plan_parser
 from moestack.errors import MoestackError
 
 log = logging.getLogger("moestack")
@@ -316,47 +319,6 @@ def cmd_prereg(args: argparse.Namespace) -> None:
         print(f"report: {report}")
 
 
-def cmd_plan(args: argparse.Namespace) -> None:
-    from moestack.memory_plan import plan_memory
-    from moestack.overrides import check_overrides
-    from moestack.prereg.compose import compose_config
-
-    check_overrides(args.overrides, sweep=False)  # the rule moestack-train applies
-    cfg = compose_config(args.overrides)
-    plan = plan_memory(cfg, ranks=args.ranks, device=args.device)
-    print(
-        f"memory plan: model={cfg.model.n_layers}x{cfg.model.d_model} "
-        f"optim={cfg.optim.name} checkpointing={cfg.model.checkpointing} "
-        f"ranks={plan.ranks} device={plan.device}"
-    )
-    print(plan.format())
-
-
-def _plan_parser(verbs: Any) -> None:
-    p = verbs.add_parser(
-        "plan", help="bytes of weights, gradients, optimizer state and activations of a run"
-    )
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        help="hydra overrides as for moestack-train, e.g. model=m137 optim=offload_adamw "
-        "(default: none, the default run)",
-    )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=1,
-        help="data-parallel ranks: ZeRO-1 shards of offload_adamw, batch split (default: %(default)s)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("", "cpu", "cuda"),
-        default="",
-        help="plan for this device (default: the run's device; auto is cuda when present)",
-    )
-    p.set_defaults(func=cmd_plan)
-
-
 def _telemetry_parser(verbs: Any) -> None:
     p = verbs.add_parser("telemetry", help="run a transformers MoE model over a text file")
     p.add_argument(
@@ -596,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     for add in (
         eval_parser, export_parser, _telemetry_parser, _simulate_parser, _trace_parser,
-        _report_parser, _prereg_parser, _plan_parser,
+        _report_parser, _prereg_parser, plan_parser,
     ):  # fmt: skip
         add(verbs)
     return parser

@@ -87,8 +87,9 @@ def plan_memory(
     ("cpu" or "cuda"; default: the run's, ``auto`` being cuda when one is present).
     ``model``: the run's model as built (trainable parameters set, this rank's experts under
     ``parallel.ep``), read for its shapes only; without it one is built on the meta device."""
-    if isinstance(cfg.model, HFModelConfig):
-        raise MoestackError("the memory plan covers moestack's own models, not model.path ones")
+    hf = isinstance(cfg.model, HFModelConfig)
+    if hf and not cfg.model.resolved:  # its sizes from config.json (plain JSON, no weights)
+        cfg = cfg.resolve()
     if ranks < 1:
         raise MoestackError(f"--ranks {ranks} must be >= 1")
     cfg.check_batch_split(ranks)  # a layout training refuses has no plan
@@ -103,16 +104,12 @@ def plan_memory(
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
     _weights_and_grads(plan, model, pdtype)
-    if cfg.optim.name == "adamw":
-        _adamw_lines(plan, model, pdtype, ep)
-    elif ep == 1:
-        _offload_lines(plan, cfg, pdtype, _named(cfg, model, lambda n: True), ranks)
-    else:
-        replicated = _named(cfg, model, lambda n: n not in experts)
-        _offload_lines(plan, cfg, pdtype, replicated, ranks, " (replicated)")
-        sharded = _named(cfg, model, lambda n: n in experts)
-        _offload_lines(plan, cfg, pdtype, sharded, ranks // ep, " (experts)")
+    _optimizer_lines(plan, cfg, model, pdtype, experts)
     _activation_lines(plan, cfg)
+    if hf:
+        from moestack.memory_plan_hf import HF_NOTES
+
+        plan.notes.extend(HF_NOTES)
     if cfg.trainable != "all":
         plan.notes.append(
             f"trainable={cfg.trainable}: weights and their optimizer state as trained; the "
@@ -133,12 +130,44 @@ def plan_memory(
     return plan
 
 
+def _optimizer_lines(
+    plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype,
+    experts: set[str],
+) -> None:  # fmt: skip
+    """The optimizer's state and buffers, as ``cfg.optim`` allocates them for the trained
+    parameters (under ``parallel.ep`` the replicated ones and this rank's ``experts``
+    apart): the one place that maps an optimizer to its plan lines. An optimizer gets a
+    branch here that calls its own plan (``adamw_state_bytes``, ``plan_offload``)."""
+    name, ep, ranks = cfg.optim.name, cfg.parallel.ep, plan.ranks
+    if name == "adamw":
+        _adamw_lines(plan, model, pdtype, ep)
+    elif name == "offload_adamw" and ep == 1:
+        _offload_lines(plan, cfg, pdtype, _named(cfg, model, lambda n: True), ranks)
+    elif name == "offload_adamw":
+        replicated = _named(cfg, model, lambda n: n not in experts)
+        _offload_lines(plan, cfg, pdtype, replicated, ranks, " (replicated)")
+        sharded = _named(cfg, model, lambda n: n in experts)
+        _offload_lines(plan, cfg, pdtype, sharded, ranks // ep, " (experts)")
+    else:
+        raise MoestackError(
+            f"optim={name} has no memory plan yet; plan the run with optim=adamw or "
+            "optim=offload_adamw"
+        )
+
+
 def _meta_model(cfg: TrainConfig, ranks: int) -> torch.nn.Module:
     """The run's model on the meta device (nothing allocated): trainable as ``cfg`` says and,
-    under ``parallel.ep``, cut to one rank's experts as the run cuts them."""
-    with torch.device("meta"):
-        model = cfg.model.build()
+    under ``parallel.ep``, cut to one rank's experts as the run cuts them. A transformers
+    folder's model is built from its config.json alone (``memory_plan_hf``)."""
+    if isinstance(cfg.model, HFModelConfig):
+        from moestack.memory_plan_hf import meta_hf_model
+
+        model = meta_hf_model(cfg.model)  # buffers real; adapters follow the meta weights
         add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+    else:
+        with torch.device("meta"):
+            model = cfg.model.build()
+            add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
     model.set_trainable(cfg.trainable)
     if cfg.parallel.ep > 1:  # rank 0's place in the mesh; no process group is needed
         mesh = ExpertParallelMesh(ranks, cfg.parallel.ep, 0, 0, None, None)
@@ -399,11 +428,10 @@ def log_plan(
     table: bool = True,
     model: torch.nn.Module | None = None,
 ) -> MemoryPlan | None:
-    """Log the plan at the start of a run (none for a transformers model): its table, or
-    with ``table=False`` (a sweep's later jobs) its totals in one line. ``model``: the
-    run's model as built (see :func:`plan_memory`), so that it is not built again."""
-    if isinstance(cfg.model, HFModelConfig):
-        return None
+    """Log the plan at the start of a run (moestack's models and transformers folders
+    alike): its table, or with ``table=False`` (a sweep's later jobs) its totals in one
+    line. ``model``: the run's model as built (see :func:`plan_memory`), so that it is not
+    built again."""
     plan = plan_memory(cfg, ranks, device.type, model)
     if table:
         log.info("memory plan (per rank):\n%s", plan.format())
@@ -411,6 +439,31 @@ def log_plan(
         log.info("memory plan (per rank): device %.2f MiB, host %.2f MiB (`moestack plan` for "
                  "the table)", plan.total("device") / 2**20, plan.total("host") / 2**20)  # fmt: skip
     return plan
+
+
+GIB = 2**30  # --gpu-gb counts in GiB: a "24 GB" or "80 GB" card holds about that many GiB
+
+
+def gpu_fit(plan: MemoryPlan, gpu_gb: float, cfg: TrainConfig) -> str:
+    """One line: whether the plan's device total (per rank, one GPU each) fits a GPU of
+    ``gpu_gb`` GiB (``moestack plan --gpu-gb``), by how much, and what is not counted; when
+    it does not fit, the settings of ``cfg`` that would move memory off the device."""
+    total, card = plan.total("device"), gpu_gb * GIB
+    what = f"a GPU of {gpu_gb:g} GiB: {total / 2**20:.2f} MiB planned per device"
+    if total <= card:
+        return (
+            f"device: fits {what}, {(card - total) / GIB:.2f} GiB left (not counted: the CUDA "
+            "context and the backward's transient buffers)"
+        )
+    fixes = ["optim=offload_adamw"] if cfg.optim.name == "adamw" else []
+    fixes += ["trainable=lora or routers"] if cfg.trainable == "all" else []
+    if not isinstance(cfg.model, HFModelConfig) and cfg.model.checkpointing != "block":
+        fixes.append("model.checkpointing=block")
+    fixes.append(f"a batch_size below {cfg.batch_size} or a data.seq_len below {cfg.data.seq_len}")
+    return (
+        f"device: does not fit {what}, {(total - card) / GIB:.2f} GiB over; less on the "
+        f"device: {', '.join(fixes)}"
+    )
 
 
 def log_peak(plan: MemoryPlan | None, device: torch.device) -> None:
