@@ -61,6 +61,7 @@ import torch
 
 from moestack.config import DataConfig
 from moestack.errors import MoestackError
+from moestack.metrics import human_count
 
 log = logging.getLogger(__name__)
 
@@ -374,6 +375,14 @@ def _pack(documents: list[bytes], tokenizer: Tokenizer | None, split: str) -> np
     )  # fmt: skip
 
 
+def split_size(tokens: int, tokenized: bool) -> str:
+    """A split's size for the corpus line: its token count where a tokenizer made the tokens
+    (``7.41M tokens``: a token is no byte), its bytes where the tokens are bytes (``29.1 MB``)."""
+    if tokenized:
+        return f"{human_count(tokens)} tokens"
+    return f"{tokens / 1e6:.1f} MB" if tokens >= 100_000 else f"{tokens / 1e3:.1f} kB"
+
+
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """Read the configured documents and pack each split into one token array: bytes by
     default, or ``tokenizer``'s ids with its separator between documents."""
@@ -400,10 +409,11 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
                 f"data: the {split} split of {name} has {len(tokens)} {unit}, fewer than "
                 f"data.seq_len+1={cfg.seq_len + 1}; add text or shorten data.seq_len"
             )
+    pieces = "chunks" if chunked else "docs"
     log.info(
-        "corpus %s: train %d %s / %.1f MB, val %d %s / %.1f MB",
-        name, len(parts["train"]), "chunks" if chunked else "docs", len(train) / 1e6,
-        len(parts["val"]), "chunks" if chunked else "docs", len(val) / 1e6,
+        "corpus %s: train %d %s / %s, val %d %s / %s",
+        name, len(parts["train"]), pieces, split_size(len(train), tokenizer is not None),
+        len(parts["val"]), pieces, split_size(len(val), tokenizer is not None),
     )  # fmt: skip
     return Corpus(train, val, len(parts["train"]), len(parts["val"]), name, chunked)
 
