@@ -17,6 +17,14 @@ written by rank 0), one or two files per rank:
 kind and rows, so a reader at any layout (any ``ep``, any number of ranks, one process) opens
 and verifies only the files holding the experts it needs and reads only its rows of them. No
 rank gathers another rank's experts, weights or optimizer state.
+
+Each rank file also records itself: the rank that wrote it, its kind and its rows (an
+experts file in its safetensors metadata, a ``.pt`` part under ``RECORD``).
+``check_rank_file`` compares that record with what meta.json's ``parts`` say of the file's
+name, so files swapped between ranks (or copied from another checkpoint) under a meta.json
+re-signed over them are refused, naming the file, instead of loading one rank's experts
+into another's rows. Files written before the records are checked as far as they say
+(an experts file's rows).
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 from torch import nn
 
 from moestack.atomic import fsync_file, sha256_file
+from moestack.errors import MoestackError
 
 EXPERTS = "experts"  # a part holding expert weights
 OPTIMIZER = "optimizer"  # a part holding expert optimizer state
@@ -40,6 +50,7 @@ _SUFFIX = {EXPERTS: "experts.safetensors", OPTIMIZER: "optim.pt", SHARD: "shard.
 PART_NAME = re.compile(r"rank(?P<rank>\d{5})\.(?P<suffix>experts\.safetensors|optim\.pt|shard\.pt)")
 
 Rows = tuple[int, int]
+RECORD = "rank_file"  # the key of a .pt part's own record: {"rank", "kind", "rows"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,8 @@ def write_rank_files(
     parts = [write_expert_rows(folder, rank, model)] if first_replica else []
     for part in optimizer_parts:
         if part.get("kind") == "offload_shard":
-            write = lambda path, part=part: torch.save(part, path)  # noqa: E731
+            shard = {**part, RECORD: _record(rank, SHARD, (rank, rank + 1))}
+            write = lambda path, shard=shard: torch.save(shard, path)  # noqa: E731
             parts.append(_finish(folder, part_name(rank, SHARD), SHARD, (rank, rank + 1), write))
         else:
             parts.append(write_optimizer_part(folder, rank, part, block))
@@ -125,7 +137,7 @@ def write_expert_rows(folder: Path, rank: int, model: nn.Module) -> Part:
     params = dict(model.named_parameters())
     block = block_of(rows)
     tensors = {name: params[name].detach() for name in rows}
-    meta = {"rows": f"{block[0]},{block[1]}"}
+    meta = {"rank": str(rank), "kind": EXPERTS, "rows": f"{block[0]},{block[1]}"}
     return _finish(folder, part_name(rank, EXPERTS), EXPERTS, block, lambda path: (
         write_safetensors(path, tensors, meta)))  # fmt: skip
 
@@ -169,7 +181,58 @@ def write_optimizer_part(folder: Path, rank: int, part: dict[str, Any], block: R
     """Write this rank's experts' optimizer state (a part of
     :mod:`moestack.optim.expert_state`, experts within ``block``) into ``folder``."""
     name = part_name(rank, OPTIMIZER)
-    return _finish(folder, name, OPTIMIZER, block, lambda path: torch.save(part, path))
+    recorded = {**part, RECORD: _record(rank, OPTIMIZER, block)}
+    return _finish(folder, name, OPTIMIZER, block, lambda path: torch.save(recorded, path))
+
+
+def _record(rank: int, kind: str, rows: Rows) -> dict[str, Any]:
+    """What a .pt part records of itself (``RECORD``)."""
+    return {"rank": rank, "kind": kind, "rows": list(rows)}
+
+
+def _own_record(file: Path) -> dict[str, Any]:
+    """What rank file ``file`` records of itself, as {"rank": int, "kind": str, "rows":
+    [lo, hi]}, the fields it has ({} for a part written before the records)."""
+    try:
+        if file.name.endswith(".safetensors"):
+            with safetensors.safe_open(file, framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+            own: dict[str, Any] = {k: meta[k] for k in ("kind",) if k in meta}
+            if "rank" in meta:
+                own["rank"] = int(meta["rank"])
+            if "rows" in meta:
+                own["rows"] = [int(r) for r in meta["rows"].split(",")]
+            return own
+        part = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        own = part.get(RECORD, {}) if isinstance(part, dict) else {}
+        return dict(own) if isinstance(own, dict) else {"record": own}
+    except (safetensors.SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise MoestackError(f"{file} cannot be read ({err}); use another checkpoint") from None
+
+
+def _describe(record: dict[str, Any]) -> str:
+    lo, hi = record.get("rows", ("?", "?"))
+    experts = f"experts {lo}..{hi - 1}" if isinstance(hi, int) else f"rows {[lo, hi]}"
+    return f"rank {record.get('rank', '?')}'s {record.get('kind', '?')} ({experts})"
+
+
+def check_rank_file(file: Path, record: dict[str, Any]) -> None:
+    """Refuse rank file ``file`` when what it records of itself (its rank, kind and rows)
+    is not what meta.json's ``parts`` say of its name (``record``, the rank from the name):
+    files swapped between ranks, renamed, or copied from another checkpoint, under a
+    meta.json whose digests were recomputed over them. A field the file does not record (a
+    file written before the records) is not compared."""
+    match = PART_NAME.fullmatch(file.name)
+    rank = int(match["rank"]) if match else None
+    said = {"rank": rank, "kind": record.get("kind"), "rows": list(record.get("rows", []))}
+    own = _own_record(file)
+    differ = [key for key in own if own[key] != said.get(key)]
+    if differ:
+        raise MoestackError(
+            f"{file}: holds {_describe(own)} by its own record, but meta.json's parts and its "
+            f"name say {_describe(said)} (the {'/'.join(differ)} differ): the rank files were "
+            "swapped, renamed or copied from another checkpoint; use another checkpoint"
+        )
 
 
 def _finish(folder: Path, name: str, kind: str, block: Rows, write: Any) -> Part:
