@@ -18,6 +18,11 @@ Neither layout records sequence boundaries: the T tokens are imported as one seq
 (sequence id 0, positions 0..T-1) in file order, the order the model read them. Replay does
 not use sequence ids; the switch rate then counts every consecutive pair of tokens.
 
+An npz member's .npy header is checked against the member's size before numpy reads it: a
+header claiming more bytes than the member holds (2^40 tokens in a small file), or a zip
+directory claiming more uncompressed bytes than the compressed ones can hold (deflate:
+1032 to 1), is refused without allocating what it claims.
+
 Everything is read and checked before anything is written: expert ids in [0, num_experts)
 (a bad one is named by layer, token and slot), shapes, dtypes, the meta, record headers,
 truncated records, a k that changes within a layer, layers of unequal length. A refusal is
