@@ -299,11 +299,15 @@ def test_eval_values_in_range_and_defaults():
 
 
 def test_patched_model_still_runs_after_the_checks(hf_dir):
-    """The header checks read no tensor: a loaded model computes as before."""
-    model = load_hf_moe(hf_dir("olmoe"), impl="torch")
+    """The header checks read no tensor: a loaded model computes as before, its logits
+    those of transformers' own model of the folder."""
+    path = hf_dir("olmoe")
+    model = load_hf_moe(path, impl="torch")
+    tokens = sample_tokens(model.cfg.doc_separator)
     with torch.no_grad():
-        out = model(sample_tokens(model.cfg.doc_separator))
-    assert torch.isfinite(out.logits).all()
+        out = model(tokens)
+        want = reference_model(path)(input_ids=tokens).logits
+    torch.testing.assert_close(out.logits, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("experts", [True, False])
