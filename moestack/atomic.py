@@ -97,9 +97,10 @@ def _aside(path: Path, kind: str) -> Path:
 
 
 def _remove(path: Path) -> None:
-    """Remove what is at ``path``: a symbolic link unlinked, never followed (what it points
-    to stays), a folder with everything in it; nothing there is no error."""
-    if path.is_symlink():
+    """Remove what is at ``path``: a symbolic link (or a file) unlinked, never followed
+    (what a link points to stays), a folder with everything in it; nothing there is no
+    error."""
+    if path.is_symlink() or path.is_file():
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
