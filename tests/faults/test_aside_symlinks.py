@@ -114,3 +114,12 @@ def test_a_trace_imported_into_a_linked_empty_folder_leaves_no_link(tmp_path, fa
     assert import_trace(src, tmp_path / "runs" / "again").num_tokens == 50
     assert beside(out) == ["again", "trace"]
     fault_report.add("aside links: replaced OUT a symbolic link", injected=1, recovered=1)
+
+
+def test_a_file_at_this_processs_temp_name_is_replaced(tmp_path, fault_report):
+    out = tmp_path / "OUT"
+    tmp = tmp_path / f".OUT.tmp-{os.getpid()}"
+    tmp.write_text("left by an earlier process with this PID")
+    made = atomic.temp_dir(out)
+    assert made == tmp and made.is_dir() and list(made.iterdir()) == []
+    fault_report.add("aside links: a killed writer's link", injected=1, recovered=1)
