@@ -88,6 +88,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.group = process_group
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks())
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+        self._buffers: dict[torch.device, Tensor] = {}
 
     # -- the layout -------------------------------------------------------------------------
 
@@ -113,12 +114,15 @@ class TieredAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and self.owns(p):
                     self._update(p, group)
+        self._buffers.clear()  # transient: no scratch is kept between steps
         self._share_weights()
         self._reduce_stats()
         return loss
 
     def _update(self, p: Tensor, group: dict[str, Any]) -> None:
-        """The documented update of one parameter (docs/optim.md, "Tiered state")."""
+        """The documented update of one parameter (docs/optim.md, "Tiered state"), in few
+        passes over its elements, the update built in one scratch buffer reused by every
+        parameter (no temporary of a parameter's size is allocated per step)."""
         name = self.names[id(p)]
         info = self.info[name]
         st = self.state[p]
@@ -127,15 +131,15 @@ class TieredAdamW(torch.optim.Optimizer):
         st["step"] += 1
         t = st["step"]
         beta1, beta2 = group["betas"]
-        g = p.grad.float()
-        denom = _denominator(st, g, beta2, t, group["eps"])
+        g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        u = _denominator(st, g, beta2, t, group["eps"], self._scratch(p))
         if "m" in st:
             m = st["m"].float().lerp_(g, 1 - beta1)
             if m.data_ptr() != st["m"].data_ptr():
                 st["m"].copy_(m)
-            u = torch.div(m, denom, out=denom).div_(1 - beta1**t)
+            torch.div(m, u, out=u).mul_(math.sqrt(1 - beta2**t) / (1 - beta1**t))
         else:
-            u = torch.div(g, denom, out=denom)
+            torch.div(g, u, out=u).mul_(math.sqrt(1 - beta2**t))
         rms, factor = _rms_and_clip(u, self.clip_update, info.stacked)
         w = st["master"] if "master" in st else p.float()
         decay = group["weight_decay"] if p.ndim >= 2 else 0.0
@@ -147,6 +151,15 @@ class TieredAdamW(torch.optim.Optimizer):
             w.addcmul_(u, factor.reciprocal().mul_(-group["lr"]))
         self._write(p, w, name, info, t)
         self._count(info, u, rms, factor)
+
+    def _scratch(self, p: Tensor) -> Tensor:
+        """An fp32 buffer of ``p``'s shape on its device, shared by every parameter during a
+        step (the size of the largest parameter; freed when the step ends)."""
+        numel = max(q.numel() for g in self.param_groups for q in g["params"])
+        buf = self._buffers.get(p.device)
+        if buf is None:
+            buf = self._buffers[p.device] = torch.empty(numel, dtype=torch.float32, device=p.device)
+        return buf[: p.numel()].view(p.shape)
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
@@ -359,22 +372,28 @@ def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
     return torch.where(torch.isfinite(w), rounded, w).to(torch.bfloat16)
 
 
-def _denominator(st: dict[str, Any], g: Tensor, beta2: float, t: int, eps: float) -> Tensor:
-    """Update the second-moment state with ``g`` and return ``sqrt(v_hat) + eps`` (a new
-    tensor): the full estimate, or the factored one, ``sqrt(r_i / mean(r)) * sqrt(c_j)``, its
-    square roots taken of the row and column vectors only."""
-    bias2 = 1 - beta2**t
-    sq = g.square()
+def _denominator(
+    st: dict[str, Any], g: Tensor, beta2: float, t: int, eps: float, out: Tensor
+) -> Tensor:
+    """Update the second-moment state with ``g``; write ``sqrt(v) + eps * sqrt(1 - beta2^t)``
+    into ``out`` and return it: ``sqrt(v_hat) + eps`` times ``sqrt(1 - beta2^t)`` (that scale
+    is folded into the update's, as torch's AdamW folds it). ``v`` is the full estimate or
+    the factored one, ``r_i c_j / mean(r)``, whose square root is taken of the row and
+    column vectors only (``r`` and ``c`` from the 2-norms of the rows and columns of ``g``:
+    no ``g^2`` of the parameter's size is formed)."""
+    eps_scaled = eps * math.sqrt(1 - beta2**t)
     if "v" in st:
-        v = st["v"].mul_(beta2).add_(sq, alpha=1 - beta2)
-        return v.sqrt().div_(math.sqrt(bias2)).add_(eps)
+        v = st["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        return torch.sqrt(v, out=out).add_(eps_scaled)
     row, col = st["row"], st["col"]
-    row.mul_(beta2).add_(sq.mean(dim=-1), alpha=1 - beta2)
-    col.mul_(beta2).add_(sq.mean(dim=-2), alpha=1 - beta2)
-    scale = row.mean(dim=-1, keepdim=True).clamp_min_(_TINY).mul_(bias2)
+    rows, cols = g.shape[-1], g.shape[-2]
+    row.mul_(beta2).add_(torch.linalg.vector_norm(g, dim=-1).square_(), alpha=(1 - beta2) / rows)
+    col.mul_(beta2).add_(torch.linalg.vector_norm(g, dim=-2).square_(), alpha=(1 - beta2) / cols)
+    scale = row.mean(dim=-1, keepdim=True).clamp_min_(_TINY)
     a = (row / scale).sqrt_().unsqueeze(-1)
     b = col.sqrt().unsqueeze(-2)
-    return torch.addcmul(torch.full((), eps, dtype=g.dtype, device=g.device), a, b)
+    eps_t = torch.full((), eps_scaled, dtype=out.dtype, device=out.device)
+    return torch.addcmul(eps_t, a, b, out=out)
 
 
 def _rms_and_clip(u: Tensor, threshold: float, stacked: bool) -> tuple[Tensor, Tensor | None]:
