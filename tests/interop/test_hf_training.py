@@ -14,7 +14,7 @@ from helpers.runs import killed_at, losses
 
 from moestack.cache import ExpertStore, evaluate_offloaded
 from moestack.config import OptimConfig, TelemetryConfig
-from moestack.data import eval_batches
+from moestack.data import BatchLoader, eval_batches
 from moestack.evaluation import evaluate
 from moestack.interop.hf_experts import iter_hf_expert_layers
 from moestack.interop.hf_export import export_hf
@@ -89,15 +89,31 @@ def test_router_fine_tuning_of_a_transformers_model_end_to_end(hf_dir, tmp_path,
     assert math.isfinite(offloaded["eval/perplexity"]) and offloaded["cache/misses"] > 0
 
 
-def test_resume_of_a_transformers_run_is_exact(hf_dir, tmp_path):
+def test_resume_of_a_transformers_run_is_exact(hf_dir, tmp_path, monkeypatch):
+    """Killed at step 13 (checkpoints every 10 steps), resumed: the second start draws
+    batches 10-19 alone (a resume that restarted from step 0 would draw 0-19 and log the
+    same losses), and ends with the losses and weights of an uninterrupted run."""
     source = hf_dir("mixtral")
     reference = tmp_path / "reference"
     train(hf_config(source, tmp_path, trainable="all"), reference)
     crashed = tmp_path / "crashed"
     with killed_at(13):
         train(hf_config(source, tmp_path, trainable="all"), crashed)
+    drawn = []
+    real_next = BatchLoader.next
+
+    def next_batch(self):
+        drawn.append(self.position)
+        return real_next(self)
+
+    monkeypatch.setattr(BatchLoader, "next", next_batch)
     train(hf_config(source, tmp_path, trainable="all", resume=True), crashed)
-    assert losses(crashed) == losses(reference)
+    assert drawn == list(range(10, 20))
+    assert losses(crashed) == losses(reference) and set(losses(reference)) == {5, 10, 15, 20}
+    resumed, uninterrupted = load_run(crashed).model, load_run(reference).model
+    want = uninterrupted.state_dict()
+    for name, weight in resumed.state_dict().items():
+        assert torch.equal(weight, want[name]), name
     shutil.rmtree(crashed)
 
 
