@@ -303,6 +303,11 @@ class ParallelConfig:
         )
 
 
+# offload_experts: where a run's frozen experts live (moestack.cache.streaming)
+OFFLOAD_EXPERTS = ("off", "host", "disk")
+STREAMABLE_TRAINABLE = ("routers", "lora", "routers+lora")  # the trainable= it runs with
+
+
 @dataclass
 class TrainConfig:
     """One training run: model, data, optimizer, loop settings, logging."""
@@ -344,6 +349,11 @@ class TrainConfig:
     trainable: str = "all"
     # compile each transformer block with torch.compile (CPU and CUDA; docs/memory.md)
     compile: bool = False
+    # frozen experts streamed through the expert cache (cache.*) instead of held in memory:
+    # "off", "host" (all in host memory, the cache's slots on the device) or "disk" (read
+    # from the expert store as the cache misses); with trainable=routers, lora or
+    # routers+lora only (docs/cache.md, "Training with streamed experts")
+    offload_experts: str = "off"
 
     def __post_init__(self) -> None:
         self.model = choose_model(self.model)
@@ -377,6 +387,7 @@ class TrainConfig:
             "compile=true compiles moestack's own model blocks, not a transformers model "
             "(model.path); use compile=false",
         )
+        self._check_offload_experts()
         _check(
             self.device in ("auto", "cpu", "cuda"),
             f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'",
@@ -405,6 +416,32 @@ class TrainConfig:
             self._cache_sizes()
             if self.trainable.endswith("lora"):
                 self.lora.check_fits(self.model.d_model, self.model.moe.d_ff)
+
+    def _check_offload_experts(self) -> None:
+        """``offload_experts`` streams experts that do not train, on one process's model."""
+        _check(
+            self.offload_experts in OFFLOAD_EXPERTS,
+            f"offload_experts={self.offload_experts!r} is unknown; use one of "
+            f"{', '.join(OFFLOAD_EXPERTS)}",
+        )
+        if self.offload_experts == "off":
+            return
+        _check(
+            self.trainable in STREAMABLE_TRAINABLE,
+            f"offload_experts={self.offload_experts} streams frozen experts, but "
+            f"trainable={self.trainable} trains them; use trainable=routers, lora or "
+            "routers+lora (or offload_experts=off)",
+        )
+        _check(
+            self.parallel.ep == 1,
+            f"offload_experts={self.offload_experts} runs with parallel.ep=1 (each rank "
+            f"streams every expert), not parallel.ep={self.parallel.ep}",
+        )
+        _check(
+            not self.compile,
+            f"offload_experts={self.offload_experts} loads experts inside each MoE layer, "
+            "which torch.compile cannot trace; use compile=false",
+        )
 
     def _cache_sizes(self) -> None:
         """The cache sizes the model's top_k sets when none are given, and their check."""

@@ -41,7 +41,7 @@ from moestack.cache.rerouting import reroute
 from moestack.cache.store import ExpertStore
 from moestack.errors import MoestackError
 from moestack.evaluation import evaluate, greedy_generate, prompt_tokens
-from moestack.moe import MoE, compute_dtype, run_experts
+from moestack.moe import ExpertAdapters, MoE, compute_dtype, run_experts
 from moestack.router import Router, Routing
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,13 @@ class CachedExperts:
         *,
         prefetch_limit: int,
         cache_aware_bias: float,
+        adapters: bool = False,
     ) -> None:
-        check_servable(moe, layer)
+        """``adapters=True``: the layer's LoRA adapters on its experts are applied on top of
+        the served experts (training with streamed experts); else a layer carrying them is
+        refused (``check_servable``)."""
+        if not adapters:
+            check_servable(moe, layer)
         self.layer = layer
         self.cache = cache
         self.impl = moe.cfg.impl
@@ -109,9 +114,25 @@ class CachedExperts:
         return [int(e) for e in order.tolist() if counts_E[e] > 0][: self.prefetch_limit]
 
     def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        self.prefetch_next(x_TD)
+        return self.compute(x_TD, routing.experts, routing.weights, None)
+
+    def prefetch_next(self, x_TD: torch.Tensor) -> None:
+        """Start loading the next layer's predicted experts (with a prefetching cache)."""
         if self.next_router is not None and self.cache.prefetch_enabled:
-            self.cache.prefetch(self.layer + 1, self.predict_next(x_TD))
-        experts_TK = routing.experts
+            with torch.no_grad():  # a prediction: nothing to differentiate
+                self.cache.prefetch(self.layer + 1, self.predict_next(x_TD))
+
+    def compute(
+        self,
+        x_TD: torch.Tensor,
+        experts_TK: torch.Tensor,
+        weights_TK: torch.Tensor,
+        adapters: ExpertAdapters | None,
+    ) -> torch.Tensor:
+        """The experts ``experts_TK`` (requested from the cache in trace replay order) applied
+        to ``x_TD`` and combined with ``weights_TK``, on the cache's slots (``serve``), with
+        ``adapters`` (indexed by expert id) laid out in the slots' order."""
         requests = experts_TK.reshape(-1).tolist()  # trace replay order (the routing sync)
         served = self.cache.serve(self.layer, requests)
         device = x_TD.device
@@ -119,8 +140,27 @@ class CachedExperts:
         lut_E = served.lut_E.to(device)  # expert -> slot, on the device
         if compute_dtype(x_TD, w1) != w1.dtype or self.impl == "megablocks":
             w1, w2, lut_E = _used_rows(w1, w2, lut_E, requests)
-        compact_TK = lut_E[experts_TK]
-        return run_experts(x_TD, w1, w2, compact_TK, routing.weights, self.impl)
+        args = (x_TD, w1, w2, lut_E[experts_TK], weights_TK, self.impl)
+        if adapters is None:
+            return run_experts(*args)
+        return run_experts(*args, _adapters_in_rows(adapters, lut_E, requests, w1.shape[0]))
+
+
+def _adapters_in_rows(
+    adapters: ExpertAdapters, lut_E: torch.Tensor, requests: list[int], rows: int
+) -> ExpertAdapters:
+    """The adapters of the requested experts moved to their experts' rows of the served
+    weights (``lut_E``: expert -> row), zeros in the other ``rows``: differentiable, so each
+    used expert's adapter gets exactly the gradient its rows give (the others none)."""
+    used = sorted(set(requests))
+    used_U = torch.tensor(used, dtype=torch.int64).to(lut_E.device, non_blocking=True)
+    rows_U = lut_E[used_U]
+
+    def place(a_E: torch.Tensor) -> torch.Tensor:
+        zeros = a_E.new_zeros((rows, *a_E.shape[1:]))
+        return zeros.index_copy(0, rows_U, a_E.index_select(0, used_U))
+
+    return adapters._replace(**{f: place(getattr(adapters, f)) for f in adapters._fields[:4]})
 
 
 def _used_rows(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -112,7 +113,12 @@ class ExpertStore:
         model_cfg: ModelConfig | None = None,
         *,
         read_workers: int = 8,
+        verify_loads: bool = False,
     ) -> None:
+        """``verify_loads=True`` checks every ``load`` against its file's checksum (the
+        ``per_expert`` layout only, where a file is one expert: a byte flipped on disk after
+        the store was opened is refused at the next load of it); by default each file is
+        verified once, the first time it is read."""
         self.path = Path(path)
         self._read_workers = max(1, int(read_workers))
         self._pool: ThreadPoolExecutor | None = None
@@ -152,6 +158,24 @@ class ExpertStore:
         self._verify_files()
         if model_cfg is not None:
             self.check_model(model_cfg)
+        # file name -> (checksum, bytes before the expert's data) where every load is checked
+        self._per_load: dict[str, tuple[str, int]] = {}
+        if verify_loads:
+            self._per_load = self._per_load_checks()
+            self._unverified.clear()  # each load hashes its whole file: no first-open pass
+
+    def _per_load_checks(self) -> dict[str, tuple[str, int]]:
+        """What ``load`` checks each file against with ``verify_loads``; refused in one line
+        where a file holds more than its expert (``per_layer``: a load would hash the
+        layer)."""
+        if self.layout != "per_expert":
+            raise MoestackError(
+                f"expert store {self.path} is {self.layout}: checking every load needs one "
+                "expert per file; rewrite it with ExpertStore.write(..., layout='per_expert')"
+            )
+        return {
+            f["file"]: (f[CHECKSUM], f["data_start"]) for f in self.index["files"] if CHECKSUM in f
+        }
 
     def _read_index(self) -> dict[str, Any]:
         """The parsed index, its structure checked (``store_schema.check_index``)."""
@@ -420,11 +444,30 @@ class ExpertStore:
                     fut.result()
             else:
                 pread_exact(fd, view[done:], offset + done, path)
+        if entry.file in self._per_load:
+            self._check_load(fd, entry, buf, path)
         split = entry.w1.nbytes
         return {
             "w1": buf[:split].view(entry.w1.dtype).view(entry.w1.shape),
             "w2": buf[split:].view(entry.w2.dtype).view(entry.w2.shape),
         }
+
+    def _check_load(self, fd: int, entry: ExpertEntry, buf: torch.Tensor, path: Path) -> None:
+        """The file's header, read again, and the expert's bytes just read hash to the
+        file's checksum (a per_expert file is exactly those); MoestackError naming the file
+        otherwise."""
+        want, start = self._per_load[entry.file]
+        header = bytearray(start)
+        pread_exact(fd, memoryview(header), 0, path)
+        h = hashlib.blake2b(header, digest_size=32)
+        h.update(memoryview(buf.numpy()))  # hashlib releases the GIL on large buffers
+        got = h.hexdigest()
+        if got != want or start + entry.nbytes != os.fstat(fd).st_size:
+            raise MoestackError(
+                f"expert file {path} fails its checksum at this load ({CHECKSUM} {got[:16]}..., "
+                f"the index says {want[:16]}...): its bytes changed on disk; rebuild the store: "
+                f"delete {self.path} and rerun (or ExpertStore.write)"
+            )
 
     def _read_cached(self, fd: int, view: memoryview, offset: int) -> int:
         """Bytes read without waiting for the disk (RWF_NOWAIT: only what is in the page

@@ -1,0 +1,355 @@
+"""Training with frozen experts streamed through the expert cache (``offload_experts``).
+
+A fine-tune that trains only the routers and/or LoRA adapters (``trainable=routers``,
+``lora``, ``routers+lora``) never changes the experts, so they need not be held in memory:
+``attach_streaming`` writes them once into an expert store (``cache.store_dir``, default
+``<run dir>/experts``; reused while it holds the same experts), releases the model's
+``w1``/``w2`` (meta tensors) and gives every MoE layer a ``StreamedExperts`` back-end
+(``MoE.set_experts``) that gets the experts each call uses through one ``ExpertCache``
+(``cache.*``: policy, capacity, prefetch), from the store on disk (``disk``) or from every
+expert read once into host memory (``host``, a ``HostTier``; the cache's slots on the
+device).
+
+The layer's autograd function (``_StreamedExpertsFn``) saves its inputs, the routing and
+the adapters, never an expert weight: its forward serves the experts and computes without
+a graph; its backward requests them from the cache again (so the backward runs the layers'
+loads in reverse order, counted like the forward's), recomputes the layer with a graph and
+differentiates it. The expert computation is the in-memory layer's own (``run_experts`` on
+the cache's slots, ``CachedExperts.compute``), so routers and adapters get the gradients
+of a resident run: bitwise on the CPU in float32 (tests/cache/test_streaming.py). With
+``cache.prefetch`` the forward prefetches the next layer's predicted experts (its router on
+this layer's input, as offloaded evaluation does) and the backward prefetches the previous
+layer's, which the forward recorded exactly.
+
+Loads from disk are checked against the store's checksums at every load
+(``ExpertStore(verify_loads=True)``): a byte flipped on disk mid-run is refused naming the
+file. ``StreamingState.metrics`` reports the training's own cache traffic (its forward and
+backward passes, not evaluations) per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from moestack.cache.expert_cache import ExpertCache, ExpertCacheStats
+from moestack.cache.host_tier import HostTier
+from moestack.cache.offload import CachedExperts, release_experts
+from moestack.cache.policies import default_capacity
+from moestack.cache.store import ExpertStore
+from moestack.cache.store_format import INDEX_FILE
+from moestack.errors import MoestackError
+from moestack.moe import ExpertAdapters, MoE
+from moestack.router import Routing
+
+if TYPE_CHECKING:
+    from moestack.config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+STREAMABLE = ("routers", "lora", "routers+lora")  # moestack.config.STREAMABLE_TRAINABLE
+
+
+class _Traffic:
+    """The cache's counters split by phase: ``train`` (forward and backward with a graph)
+    and ``other`` (evaluations without one); settled at each change of phase."""
+
+    def __init__(self, cache: ExpertCache) -> None:
+        self.cache = cache
+        self.phase = "train"
+        self.last = cache.stats
+        self.train = ExpertCacheStats()
+        self.reported = ExpertCacheStats()
+
+    def enter(self, phase: str) -> None:
+        if phase != self.phase:
+            self.settle()
+            self.phase = phase
+
+    def settle(self) -> None:
+        now = self.cache.stats
+        if self.phase == "train":
+            self.train = _plus(self.train, _minus(now, self.last))
+        self.last = now
+
+    def interval(self) -> ExpertCacheStats:
+        """The training's counters since the last call."""
+        self.settle()
+        out = _minus(self.train, self.reported)
+        self.reported = dataclasses.replace(self.train)
+        return out
+
+
+def _minus(a: ExpertCacheStats, b: ExpertCacheStats) -> ExpertCacheStats:
+    return ExpertCacheStats(
+        **{f.name: getattr(a, f.name) - getattr(b, f.name) for f in dataclasses.fields(a)}
+    )
+
+
+def _plus(a: ExpertCacheStats, b: ExpertCacheStats) -> ExpertCacheStats:
+    return ExpertCacheStats(
+        **{f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(a)}
+    )
+
+
+class StreamedExperts(CachedExperts):
+    """The experts back-end of one layer of a training run with streamed frozen experts:
+    ``CachedExperts``' computation (with the layer's expert adapters) inside
+    ``_StreamedExpertsFn`` wherever a gradient is wanted."""
+
+    def __init__(
+        self,
+        layer: int,
+        moe: MoE,
+        cache: ExpertCache,
+        next_router: nn.Module | None,
+        traffic: _Traffic,
+        *,
+        prefetch_limit: int,
+    ) -> None:
+        super().__init__(
+            layer, moe, cache, next_router, prefetch_limit=prefetch_limit,
+            cache_aware_bias=0.0, adapters=True,
+        )  # fmt: skip
+        self.traffic = traffic
+        self.previous: StreamedExperts | None = None  # the layer before (backward prefetch)
+        self.used: list[int] = []  # this layer's experts in its last forward, most used first
+
+    def __call__(self, moe: MoE, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        grad = torch.is_grad_enabled()
+        self.traffic.enter("train" if grad else "other")
+        self.prefetch_next(x_TD)
+        adapters = moe.expert_adapters()
+        tensors = (x_TD, routing.weights, *(adapters[:4] if adapters is not None else ()))
+        if not (grad and any(t.requires_grad for t in tensors)):
+            return self.compute(x_TD, routing.experts, routing.weights, adapters)
+        if self.cache.prefetch_enabled:
+            self.used = _by_use(routing.experts, self.num_experts, self.prefetch_limit)
+        scale, dropout = (adapters.scale, adapters.dropout) if adapters is not None else (0, 0)
+        return _StreamedExpertsFn.apply(
+            self, x_TD, routing.weights, routing.experts, scale, dropout, *tensors[2:]
+        )
+
+    def before_backward(self) -> None:
+        """Counted as training traffic; prefetch the previous layer's experts, whose
+        backward comes next."""
+        self.traffic.enter("train")
+        previous = self.previous
+        if previous is not None and previous.used and self.cache.prefetch_enabled:
+            self.cache.prefetch(previous.layer, previous.used)
+
+
+def _by_use(experts_TK: torch.Tensor, num_experts: int, limit: int) -> list[int]:
+    """The experts in ``experts_TK``, most used first, at most ``limit``."""
+    counts_E = torch.bincount(experts_TK.reshape(-1), minlength=num_experts).cpu()
+    order = torch.argsort(counts_E, descending=True, stable=True)
+    return [int(e) for e in order.tolist() if counts_E[e] > 0][:limit]
+
+
+class _StreamedExpertsFn(torch.autograd.Function):
+    """One MoE layer's experts with no expert weight kept for backward: the forward saves
+    ``x``, the routing and the adapters; the backward serves the experts again, recomputes
+    the layer with a graph (same autocast, same dropout draws) and differentiates it."""
+
+    @staticmethod
+    def forward(  # noqa: PLR0913 (autograd passes the inputs positionally)
+        ctx: Any,
+        backend: StreamedExperts,
+        x_TD: torch.Tensor,
+        weights_TK: torch.Tensor,
+        experts_TK: torch.Tensor,
+        scale: float,
+        dropout: float,
+        *adapter_tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.backend, ctx.scale, ctx.dropout = backend, scale, dropout
+        ctx.device = x_TD.device
+        ctx.autocast = _autocast_state(x_TD.device)
+        ctx.rng = _rng_state(x_TD.device) if dropout else None
+        ctx.save_for_backward(x_TD, weights_TK, experts_TK, *adapter_tensors)
+        adapters = ExpertAdapters(*adapter_tensors, scale, dropout) if adapter_tensors else None
+        return backend.compute(x_TD, experts_TK, weights_TK, adapters)
+
+    @staticmethod
+    def backward(ctx: Any, dy_TD: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_TD, weights_TK, experts_TK, *adapter_tensors = ctx.saved_tensors
+        backend: StreamedExperts = ctx.backend
+        backend.before_backward()
+        needs = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], *ctx.needs_input_grad[6:])
+        leaves = [
+            t.detach().requires_grad_(need)
+            for t, need in zip((x_TD, weights_TK, *adapter_tensors), needs, strict=True)
+        ]
+        with torch.enable_grad(), _autocast(ctx.device, ctx.autocast), _rng(ctx.device, ctx.rng):
+            adapters = (
+                ExpertAdapters(*leaves[2:], ctx.scale, ctx.dropout) if adapter_tensors else None
+            )
+            y_TD = backend.compute(leaves[0], experts_TK, leaves[1], adapters)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(y_TD, wanted, dy_TD, allow_unused=True))
+        out = [next(grads) if t.requires_grad else None for t in leaves]
+        return (None, out[0], out[1], None, None, None, *out[2:])
+
+
+def _autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    kind = device.type
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def _autocast(device: torch.device, state: tuple[bool, torch.dtype]) -> Any:
+    enabled, dtype = state
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _rng(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> Iterator:
+    """The forward's random state inside (its dropout draws again), the caller's after."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+@dataclasses.dataclass
+class StreamingState:
+    """A training run's streamed experts: the store, the tier the cache reads
+    (the store, or a ``HostTier`` with ``offload_experts=host``), the cache and the
+    layers' back-ends."""
+
+    mode: str
+    store: ExpertStore
+    cache: ExpertCache
+    backends: list[StreamedExperts]
+    traffic: _Traffic
+
+    def metrics(self, steps: int = 1) -> dict[str, float]:
+        """The training's cache traffic since the last call, per step over ``steps`` steps
+        (evaluations excluded): ``cache/bytes_moved`` (bytes copied into the cache's slots:
+        from disk or the host tier), ``cache/bytes_read`` (from the disk), ``cache/loads``,
+        ``cache/requests``, ``cache/hit_rate`` (over the interval) and ``cache/stall_s``
+        (seconds waited on reads)."""
+        if steps < 1:
+            raise ValueError(f"steps={steps} must be >= 1")
+        d = self.traffic.interval()
+        return {
+            "cache/bytes_moved": d.bytes_to_device / steps,
+            "cache/bytes_read": d.bytes_read / steps,
+            "cache/loads": d.loads / steps,
+            "cache/requests": d.requests / steps,
+            "cache/hit_rate": d.hit_rate,
+            "cache/stall_s": d.stall_s / steps,
+        }
+
+    def close(self) -> None:
+        """Stop the cache's prefetch threads and close the store's files."""
+        self.cache.close()
+        self.store.close()
+
+
+def store_path(cfg: TrainConfig, out_dir: str | Path) -> Path:
+    """Where a run's streamed experts are stored: ``cache.store_dir`` or
+    ``<out_dir>/experts``."""
+    return Path(cfg.cache.store_dir) if cfg.cache.store_dir else Path(out_dir) / "experts"
+
+
+def attach_streaming(
+    model: nn.Module, cfg: TrainConfig, out_dir: str | Path
+) -> StreamingState | None:
+    """Stream ``model``'s frozen experts through an expert cache from now on (None with
+    ``offload_experts=off``); call it once the model is on its device in its final dtype
+    and frozen, before the optimizer is built. The experts are written to the store first
+    (or a store of the same experts is reused), then released from memory. A model whose
+    experts are not in memory (meta) needs that store already there."""
+    mode = cfg.offload_experts
+    if mode == "off":
+        return None
+    if cfg.trainable not in STREAMABLE:
+        raise MoestackError(
+            f"offload_experts={mode} streams frozen experts, but trainable={cfg.trainable} "
+            "trains them; use trainable=routers, lora or routers+lora"
+        )
+    moes = list(model.moe_layers)
+    device = next(p.device for p in model.parameters() if not p.is_meta)
+    store = frozen_store(moes, store_path(cfg, out_dir), cfg.model)
+    release_experts(model)
+    tier = (
+        HostTier.read(store, pin=device.type == "cuda", progress=False) if mode == "host" else store
+    )
+    top_k = moes[0].cfg.top_k
+    capacity = None if cfg.cache.capacity_bytes else (cfg.cache.capacity or default_capacity(top_k))
+    cache = ExpertCache(
+        tier, capacity, cfg.cache.policy, device=device, prefetch=cfg.cache.prefetch,
+        capacity_bytes=cfg.cache.capacity_bytes or None, warmup=cfg.cache.warmup, top_k=top_k,
+    )  # fmt: skip
+    traffic = _Traffic(cache)
+    backends = []
+    for i, moe in enumerate(moes):
+        nxt = moes[i + 1].router if i + 1 < len(moes) else None
+        backend = StreamedExperts(i, moe, cache, nxt, traffic, prefetch_limit=cache.capacity)
+        backend.previous = backends[-1] if backends else None
+        backends.append(backend)
+        moe.set_experts(backend)
+    log.info(
+        "offload_experts=%s: %d MoE layers' experts streamed from %s through a %s cache of %d "
+        "experts per layer", mode, len(moes), store.path, cache.policy_name, cache.capacity,
+    )  # fmt: skip
+    return StreamingState(mode, store, cache, backends, traffic)
+
+
+def experts_digest(moes: list[MoE]) -> str:
+    """BLAKE2b of every layer's ``w1``/``w2`` (shapes, dtype and bytes): what the store of
+    a run's frozen experts was written from."""
+    h = hashlib.blake2b(digest_size=32)
+    for moe in moes:
+        for t in (moe.w1, moe.w2):
+            host = t.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+            h.update(memoryview(host.view(torch.uint8).numpy()))
+    return "experts blake2b:" + h.hexdigest()
+
+
+def frozen_store(moes: list[MoE], path: Path, model_cfg: Any) -> ExpertStore:
+    """The store of these layers' experts at ``path``, every load checked against its
+    checksums: the one there when it holds the same experts (or when the experts are not
+    in memory), else written from the layers."""
+    resident = not any(moe.w1.is_meta or moe.w2.is_meta for moe in moes)
+    source = experts_digest(moes) if resident else None
+    if (path / INDEX_FILE).is_file():
+        try:
+            store = ExpertStore(path, model_cfg, verify_loads=True)
+        except MoestackError as err:
+            if not resident:
+                raise
+            log.warning("rewriting expert store %s: %s", path, err)
+        else:
+            if source is None or store.meta.get("source") == source:
+                return store
+            log.info("expert store %s holds other experts; rewriting it", path)
+            store.close()
+    if not resident:
+        raise MoestackError(
+            f"the model's experts are not in memory and {path} holds no expert store: write "
+            "one from its weights first (ExpertStore.write_layers), or build it with experts"
+        )
+    layers = ((moe.w1.detach(), moe.w2.detach()) for moe in moes)
+    ExpertStore.write_layers(
+        layers, path, model_cfg=model_cfg, meta={"source": source}, overwrite=True
+    ).close()
+    return ExpertStore(path, model_cfg, verify_loads=True)
