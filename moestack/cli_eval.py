@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from moestack.config import CacheConfig, TrainConfig
+from moestack.config import CacheConfig, HFModelConfig, TrainConfig
 from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     from moestack.runs import load_run
 
     if args.offload:
-        check_offload_config(args.run_dir)
+        check_offload_config(args)
     # offloaded, the experts are never read into memory: the store serves them, written
     # from the checkpoint's (or the folder's) safetensors one layer at a time
     run = load_run(args.run_dir, args.checkpoint, experts=not args.offload)
@@ -84,19 +84,31 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     return result
 
 
-def check_offload_config(run_dir: str | Path) -> None:
-    """Refuse ``eval --offload`` of a run with LoRA adapters on its experts from its config
-    alone, before any weight is read: an expert store holds the experts, not the adapters
-    (``cache.offload.check_servable`` says the same of a model already built)."""
+def check_offload_config(args: argparse.Namespace) -> None:
+    """Refuse what ``eval --offload`` cannot do from the command line and the run's config
+    alone, before any weight or text is read: ``--policy belady`` (it needs the future), a
+    cache smaller than one token's experts, and a run with LoRA adapters on its experts (an
+    expert store holds the experts, not the adapters; ``cache.offload.check_servable`` says
+    the same of a model already built). A folder whose config cannot be read is left to
+    ``load_run``, which says why."""
     from moestack.lora import LORA_TRAINABLE
     from moestack.runs import is_transformers_dir, load_run_config
 
-    if is_transformers_dir(run_dir):  # a model folder as it was saved: no adapters
+    try:
+        if is_transformers_dir(args.run_dir):  # the default run's settings, no adapters
+            cfg, top_k = TrainConfig(), HFModelConfig(path=str(args.run_dir)).resolve().moe.top_k
+        else:
+            cfg = load_run_config(args.run_dir)
+            top_k = cfg.model.moe.top_k
+    except MoestackError:  # not a run, or its source folder changed: load_run says which
         return
-    cfg = load_run_config(run_dir)
+    cache_cfg = _cache_config(args, cfg.cache)
+    if cache_cfg.policy == "belady":
+        raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
+    _check_capacity(cache_cfg, top_k)
     if cfg.trainable in LORA_TRAINABLE and cfg.lora.on_experts:
         raise MoestackError(
-            f"{run_dir} trained LoRA adapters on its experts (trainable={cfg.trainable}, "
+            f"{args.run_dir} trained LoRA adapters on its experts (trainable={cfg.trainable}, "
             f"lora.targets={cfg.lora.targets}), which an expert store does not hold: evaluate "
             "it without --offload, or merge them (moestack export RUN OUT, for a transformers "
             "model's run) and serve the merged model"
@@ -144,10 +156,7 @@ def _eval_offloaded(
     from moestack.meta_load import resident_bytes
     from moestack.runs import move_resident
 
-    cache_cfg = _cache_config(args, run.cfg.cache)
-    if cache_cfg.policy == "belady":
-        raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
-    _check_capacity(cache_cfg, run.cfg.model.moe.top_k)  # before the store is written
+    cache_cfg = _cache_config(args, run.cfg.cache)  # checked by check_offload_config
     for layer, moe in enumerate(run.model.moe_layers):
         check_servable(moe, layer)
     bare = run.checkpoint == run.run_dir  # a transformers model folder itself, not a run
@@ -219,8 +228,6 @@ def _text_codec(model_cfg: Any) -> Codec:
     models, the folder's tokenizer for transformers models. The decoded text is valid
     Unicode (no lone surrogates), so it prints as text; a prompt that encodes to no token
     is refused."""
-    from moestack.interop.hf_model import HFModelConfig
-
     if isinstance(model_cfg, HFModelConfig):
         from moestack.interop.hf_tokenizer import load_tokenizer
 
@@ -252,7 +259,6 @@ def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.checkpoint import model_sha256
     from moestack.evaluation import check_finite_weights, model_tensors
     from moestack.interop.hf_export import export_hf
-    from moestack.interop.hf_model import HFModelConfig
     from moestack.lora import merge_adapters
     from moestack.runs import load_run
 

@@ -165,3 +165,28 @@ def test_offloaded_eval_of_an_attention_only_lora_run_is_not_refused_for_its_ada
     train(cfg, tmp_path / "run")
     result = _eval(str(tmp_path / "run"), "--offload", "--batches", "1", "--capacity", "2")
     assert result["loss/val"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--policy", "belady"], "--policy belady needs the future"),
+        (["--capacity", "1"], "--capacity 1 is below moe.top_k=2"),
+    ],
+    ids=["belady", "capacity"],
+)
+@pytest.mark.parametrize("kind", ["run", "folder"])
+def test_offload_settings_are_refused_before_the_model_is_loaded(
+    kind, argv, message, lora_run, hf_folder, monkeypatch, no_corpus
+):
+    """A cache that cannot serve (top-2 models: a run of moestack's and a qwen3_moe folder)."""
+    import moestack.runs
+
+    def load_run(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(moestack.runs, "load_run", load_run)
+    where = lora_run if kind == "run" else hf_folder
+    with pytest.raises(MoestackError, match=message):
+        _eval(str(where), "--offload", *argv)
+    assert no_corpus == []
