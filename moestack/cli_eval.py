@@ -9,7 +9,12 @@ changed since it trained (``runs.load_run``), and weights holding NaN/inf, namin
 Counts and the cache-aware bias are checked by the argument parser (``count_arg``,
 ``warmup_arg``, ``bias_arg``), naming the option. ``eval`` prints its metrics as JSON, then
 (``--generate``) the generated text as text; ``--help`` says which text a model folder is
-evaluated on (``model_folder_text``)."""
+evaluated on (``model_folder_text``).
+
+``eval`` checks first and loads only what it uses: what the command line and the run's config
+decide (``check_offload_config``) before the model is read, the model and its weights' checks
+before any text, and of the corpus only the validation split
+(``moestack.eval_corpus.validation_tokens``)."""
 
 from __future__ import annotations
 
