@@ -362,6 +362,9 @@ def verify_file(path: Path | str, name: str, meta: dict[str, Any]) -> None:
             f"{file} cannot be read: its sha256 differs from the one in {META_FILE} (the file "
             "changed after it was written); use an older checkpoint"
         )
+    record = meta.get("parts", {}).get(name)
+    if record is not None:  # a rank file holds the rank and rows meta.json names for it
+        checkpoint_parts.check_rank_file(file, record)
 
 
 def verify_checkpoint(path: Path | str) -> dict[str, Any]:
