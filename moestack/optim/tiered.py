@@ -379,29 +379,29 @@ def _denominator(
     into ``out`` and return it: ``sqrt(v_hat) + eps`` times ``sqrt(1 - beta2^t)`` (that scale
     is folded into the update's, as torch's AdamW folds it). ``v`` is the full estimate or
     the factored one, ``r_i c_j / mean(r)``, whose square root is taken of the row and
-    column vectors only (``r`` and ``c`` from the 2-norms of the rows and columns of ``g``:
-    no ``g^2`` of the parameter's size is formed)."""
+    column vectors only (``g^2`` is formed in ``out``, which the estimate then takes)."""
     eps_scaled = eps * math.sqrt(1 - beta2**t)
     if "v" in st:
         v = st["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
         return torch.sqrt(v, out=out).add_(eps_scaled)
     row, col = st["row"], st["col"]
-    rows, cols = g.shape[-1], g.shape[-2]
-    row.mul_(beta2).add_(torch.linalg.vector_norm(g, dim=-1).square_(), alpha=(1 - beta2) / rows)
-    col.mul_(beta2).add_(torch.linalg.vector_norm(g, dim=-2).square_(), alpha=(1 - beta2) / cols)
+    sq = torch.mul(g, g, out=out)
+    row.mul_(beta2).add_(sq.sum(dim=-1), alpha=(1 - beta2) / g.shape[-1])
+    col.mul_(beta2).add_(sq.sum(dim=-2), alpha=(1 - beta2) / g.shape[-2])
     scale = row.mean(dim=-1, keepdim=True).clamp_min_(_TINY)
-    a = (row / scale).sqrt_().unsqueeze(-1)
-    b = col.sqrt().unsqueeze(-2)
-    eps_t = torch.full((), eps_scaled, dtype=out.dtype, device=out.device)
-    return torch.addcmul(eps_t, a, b, out=out)
+    a = (row / scale).sqrt_().view(-1, g.shape[-2], 1)
+    b = col.sqrt().view(-1, 1, g.shape[-1])
+    torch.bmm(a, b, out=out.view(-1, g.shape[-2], g.shape[-1]))  # the outer product r c
+    return out.add_(eps_scaled)
 
 
 def _rms_and_clip(u: Tensor, threshold: float, stacked: bool) -> tuple[Tensor, Tensor | None]:
     """Each matrix's (each expert's) RMS of ``u``, and with clipping on the factor (>= 1,
     broadcastable to ``u``) that brings it to at most ``threshold``; None with clipping off."""
-    dims = tuple(range(1, u.ndim)) if stacked else tuple(range(u.ndim))
-    numel = math.prod(u.shape[d] for d in dims) if dims else 1
-    rms = torch.linalg.vector_norm(u, dim=dims, keepdim=True).div_(math.sqrt(numel))
+    units = u.shape[0] if stacked else 1
+    flat = u.view(units, -1)
+    rms = torch.linalg.vector_norm(flat, dim=1).div_(math.sqrt(flat.shape[1]))
+    rms = rms.view((units,) + (1,) * (u.ndim - 1) if stacked else (1,) * u.ndim)
     if threshold <= 0:
         return rms, None
     return rms, (rms / threshold).clamp_min_(1.0)
