@@ -35,7 +35,8 @@ def validation_tokens(cfg: TrainConfig) -> np.ndarray:
         raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
     documents, name = _documents(cfg)
     packer, pending = data._split_documents(documents, cfg.data)
-    if not packer.both_filled():  # load_corpus's fallback: split chunks of the documents
+    chunked = not packer.both_filled()
+    if chunked:  # load_corpus's fallback: split chunks of the documents
         if not pending:
             raise MoestackError(f"data: no text found in {name}; point data.paths at text files")
         empty = "training" if packer.parts["val"] else "validation"
@@ -48,8 +49,8 @@ def validation_tokens(cfg: TrainConfig) -> np.ndarray:
             f"data: the validation split of {name} has {len(val)} {unit}, fewer than "
             f"data.seq_len+1={cfg.data.seq_len + 1}; add text or shorten data.seq_len"
         )
-    log.info("corpus %s: val %d docs / %.1f MB (the training split left unread)",
-             name, len(parts), len(val) / 1e6)  # fmt: skip
+    log.info("corpus %s: val %d %s / %d tokens (the training split left untokenised)",
+             name, len(parts), "chunks" if chunked else "docs", len(val))  # fmt: skip
     return val
 
 
