@@ -30,6 +30,7 @@ from typing import Any
 import moestack
 from moestack import atomic
 from moestack.config import TrainConfig
+from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,10 @@ class StartRecord:
 
     def end(self, err: BaseException | None) -> None:
         """Mark the begun start finished, or failed with ``err`` ("interrupted" for Ctrl-C); a
-        start that never began writes nothing."""
+        start that never began writes nothing. A record that cannot be written (the full disk
+        that failed the run) never hides the error that ended the start: it is a warning
+        naming the file, and the record keeps "running", as a kill leaves it; after a start
+        that finished it is the error, one line."""
         if not self.begun or self.record is None:
             return
         if err is None:
@@ -180,7 +184,17 @@ class StartRecord:
             status = "failed" if isinstance(err, Exception) else "interrupted"
             self.record.update(status=status, error=f"{type(err).__name__}: {err}")
         self.record["ended_at"] = _now()
-        _write_starts(self.out_dir, self._starts)
+        try:
+            _write_starts(self.out_dir, self._starts)
+        except OSError as write_err:
+            path, reason = self.out_dir / PROVENANCE_FILE, write_err.strerror or write_err
+            if err is None:
+                raise MoestackError(
+                    f"{path}: the run finished (summary.json is written), but this record of "
+                    f"it cannot be written ({reason}); free space on that device"
+                ) from None
+            log.warning("%s: this start's end (%s) is not recorded (%s); it says \"running\"",
+                        path, self.record["status"], reason)  # fmt: skip
 
 
 @contextlib.contextmanager

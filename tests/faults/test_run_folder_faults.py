@@ -4,6 +4,7 @@ Each case ends as one line naming the folder, file or value; nothing of the run 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -240,6 +241,38 @@ def test_a_disk_that_really_fills_mid_run_is_one_line(small_tmpfs, tmp_path, fau
         mp.undo()
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     fault_report.add("run folder: disk really full mid-run", injected=1, refused=1)
+
+
+def test_a_disk_too_full_for_the_runs_record_keeps_the_error_that_ended_the_run(
+    small_tmpfs, caplog, fault_report
+):
+    """The disk fills up to its last byte before a checkpoint: the save's one line ends the
+    run, and provenance.json, which cannot be written either, is named in a warning."""
+    run = small_tmpfs / "run"
+    filler = small_tmpfs / "filler"
+    real_save = checkpoint.save_checkpoint
+
+    def save_on_a_full_disk(*args, **kwargs):
+        with contextlib.suppress(OSError), filler.open("wb") as f:  # till the disk refuses
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        return real_save(*args, **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(checkpoint, "save_checkpoint", save_on_a_full_disk)
+    try:
+        with (
+            caplog.at_level("WARNING", logger="moestack.provenance"),
+            pytest.raises(MoestackError, match="no space left on the device of"),
+        ):
+            train(small_config(steps=2, ckpt_every=0), run)
+    finally:
+        mp.undo()
+    assert f"{run / 'provenance.json'}: this start's end (failed) is not recorded" in caplog.text
+    starts = json.loads((run / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["running"]  # as a kill leaves it
+    fault_report.add("run folder: disk too full for the run's record", injected=1, refused=1)
 
 
 # --------------------------------------------------------------------------- what a run says
