@@ -190,3 +190,22 @@ def test_offload_settings_are_refused_before_the_model_is_loaded(
     with pytest.raises(MoestackError, match=message):
         _eval(str(where), "--offload", *argv)
     assert no_corpus == []
+
+
+@pytest.mark.parametrize("files", [1, 40], ids=["chunked", "documents"])
+def test_the_validation_split_alone_is_load_corpus_s(tmp_path, files):
+    """One file is cut into chunks to fill both splits; forty are split by name."""
+    import numpy as np
+
+    from moestack.config import TrainConfig
+    from moestack.data import load_corpus
+    from moestack.eval_corpus import validation_tokens
+
+    rng = np.random.default_rng(0)
+    for i in range(files):
+        words = rng.choice(["alpha", "beta", "gamma", "delta\n"], size=60_000 // files)
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(words))
+    data = DataConfig(source="files", paths=[str(tmp_path)], seq_len=32, val_fraction=0.1)
+    want = load_corpus(data).val
+    got = validation_tokens(TrainConfig(model=small_config().model, data=data))
+    assert got.dtype == want.dtype and np.array_equal(got, want)
