@@ -238,6 +238,7 @@ class StreamingState:
     cache: ExpertCache
     backends: list[StreamedExperts]
     traffic: _Traffic
+    hooks: list[Any] = dataclasses.field(default_factory=list)
 
     def metrics(self, steps: int = 1) -> dict[str, float]:
         """The training's cache traffic since the last call, per step over ``steps`` steps
@@ -258,9 +259,22 @@ class StreamingState:
         }
 
     def close(self) -> None:
-        """Stop the cache's prefetch threads and close the store's files."""
+        """Stop the cache's prefetch threads and close the store's files (the layers keep
+        their back-ends: the model is of no more use)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
         self.cache.close()
         self.store.close()
+
+
+def _drop_streamed(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+    """State-dict post-hook of a streamed layer: its experts are in the store, not in the
+    model (meta tensors), so its state dict (a checkpoint's weights) leaves them out."""
+    for name in ("w1", "w2"):
+        tensor = state.get(prefix + name)
+        if tensor is not None and tensor.is_meta:
+            del state[prefix + name]
 
 
 def store_path(cfg: TrainConfig, out_dir: str | Path) -> Path:
@@ -298,19 +312,19 @@ def attach_streaming(
         tier, capacity, cfg.cache.policy, device=device, prefetch=cfg.cache.prefetch,
         capacity_bytes=cfg.cache.capacity_bytes or None, warmup=cfg.cache.warmup, top_k=top_k,
     )  # fmt: skip
-    traffic = _Traffic(cache)
-    backends = []
+    state = StreamingState(mode, store, cache, [], _Traffic(cache))
     for i, moe in enumerate(moes):
         nxt = moes[i + 1].router if i + 1 < len(moes) else None
-        backend = StreamedExperts(i, moe, cache, nxt, traffic, prefetch_limit=cache.capacity)
-        backend.previous = backends[-1] if backends else None
-        backends.append(backend)
+        backend = StreamedExperts(i, moe, cache, nxt, state.traffic, prefetch_limit=cache.capacity)
+        backend.previous = state.backends[-1] if state.backends else None
+        state.backends.append(backend)
         moe.set_experts(backend)
+        state.hooks.append(moe.register_state_dict_post_hook(_drop_streamed))
     log.info(
         "offload_experts=%s: %d MoE layers' experts streamed from %s through a %s cache of %d "
         "experts per layer", mode, len(moes), store.path, cache.policy_name, cache.capacity,
     )  # fmt: skip
-    return StreamingState(mode, store, cache, backends, traffic)
+    return state
 
 
 def experts_digest(moes: list[MoE]) -> str:

@@ -14,7 +14,7 @@ from helpers.cache import batches, tiny_cfg
 from helpers.streaming import STEPS, build, run_cfg, train, trained
 
 from moestack.cache.streaming import StreamingState, attach_streaming
-from moestack.config import TrainConfig
+from moestack.config import ParallelConfig, TrainConfig
 from moestack.errors import MoestackError
 from moestack.evaluation import evaluate
 from moestack.router import Routing
@@ -53,6 +53,8 @@ def test_equal_to_the_resident_run(tmp_path: Path, trainable: str, mode: str, pr
     moved = pytest.approx(metrics["cache/loads"] * state.store.expert_bytes)
     assert metrics["cache/bytes_moved"] == moved
     assert metrics["cache/bytes_read"] == (0 if mode == "host" else moved)
+    if prefetch:  # the forward's predictions and the backward's recorded experts
+        assert state.cache.stats.prefetch_hits > 0
     state.close()
 
 
@@ -189,6 +191,10 @@ def test_trained_experts_refused(trainable: str):
 def test_refusals(tmp_path: Path):
     with pytest.raises(ValueError, match="offload_experts='ssd' is unknown"):
         run_cfg("lora", mode="ssd")
+    with pytest.raises(ValueError, match="compile=false"):
+        TrainConfig(trainable="lora", offload_experts="host", compile=True)
+    with pytest.raises(ValueError, match="runs with parallel.ep=1"):
+        TrainConfig(trainable="lora", offload_experts="disk", parallel=ParallelConfig(ep=2))
     cfg = run_cfg("lora")
     cfg.trainable = "all"  # past the config's check
     with pytest.raises(MoestackError, match="trainable=all trains them"):
@@ -216,3 +222,25 @@ def test_store_written_once_and_reused(tmp_path: Path):
     assert index.stat().st_mtime_ns != written
     assert other.store.meta["source"] != again.store.meta["source"]
     other.close()
+
+
+def test_checkpoint_leaves_the_streamed_experts_out(tmp_path: Path):
+    """The trainer's checkpoint of a streamed model holds every weight but the experts (in
+    the store, not in memory), with the trained ones as they are in the model."""
+    from safetensors import safe_open
+
+    from moestack import checkpoint
+
+    cfg = run_cfg("routers+lora")
+    model = build(cfg)
+    state = attach_streaming(model, cfg, tmp_path)
+    train(model, cfg, steps=1)
+    keys = set(model.state_dict())
+    assert not [k for k in keys if k.endswith(("moe.w1", "moe.w2"))]
+    assert {f"layers.{i}.moe.lora_w1_A" for i in range(2)} <= keys
+    path = checkpoint.save_checkpoint(tmp_path / "ckpt", 1, model, cfg.model, {"step": 1})
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        assert set(f.keys()) == keys - {"lm_head.weight"}  # noqa: SIM118 (tied: stored once)
+        assert torch.equal(f.get_tensor("layers.1.moe.lora_w2_B"), model.moe_layers[1].lora_w2_B)
+    state.close()
+    assert "layers.0.moe.w1" in model.state_dict()  # the hook goes with close()
