@@ -32,8 +32,7 @@ from moestack.lora import LoRAConfig
 from moestack.metrics import check_wandb_mode
 from moestack.model import CHECKPOINTING, TRAINABLE, ModelConfig
 from moestack.moe import MOE_IMPLS, MoEConfig
-from moestack.optim.populations import POPULATIONS, PopulationConfig, population_field
-from moestack.optim.tiered import MASTER
+from moestack.populations import MASTER, POPULATIONS, PopulationConfig, population_field
 from moestack.router import ROUTER_SCORES, RouterConfig
 
 __all__ = [

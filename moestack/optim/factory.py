@@ -13,8 +13,8 @@ import torch
 from moestack.optim.container import LocalOptimizer, TrainingOptimizer
 from moestack.optim.expert_parallel import ExpertParallelAdamW, ExpertParallelOffload
 from moestack.optim.offload import OffloadAdamW
-from moestack.optim.populations import classify
 from moestack.optim.tiered import TieredAdamW, tiered_groups
+from moestack.populations import classify
 
 log = logging.getLogger(__name__)
 

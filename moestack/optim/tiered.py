@@ -2,7 +2,7 @@
 
 Why: in an MoE most parameters are experts, and each expert sees a small share of the
 tokens, so full Adam state (two fp32 moments and an fp32 master: 12 bytes a parameter) is
-mostly spent where it buys least. Each population (:mod:`moestack.optim.populations`) keeps
+mostly spent where it buys least. Each population (:mod:`moestack.populations`) keeps
 only the state its policy names: a first moment or none (fp32 or bf16), a full or a factored
 second moment (Adafactor's row and column means of g^2, each expert's matrix factored on its
 own). Updates can be RMS-clipped per matrix, and with ``master="none"`` bf16 weights take
@@ -31,12 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moestack import seeding
-from moestack.optim.populations import POPULATIONS, ParamInfo
+from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
 log = logging.getLogger(__name__)
 
 FORMAT = "moestack-tiered-1"
-MASTER = ("float32", "none")
 _TINY = 1e-30  # the factored estimate's denominator floor (an all-zero gradient history)
 _STATS = ("sq_sum", "numel", "clipped", "units")
 
@@ -269,7 +268,8 @@ class TieredAdamW(torch.optim.Optimizer):
     # -- the checkpoint ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The layout-free state: ``{"format", "seed", "entries"}``, entries keyed by
+        """The layout-free state: ``{"format", "seed", "groups", "entries"}`` (groups: each
+        population's learning rate as a schedule left it), entries keyed by
         parameter name (``name/expert<e>`` for each expert of a stacked tensor). Collective
         over the ranks holding shards (every rank returns the whole state)."""
         own: dict[str, dict[str, Any]] = {}
@@ -280,7 +280,13 @@ class TieredAdamW(torch.optim.Optimizer):
             gathered: list[Any] = [None] * self._ranks()[1]
             dist.all_gather_object(gathered, own, group=self.group)
             own = {k: v for part in gathered for k, v in part.items()}
-        return {"format": FORMAT, "seed": self.seed, "entries": dict(sorted(own.items()))}
+        groups = {g["population"]: _schedule_of(g) for g in self.param_groups}
+        return {
+            "format": FORMAT,
+            "seed": self.seed,
+            "groups": groups,
+            "entries": dict(sorted(own.items())),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load a state saved by :meth:`state_dict` at any number of ranks: each rank takes
@@ -292,6 +298,8 @@ class TieredAdamW(torch.optim.Optimizer):
                 f"({FORMAT}); resume with the optimizer the run was trained with"
             )
         self.seed = int(state_dict["seed"])
+        for group in self.param_groups:  # the learning rate a scheduler set, as torch restores it
+            group.update(state_dict.get("groups", {}).get(group["population"], {}))
         entries = state_dict["entries"]
         self.state.clear()
         for group in self.param_groups:
@@ -405,6 +413,11 @@ def _rms_and_clip(u: Tensor, threshold: float, stacked: bool) -> tuple[Tensor, T
     if threshold <= 0:
         return rms, None
     return rms, (rms / threshold).clamp_min_(1.0)
+
+
+def _schedule_of(group: dict[str, Any]) -> dict[str, float]:
+    """What a learning-rate schedule sets in a param group (restored with the state)."""
+    return {k: float(group[k]) for k in ("lr", "initial_lr") if k in group}
 
 
 def _entries(name: str, st: dict[str, Any], stacked: bool) -> Iterator[tuple[str, dict[str, Any]]]:

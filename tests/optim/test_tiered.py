@@ -22,8 +22,8 @@ from helpers.multiprocess import file_rendezvous, spawn_ranks
 
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.lora import LoRAConfig, add_adapters
-from moestack.optim.populations import PopulationConfig, classify
 from moestack.optim.tiered import TieredAdamW, planned_state_bytes, stochastic_round_bf16
+from moestack.populations import PopulationConfig, classify
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
 

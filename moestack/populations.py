@@ -1,5 +1,8 @@
 """Parameter populations: which parameters of an MoE model share an optimizer-state policy.
 
+(A config module, with the config of the tiered optimizer's populations: it imports no
+optimizer code, so that moestack.config, which telemetry reads, stays free of training code.)
+
 An MoE's parameters are not alike: most are experts, each of which sees a small share of the
 tokens; a few are routers, whose small weights decide every token's path; the rest is the
 dense backbone and the embeddings. The tiered optimizer (:mod:`moestack.optim.tiered`) gives
@@ -25,6 +28,7 @@ from torch import nn
 from moestack.checks import check
 
 POPULATIONS = ("experts", "routers", "embeddings", "backbone", "adapters")
+MASTER = ("float32", "none")  # optim.master: an fp32 master copy of bf16 weights, or none
 MOMENTUM = ("none", "float32", "bfloat16")
 SECOND_MOMENT = ("full", "factored")
 
