@@ -1,0 +1,205 @@
+"""Benchmark optim=tiered against AdamW: state bytes counted, and the update and training step timed.
+
+1. bytes: the optimizer state per population, counted from the shapes of model=tiny, small,
+   m137 and a Qwen3-30B-A3B-shaped transformers config (built on the meta device), for
+   tiered with master=none against AdamW's two fp32 moments (fp32 weights) and
+   mixed-precision AdamW's moments and fp32 master (12 bytes a parameter); and the training
+   bytes per expert parameter (bf16 weights and gradients, and the experts' state);
+2. update: the optimizer step alone on fp32 parameters with gradients set, TieredAdamW
+   (default policy) against torch.optim.AdamW(fused=True), on the default (tiny) and m137
+   models, interleaved rounds;
+3. train_step: a whole training step (forward, backward, clip, step) of the default model
+   with master=none (bf16 weights, stochastic rounding) against master=float32 (fp32
+   weights), interleaved rounds.
+
+  python scripts/bench_tiered.py [--only bytes,update,train_step] [--rounds 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moestack.config import ModelConfig, MoEConfig, OptimConfig
+from moestack.optim import build_optimizer
+from moestack.optim.tiered import planned_state_bytes
+from moestack.populations import classify
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
+
+
+def model_config(name: str) -> ModelConfig:
+    """moestack's model ``name`` as its config group file sets it."""
+    fields = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    moe = MoEConfig(**{**fields.pop("moe", {}), "impl": "torch"})
+    return ModelConfig(**fields, moe=moe)
+
+
+def qwen3_30b_a3b(layers: int = 48) -> torch.nn.Module:
+    """A transformers Qwen3-MoE model of Qwen3-30B-A3B's shapes, on the meta device."""
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def state_bytes(model: torch.nn.Module) -> dict[str, Any]:
+    """Counted bytes of tiered's state (master=none) against AdamW's, and per expert parameter."""
+    cfg = OptimConfig(name="tiered")
+    named = list(model.named_parameters())
+    info = classify(model)
+    tiered = planned_state_bytes(named, info, cfg.policy, "none", torch.bfloat16)
+    params = sum(p.numel() for _, p in named)
+    experts = sum(p.numel() for n, p in named if info[n].population == "experts")
+    total = sum(tiered.values())
+    return {
+        "params": params,
+        "expert_params": experts,
+        "tiered_state_bytes": tiered,
+        "tiered_total": total,
+        "adamw_fp32_state": 8 * params,
+        "adamw_mixed_state": 12 * params,
+        "ratio_vs_adamw_fp32": total / (8 * params),
+        "ratio_vs_adamw_mixed": total / (12 * params),
+        "expert_training_bytes_per_param": (4 * experts + tiered["experts"]) / max(experts, 1),
+    }
+
+
+def bytes_section() -> dict[str, Any]:
+    out = {}
+    for name in ("tiny", "small", "m137"):
+        with torch.device("meta"):
+            model = model_config(name).build()
+        out[name] = state_bytes(model)
+    out["qwen3_30b_a3b"] = state_bytes(qwen3_30b_a3b())
+    return out
+
+
+def interleaved(contenders: dict[str, Callable[[], None]], rounds: int, reps: int) -> dict:
+    """Each contender's seconds per call: ``reps`` calls a round, rounds interleaved (one
+    warm-up call each first); median and range over rounds, and the ratio to the first."""
+    for fn in contenders.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append((time.perf_counter() - start) / reps)
+    base = statistics.median(next(iter(times.values())))
+    return {
+        name: {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "max_s": max(t),
+            "ratio": statistics.median(t) / base,
+        }  # fmt: skip
+        for name, t in times.items()
+    }
+
+
+def _step_of(model: torch.nn.Module, cfg: OptimConfig) -> Callable[[], None]:
+    """An optimizer over ``model`` whose step reuses gradients set once (seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    opt = build_optimizer(model, cfg)
+    return opt.step
+
+
+def update_section(rounds: int) -> dict[str, Any]:
+    out = {}
+    for name, reps in (("tiny", 20), ("m137", 2)):
+        torch.manual_seed(0)
+        a, b = model_config(name).build(), model_config(name).build()
+        contenders = {
+            "adamw_fused": _step_of(a, OptimConfig(name="adamw")),
+            "tiered": _step_of(b, OptimConfig(name="tiered")),
+        }
+        out[name] = interleaved(contenders, rounds, reps)
+    return out
+
+
+def _train_step_of(master: str) -> Callable[[], None]:
+    torch.manual_seed(0)
+    model = model_config("tiny").build()
+    if master == "none":
+        model.to(torch.bfloat16)
+    opt = build_optimizer(model, OptimConfig(name="tiered", master=master))
+    tokens = torch.randint(0, 256, (16, 256), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        out = model(tokens[:, :-1], targets=tokens[:, 1:])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def train_step_section(rounds: int) -> dict[str, Any]:
+    contenders = {
+        "master_float32": _train_step_of("float32"),
+        "master_none": _train_step_of("none"),
+    }
+    return interleaved(contenders, rounds, 2)
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    if "bytes" in results:
+        print(f"{'model':14} {'params':>9} {'tiered MB':>10} {'AdamW fp32 MB':>14} "
+              f"{'ratio':>6} {'vs mixed':>8} {'B/expert param':>14}")  # fmt: skip
+        for name, r in results["bytes"].items():
+            print(f"{name:14} {r['params'] / 1e6:8.1f}M {r['tiered_total'] / 1e6:10.2f} "
+                  f"{r['adamw_fp32_state'] / 1e6:14.1f} {r['ratio_vs_adamw_fp32']:6.3f} "
+                  f"{r['ratio_vs_adamw_mixed']:8.3f} {r['expert_training_bytes_per_param']:14.3f}")  # fmt: skip
+    for section in ("update", "train_step"):
+        if section not in results:
+            continue
+        rows = results[section] if section == "update" else {"tiny": results[section]}
+        for model, contenders in rows.items():
+            for name, r in contenders.items():
+                print(f"{section:10} {model:6} {name:15} {r['median_s'] * 1e3:9.2f} ms "
+                      f"[{r['min_s'] * 1e3:.2f}, {r['max_s'] * 1e3:.2f}]  x{r['ratio']:.3f}")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="bytes,update,train_step", help="sections to run")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timed sections)")
+    ap.add_argument("--json", default="", help="also write the results to this JSON file")
+    args = ap.parse_args()
+    sections = {"bytes": bytes_section, "update": lambda: update_section(args.rounds),
+                "train_step": lambda: train_step_section(args.rounds)}  # fmt: skip
+    results: dict[str, Any] = {
+        "machine": {
+            "platform": platform.platform(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },  # fmt: skip
+    }
+    for name in args.only.split(","):
+        results[name] = sections[name]()
+    print_tables(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
