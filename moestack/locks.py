@@ -10,6 +10,8 @@ import os
 import time
 from pathlib import Path
 
+LOCK_FILE = ".moestack.lock"  # in a run folder: flock'ed by the process training into it
+
 
 def lock_exclusive(fd: int, tries: int = 3, wait_s: float = 0.02) -> bool:
     """``flock(LOCK_EX | LOCK_NB)`` on ``fd``, tried again after a moment (an

@@ -18,9 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,16 @@ from moestack.errors import MoestackError
 from moestack.evaluation import resolve_device
 from moestack.interop.hf_config import check_model_dir
 from moestack.interop.hf_model import HFModelConfig
+from moestack.locks import LOCK_FILE
 from moestack.meta_load import parameters_on_meta
 from moestack.metrics import jsonable
 from moestack.model import RoutedLM
+from moestack.run_paths import (  # noqa: F401  (moestack.trainer's, from here)
+    check_out_dir,
+    missing_folders,
+    remove_made_folders,
+    sigterm_deferred,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,29 +55,6 @@ RESUME_MAY_CHANGE = (
     "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
     "telemetry.", "cache.", "parallel.",
 )  # fmt: skip
-
-
-LOCK_FILE = ".moestack.lock"  # flock'ed by the process training into the folder
-
-
-def check_out_dir(out_dir: Path) -> None:
-    """Refuse, before anything is written, an ``out_dir`` that cannot hold a run: a file, a
-    path under a file, a broken symlink, or a folder this process may not write to."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise MoestackError(f"out_dir={out_dir} is a file, not a folder; pick another out_dir")
-    if out_dir.is_symlink() and not out_dir.exists():
-        raise MoestackError(f"out_dir={out_dir} is a broken symlink; remove it or pick another")
-    existing = out_dir.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise MoestackError(
-            f"out_dir={out_dir} lies under {existing}, which is a file; pick another out_dir"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise MoestackError(
-            f"out_dir={out_dir}: {existing} is read-only for this user; pick a writable out_dir"
-        )
 
 
 @contextlib.contextmanager
@@ -89,54 +71,6 @@ def holding_run_dir(out_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # drops the lock
-
-
-def missing_folders(path: Path) -> tuple[Path, ...]:
-    """The folders ``mkdir(parents=True)`` of ``path`` would make: ``path`` and those above it
-    that do not exist, and with a ``..`` in it the missing ones it passes through (``a`` of
-    ``a/../b/run``), each absolute and normalised as hydra names its run folder
-    (``os.path.abspath``), deepest first; so that a refused start removes what it made and
-    never a folder that was there before."""
-    missing: set[Path] = set()
-    for step in (path.absolute(), *path.absolute().parents):  # '..' kept: the steps mkdir takes
-        folder = Path(os.path.abspath(step))
-        try:
-            if folder.exists() or folder.is_symlink():
-                continue
-        except OSError:  # cannot tell: taken as there, never removed
-            continue
-        missing.add(folder)
-    return tuple(sorted(missing, key=lambda folder: len(folder.parts), reverse=True))
-
-
-def remove_made_folders(folders: Sequence[Path]) -> None:
-    """Remove ``folders`` (a refused start's, ``missing_folders``: deepest first), each only
-    while empty: one that holds something (a sibling another process made meanwhile) stays,
-    and so do the folders above it. One already gone (another rank's) is passed over."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-@contextlib.contextmanager
-def sigterm_deferred() -> Iterator[None]:
-    """Hold off SIGTERM while a refused start puts its folder back: torchrun stops the other
-    ranks (SIGTERM, SIGKILL 30 s later) as soon as one fails, which would cut the put-back
-    short, half done. A SIGTERM that came meanwhile is sent again once the previous handler
-    is back. Only the main thread may set a handler, and only one set from Python can be put
-    back: otherwise nothing is held off."""
-    previous = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if received:
-            signal.raise_signal(signal.SIGTERM)
 
 
 def check_run_dir_free(out_dir: Path) -> None:

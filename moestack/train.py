@@ -43,16 +43,17 @@ import moestack
 from moestack import checkpoint, locks, sweep_summary
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
+from moestack.locks import LOCK_FILE
 from moestack.metrics import read_metrics
 from moestack.overrides import check_command_line, check_overrides
-from moestack.runs import (
-    LOCK_FILE,
+from moestack.run_paths import (
     check_out_dir,
-    check_run_dir_free,
+    check_record_dir,
     missing_folders,
     remove_made_folders,
     sigterm_deferred,
 )
+from moestack.runs import check_run_dir_free
 from moestack.trainer import refused_start, train
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,19 @@ def _command_line_resume(argv: list[str]) -> bool:
 
 def check_out_dir_early(argv: list[str]) -> None:
     """Refuse an ``out_dir`` that cannot hold a run, that another process trains into, or
-    that holds a run's checkpoints without ``resume=true``, before hydra writes its own
-    record (``.hydra/``, ``train.log``) into it: a refused start leaves the run's as it was."""
+    that holds a run's checkpoints without ``resume=true``, and a ``hydra.run.dir`` apart
+    from it that is another run's, before hydra writes its own record (``.hydra/``,
+    ``train.log``) there: a refused start leaves the run's as it was."""
     out_dir = _command_line_out_dir(argv)
+    sweep = any(arg in ("-m", "--multirun") for arg in argv)
+    record = _command_line_value(argv, "hydra.run.dir")
+    if record and "${" not in record and not sweep:
+        check_out_dir(Path(record), "hydra.run.dir")
+        check_record_dir(Path(record), out_dir or Path(record))
     if out_dir is None:
         return
     check_out_dir(out_dir)
-    if any(arg in ("-m", "--multirun") for arg in argv):
+    if sweep:
         return  # a sweep's jobs hold subfolders of their own
     if os.environ.get("RANK", "0") == "0":
         check_run_dir_free(out_dir)

@@ -122,6 +122,56 @@ def test_a_read_only_out_dir_is_one_line_before_anything_is_written(
     fault_report.add("run folder: read-only out_dir", injected=1, refused=1)
 
 
+def test_an_out_dir_with_a_name_longer_than_the_file_system_allows_is_one_line(
+    tmp_path, fault_report
+):
+    """255 bytes a name on Linux file systems: ``runs/<300 x>/run`` is refused naming that
+    name before hydra makes ``runs``; so is such a ``hydra.run.dir``."""
+    long_name = "x" * 300
+    done = moestack_train(f"out_dir=runs/{long_name}/run", cwd=tmp_path)
+    line = one_line_error(done)
+    assert (
+        f"the folder name {long_name[:16]}" in line and "is 300 bytes, longer than the 255" in line
+    )
+    assert list(tmp_path.iterdir()) == []  # no runs/ left behind
+    with pytest.raises(MoestackError, match=r"hydra.run.dir=.*is 300 bytes, longer than the 255"):
+        check_out_dir_early([f"hydra.run.dir=logs/{long_name}", "out_dir=run"])
+    fault_report.add("run folder: a name longer than the file system allows", injected=2,
+                     refused=2)  # fmt: skip
+
+
+def test_a_hydra_record_folder_that_is_another_runs_is_refused_and_left_as_it_was(
+    tmp_path, fault_report
+):
+    """``hydra.run.dir`` pointed at another run's folder would overwrite its .hydra/ and add to
+    its train.log: refused, that run byte for byte as it was, the new out_dir not made."""
+    other = tmp_path / "other"
+    train(small_config(steps=2, ckpt_every=0), other)
+    (other / "train.log").write_text("the other run's log\n")
+    before = {p: p.read_bytes() for p in sorted(other.rglob("*")) if p.is_file()}
+    done = moestack_train(f"hydra.run.dir={other}", f"out_dir={tmp_path / 'new'}", cwd=tmp_path)
+    line = one_line_error(done)
+    assert f"hydra.run.dir={other}: {other} is the folder of another run" in line
+    assert {p: p.read_bytes() for p in sorted(other.rglob("*")) if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+    fault_report.add("run folder: hydra.run.dir another run's folder", injected=1, refused=1)
+
+
+def test_a_hydra_record_folder_holding_another_runs_record_is_refused(tmp_path, fault_report):
+    """A folder holding only hydra's record of a run whose out_dir lies elsewhere belongs to
+    that run: refused for another out_dir, taken for that run's own (its resume)."""
+    rec = tmp_path / "rec"
+    (rec / ".hydra").mkdir(parents=True)
+    (rec / ".hydra/config.yaml").write_text("steps: 2\nout_dir: runs/a\n")
+    (rec / ".hydra/hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {tmp_path}\n")
+    with pytest.raises(MoestackError, match=f"hydra.run.dir={rec} holds the record of the run "
+                       f"in {tmp_path / 'runs/a'}"):  # fmt: skip
+        check_out_dir_early([f"hydra.run.dir={rec}", f"out_dir={tmp_path / 'runs/b'}"])
+    check_out_dir_early([f"hydra.run.dir={rec}", f"out_dir={tmp_path / 'runs/a'}"])
+    fault_report.add("run folder: hydra.run.dir holding another run's record", injected=1,
+                     refused=1)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- two runs at once
 def test_a_second_run_into_a_folder_in_use_is_refused_and_touches_nothing(tmp_path, fault_report):
     run = tmp_path / "run"
