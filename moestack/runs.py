@@ -14,11 +14,12 @@ since it trained (``check_run_source``).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,11 +135,77 @@ def _read_run_config(run_dir: Path | str) -> TrainConfig:
         merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path))
         return OmegaConf.to_object(merged)
     except (yaml.YAMLError, OmegaConfBaseException, ValueError, OSError) as err:
-        reason = " ".join(str(err).split()) or type(err).__name__
-        raise MoestackError(
-            f"{path} cannot be read as a run config ({reason}); put back the config.yaml "
-            "that training wrote, or train the run again"
-        ) from None
+        raise _unreadable_config(path, err) from None
+
+
+def _unreadable_config(path: Path, err: BaseException) -> MoestackError:
+    reason = " ".join(str(err).split()) or type(err).__name__
+    return MoestackError(
+        f"{path} cannot be read as a run config ({reason}); put back the config.yaml "
+        "that training wrote, or train the run again"
+    )
+
+
+def resumed_config(out_dir: Path, composed: Any, overrides: Sequence[str]) -> TrainConfig:
+    """The config of a ``moestack-train ... resume=true`` start: the run's own (``out_dir``/
+    config.yaml), as a checkpoint resume takes it (Lightning's ``ckpt_path``, torchtitan's),
+    with only the fields its command line gives (``overrides``: a field, a section, a config
+    group's option) taken from hydra's ``composed`` config; ``check_resume_config`` then
+    refuses those that change the run. The defaults and the run's first overrides are never
+    compared. Without a config.yaml (nothing to resume, refused later), hydra's config."""
+    path = out_dir / "config.yaml"
+    if not path.is_file():
+        return OmegaConf.to_object(composed)
+    try:
+        stored = OmegaConf.to_container(OmegaConf.load(path))
+        if not isinstance(stored, dict):
+            raise ValueError("not a mapping")
+    except (yaml.YAMLError, OmegaConfBaseException, ValueError, OSError) as err:
+        raise _unreadable_config(path, err) from None
+    given = OmegaConf.to_container(composed, resolve=True)
+    for key in given_keys(overrides):
+        _copy_field(given, stored, key.split("."))
+    if isinstance(stored.get("model"), dict):  # model.router is router's copy (TrainConfig)
+        stored["model"].pop("router", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
+    except OmegaConfBaseException as err:
+        raise _unreadable_config(path, err) from None
+    return OmegaConf.to_object(merged)  # a value given that does not fit: one line
+
+
+def given_keys(overrides: Sequence[str]) -> list[str]:
+    """The config keys ``overrides`` set: a field or section (``optim.lr``, ``model.moe``), or
+    a config group's name for its option (``model=small`` sets the ``model`` section);
+    hydra's own settings and what hydra cannot parse are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    keys = []
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except HydraException:
+            continue
+        key = override.key_or_group
+        if not (key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.is_delete()):
+            keys.append(key)
+    return keys
+
+
+def _copy_field(source: dict[str, Any], target: dict[str, Any], parts: list[str]) -> None:
+    """``target[a][b]... = source[a][b]...`` for the dotted key ``parts`` (sections made as
+    needed); nothing when ``source`` holds no such key."""
+    for part in parts[:-1]:
+        source = source.get(part) if isinstance(source, dict) else None
+        if not isinstance(source, dict):
+            return
+        if not isinstance(target.get(part), dict):
+            target[part] = {}
+        target = target[part]
+    if isinstance(source, dict) and parts[-1] in source:
+        target[parts[-1]] = copy.deepcopy(source[parts[-1]])
 
 
 def resolve_checkpoint(run_dir: Path | str, checkpoint_path: Path | str | None = None) -> Path:

@@ -161,9 +161,14 @@ def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
 
 
 def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
-    """The run's config, built from hydra's (a bad value raises ValueError), and its folder."""
-    cfg: TrainConfig = OmegaConf.to_object(dict_cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not cfg.out_dir:
+    """The run's config, built from hydra's (a bad value raises ValueError), and its folder.
+    A resume takes the run's own config, with the fields its command line gives
+    (``moestack.runs.resumed_config``: the defaults are not compared with the run's)."""
+    from omegaconf import OmegaConf
+
+    from moestack.runs import resumed_config
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dict_cfg.out_dir:
         raise MoestackError(
             "under torchrun without a launch id (--rdzv-id), set out_dir=<run dir> so every "
             "rank writes one run"
@@ -171,8 +176,14 @@ def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
     multirun = _is_sweep(hydra_cfg)
     # hydra's folder is out_dir (or the dated default); a sweep job's is out_dir/<job>.
     out_dir = (
-        Path(cfg.out_dir) if cfg.out_dir and not multirun else Path(hydra_cfg.runtime.output_dir)
+        Path(dict_cfg.out_dir)
+        if dict_cfg.out_dir and not multirun
+        else Path(hydra_cfg.runtime.output_dir)
     )
+    if dict_cfg.resume:
+        cfg = resumed_config(out_dir, dict_cfg, list(hydra_cfg.overrides.task))
+    else:
+        cfg = OmegaConf.to_object(dict_cfg)
     cfg.out_dir = str(out_dir)  # config.yaml names the folder the run lives in
     return cfg, out_dir
 

@@ -267,3 +267,30 @@ def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_
     line = one_line(done, 130)
     assert f"no checkpoint was written in {out}, so there is nothing to resume" in line
     assert "resume=true" not in line and checkpoint.latest_checkpoint(out / "checkpoints") is None
+
+
+# --------------------------------------------------------------------------- resume
+def test_a_resume_typed_as_the_readme_writes_it_takes_the_runs_own_config(finished, tmp_path):
+    """The run was started with overrides (a tiny model, two steps, no telemetry): the
+    README's ``out_dir=runs/a resume=true`` gives none of them, and the resumed start keeps
+    the run's config.yaml (only ``resume`` changes), trains nothing past the run's end."""
+    run = copy_of(finished, tmp_path)
+    stored = (run / "config.yaml").read_text()
+    done = run_module(f"out_dir={run}", "resume=true", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = stored.replace("resume: false", "resume: true").replace(str(finished), str(run))
+    assert (run / "config.yaml").read_text() == expected  # out_dir: where the copy lives
+    starts = json.loads((run / "provenance.json").read_text())["starts"]
+    assert [s["status"] for s in starts] == ["finished", "finished"]
+    assert starts[1]["overrides"] == [f"out_dir={run}", "resume=true"]
+
+
+def test_a_resume_names_only_the_overrides_it_was_given(finished, tmp_path):
+    """``model.d_model=64`` changes the run: refused naming that field alone, none of the
+    fields the run's own overrides set and the resume did not give."""
+    run = copy_of(finished, tmp_path)
+    before = tree_of(run)
+    done = run_module("model.d_model=64", f"out_dir={run}", "resume=true", cwd=tmp_path)
+    line = one_line(done, 2)
+    assert "resume=true with a changed config (model.d_model 32 -> 64): a resumed run" in line
+    assert tree_of(run) == before
