@@ -32,8 +32,10 @@ from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
+from moestack.optim.tiered import planned_state_bytes
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
+from moestack.populations import classify
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,8 @@ def _optimizer_lines(
         _adamw_lines(plan, model, pdtype, ep)
     elif name == "offload_adamw" and ep == 1:
         _offload_lines(plan, cfg, pdtype, _named(cfg, model, lambda n: True), ranks)
+    elif name == "tiered":
+        _tiered_lines(plan, cfg, model, pdtype)
     elif name == "offload_adamw":
         replicated = _named(cfg, model, lambda n: n not in experts)
         _offload_lines(plan, cfg, pdtype, replicated, ranks, " (replicated)")
@@ -216,6 +220,41 @@ def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.d
     plan.lines.append(
         Line("device", "gradients", trained * size, f"{_mib(trained)} trained params x {size} B")
     )
+
+
+def _tiered_lines(
+    plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype
+) -> None:
+    """optim=tiered's state per population (:func:`moestack.optim.tiered.planned_state_bytes`),
+    on the device beside the weights, sharded by whole tensors over the ranks (about 1/N
+    each); its scratch during a step (the largest trained tensor in fp32); under DDP the
+    gradient buckets."""
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    held = planned_state_bytes(trained, classify(model), cfg.optim.policy, cfg.optim.master, pdtype)
+    ranks = plan.ranks
+    for population, size in held.items():
+        if size:
+            rule = cfg.optim.policy(population)
+            plan.lines.append(Line(
+                "device", f"optimizer state (tiered, {population})", -(-size // ranks),
+                f"momentum {rule.momentum}, second moment {rule.second_moment} (1-D: full), "
+                f"master {cfg.optim.master}" + (f"; / {ranks} ranks (whole tensors)" if ranks > 1 else ""),
+            ))  # fmt: skip
+    largest = max((p.numel() for _, p in trained), default=0)
+    plan.lines.append(
+        Line(
+            "device",
+            "optimizer scratch (tiered, during a step)",
+            4 * largest,
+            f"the largest trained tensor, {_mib(largest)} x 4 B",
+        )  # fmt: skip
+    )
+    if uses_ddp("tiered", ranks, expert_parallel=False):
+        numel = sum(p.numel() for _, p in trained)
+        size = pdtype.itemsize
+        plan.lines.append(
+            Line("device", "DDP gradient buckets", numel * size, f"{_mib(numel)} x {size} B")
+        )
 
 
 def _adamw_lines(

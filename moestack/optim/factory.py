@@ -46,10 +46,10 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
 
 
 def uses_ddp(name: str, world_size: int, expert_parallel: bool) -> bool:
-    """Whether the optimizer ``name`` trains behind DDP at this layout: torch AdamW on
-    several ranks without expert parallelism (OffloadAdamW averages its own gradients, and
-    under expert parallelism the expert-parallel optimizers do)."""
-    return name == "adamw" and world_size > 1 and not expert_parallel
+    """Whether the optimizer ``name`` trains behind DDP at this layout: torch AdamW and
+    TieredAdamW on several ranks without expert parallelism (OffloadAdamW averages its own
+    gradients, and under expert parallelism the expert-parallel optimizers do)."""
+    return name in ("adamw", "tiered") and world_size > 1 and not expert_parallel
 
 
 def build_training_optimizer(
