@@ -300,6 +300,13 @@ def test_bad_settings_refused_naming_the_field(override: dict, field: str) -> No
         OptimConfig(name="tiered", **override)
 
 
+def test_expert_parallel_refused_naming_the_field() -> None:
+    from moestack.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"optim=tiered runs with parallel\.ep=1"):
+        TrainConfig(optim=OptimConfig(name="tiered"), parallel={"ep": 2})
+
+
 def test_policy_fields_reach_the_groups() -> None:
     model = small_model(torch.float32)
     opt = tiered(model, experts=PopulationConfig(momentum="bfloat16", second_moment="full",
