@@ -10,15 +10,20 @@ the sweep goes on; the exit status is the number of jobs that failed.
 
 Before hydra composes anything, the overrides are checked against the config
 (``moestack.overrides``: an unknown key or a value of the wrong type is one line, exit
-status 2), and ``out_dir`` against what it holds (a run's checkpoints without
-``resume=true`` are refused before hydra writes its record there). A start refused later,
+status 2), ``out_dir`` against what it holds (a run's checkpoints without ``resume=true`` are
+refused before hydra writes its record there; a name longer than the file system takes), and
+a ``hydra.run.dir`` apart from it against the run it belongs to (another run's folder or
+record is refused). A resume takes the run's own config.yaml, with only the fields its own
+command line gives (``moestack.runs.resumed_config``). A start refused later,
 before it begins (a changed config on resume, missing data, a checkpoint of another shape:
 the trainer writes nothing then, ``moestack.trainer.refused_start``), leaves the folder as it
 was: the lines each rank logged are cut from its log, the run's ``.hydra/`` record is put back
 and what hydra added is removed (the folders it made too, and only those; a folder not known
-before hydra ran, an interpolated ``out_dir``, is left as hydra left it). Ctrl-C ends a run
-with one line naming the last step logged, the newest checkpoint and the command that
-continues from it (exit status 130).
+before hydra ran, an interpolated ``out_dir``, is left as hydra left it). Ctrl-C, whenever
+it comes (``moestack.interrupts``: held during the start-up, raised at once while a run
+trains, ignored once the command stops), ends the command with one line naming the last step
+logged, the newest checkpoint and the command that continues from it (exit status 130); a
+start interrupted before it began is put back as a refused one is.
 """
 
 from __future__ import annotations
@@ -28,24 +33,18 @@ import functools
 import logging
 import os
 import re
-import shlex
 import shutil
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-
-from omegaconf import OmegaConf
+from typing import TYPE_CHECKING, Any, TextIO
 
 import moestack
-from moestack import checkpoint, locks, sweep_summary
-from moestack.config import TrainConfig
+from moestack import interrupts, locks
 from moestack.errors import MoestackError
 from moestack.locks import LOCK_FILE
-from moestack.metrics import read_metrics
-from moestack.overrides import check_command_line, check_overrides
 from moestack.run_paths import (
     check_out_dir,
     check_record_dir,
@@ -53,8 +52,13 @@ from moestack.run_paths import (
     remove_made_folders,
     sigterm_deferred,
 )
-from moestack.runs import check_run_dir_free
-from moestack.trainer import refused_start, train
+
+if TYPE_CHECKING:
+    from moestack import sweep_summary
+    from moestack.config import TrainConfig
+
+# Only what is light is imported above: a Ctrl-C is held (moestack.interrupts) from the first
+# line of main(), which imports torch, hydra and the trainer.
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +66,11 @@ _MAX_STATUS = 125  # exit statuses above are the shell's own
 _jobs: list[sweep_summary.SweepJob] = []  # this process's sweep jobs, as they ended
 
 
-_check_overrides = check_overrides  # the overrides' check (moestack.overrides), by its old name
-_INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
+def _check_overrides(overrides: list[str], sweep: bool = True) -> None:
+    """The overrides' check (``moestack.overrides.check_overrides``), by its old name."""
+    from moestack.overrides import check_overrides
+
+    check_overrides(overrides, sweep=sweep)
 
 
 def _command_line_value(argv: list[str], key: str) -> str | None:
@@ -110,6 +117,9 @@ def check_out_dir_early(argv: list[str]) -> None:
     that holds a run's checkpoints without ``resume=true``, and a ``hydra.run.dir`` apart
     from it that is another run's, before hydra writes its own record (``.hydra/``,
     ``train.log``) there: a refused start leaves the run's as it was."""
+    from moestack import checkpoint
+    from moestack.runs import check_run_dir_free
+
     out_dir = _command_line_out_dir(argv)
     sweep = any(arg in ("-m", "--multirun") for arg in argv)
     record = _command_line_value(argv, "hydra.run.dir")
@@ -140,6 +150,8 @@ def _is_sweep(hydra_cfg: Any) -> bool:
 def launch_record(hydra_cfg: Any) -> dict[str, Any]:
     """How hydra started this run, for its provenance record (``moestack.provenance``): the
     command, its overrides, the chosen config group options, the sweep and job."""
+    from omegaconf import OmegaConf
+
     choices = OmegaConf.to_container(hydra_cfg.runtime.choices)
     sweep = None
     if _is_sweep(hydra_cfg):
@@ -156,6 +168,8 @@ def launch_record(hydra_cfg: Any) -> dict[str, Any]:
 def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
     """Build the config (its overrides were checked before hydra composed them), then train
     in the run's folder; returns its summary."""
+    from moestack.trainer import train
+
     cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
     return train(cfg, out_dir, launch=launch_record(hydra_cfg))
 
@@ -208,16 +222,18 @@ def _wandb_names(hydra_cfg: Any) -> Iterator[None]:
 def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
     """One job of a sweep: its failure is logged (one line for a bad value) and counted,
     never raised, so the other jobs run."""
+    from moestack import sweep_summary
+
     overrides = list(hydra_cfg.overrides.task)
     label = f"#{hydra_cfg.job.num} ({' '.join(overrides) or 'no overrides'})"
     ended = functools.partial(
         sweep_summary.SweepJob, hydra_cfg.job.num, overrides, Path(hydra_cfg.runtime.output_dir)
     )
     try:
-        with _wandb_names(hydra_cfg):
+        with interrupts.live(), _wandb_names(hydra_cfg):
             summary = _run(dict_cfg, hydra_cfg)
     except KeyboardInterrupt:  # Ctrl-C ends the sweep: the jobs after this one do not run
-        _stop_interrupted(hydra_cfg)
+        _stop_interrupted(Path(hydra_cfg.runtime.output_dir), overrides, began=True)
     except (MoestackError, ValueError) as err:
         log.error("job %s failed: %s", label, err)
         _jobs.append(ended(str(err), None))
@@ -230,26 +246,44 @@ def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
 
 def _hydra_task(dict_cfg: Any, before: _FolderBefore | None = None) -> None:
     """One hydra job: a sweep's job, or the run (``before``: its ``out_dir`` as ``main``
-    found it, so that a refused start removes only what it added)."""
+    found it, so that a refused or interrupted start removes only what it added). A Ctrl-C
+    held while hydra made the folder is raised as the job starts (``interrupts.live``)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from moestack.trainer import refused_start, train
 
     before = before or _FolderBefore()
     hydra_cfg = HydraConfig.get()
     if _is_sweep(hydra_cfg):
         _sweep_job(dict_cfg, hydra_cfg)
         return
-    training = False  # a config refused before train() is a refused start too
+    overrides, hydra_dir = list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir)
+    out_dir, training = hydra_dir, False  # a config refused before train() is refused too
     try:
-        cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
-        training = True
-        train(cfg, out_dir, launch=launch_record(hydra_cfg))
-    except KeyboardInterrupt:  # Ctrl-C: one line saying how to continue, not a traceback
-        _stop_interrupted(hydra_cfg)
+        with interrupts.live():
+            cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
+            training = True
+            train(cfg, out_dir, launch=launch_record(hydra_cfg))
+    except KeyboardInterrupt as err:  # one line saying how to continue, not a traceback
+        interrupts.stopping()
+        began = training and _began(err)
+        if not began:  # nothing of the run was written: nor is anything of hydra's kept
+            before.put_back(hydra_dir)
+        _stop_interrupted(out_dir, overrides, began)
     except (MoestackError, ValueError) as err:
+        interrupts.stopping()
         log.error("error: %s", err)
         if not training or refused_start(err):  # the run wrote nothing: nor does hydra
-            before.put_back(Path(hydra_cfg.runtime.output_dir))
+            before.put_back(hydra_dir)
         sys.exit(2)
+
+
+def _began(err: BaseException) -> bool:
+    """Whether the start ``train`` was interrupted in had begun (``moestack.trainer`` marks
+    what its start raised; a Ctrl-C before the start held the folder is unmarked)."""
+    from moestack.trainer import _REFUSED_START
+
+    return getattr(err, _REFUSED_START, True) is False
 
 
 # --------------------------------------------------------------------------- a refused start
@@ -400,48 +434,20 @@ def _remove_refused_folder(out_dir: Path, before: _FolderBefore) -> None:
 
 
 # --------------------------------------------------------------------------- Ctrl-C
-def _stop_interrupted(hydra_cfg: Any) -> None:
-    """Say where the run stopped (rank 0 only: every rank of a torchrun launch gets the
-    Ctrl-C) and exit with the shell's status for it."""
+def _stop_interrupted(out_dir: Path, overrides: list[str], began: bool) -> None:
+    """Say where the run in ``out_dir`` stopped (rank 0 only: every rank of a torchrun launch
+    gets the Ctrl-C) and exit with the shell's status for it; later Ctrl-Cs are ignored."""
+    interrupts.stopping()
     if os.environ.get("RANK", "0") == "0":
-        _say(interrupted(hydra_cfg), sys.stderr)
-    sys.exit(_INTERRUPTED)
+        _say(interrupts.stopped_line(out_dir, overrides, began), sys.stderr)
+    sys.exit(interrupts.INTERRUPTED)
 
 
-def interrupted(hydra_cfg: Any) -> str:
-    """The line a run stopped by Ctrl-C ends with: the last step it logged, its newest
-    checkpoint and the command that continues from it (provenance.json records the start
-    as "interrupted")."""
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    steps = [r["step"] for r in _metrics(out_dir) if isinstance(r.get("step"), int)]
-    at = f"after step {max(steps)} (the last one logged)" if steps else "before it logged a step"
-    last = checkpoint.latest_checkpoint(out_dir / "checkpoints")
-    if last is None:
-        return (
-            f"moestack-train: interrupted {at}; no checkpoint was written in {out_dir}, so "
-            "there is nothing to resume: run the command again to start over"
-        )
-    return (
-        f"moestack-train: interrupted {at}; the last checkpoint is {last}: continue from it "
-        f"with {_resume_command(list(hydra_cfg.overrides.task), out_dir)}"
-    )
-
-
-def _metrics(out_dir: Path) -> list[dict[str, Any]]:
-    try:
-        return read_metrics(out_dir / "metrics.jsonl")
-    except OSError:
-        return []
-
-
-def _resume_command(overrides: list[str], out_dir: Path) -> str:
-    """The command line that resumes the run in ``out_dir``: its own overrides (a resumed
-    run keeps its config), ``out_dir`` and ``resume=true``."""
-    kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in ("out_dir", "resume")]
-    words = ["moestack-train", *kept, f"out_dir={out_dir}", "resume=true"]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return f"the same torchrun launch of {shlex.join(words)}"
-    return shlex.join(words)
+def _stop_before_the_run() -> None:
+    """A Ctrl-C held before hydra made anything: one line, the shell's status for it."""
+    interrupts.stopping()
+    _say(interrupts.NOTHING_WRITTEN, sys.stderr)
+    sys.exit(interrupts.INTERRUPTED)
 
 
 def _say(message: str, stream: TextIO) -> None:
@@ -461,6 +467,8 @@ def _say(message: str, stream: TextIO) -> None:
 def _sweep_status() -> int:
     """Print the table comparing the sweep's jobs (and write it beside them), report the
     failed jobs on stderr; returns the exit status (their number)."""
+    from moestack import sweep_summary
+
     rows = sweep_summary.rows(_jobs)
     sweep_dir = _jobs[0].out_dir.parent
     written = sweep_summary.write(sweep_dir, rows)
@@ -499,6 +507,7 @@ def _hydra_help() -> None:
 
 def main() -> None:
     """Console entry point of ``moestack-train``."""
+    interrupts.install()  # first: a Ctrl-C is held till what the start made can be undone
     if "--version" in sys.argv[1:]:  # before hydra, whose own --version names hydra's
         _say(f"moestack {moestack.__version__}", sys.stdout)
         return
@@ -509,9 +518,12 @@ def main() -> None:
     if shared is not None:  # before hydra, which makes the run folder from it
         sys.argv.append(f"out_dir={shared}")
     try:
+        from moestack.overrides import check_command_line
+
         check_command_line(sys.argv[1:])  # before hydra: it would take a typo's '+' silently
         check_out_dir_early(sys.argv[1:])
     except MoestackError as err:
+        interrupts.stopping()
         _say(f"error: {err}", sys.stderr)
         sys.exit(2)
     if os.environ.get("RANK", "0") != "0":  # one .hydra/ record a run, rank 0's: another
@@ -519,6 +531,7 @@ def main() -> None:
         sys.argv.append("hydra.output_subdir=null")
     import hydra
 
+    from moestack import trainer  # noqa: F401  (imported while a Ctrl-C is held)
     from moestack.config import register_configs
 
     before = _FolderBefore.of_command_line(sys.argv[1:])
@@ -527,16 +540,22 @@ def main() -> None:
     def task(dict_cfg: Any) -> None:
         _hydra_task(dict_cfg, before)
 
+    if interrupts.held():  # nothing made yet
+        _stop_before_the_run()
     register_configs()
     _jobs.clear()
     app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
     try:
         app(task)()
     except KeyboardInterrupt:  # outside a run (a run says where it stopped)
-        _say("moestack-train: interrupted", sys.stderr)
-        sys.exit(_INTERRUPTED)
-    if _jobs:
-        sys.exit(_sweep_status())
+        _stop_before_the_run()
+    status = _sweep_status() if _jobs else 0
+    if interrupts.held():  # after the run ended, while hydra closed it
+        interrupts.stopping()
+        _say("moestack-train: interrupted after the run ended; nothing is lost", sys.stderr)
+        sys.exit(interrupts.INTERRUPTED)
+    if status:  # a Ctrl-C from here on, as the interpreter exits, stays held: ignored
+        sys.exit(status)
 
 
 if __name__ == "__main__":
