@@ -86,8 +86,8 @@ def raise_held() -> None:
 @contextlib.contextmanager
 def live() -> Iterator[None]:
     """Inside, Ctrl-C is raised at once (a held one first, on entry); after, it is held
-    again. Nothing changes where ``install`` was not called."""
-    if _state.mode is None:
+    again. Nothing changes where ``install`` was not called, nor once the command stops."""
+    if _state.mode in (None, STOPPING):
         yield
         return
     _state.mode = LIVE
