@@ -126,14 +126,25 @@ class Pipeline:
     before anything writes into their host memory again).
     """
 
-    def __init__(self, buckets: list[Bucket], num_params: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        num_params: int,
+        device: torch.device,
+        *,
+        streams: bool | None = None,
+    ) -> None:
+        """``streams``: whether to order the copies with ``torch.cuda`` streams and events;
+        None (the optimizer's choice): exactly when ``device`` is a GPU. True on a CPU
+        device is for tests, which replace ``torch.cuda``'s streams and events with a model
+        of their ordering (tests/optim/test_buckets_streams.py)."""
         self.buckets = buckets
         self.bucket_of: list[int | None] = [None] * num_params
         for b, bucket in enumerate(buckets):
             for i in bucket.pidxs:
                 self.bucket_of[i] = b
         self.device = device
-        cuda = device.type == "cuda"
+        cuda = device.type == "cuda" if streams is None else streams
         self.d2h = torch.cuda.Stream(device=device) if cuda else None
         self.h2d = torch.cuda.Stream(device=device) if cuda else None
         n = len(buckets)
