@@ -16,12 +16,15 @@ Three steps, each a function the ``moestack prereg`` verbs call:
   same overrides ``moestack-train`` takes, one run after another). A run whose directory
   holds ``summary.json`` is skipped; one with a checkpoint resumes from it. A runner claims
   each run before training it (``claim.json``), so several runners over the same folder (one
-  per core or machine) share the grid. Each run records the study hash it was trained under
-  and, when it finishes, its identity: arm, seed and the sha256 of its final checkpoint's
-  weights (``prereg_run.json``, sealed).
+  per core or machine) share the grid. Each run records the study hash it was trained under,
+  the code that trained it (code hash and git commit) and, when it finishes, its identity:
+  arm, seed and the sha256 of its final checkpoint's weights (``prereg_run.json``, sealed).
+  SIGTERM stops it (and its runners, ``run_jobs``) as Ctrl-C does (``signals``).
 - ``analyze(path, out_dir)`` refuses a file whose hash differs from the lock, runs trained
   under a study hash the lock does not cover, and a run folder whose identity or final
-  checkpoint is not the run's (``provenance.check_identity``); evaluates each run's final
+  checkpoint is not the run's (``provenance.check_identity``), and a run whose record names
+  other code than its lock (``sources.check_run_code``; a run trained before runs recorded
+  their code is flagged in the report instead); evaluates each run's final
   checkpoint (perplexity over the pre-registered validation batches; the routing of the same
   batches, recorded with telemetry in eval mode, replayed through LRU and static-pin caches)
   and writes report.md, results.json and two PNGs. Each evaluation is cached in the run's
@@ -38,7 +41,8 @@ Layout: ``spec`` (the file format: one dataclass per part of the file, each chec
 itself), ``compose`` (hydra composition of a run's config), ``hashing`` (the study hash:
 the file and its config files), ``chain`` (the lock history's hash chain), ``locking``
 (lock and verify), ``provenance`` (the study hash each run was trained under, and its
-identity), ``records`` (sealed JSON records, written atomically), ``kept`` (finished runs' records
+identity), ``sources`` (which code trained and evaluated each run, against the lock's),
+``signals`` (SIGTERM as Ctrl-C), ``records`` (sealed JSON records, written atomically), ``kept`` (finished runs' records
 carried in the repository from one machine to the next), ``runner`` (the grid and
 the resumable runner), ``stats`` (the statistics: Student's t, seed means and intervals,
 the paired comparison, one-sided tests and bounds, Holm's correction; imports nothing of
@@ -103,6 +107,8 @@ from moestack.prereg.runner import (
     release,
     run,
 )
+from moestack.prereg.signals import Terminated, sigterm_as_interrupt
+from moestack.prereg.sources import check_run_code, check_study_code, code_at_commit, this_code
 from moestack.prereg.spec import (
     CACHE_STATS,
     COMPARISONS,
@@ -145,6 +151,7 @@ __all__ = [
     "RUN_FILE",
     "SCALAR_METRICS",
     "SUMMARY_FILE",
+    "Terminated",
     "Analysis",
     "Budget",
     "Fingerprint",
@@ -163,9 +170,12 @@ __all__ = [
     "check_overrides",
     "check_rules",
     "check_run",
+    "check_run_code",
     "check_runs",
+    "check_study_code",
     "claim",
     "claimed",
+    "code_at_commit",
     "collect",
     "compose_config",
     "config_choices",
@@ -204,9 +214,11 @@ __all__ = [
     "run_jobs",
     "seeds_needed",
     "sha256_file",
+    "sigterm_as_interrupt",
     "status",
     "t_quantile",
     "t_sf",
+    "this_code",
     "verify",
     "write_run_record",
 ]

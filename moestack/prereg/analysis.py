@@ -22,6 +22,7 @@ from moestack.prereg.locking import verify
 from moestack.prereg.provenance import check_identities, check_identity, check_run, is_kept
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
+from moestack.prereg.sources import EVALUATED_BY, check_run_code, this_code
 from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
 from moestack.prereg.stats import (
     compare,
@@ -271,6 +272,7 @@ def evaluate_shard(
             continue
         check_run(item.run_dir, lock_info)  # a run finished since the caller checked
         identity = check_identity(item, spec.study)
+        check_run_code(item, identity, lock_info)  # trained by the code its lock names
         if cached_evaluation(item.run_dir, key, identity, metric_names(spec.analysis)) is None:
             _evaluate(item, spec, key, corpora, identity)
             done.append(item.name)
@@ -352,7 +354,8 @@ def store_evaluation(
 ) -> dict[str, Any]:
     """Cache ``result`` (``evaluate_run``'s) as the evaluation of the run and weights that
     ``identity`` names, under the analysis hash ``key``, with this process's torch version,
-    threads and host (what a recheck compares under); sealed and written atomically.
+    threads and host (what a recheck compares under) and the code that computed it
+    (``evaluated_by``: code hash, git commit); sealed and written atomically.
     Returns the cached entry."""
     import socket
 
@@ -365,6 +368,7 @@ def store_evaluation(
         torch_threads=torch.get_num_threads(),
         host=socket.gethostname(),
     )
+    entry[EVALUATED_BY] = this_code()  # which code (and commit) computed these numbers
     return write_sealed(Path(run_dir) / EVAL_FILE, entry, EVAL_SEAL)
 
 

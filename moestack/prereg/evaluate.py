@@ -28,6 +28,7 @@ from moestack.prereg.analysis import (
 from moestack.prereg.locking import verify
 from moestack.prereg.provenance import check_identities
 from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan
+from moestack.prereg.sources import check_study_code
 from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,14 @@ class CheckedStudy(NamedTuple):
     grid: list[RunSpec]  # every registered run
     trained: dict[str, dict[str, Any]]  # finished run -> the lock record it was trained under
     identities: dict[str, dict[str, Any]]  # finished run -> its checked identity record
+    code: dict[str, Any]  # the code that trained the finished runs (``sources``)
 
 
 def checked_study(path: Path | str, out_dir: Path | str | None, jobs: int) -> CheckedStudy:
     """Verify the lock, that it covers every finished run, and each finished run's identity
-    (its arm, seed and the weights its final checkpoint holds: ``provenance.check_identity``);
-    refused otherwise. ``jobs`` must be 1 or more."""
+    (its arm, seed and the weights its final checkpoint holds: ``provenance.check_identity``)
+    and the code that trained it (the lock's, where its record names it:
+    ``sources.check_run_code``); refused otherwise. ``jobs`` must be 1 or more."""
     if jobs < 1:
         raise MoestackError(f"--jobs {jobs}: give 1 or more processes")
     lock = verify(path)
@@ -56,7 +59,9 @@ def checked_study(path: Path | str, out_dir: Path | str | None, jobs: int) -> Ch
     root = Path(out_dir) if out_dir else default_out_dir(spec)
     grid = plan(spec, root)
     trained = check_runs(grid, lock)
-    return CheckedStudy(lock, spec, root, grid, trained, check_identities(grid, spec.study))
+    identities = check_identities(grid, spec.study)
+    code = check_study_code(grid, identities, lock)
+    return CheckedStudy(lock, spec, root, grid, trained, identities, code)
 
 
 def evaluate_in_parallel(path: Path | str, root: Path, jobs: int) -> list[str]:
@@ -79,7 +84,7 @@ def evaluate_finished(
     evaluate the finished runs that have no cached evaluation yet (``jobs`` processes), each
     cached evaluation checked on the way (``cached_evaluation``). Returns counts:
     registered, finished, evaluated now, evaluated in all."""
-    _, spec, root, grid, _, _ = checked_study(path, out_dir, jobs)
+    _, spec, root, grid, _, _, _ = checked_study(path, out_dir, jobs)
     if jobs > 1:
         now = evaluate_in_parallel(path, root, jobs)
     else:

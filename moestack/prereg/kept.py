@@ -46,7 +46,9 @@ from moestack.prereg.provenance import (
 )
 from moestack.prereg.records import write_json
 from moestack.prereg.runner import claimed, is_finished, plan
+from moestack.prereg.sources import ANSWER, EVALUATED_BY, check_run_code, describe, trained_text
 from moestack.prereg.spec import Prereg, RunSpec, load
+from moestack.provenance import PROVENANCE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +58,11 @@ __all__ = [
 ]  # fmt: skip
 
 # A run's records that are kept, besides its final checkpoint's meta.json (KEPT_META); the
-# first three must exist, the rest are kept when the run has them. Not its training curve
-# (metrics.jsonl, about 100 KB a run): the analysis does not read it.
-KEPT_FILES = (RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml")
+# first three must exist, the rest are kept when the run has them (provenance.json: each
+# start's commit, which names the code of a run trained before run records named it). Not
+# its training curve (metrics.jsonl, about 100 KB a run): the analysis does not read it.
+KEPT_FILES = (RUN_FILE, EVAL_FILE, SUMMARY_FILE, "prereg_overrides.json", "config.yaml",
+              PROVENANCE_FILE)  # fmt: skip
 # The machine a kept run was trained on (where ``keep`` found its checkpoint): training is
 # bitwise repeatable only on the same CPU kind and torch (docs/prereg.md).
 KEPT_MACHINE = "kept_machine.json"
@@ -83,8 +87,9 @@ def keep(
 ) -> KeepResult:
     """Copy the records of every finished and evaluated run of the study into ``kept_dir``
     (default docs/<study>/runs), each run checked first as ``analyze`` checks it (the lock
-    covers it, its identity is its own checkpoint's, its evaluation is sealed, of those
-    weights and under the study's analysis settings). A run kept before is replaced only by
+    covers it, its identity is its own checkpoint's, the code its record names is the
+    lock's, its evaluation is sealed, of those weights and under the study's analysis
+    settings). A run kept before is replaced only by
     the records of the same weights (a newer evaluation); records of other weights are
     refused. Each run's folder is written whole or not at all."""
     spec, lock_info = load(path), verify(path)
@@ -98,6 +103,7 @@ def keep(
             continue
         check_run(item.run_dir, lock_info)
         identity = check_identity(item, spec.study)
+        check_run_code(item, identity, lock_info)
         if cached_evaluation(item.run_dir, key, identity, names) is None:
             waiting.append(item.name)
             continue
@@ -152,6 +158,7 @@ def restore(
         try:
             check_run(item.run_dir, lock_info)
             identity = check_identity(item, spec.study)
+            check_run_code(item, identity, lock_info)
             if cached_evaluation(item.run_dir, key, identity, names) is None:
                 raise MoestackError(
                     f"{source / EVAL_FILE} is no sealed evaluation under the study's analysis "
@@ -337,13 +344,16 @@ def audit_compare(
     """Each picked run trained again in ``scratch`` against its kept record: ``run``,
     ``kept`` and ``retrained`` weights sha256, ``outcome`` and, where the run trained again
     is evaluated (``prereg evaluate FILE --out SCRATCH``), the relative ``differences`` of
-    its metrics from the kept evaluation. On the machine kind the run was kept from
+    its metrics from the kept evaluation, and ``code`` (``sources.check_run_code``: the code
+    that trained it again against the lock's) and ``evaluated_by`` (the code that evaluated
+    it again; None: not evaluated, or by a moestack older than the record). On the machine
+    kind the run was kept from
     (``kept_machine.json``: CPU, the instructions torch uses, torch) the weights must be the
     same bits ("matched"); otherwise training is not bitwise repeatable and the row says so
     ("other machine") with the metric differences to read. Raises, naming the kept record,
     when a run was not trained, or ends with other weights on the same machine kind: its
     kept records are not what this training gives."""
-    spec = load(path)
+    spec, lock_info = load(path), verify(path)
     where = Path(kept_dir) if kept_dir else default_kept_dir(spec)
     items = {item.name: item for item in plan(spec, scratch)}
     here = machine()
@@ -352,7 +362,8 @@ def audit_compare(
         item = items[name]
         if not is_finished(item.run_dir):
             raise MoestackError(f"{item.run_dir}: the audit's run {name} was not trained")
-        again = check_identity(item, spec.study)["model_sha256"]
+        identity = check_identity(item, spec.study)
+        again = identity["model_sha256"]
         record = where / name / RUN_FILE
         kept = _kept_weights(where / name)
         then = _read_json(where / name / KEPT_MACHINE)
@@ -368,6 +379,8 @@ def audit_compare(
         row = {"run": name, "kept": kept, "retrained": again, "outcome": outcome}
         row["differences"] = _differences(where / name / EVAL_FILE, item.run_dir / EVAL_FILE)
         row["kept_machine"], row["machine"] = then, here
+        row["code"] = check_run_code(item, identity, lock_info)  # which code trained it again
+        row["evaluated_by"] = (_read_json(item.run_dir / EVAL_FILE) or {}).get(EVALUATED_BY)
         rows.append(row)
     return rows
 
@@ -440,6 +453,12 @@ def render_audit(result: dict[str, Any], path: Path | str) -> str:
         lines.append(
             f"{r['run']}: trained on another machine kind (kept: {r['kept_machine']}; here: "
             f"{r['machine']}), where training is not bitwise repeatable; {said}"
+        )
+    for r in result["rows"]:
+        code = r.get("code") or {"trained_by": [], "source": None, "as_locked": None}
+        lines.append(
+            f"{r['run']}: trained again by {trained_text(code)}, the lock's code: "
+            f"{ANSWER[code['as_locked']].strip('*')}; evaluated by {describe(r.get('evaluated_by'))}"
         )
     same = sum(r["outcome"] == "matched" for r in result["rows"])
     lines.append(f"{len(result['rows'])} kept runs trained again, {same} to the kept bits")

@@ -29,6 +29,7 @@ from typing import Any
 from moestack.errors import MoestackError
 from moestack.prereg.chain import accepted
 from moestack.prereg.records import is_sealed, write_sealed
+from moestack.prereg.sources import RUNNING_CODE, TRAINED_BY, trained_by
 from moestack.prereg.spec import Prereg, RunSpec
 
 RUN_FILE = "prereg_run.json"
@@ -93,7 +94,10 @@ def write_run_record(
     trained under; ``status`` is ``started`` or ``finished``. ``run`` (the grid's point)
     names its arm and seed; a finished record needs it and adds the final checkpoint's
     name, step and weights sha256, which the checkpoint's files are verified against first.
-    The record is sealed (``record_sha256``) and written atomically."""
+    ``trained_by`` names the code (code hash, git commit) of every start that wrote the
+    record under this study hash: the runner's, checked against the lock when it started
+    (``lock_info``'s ``running_code``), else ``sources.this_code()``. The record is sealed
+    (``record_sha256``) and written atomically."""
     run_dir = Path(run_dir)
     if status == "finished" and run is None:
         raise ValueError("a finished run record needs the run (its arm and seed)")
@@ -108,6 +112,7 @@ def write_run_record(
         "legacy_lock": lock_info["legacy"],
         "status": status,
         "started_at": old.get("started_at", _now()) if same else _now(),
+        TRAINED_BY: trained_by(old if same else None, lock_info.get(RUNNING_CODE)),
     }
     if run is not None:
         record.update(run=run.name, arm=run.arm, seed=run.seed)

@@ -27,6 +27,8 @@ from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
 from moestack.prereg.hashing import changed_files, code_files
 from moestack.prereg.runner import is_finished
+from moestack.prereg.sources import render_lines as render_code_lines
+from moestack.prereg.sources import with_evaluations
 from moestack.prereg.spec import Prereg, is_control
 from moestack.prereg.stats import t_quantile
 
@@ -183,11 +185,14 @@ def render_markdown(
     hypotheses: Sequence[dict[str, Any]],
     figures: Sequence[str],
     checks: Sequence[dict[str, Any]] | None = None,
+    code: dict[str, Any] | None = None,
 ) -> str:
-    """The report: provenance, the verdicts, one table per hypothesis, the runs, the figures.
-    Every string from the study file or the lock is quoted through ``md``; ``checks`` are
-    the runs the analysis evaluated again (``analysis.recheck``; None: not asked for)."""
+    """The report: provenance, the code of the runs, the verdicts, one table per hypothesis,
+    the runs, the figures. Every string from the study file or the lock is quoted through
+    ``md``; ``checks`` are the runs the analysis evaluated again (``analysis.recheck``;
+    None: not asked for); ``code`` which code trained them (``sources``; None: not shown)."""
     lines = _provenance(spec, lock_record, records, checks)
+    lines += render_code_lines(code, md)
     lines += ["## Verdicts", "", "| id | hypothesis | verdict |", "|---|---|---|"]
     lines += [f"| {md(h['id'])} | {md(h['statement'])} | **{h['verdict']}** |" for h in hypotheses]
     lines.append("")
@@ -838,7 +843,7 @@ def analyze(
     """
     if recheck < 0:
         raise MoestackError(f"--recheck {recheck}: give 0 (no recheck) or more runs per arm")
-    record, spec, root, grid, trained, identities = checked_study(path, out_dir, jobs)
+    record, spec, root, grid, trained, identities, code = checked_study(path, out_dir, jobs)
     unfinished = [r.name for r in grid if not is_finished(r.run_dir)]
     if unfinished and not interim:
         raise MoestackError(
@@ -861,7 +866,7 @@ def analyze(
         {"finished": len(grid) - len(unfinished), "registered": len(grid)} if unfinished else None
     )
     results, text = decide_and_report(
-        spec, record, records, figures=figures, checks=checks, interim=interim_counts
+        spec, record, records, figures=figures, checks=checks, interim=interim_counts, code=code
     )
     (report / "results.json").write_text(json.dumps(_json_safe(results), indent=2) + "\n")
     md_file = report / "report.md"
@@ -878,13 +883,16 @@ def decide_and_report(
     figures: Sequence[str] = (),
     checks: Sequence[dict[str, Any]] | None = None,
     interim: dict[str, int] | None = None,
+    code: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], str]:
     """The step of ``analyze`` after the runs are evaluated: from the runs' records (``collect``)
     the verdicts and every table, as results.json's content (before ``_json_safe``) and the
     text of report.md. ``lock_record`` is the verified lock; ``checks`` the recheck's
     outcome; ``interim`` the counts of finished and registered runs when some are unfinished
-    (the report then opens with the interim banner)."""
+    (the report then opens with the interim banner); ``code`` the code that trained the
+    runs (``sources.check_study_code``; None: not shown)."""
     hypotheses = evaluate_hypotheses(spec, records)
+    code = with_evaluations(code, records) if code is not None else None
     results = {
         "study": spec.study,
         "interim": interim,
@@ -897,9 +905,10 @@ def decide_and_report(
         "steered": steered_rows(spec, records),
         "recheck": checks,
         "analysis_code": analysis_code(lock_record),
+        "code": code,
         "runs": [{k: v for k, v in r.items() if k not in _NOT_RESULTS} for r in records],
     }
-    text = render_markdown(spec, lock_record, records, hypotheses, figures, checks)
+    text = render_markdown(spec, lock_record, records, hypotheses, figures, checks, code)
     if interim:
         text = _interim_banner(interim["finished"], interim["registered"]) + "\n\n" + text
     return results, text

@@ -24,6 +24,7 @@ from moestack.prereg.provenance import (
     write_run_record,
 )
 from moestack.prereg.signals import sigterm_as_interrupt
+from moestack.prereg.sources import RUNNING_CODE, this_code
 from moestack.prereg.spec import Prereg, RunSpec, load
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ def _run(
 ) -> list[Path]:
     """:func:`run`'s body."""
     info = check_code(path, verify(path), amend, out_dir)
+    # the code just checked against the lock, which this process runs: each run's record
+    # names it (later edits of the checkout's files do not change what is imported)
+    info = {**info, RUNNING_CODE: this_code()}
     spec = load(path)
     runs = plan(spec, out_dir)
     train_fn = train_fn or _train

@@ -270,3 +270,34 @@ def test_run_without_an_identity_record_is_refused(study: tuple[Path, Path], fau
         assert line.startswith(f"{record_file} records no identity of the run")
         assert f"retrain it: delete {run_dir(out, 'a-s0')}" in line
     fault_report.add("prereg study: run record without the run's identity", injected=1, refused=1)
+
+
+def keep_refused(path: Path, out: Path) -> str:
+    """The one-line refusal of ``keep``: nothing of the study is kept."""
+    with pytest.raises(MoestackError) as err:
+        prereg.keep(path, out, out.parent / "kept")
+    assert "\n" not in str(err.value)
+    assert not (out.parent / "kept" / "b-s0").exists()
+    return str(err.value)
+
+
+def test_a_run_trained_by_other_code_than_its_lock_names_is_refused(
+    study: tuple[Path, Path], fault_report
+) -> None:
+    """A run whose sealed record names code other than the lock's (trained by another
+    checkout, its record resealed) is refused by evaluate and analyze, naming both hashes."""
+    path, out = study
+    locked = prereg.verify(path)["code_sha256"]
+    record_file = run_dir(out, "b-s0") / prereg.RUN_FILE
+    record = read(record_file)
+    assert [t["code_sha256"] for t in record["trained_by"]] == [locked]
+    other = hashlib.sha256(b"other code").hexdigest()
+    record["trained_by"] = [{**record["trained_by"][0], "code_sha256": other}]
+    reseal(record_file, record, "record_sha256")
+    for step in (lambda: refused(path, out), lambda: [keep_refused(path, out)]):
+        for line in step():
+            assert line.startswith(
+                f"{record_file}: run b-s0 was trained by code sha256 {other[:12]}"
+            )
+            assert locked[:12] in line
+    fault_report.add("prereg study: run trained by other code", injected=1, refused=1)

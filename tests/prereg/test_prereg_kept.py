@@ -268,7 +268,12 @@ def test_the_audit_trains_picked_kept_runs_again_and_compares_their_weights(
     assert sorted(name for name, _ in calls) == sorted(first["picks"])
     second = prereg.audit(path, scratch, kept, per_arm=1)
     assert [r["outcome"] for r in second["rows"]] == ["matched"] * 3
-    assert "3 kept runs trained again, 3 to the kept bits" in prereg.render_audit(second, path)
+    text = prereg.render_audit(second, path)
+    assert "3 kept runs trained again, 3 to the kept bits" in text
+    code = prereg.verify(path)["code_sha256"][:12]
+    for name in first["picks"]:  # which code trained each run again, and evaluated it
+        assert f"{name}: trained again by code `{code}` at commit `" in text
+        assert "(prereg_run.json), the lock's code: yes; evaluated by not recorded" in text
 
 
 def test_the_audit_refuses_a_kept_record_that_training_does_not_give(study_copy, tmp_path) -> None:
