@@ -161,6 +161,64 @@ def train_step_section(rounds: int) -> dict[str, Any]:
     return interleaved(contenders, rounds, 2)
 
 
+def _device_run(
+    name: str, optim: OptimConfig, steps: int, batch: int, seq_len: int
+) -> dict[str, Any]:
+    """Peak memory and step times of ``steps`` training steps of model ``name`` on the GPU
+    (else the CPU) with ``optim``, after two warm-up steps."""
+    from moestack.evaluation import autocast_context
+    from moestack.optim import apply_param_dtype
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    cfg = model_config(name)
+    if device.type == "cuda":
+        cfg.moe.impl = "auto"
+    model = cfg.build().to(device)
+    dtype = apply_param_dtype(model, optim, device)
+    opt = build_optimizer(model, optim)
+    seq = min(cfg.max_seq_len, seq_len)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    times = []
+    for i in range(steps + 2):
+        if i == 2 and device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with autocast_context(device):
+            out = model(tokens[:, :-1], targets=tokens[:, 1:])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "param_dtype": str(dtype), "peak_bytes": peak, "median_s": statistics.median(times),
+        "min_s": min(times), "max_s": max(times), "loss": float(out.loss),
+    }  # fmt: skip
+
+
+def device_section(steps: int, batch: int, seq_len: int = 512) -> dict[str, Any]:
+    name = "m137" if torch.cuda.is_available() else "tiny"
+    out = {"model": name, "device": "cuda" if torch.cuda.is_available() else "cpu (dry run)"}
+    out["adamw"] = _device_run(name, OptimConfig(name="adamw"), steps, batch, seq_len)
+    out["tiered"] = _device_run(name, OptimConfig(name="tiered"), steps, batch, seq_len)
+    a, t = out["adamw"], out["tiered"]
+    out["time_ratio"] = t["median_s"] / a["median_s"]
+    if a["peak_bytes"]:
+        out["memory_ratio"] = t["peak_bytes"] / a["peak_bytes"]
+        out["targets_met"] = {"memory<=0.45x": out["memory_ratio"] <= 0.45,
+                              "time<=1.05x": out["time_ratio"] <= 1.05}  # fmt: skip
+    return out
+
+
 def print_tables(results: dict[str, Any]) -> None:
     if "bytes" in results:
         print(f"{'model':14} {'params':>9} {'tiered MB':>10} {'AdamW fp32 MB':>14} "
@@ -169,6 +227,16 @@ def print_tables(results: dict[str, Any]) -> None:
             print(f"{name:14} {r['params'] / 1e6:8.1f}M {r['tiered_total'] / 1e6:10.2f} "
                   f"{r['adamw_fp32_state'] / 1e6:14.1f} {r['ratio_vs_adamw_fp32']:6.3f} "
                   f"{r['ratio_vs_adamw_mixed']:8.3f} {r['expert_training_bytes_per_param']:14.3f}")  # fmt: skip
+    if "device" in results:
+        r = results["device"]
+        for name in ("adamw", "tiered"):
+            c = r[name]
+            peak = f"{c['peak_bytes'] / 2**30:.2f} GiB" if c["peak_bytes"] else "n/a"
+            print(f"device     {r['model']:6} {name:15} {c['median_s'] * 1e3:9.2f} ms "
+                  f"[{c['min_s'] * 1e3:.2f}, {c['max_s'] * 1e3:.2f}]  peak {peak}")  # fmt: skip
+        print(
+            f"device     time x{r['time_ratio']:.3f}, memory x{r.get('memory_ratio', float('nan')):.3f}"
+        )
     for section in ("update", "train_step"):
         if section not in results:
             continue
@@ -184,9 +252,12 @@ def main() -> None:
     ap.add_argument("--only", default="bytes,update,train_step", help="sections to run")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timed sections)")
     ap.add_argument("--json", default="", help="also write the results to this JSON file")
+    ap.add_argument("--device-steps", type=int, default=10, help="device: timed training steps")
+    ap.add_argument("--batch", type=int, default=16, help="device: sequences a step")
     args = ap.parse_args()
     sections = {"bytes": bytes_section, "update": lambda: update_section(args.rounds),
-                "train_step": lambda: train_step_section(args.rounds)}  # fmt: skip
+                "train_step": lambda: train_step_section(args.rounds),
+                "device": lambda: device_section(args.device_steps, args.batch)}  # fmt: skip
     results: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
