@@ -138,7 +138,10 @@ class CachedExperts:
         device = x_TD.device
         w1, w2 = served.weights["w1"].to(device), served.weights["w2"].to(device)
         lut_E = served.lut_E.to(device)  # expert -> slot, on the device
-        if compute_dtype(x_TD, w1) != w1.dtype or self.impl == "megablocks":
+        # adapters' dropout draws its mask over the rows sorted by expert: they must be in
+        # the in-memory layer's order (expert ids), not in the slots'
+        dropout = adapters is not None and adapters.dropout > 0
+        if compute_dtype(x_TD, w1) != w1.dtype or self.impl == "megablocks" or dropout:
             w1, w2, lut_E = _used_rows(w1, w2, lut_E, requests)
         args = (x_TD, w1, w2, lut_E[experts_TK], weights_TK, self.impl)
         if adapters is None:

@@ -268,6 +268,24 @@ class StreamingState:
         self.store.close()
 
 
+@contextlib.contextmanager
+def experts_left_out(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside, ``model``'s state dict leaves out every MoE layer's ``w1``/``w2``: for loading
+    a checkpoint of a streamed run (which holds no experts) into a model whose experts are
+    the frozen ones already (built from the seed or read from the model folder)."""
+    handles = [moe.register_state_dict_post_hook(_drop_experts) for moe in model.moe_layers]
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _drop_experts(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
+    for name in ("w1", "w2"):
+        state.pop(prefix + name, None)
+
+
 def _drop_streamed(module: nn.Module, state: dict[str, Any], prefix: str, local: Any) -> None:
     """State-dict post-hook of a streamed layer: its experts are in the store, not in the
     model (meta tensors), so its state dict (a checkpoint's weights) leaves them out."""

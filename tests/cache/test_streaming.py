@@ -21,15 +21,23 @@ from moestack.router import Routing
 
 
 @pytest.mark.parametrize(
-    ("trainable", "mode", "prefetch"),
-    [("routers", "disk", False), ("lora", "disk", True), ("routers+lora", "host", False)],
+    ("trainable", "mode", "prefetch", "capacity"),
+    [
+        ("routers", "disk", False, 2),
+        ("lora", "disk", True, 6),
+        ("routers+lora", "host", False, 2),
+    ],
 )
-def test_equal_to_the_resident_run(tmp_path: Path, trainable: str, mode: str, prefetch: bool):
-    """20 steps with capacity = top_k (2 of 8 experts per layer): the same losses and the
-    same router/adapter weights as the run with every expert in memory, bit for bit (the
-    same arithmetic in the same order on the CPU); lora adapters with dropout 0.1, so the
-    backward's recomputation must draw the forward's mask again."""
-    cfg = run_cfg(trainable, mode, prefetch=prefetch)
+def test_equal_to_the_resident_run(
+    tmp_path: Path, trainable: str, mode: str, prefetch: bool, capacity: int
+):
+    """20 steps with capacity = top_k (2 of 8 experts per layer: every call's experts in a
+    buffer of their own) or 6 (in slots that end up in no particular order): the same losses
+    and the same router/adapter weights as the run with every expert in memory, bit for bit
+    (the same arithmetic in the same order on the CPU); lora adapters with dropout 0.1, so
+    the backward's recomputation must draw the forward's mask again, over the rows in the
+    same order."""
+    cfg = run_cfg(trainable, mode, prefetch=prefetch, capacity=capacity)
     steps = STEPS if trainable in ("routers", "lora") else 10  # the issue's targets: 20
     resident = build(cfg)
     resident_losses = train(resident, cfg, steps)
@@ -244,3 +252,33 @@ def test_checkpoint_leaves_the_streamed_experts_out(tmp_path: Path):
         assert torch.equal(f.get_tensor("layers.1.moe.lora_w2_B"), model.moe_layers[1].lora_w2_B)
     state.close()
     assert "layers.0.moe.w1" in model.state_dict()  # the hook goes with close()
+
+
+def test_resume_loads_a_checkpoint_without_experts(tmp_path: Path):
+    """A resumed run builds its model (the frozen experts drawn again from the seed), loads
+    the checkpoint's weights with the experts left out of the state dict, and attaches to
+    the same store: it computes the interrupted run's losses."""
+    from moestack import checkpoint
+    from moestack.cache.streaming import experts_left_out
+
+    cfg = run_cfg("routers+lora")
+    first = build(cfg)
+    attach_streaming(first, cfg, tmp_path)
+    train(first, cfg, steps=2)
+    path = checkpoint.save_checkpoint(tmp_path / "ckpt", 2, first, cfg.model, {"step": 2})
+    written = (tmp_path / "experts" / "index.json").stat().st_mtime_ns
+    resumed = build(cfg)
+    with pytest.raises(MoestackError, match=r"missing layers\.0\.moe\.w1"):
+        checkpoint.load_model_weights(path, resumed, cfg.model)  # what experts_left_out avoids
+    with experts_left_out(resumed):
+        checkpoint.load_model_weights(path, resumed, cfg.model)
+    assert "layers.0.moe.w1" in resumed.state_dict()  # only inside
+    state = attach_streaming(resumed, cfg, tmp_path)
+    assert (tmp_path / "experts" / "index.json").stat().st_mtime_ns == written  # reused
+    want, got = trained(first), trained(resumed)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    inputs, targets = batches(n=1)[0]
+    with torch.no_grad():  # eval: no dropout draws
+        want_loss = first.eval()(inputs, targets).loss
+        assert torch.equal(resumed.eval()(inputs, targets).loss, want_loss)
+    state.close()
