@@ -12,15 +12,20 @@
 # The runs live in this checkout's runs/prereg/STUDY (resumable: run the script again after a
 # stop). A study trained in pieces on several machines carries its finished runs in
 # docs/STUDY/runs (their records, "kept runs"): they are restored first, so only the rest
-# trains. Then this checkout's moestack (`make setup` here) evaluates the finished runs,
-# keeps their records in docs/STUDY/runs (commit them) and, once every run is done, writes
-# the report into docs/STUDY/.
+# trains. Then this checkout's moestack (`make setup` here) evaluates the finished runs
+# (each evaluation names this checkout's code hash and commit), keeps their records in
+# docs/STUDY/runs (their provenance.json included: the commit that trained them; commit
+# them) and, once every run is done, writes the report into docs/STUDY/ (its "Code of the
+# runs" flags runs whose records name no code).
 #   scripts/reproduce_locked.sh prereg_cpu_v3 prereg_cpu_v3_e16
 #   JOBS=1 TORCH_SPEC=torch scripts/reproduce_locked.sh prereg_137m   # one run at a time on a GPU
 #   TRAIN=0 scripts/reproduce_locked.sh prereg_cpu_v3   # evaluate, keep and analyse only
 #   AUDIT=1 scripts/reproduce_locked.sh prereg_cpu_v3   # and train 1 kept run per arm again
 #     (picked at random, in runs/prereg/STUDY-audit): on the machine kind it was kept from its
-#     weights must be the kept ones; elsewhere its metrics are compared (docs/STUDY/audit.txt)
+#     weights must be the kept ones; elsewhere its metrics are compared (docs/STUDY/audit.txt,
+#     which also names the code that trained each run again: its record's, or for a lock
+#     commit older than code records the commit its provenance.json names with that commit's
+#     code hash, against the lock's; and the code here that evaluated it)
 set -euo pipefail
 [ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)

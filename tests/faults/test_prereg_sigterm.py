@@ -119,7 +119,7 @@ def test_sigterm_stops_every_runner_as_ctrl_c_does(tmp_path: Path, fault_report)
     for name in pids:
         run_dir = out / "runs" / name
         assert _starts(run_dir)[-1]["status"] == "interrupted"  # stopped as Ctrl-C stops it
-        assert "SIGTERM" in _starts(run_dir)[-1]["error"]
+        assert _starts(run_dir)[-1]["error"] == "Terminated: stopped by SIGTERM"
         assert not (run_dir / "summary.json").exists()
         assert prereg.read_run_record(run_dir)["status"] == "started"
         assert not prereg.claimed(run_dir)
