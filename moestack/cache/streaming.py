@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STREAMABLE = ("routers", "lora", "routers+lora")  # moestack.config.STREAMABLE_TRAINABLE
+# a function giving a model's experts, (w1 [E, D, 2F], w2 [E, F, D]) per MoE layer in order
+LayerSource = Callable[[], Iterable[tuple[torch.Tensor, torch.Tensor]]]
 
 
 class _Traffic:
@@ -302,13 +304,20 @@ def store_path(cfg: TrainConfig, out_dir: str | Path) -> Path:
 
 
 def attach_streaming(
-    model: nn.Module, cfg: TrainConfig, out_dir: str | Path
+    model: nn.Module,
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    *,
+    layers: LayerSource | None = None,
 ) -> StreamingState | None:
     """Stream ``model``'s frozen experts through an expert cache from now on (None with
     ``offload_experts=off``); call it once the model is on its device in its final dtype
     and frozen, before the optimizer is built. The experts are written to the store first
     (or a store of the same experts is reused), then released from memory. A model whose
-    experts are not in memory (meta) needs that store already there."""
+    experts were never in memory (meta) takes ``layers``: a function giving its
+    ``(w1, w2)`` one layer at a time (``drawn_expert_layers``, ``iter_hf_expert_layers``),
+    called at most twice (their digest, then the store's write), so no more than one
+    layer's experts is ever in memory; without it, the store must be there already."""
     mode = cfg.offload_experts
     if mode == "off":
         return None
@@ -319,7 +328,7 @@ def attach_streaming(
         )
     moes = list(model.moe_layers)
     device = next(p.device for p in model.parameters() if not p.is_meta)
-    store = frozen_store(moes, store_path(cfg, out_dir), cfg.model)
+    store = frozen_store(moes, store_path(cfg, out_dir), cfg.model, layers)
     release_experts(model)
     tier = (
         HostTier.read(store, pin=device.type == "cuda", progress=False) if mode == "host" else store
@@ -345,29 +354,59 @@ def attach_streaming(
     return state
 
 
-def experts_digest(moes: list[MoE]) -> str:
-    """BLAKE2b of every layer's ``w1``/``w2`` (shapes, dtype and bytes): what the store of
-    a run's frozen experts was written from."""
+def experts_digest(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """BLAKE2b of every layer's ``w1``/``w2`` (shapes, dtype and bytes), taken one layer at
+    a time: what the store of a run's frozen experts was written from."""
     h = hashlib.blake2b(digest_size=32)
-    for moe in moes:
-        for t in (moe.w1, moe.w2):
+    for w1, w2 in layers:
+        for t in (w1, w2):
             host = t.detach().to("cpu").contiguous().reshape(-1)
             h.update(f"{tuple(t.shape)} {t.dtype};".encode())
             h.update(memoryview(host.view(torch.uint8).numpy()))
     return "experts blake2b:" + h.hexdigest()
 
 
-def frozen_store(moes: list[MoE], path: Path, model_cfg: Any) -> ExpertStore:
+def resident_layers(moes: list[MoE]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The layers' experts as they are in memory."""
+    return ((moe.w1.detach(), moe.w2.detach()) for moe in moes)
+
+
+def drawn_expert_layers(model: nn.Module, seed: int) -> LayerSource:
+    """For moestack's own model built with ``experts_on_meta=True``: a function giving each
+    layer's ``(w1, w2)`` as the whole build draws them from ``seed``
+    (``MoETransformer.init_weights``), in the meta tensors' dtype, one layer at a time."""
+    std = model.cfg.init_std
+
+    def layers() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i, moe in enumerate(model.moe_layers):
+            meta = moe.w1, moe.w2
+            moe.w1 = nn.Parameter(torch.empty(meta[0].shape), requires_grad=False)
+            moe.w2 = nn.Parameter(torch.empty(meta[1].shape), requires_grad=False)
+            try:
+                moe.init_experts(seed, f"layers.{i}.moe", std)
+                drawn = moe.w1.detach().to(meta[0].dtype), moe.w2.detach().to(meta[1].dtype)
+            finally:
+                moe.w1, moe.w2 = meta
+            yield drawn
+
+    return layers
+
+
+def frozen_store(
+    moes: list[MoE], path: Path, model_cfg: Any, layers: LayerSource | None = None
+) -> ExpertStore:
     """The store of these layers' experts at ``path``, every load checked against its
-    checksums: the one there when it holds the same experts (or when the experts are not
-    in memory), else written from the layers."""
+    checksums: the one there when it holds the same experts, else written from the layers
+    in memory or from ``layers`` (``attach_streaming``). Experts neither in memory nor given
+    take the store there as it is."""
     resident = not any(moe.w1.is_meta or moe.w2.is_meta for moe in moes)
-    source = experts_digest(moes) if resident else None
+    make = (lambda: resident_layers(moes)) if resident else layers
+    source = experts_digest(make()) if make is not None else None
     if (path / INDEX_FILE).is_file():
         try:
             store = ExpertStore(path, model_cfg, verify_loads=True)
         except MoestackError as err:
-            if not resident:
+            if make is None:
                 raise
             log.warning("rewriting expert store %s: %s", path, err)
         else:
@@ -375,13 +414,12 @@ def frozen_store(moes: list[MoE], path: Path, model_cfg: Any) -> ExpertStore:
                 return store
             log.info("expert store %s holds other experts; rewriting it", path)
             store.close()
-    if not resident:
+    if make is None:
         raise MoestackError(
             f"the model's experts are not in memory and {path} holds no expert store: write "
-            "one from its weights first (ExpertStore.write_layers), or build it with experts"
+            "one from its weights first (ExpertStore.write_layers), or pass layers="
         )
-    layers = ((moe.w1.detach(), moe.w2.detach()) for moe in moes)
     ExpertStore.write_layers(
-        layers, path, model_cfg=model_cfg, meta={"source": source}, overwrite=True
+        make(), path, model_cfg=model_cfg, meta={"source": source}, overwrite=True
     ).close()
     return ExpertStore(path, model_cfg, verify_loads=True)

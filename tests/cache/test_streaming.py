@@ -282,3 +282,29 @@ def test_resume_loads_a_checkpoint_without_experts(tmp_path: Path):
         want_loss = first.eval()(inputs, targets).loss
         assert torch.equal(resumed.eval()(inputs, targets).loss, want_loss)
     state.close()
+
+
+def test_experts_never_in_memory(tmp_path: Path):
+    """moestack's model built with its experts on meta: the store is written from the
+    experts drawn one layer at a time as the whole build draws them (the same digest as the
+    whole model's experts), and training gives the resident run's losses."""
+    from moestack import MoETransformer
+    from moestack.cache.streaming import drawn_expert_layers, experts_digest, resident_layers
+
+    cfg = run_cfg("routers")
+    whole = MoETransformer(cfg.model, seed=7).train()
+    whole.set_trainable("routers")
+    lean = MoETransformer(cfg.model, seed=7, experts_on_meta=True).train()
+    lean.set_trainable("routers")
+    assert lean.moe_layers[0].w1.is_meta
+    layers = drawn_expert_layers(lean, seed=7)
+    drawn = 0
+    for (w1, w2), moe in zip(layers(), whole.moe_layers, strict=True):  # a layer at a time
+        assert torch.equal(w1, moe.w1) and torch.equal(w2, moe.w2)
+        assert all(m.w1.is_meta and m.w2.is_meta for m in lean.moe_layers)
+        drawn += 1
+    assert drawn == cfg.model.n_layers
+    state = attach_streaming(lean, cfg, tmp_path, layers=layers)
+    assert state.store.meta["source"] == experts_digest(resident_layers(whole.moe_layers))
+    assert train(lean, cfg, steps=3) == train(whole, cfg, steps=3)
+    state.close()
