@@ -294,3 +294,22 @@ def test_a_resume_names_only_the_overrides_it_was_given(finished, tmp_path):
     line = one_line(done, 2)
     assert "resume=true with a changed config (model.d_model 32 -> 64): a resumed run" in line
     assert tree_of(run) == before
+
+
+def test_ctrl_c_before_a_resume_began_leaves_the_run_as_it_was(finished, tmp_path):
+    """Right after hydra wrote into the run's folder (its log, the first file of .hydra/),
+    and again as the process exits: the folder byte for byte as it was, the line naming the
+    run's checkpoint and the command that resumes it."""
+    from helpers.interrupt import planted
+
+    run = copy_of(finished, tmp_path)
+    before = tree_of(run)
+    done = planted("folder-made", f"out_dir={run}", "resume=true", cwd=tmp_path)
+    line = one_line(done, 130)
+    newest = checkpoint.latest_checkpoint(run / "checkpoints")
+    assert line == (
+        "moestack-train: interrupted before this start began (the run's folder is as it was); "
+        f"the last checkpoint is {newest}: continue from it with moestack-train "
+        f"out_dir={run} resume=true"
+    )
+    assert tree_of(run) == before
