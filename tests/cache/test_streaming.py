@@ -4,6 +4,7 @@ the forward and the backward, against a hand-written LRU; refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -308,3 +309,42 @@ def test_experts_never_in_memory(tmp_path: Path):
     assert state.store.meta["source"] == experts_digest(resident_layers(whole.moe_layers))
     assert train(lean, cfg, steps=3) == train(whole, cfg, steps=3)
     state.close()
+
+
+@pytest.mark.parametrize("trainable", ["routers", "lora"])
+def test_transformers_folder_streamed_from_its_files(tmp_path: Path, trainable: str):
+    """A transformers model folder (OLMoE): streamed, it trains as the resident model; built
+    without its experts, the store is written from the folder's files one layer at a time
+    (iter_hf_expert_layers), with the same digest, and gives the same losses."""
+    pytest.importorskip("transformers")
+    from helpers.hf import tiny_hf_model_dir
+
+    from moestack.interop.hf_experts import iter_hf_expert_layers
+    from moestack.interop.hf_model import HFModelConfig
+    from moestack.lora import LoRAConfig, add_adapters_for
+
+    path = tiny_hf_model_dir(tmp_path, "olmoe")
+    cfg = dataclasses.replace(
+        run_cfg(trainable), model=HFModelConfig(path=str(path), moe={"impl": "torch"}),
+        lora=LoRAConfig(rank=2, dropout=0.1),
+    ).resolve()  # fmt: skip
+
+    def build_hf(experts: bool = True) -> torch.nn.Module:
+        model = cfg.model.build(experts=experts).train()
+        add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+        model.set_trainable(cfg.trainable)
+        return model
+
+    want = train(build_hf(), cfg, steps=3)
+    streamed = build_hf()
+    first = attach_streaming(streamed, cfg, tmp_path / "run")
+    assert train(streamed, cfg, steps=3) == want
+    if trainable == "lora":  # adapters on meta experts are the trainer's to materialise
+        return
+    lean = build_hf(experts=False)
+    dtype = lean.moe_layers[0].w1.dtype
+    again = attach_streaming(  # a store of its own, written from the files
+        lean, cfg, tmp_path / "lean", layers=lambda: iter_hf_expert_layers(path, dtype)
+    )
+    assert again.store.meta["source"] == first.store.meta["source"]
+    assert train(lean, cfg, steps=3) == want
