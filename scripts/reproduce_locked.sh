@@ -27,6 +27,23 @@
 #     commit older than code records the commit its provenance.json names with that commit's
 #     code hash, against the lock's; and the code here that evaluated it)
 set -euo pipefail
+stoppable() {  # run "${@:2}" in folder $1 as a job of its own (set -m: its SIGINT is not ignored
+  # and `timeout`'s SIGTERM to this script's process group does not reach it), stopped with
+  # SIGINT, as Ctrl-C stops it, when this script gets SIGINT or SIGTERM (once): a lock
+  # commit's `prereg run` older than its own SIGTERM handling would end at once on SIGTERM and
+  # leave its runners training as orphans
+  local dir=$1
+  shift
+  set -m
+  (cd "$dir" && exec "$@") &
+  job=$!
+  set +m
+  trap 'trap "" INT TERM; kill -INT "$job" 2>/dev/null || true; wait "$job" || true; exit 130' INT TERM
+  local rc=0
+  wait "$job" || rc=$?
+  trap - INT TERM
+  return "$rc"
+}
 [ $# -gt 0 ] || { echo "usage: $0 STUDY [STUDY ...] (experiments/STUDY.yaml, locked)" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -66,13 +83,13 @@ for name in "$@"; do
   out="$root/runs/prereg/$name"
   kept="$root/docs/$name/runs"
   [ ! -d "$kept" ] || "$here" prereg restore "$f" --out "$out" --kept "$kept"
-  [ "${TRAIN:-1}" = 0 ] || (cd "$tree" && "$tree/.venv/bin/moestack" prereg run "$f" --out "$out" --jobs "${JOBS:-2}")
+  [ "${TRAIN:-1}" = 0 ] || stoppable "$tree" "$tree/.venv/bin/moestack" prereg run "$f" --out "$out" --jobs "${JOBS:-2}"
   "$here" prereg evaluate "$f" --out "$out" --jobs "${JOBS:-2}"
   "$here" prereg keep "$f" --out "$out" --kept "$kept"
   if [ "${AUDIT:-0}" -gt 0 ] && [ -d "$kept" ]; then  # AUDIT kept runs per arm trained again
     scratch="$root/runs/prereg/$name-audit"
     [ -f "$scratch/audit_picks.json" ] || { rm -rf "$scratch"; "$here" prereg audit "$f" --out "$scratch" --kept "$kept" --recheck "$AUDIT"; }
-    (cd "$tree" && "$tree/.venv/bin/moestack" prereg run "$f" --out "$scratch" --jobs "${JOBS:-2}")
+    stoppable "$tree" "$tree/.venv/bin/moestack" prereg run "$f" --out "$scratch" --jobs "${JOBS:-2}"
     "$here" prereg evaluate "$f" --out "$scratch" --jobs "${JOBS:-2}"
     "$here" prereg audit "$f" --out "$scratch" --kept "$kept" | tee "$root/docs/$name/audit.txt"
   fi
