@@ -47,7 +47,8 @@ from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
 from moestack.cache.store_format import INDEX_FILE
 from moestack.errors import MoestackError
-from moestack.moe import ExpertAdapters, MoE
+from moestack.lora import init_expert_adapters
+from moestack.moe import EXPERT_ADAPTERS, ExpertAdapters, MoE
 from moestack.router import Routing
 
 if TYPE_CHECKING:
@@ -390,6 +391,26 @@ def drawn_expert_layers(model: nn.Module, seed: int) -> LayerSource:
             yield drawn
 
     return layers
+
+
+def materialize_expert_adapters(model: nn.Module, seed: int) -> int:
+    """Give the LoRA adapters of experts built on meta (``lora.add_adapters`` follows the
+    experts' device) host memory and draw them as the whole build does
+    (``lora.init_expert_adapters``): a model whose experts stay in the store still trains
+    their adapters. Returns how many adapter tensors it materialised."""
+    made = 0
+    for moe in model.moe_layers:
+        if moe.expert_adapters() is None:
+            continue
+        for name in EXPERT_ADAPTERS:
+            param = getattr(moe, name)
+            if param.is_meta:
+                real = torch.empty(param.shape, dtype=param.dtype)
+                setattr(moe, name, nn.Parameter(real, requires_grad=param.requires_grad))
+                made += 1
+    if made:
+        init_expert_adapters(model, seed)
+    return made
 
 
 def frozen_store(

@@ -286,18 +286,29 @@ def test_resume_loads_a_checkpoint_without_experts(tmp_path: Path):
 
 
 def test_experts_never_in_memory(tmp_path: Path):
-    """moestack's model built with its experts on meta: the store is written from the
-    experts drawn one layer at a time as the whole build draws them (the same digest as the
-    whole model's experts), and training gives the resident run's losses."""
+    """moestack's model built with its experts (and their adapters) on meta: the adapters
+    drawn as the whole build draws them, the store written from the experts drawn one layer
+    at a time likewise (the same digest as the whole model's experts), and training gives
+    the resident run's losses."""
     from moestack import MoETransformer
-    from moestack.cache.streaming import drawn_expert_layers, experts_digest, resident_layers
+    from moestack.cache.streaming import (
+        drawn_expert_layers,
+        experts_digest,
+        materialize_expert_adapters,
+        resident_layers,
+    )
+    from moestack.lora import add_adapters_for
 
-    cfg = run_cfg("routers")
+    cfg = run_cfg("routers+lora")
     whole = MoETransformer(cfg.model, seed=7).train()
-    whole.set_trainable("routers")
+    add_adapters_for(whole, cfg.trainable, cfg.lora, cfg.seed)
+    whole.set_trainable(cfg.trainable)
     lean = MoETransformer(cfg.model, seed=7, experts_on_meta=True).train()
-    lean.set_trainable("routers")
-    assert lean.moe_layers[0].w1.is_meta
+    add_adapters_for(lean, cfg.trainable, cfg.lora, cfg.seed)
+    lean.set_trainable(cfg.trainable)
+    assert lean.moe_layers[0].w1.is_meta and lean.moe_layers[0].lora_w1_A.is_meta
+    assert materialize_expert_adapters(lean, cfg.seed) == 4 * cfg.model.n_layers
+    assert all(torch.equal(v, dict(lean.named_parameters())[k]) for k, v in trained(whole).items())
     layers = drawn_expert_layers(lean, seed=7)
     drawn = 0
     for (w1, w2), moe in zip(layers(), whole.moe_layers, strict=True):  # a layer at a time
