@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from moestack.prereg.spec import RunSpec
 TRAINED_BY = "trained_by"  # in a run's record: the code that started or finished it
 EVALUATED_BY = "evaluated_by"  # in a cached evaluation: the code that computed it
 RUNNING_CODE = "running_code"  # in the runner's lock record: this_code() at its start
+_HEX = re.compile(r"[0-9a-f]{7,64}")  # a git object name
 # The checkout's source folders and where they install (pyproject.toml's package-dir).
 SOURCE_TREES = {
     "moestack": "moestack",
@@ -74,7 +76,10 @@ def _checkout() -> Path:
 @functools.lru_cache(maxsize=32)
 def code_at_commit(commit: str, repo: str | None = None) -> str | None:
     """The code hash of ``commit``'s source files, from git's objects in ``repo`` (default
-    the checkout moestack runs from); None when git or the commit is not there."""
+    the checkout moestack runs from); None when git or the commit is not there, or
+    ``commit`` is no hex object name."""
+    if _HEX.fullmatch(commit) is None:  # no object name (never passed to git as an option)
+        return None
     root = Path(repo) if repo else _checkout()
     try:
         listing = subprocess.run(
@@ -195,7 +200,10 @@ def check_study_code(
 
 
 def _short(value: Any) -> str:
-    return f"`{str(value)[:12]}`" if value else "unknown"
+    """A hash or commit, its first 12 hex digits as a code span (anything else dropped: a
+    provenance.json is not sealed, and nothing it holds may make Markdown)."""
+    digits = re.sub("[^0-9a-f]", "", str(value or "").lower())[:12]
+    return f"`{digits}`" if digits else "unknown"
 
 
 def describe(entries: Sequence[dict[str, Any]] | dict[str, Any] | None) -> str:

@@ -113,6 +113,7 @@ def test_the_code_hash_of_a_commit_is_the_one_its_lock_recorded(study: str, shor
     lock = read(REPO / "experiments" / f"{study}.yaml.lock.json")
     assert sources.code_at_commit(commit_or_skip(short)) == lock["code_sha256"]
     assert sources.code_at_commit("0" * 40) is None  # no such commit: unknown
+    assert sources.code_at_commit("--output=x") is None  # no object name: never given to git
 
 
 def configs_at(commit: str, folder: Path) -> Path:
