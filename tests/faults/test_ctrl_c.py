@@ -47,6 +47,17 @@ def test_ctrl_c_while_the_command_imports_is_neither_lost_nor_a_traceback(tmp_pa
     fault_report.add("Ctrl-C: during the imports, inside a finalizer", injected=1, refused=1)
 
 
+def test_ctrl_c_as_torch_imports_is_one_line(tmp_path, fault_report):
+    """torch is imported after main() took Ctrl-C over (the package's names load lazily): a
+    Ctrl-C then is held and stops the command before anything is made, in one line."""
+    (tmp_path / "kept").mkdir()
+    done = planted("torch-import", *TINY, "out_dir=kept/a/run", cwd=tmp_path)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert the_line(done) == "moestack-train: interrupted before the run began; nothing was written"
+    assert tree_of(tmp_path) == {"kept": None}
+    fault_report.add("Ctrl-C: as torch imports", injected=1, refused=1)
+
+
 def test_ctrl_c_right_after_the_folder_is_made_and_again_at_exit_leaves_nothing(
     tmp_path, fault_report
 ):

@@ -16,6 +16,8 @@ from pathlib import Path
 # moestack-train's. Moments:
 #   import-finalizer  while main() imports hydra, from inside a finalizer (``__del__``), where
 #                     Python prints a KeyboardInterrupt and drops it;
+#   torch-import      as torch starts to import (the heaviest import of a start; before the
+#                     package loaded its names lazily, it ran before main() took Ctrl-C over);
 #   folder-made       right after hydra made the run folder (its first .hydra/ file), and a
 #                     second one while the interpreter exits (an atexit callback).
 _PLANTED = r"""
@@ -48,6 +50,15 @@ if moment == "import-finalizer":
             builtins.__import__ = real_import
             Finalized()
             gc.collect()
+        return real_import(name, *args, **kwargs)
+    builtins.__import__ = importing
+
+if moment == "torch-import":
+    real_import = builtins.__import__
+    def importing(name, *args, **kwargs):
+        if name == "torch":
+            builtins.__import__ = real_import
+            ctrl_c()
         return real_import(name, *args, **kwargs)
     builtins.__import__ = importing
 
