@@ -258,7 +258,13 @@ class LRUPolicy(CachePolicy):
 
 
 class LFUPolicy(CachePolicy):
-    """Perfect LFU (counts survive eviction), ties to the least recently used."""
+    """Perfect LFU (counts survive eviction), ties to the least recently used.
+
+    The heap holds one entry (count, tick, key) per key at least, pushed when the key is
+    loaded; a hit only updates the key's count and tick, so its entry becomes a lower bound
+    (both only grow while it stays). Choosing a victim renews the stale entries it meets at
+    the top, drops those of keys no longer resident, and takes the first entry that is its
+    key's (count, tick) now: no resident key can be below it (ticks differ, so no ties)."""
 
     name = "lfu"
 
@@ -266,7 +272,7 @@ class LFUPolicy(CachePolicy):
         super().__init__(capacity)
         self._count: dict[int, int] = {}
         self._tick: dict[int, int] = {}  # last request time of resident keys
-        self._heap: list[tuple[int, int, int]] = []  # (count, tick, key), lazily invalidated
+        self._heap: list[tuple[int, int, int]] = []  # (count, tick, key), lower bounds
         self._now = 0
 
     def access(self, key: int) -> tuple[bool, int | None]:
@@ -275,8 +281,7 @@ class LFUPolicy(CachePolicy):
         self._count[key] = count
         tick = self._tick
         if key in tick:
-            tick[key] = self._now
-            self._push(count, key)
+            tick[key] = self._now  # its heap entry stays a lower bound
             return True, None
         evicted = None
         if len(tick) >= self.capacity:
@@ -284,6 +289,26 @@ class LFUPolicy(CachePolicy):
         tick[key] = self._now
         self._push(count, key)
         return False, evicted
+
+    def access_many(self, keys: Iterable[int] | np.ndarray) -> np.ndarray:
+        """``access`` in order, its hits handled in the loop (no method call, no heap
+        operation), the misses through the same ``_pop_victim`` and ``_push``."""
+        arr = _as_keys(keys).tolist()
+        hits = np.zeros(len(arr), dtype=bool)
+        counts, tick, capacity = self._count, self._tick, self.capacity
+        for i, key in enumerate(arr):
+            self._now = now = self._now + 1
+            count = counts.get(key, 0) + 1
+            counts[key] = count
+            if key in tick:
+                tick[key] = now
+                hits[i] = True
+                continue
+            if len(tick) >= capacity:
+                self._pop_victim()
+            tick[key] = now
+            self._push(count, key)
+        return hits
 
     def _push(self, count: int, key: int) -> None:
         heap = self._heap
@@ -295,10 +320,16 @@ class LFUPolicy(CachePolicy):
     def _pop_victim(self) -> int:
         heap, tick, counts = self._heap, self._tick, self._count
         while True:
-            count, t, key = heapq.heappop(heap)
-            if tick.get(key) == t and counts[key] == count:
+            count, t, key = heap[0]
+            now = tick.get(key)
+            if now is None:  # evicted since it was pushed
+                heapq.heappop(heap)
+            elif now == t and counts[key] == count:
+                heapq.heappop(heap)
                 del tick[key]
                 return key
+            else:  # requested since: renewed with its count and tick now
+                heapq.heapreplace(heap, (counts[key], now, key))
 
     def count(self, key: int) -> int:
         """Requests of ``key`` so far."""

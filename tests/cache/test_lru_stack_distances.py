@@ -91,3 +91,34 @@ def test_lru_replays_a_128_expert_layer_vectorised(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(LRUPolicy, "access", walk)
     hits = LRUPolicy(8).access_many(keys)
     np.testing.assert_array_equal(hits[:200], expected)
+
+
+@pytest.mark.parametrize("cap", [1, 8, 100])
+def test_lfu_lazy_heap_matches_its_definition(cap: int) -> None:
+    """LFU's hits leave their heap entry stale (a lower bound); the victims, chosen with the
+    entries renewed, are still the resident key of fewest requests, then least recent,
+    whether the requests come one by one or in pieces."""
+    from moestack.cache.policies import LFUPolicy
+
+    keys = skewed_trace(cap + 1, 3000, 128)
+    counts: dict[int, int] = {}
+    last: dict[int, int] = {}
+    resident: set[int] = set()
+    pol = LFUPolicy(cap)
+    pieces = np.split(keys, [400, 401, 1700])
+    for n, piece in enumerate(pieces):
+        got = pol.access_many(piece) if n % 2 else None
+        for i, k in enumerate(piece.tolist()):
+            t = len(last) and max(last.values()) + 1
+            counts[k] = counts.get(k, 0) + 1
+            hit, evicted = k in resident, None
+            if not hit and len(resident) == cap:
+                evicted = min(resident, key=lambda r: (counts[r], last[r]))
+                resident.remove(evicted)
+            resident.add(k)
+            last[k] = t
+            if got is None:
+                assert pol.access(k) == (hit, evicted)
+            else:
+                assert bool(got[i]) == hit
+        assert pol.resident() == sorted(resident)
