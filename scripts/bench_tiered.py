@@ -129,7 +129,7 @@ def update_section(rounds: int) -> dict[str, Any]:
         a, b = model_config(name).build(), model_config(name).build()
         contenders = {
             "adamw_fused": _step_of(a, OptimConfig(name="adamw")),
-            "tiered": _step_of(b, OptimConfig(name="tiered")),
+            "tiered": _step_of(b, OptimConfig(name="tiered", master="float32")),  # fp32 weights
         }
         out[name] = interleaved(contenders, rounds, reps)
     return out

@@ -172,10 +172,13 @@ def device_param_dtype(cfg: Any, device: torch.device) -> torch.dtype:
 def apply_param_dtype(model: torch.nn.Module, cfg: Any, device: torch.device) -> torch.dtype:
     """Cast the model's parameters (not its buffers) to :func:`device_param_dtype`; return it.
 
-    Buffers such as rotary tables and router biases stay in fp32.
+    Buffers such as rotary tables and router biases stay in fp32. optim=tiered without a
+    master copy in fp32 storage (``param_dtype=float32``) starts from weights rounded to bf16:
+    the weights it keeps have bf16 precision (on the bf16 grid), computed in fp32.
     """
     dtype = device_param_dtype(cfg, device)
-    if dtype != torch.float32:
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
+    on_bf16_grid = cfg.name == "tiered" and cfg.master == "none" and dtype == torch.float32
+    if dtype != torch.float32 or on_bf16_grid:
+        for p in model.parameters():  # optim=tiered without a master: bf16 precision only
+            p.data = p.data.to(torch.bfloat16 if on_bf16_grid else dtype).to(dtype)
     return dtype

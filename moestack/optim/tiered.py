@@ -47,8 +47,9 @@ class TieredAdamW(torch.optim.Optimizer):
     ``(name, tensor)`` pairs and the keys ``population``, ``momentum``, ``second_moment``,
     ``weight_decay`` and ``stacked`` (a set of the names whose dim 0 stacks experts).
     ``master``: ``"float32"`` keeps an fp32 copy of every parameter that is not fp32 (none is
-    needed for an fp32 one); ``"none"`` writes each update into the parameter itself, by
-    stochastic rounding when it is bf16 or fp16. ``clip_update``: the RMS threshold of each
+    needed for an fp32 one); ``"none"`` keeps no precision beyond bf16: each update is
+    stochastically rounded to bf16, into a bf16 parameter, or onto the bf16 grid of an fp32
+    one (``param_dtype=float32``: bf16 weights computed in fp32, for a CPU). ``clip_update``: the RMS threshold of each
     matrix's update (each expert's on its own; 0 = off). ``seed``: the stochastic rounding's,
     drawn from torch's generator when None (so the run's seed fixes it); it is saved with the
     state, and every rounding draws from a generator keyed by (seed, parameter, expert, step),
@@ -173,14 +174,14 @@ class TieredAdamW(torch.optim.Optimizer):
             st["master"] = p.detach().float()
 
     def _write(self, p: Tensor, w: Tensor, name: str, info: ParamInfo, step: int) -> None:
-        """``w`` (fp32) into ``p``: as it is (fp32), rounded to nearest from a master copy,
-        or (no master, bf16) stochastically rounded, each expert of a stacked tensor from a
-        generator of its own, so the draws do not depend on the layout."""
-        if p.dtype == torch.float32:
+        """``w`` (fp32) into ``p``: from a master copy (or as it is, an fp32 parameter with
+        ``master="float32"``) rounded to nearest; without a master, stochastically rounded
+        to bf16 precision, into bf16 storage or (fp32 storage, on a CPU where bf16 arithmetic
+        is slow) onto the bf16 grid; each expert of a stacked tensor from a generator of its
+        own, so the draws do not depend on the layout."""
+        if self.master == "float32" or p.dtype not in (torch.float32, torch.bfloat16):
             if w.data_ptr() != p.data_ptr():
                 p.copy_(w)
-        elif "master" in self.state[p] or p.dtype != torch.bfloat16:
-            p.copy_(w)
         elif not info.stacked:
             p.copy_(stochastic_round_bf16(w, self._noise_bits(w.shape, w.device, f"{name}@{step}")))
         else:

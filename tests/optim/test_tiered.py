@@ -90,7 +90,7 @@ def test_update_matches_float64_reference(shape, stacked, momentum, factored, cl
         "second_moment": "factored" if factored else "full",
         "weight_decay": wd, "stacked": {"w"} if stacked else set(),
     }  # fmt: skip
-    opt = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=clip, master="none")
+    opt = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=clip, master="float32")
     w, st = w0.clone(), {}
     for t in range(1, 7):
         g = _grad(shape, t, zero_expert=stacked and t % 2 == 0)
@@ -109,7 +109,7 @@ def test_an_expert_without_tokens_moves_by_weight_decay_alone() -> None:
     p = torch.nn.Parameter(torch.randn(3, 4, 6))
     group = {"params": [("w", p)], "population": "experts", "momentum": "none",
              "second_moment": "factored", "weight_decay": 0.1, "stacked": {"w"}}  # fmt: skip
-    opt = TieredAdamW([group], lr=LR, clip_update=1.0)
+    opt = TieredAdamW([group], lr=LR, clip_update=1.0, master="float32")
     g = torch.randn(3, 4, 6)
     g[2] = 0
     before = p.detach().clone()
@@ -126,7 +126,7 @@ def test_all_full_fp32_policy_is_torch_adamw() -> None:
     b = torch.nn.Parameter(a.detach().clone())
     group = {"params": [("w", a)], "population": "backbone", "momentum": "float32",
              "second_moment": "full", "weight_decay": 0.1, "stacked": set()}  # fmt: skip
-    ours = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=0.0)
+    ours = TieredAdamW([group], lr=LR, betas=BETAS, eps=EPS, clip_update=0.0, master="float32")
     ref = torch.optim.AdamW([b], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.1)
     for t in range(10):
         g = torch.randn(6, 5, generator=torch.Generator().manual_seed(t))
@@ -140,7 +140,7 @@ def test_bf16_momentum_is_rounded_each_step() -> None:
     p = torch.nn.Parameter(torch.randn(4, 5))
     group = {"params": [("w", p)], "population": "backbone", "momentum": "bfloat16",
              "second_moment": "full", "weight_decay": 0.0, "stacked": set()}  # fmt: skip
-    opt = TieredAdamW([group], lr=LR, betas=BETAS, clip_update=0.0)
+    opt = TieredAdamW([group], lr=LR, betas=BETAS, clip_update=0.0, master="float32")
     m = torch.zeros(4, 5, dtype=torch.float64)
     for t in range(3):
         g = torch.randn(4, 5, generator=torch.Generator().manual_seed(t))
@@ -199,6 +199,24 @@ def _regroup(model: torch.nn.Module) -> list[dict]:
 
     named = list(model.named_parameters())
     return tiered_groups(named, classify(model), OptimConfig(name="tiered").policy, 0.1)
+
+
+def test_master_none_in_fp32_storage_is_the_bf16_run_on_the_bf16_grid() -> None:
+    """master=none with fp32 storage (param_dtype=float32, for a CPU): every weight stays on
+    the bf16 grid and equals the bf16-stored run's, bit for bit, on the same gradients."""
+    stored = small_model(torch.bfloat16)
+    grid = small_model(torch.float32)
+    for p in grid.parameters():
+        p.data = p.data.bfloat16().float()
+    a, b = tiered(stored), tiered(grid)
+    for step in range(3):
+        run_steps(stored, a, range(step, step + 1))
+        for q, p in zip(grid.parameters(), stored.parameters(), strict=True):
+            q.grad = p.grad.float()  # the bf16 run's gradients, exactly
+        b.step()
+    for (name, p), q in zip(stored.named_parameters(), grid.parameters(), strict=True):
+        assert torch.equal(q.data, p.data.float()), name
+        assert torch.equal(q.data, q.data.bfloat16().float()), name
 
 
 def test_master_float32_keeps_an_fp32_copy() -> None:
