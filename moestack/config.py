@@ -447,6 +447,12 @@ class TrainConfig:
             f"offload_experts={self.offload_experts} loads experts inside each MoE layer, "
             "which torch.compile cannot trace; use compile=false",
         )
+        _check(
+            self.cache.policy != "belady",
+            f"offload_experts={self.offload_experts} streams through a live cache; "
+            "cache.policy=belady is the offline bound (replay only): use lru, lfu, static "
+            "or lru+static",
+        )
 
     def _cache_sizes(self) -> None:
         """The cache sizes the model's top_k sets when none are given, and their check."""

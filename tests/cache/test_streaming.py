@@ -202,6 +202,8 @@ def test_refusals(tmp_path: Path):
         run_cfg("lora", mode="ssd")
     with pytest.raises(ValueError, match="compile=false"):
         TrainConfig(trainable="lora", offload_experts="host", compile=True)
+    with pytest.raises(ValueError, match="cache.policy=belady is the offline bound"):
+        run_cfg("lora", policy="belady")
     with pytest.raises(ValueError, match="runs with parallel.ep=1"):
         TrainConfig(trainable="lora", offload_experts="disk", parallel=ParallelConfig(ep=2))
     cfg = run_cfg("lora")
@@ -359,3 +361,30 @@ def test_transformers_folder_streamed_from_its_files(tmp_path: Path, trainable: 
     )
     assert again.store.meta["source"] == first.store.meta["source"]
     assert train(lean, cfg, steps=3) == want
+
+
+@pytest.mark.parametrize("checkpointing", ["moe", "block"])
+def test_with_activation_checkpointing(tmp_path: Path, checkpointing: str):
+    """model.checkpointing recomputes the block (or the layer) in backward around the
+    streamed layer: the same losses and weights, and still two passes of requests a step
+    (the recomputation stops once it has the streamed layer's saved inputs, before it
+    would serve the experts again)."""
+    from moestack import MoETransformer
+    from moestack.lora import add_adapters_for
+
+    model_cfg = dataclasses.replace(tiny_cfg(), checkpointing=checkpointing)
+    cfg = run_cfg("routers+lora", capacity=6, model=model_cfg)
+
+    def build_ckpt() -> torch.nn.Module:
+        model = MoETransformer(model_cfg, seed=3).train()
+        add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+        model.set_trainable(cfg.trainable)
+        return model
+
+    resident = build_ckpt()
+    want = train(resident, cfg, steps=4)
+    streamed = build_ckpt()
+    state = attach_streaming(streamed, cfg, tmp_path)
+    assert train(streamed, cfg, steps=4) == want
+    assert all(torch.equal(trained(streamed)[k], v) for k, v in trained(resident).items())
+    assert state.metrics(4)["cache/requests"] == 2 * 2 * (2 * 16 * 2)  # layers, passes, T x k
