@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from moestack.cache.device_tier import SLOT_ALIGN
 from moestack.cache.expert_cache import ExpertCache, ExpertCacheStats
 from moestack.cache.host_tier import HostTier
 from moestack.cache.offload import CachedExperts, release_experts
@@ -444,3 +445,38 @@ def frozen_store(
         make(), path, model_cfg=model_cfg, meta={"source": source}, overwrite=True
     ).close()
     return ExpertStore(path, model_cfg, verify_loads=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamPlan:
+    """What streaming a run's frozen experts holds where (``stream_plan``), in bytes."""
+
+    experts: int  # every routed expert: left out of the model's weights, in the store
+    slots: int  # the cache's slot buffer on the device (all layers)
+    working_set: int  # at most, while one layer computes: its experts beyond the free slots
+    host: int  # offload_experts=host: the host tier (every expert)
+    disk: int  # the store's tensor data (headers and index aside)
+
+
+def stream_plan(cfg: TrainConfig, expert_bytes: int, tokens: int, cuda: bool) -> StreamPlan | None:
+    """The memory of ``cfg``'s streamed experts (None with ``offload_experts=off``), for a
+    memory plan: ``expert_bytes`` is one expert's ``w1`` + ``w2`` as the run holds them,
+    ``tokens`` a micro-batch's tokens on this rank, ``cuda`` whether the device is a GPU
+    (bf16 autocast: a layer casts the call's experts). The working set is a buffer of every
+    expert the call uses (when they do not fit in the free slots), plus their copy in
+    expert order where ``lora.dropout > 0`` or autocast casts them, plus the cast copy."""
+    if cfg.offload_experts == "off":
+        return None
+    moe = cfg.model.moe
+    capacity = cfg.cache.capacity or default_capacity(moe.top_k)
+    if cfg.cache.capacity_bytes:
+        capacity = cfg.cache.capacity_bytes // expert_bytes
+    slot = -(-expert_bytes // SLOT_ALIGN) * SLOT_ALIGN
+    count = cfg.model.n_layers * capacity + moe.top_k + (moe.top_k if cfg.cache.prefetch else 0)
+    used = min(moe.num_experts, tokens * moe.top_k)
+    ordered = cuda or (cfg.trainable.endswith("lora") and cfg.lora.dropout > 0)
+    working = used * (slot + (expert_bytes if ordered else 0) + (expert_bytes // 2 if cuda else 0))
+    every = cfg.model.n_layers * moe.num_experts
+    pinned = 1 << max(expert_bytes - 1, 0).bit_length()  # torch's page-locked blocks
+    host = every * (pinned if cuda else expert_bytes) if cfg.offload_experts == "host" else 0
+    return StreamPlan(every * expert_bytes, count * slot, working, host, every * expert_bytes)

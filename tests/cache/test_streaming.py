@@ -388,3 +388,23 @@ def test_with_activation_checkpointing(tmp_path: Path, checkpointing: str):
     assert train(streamed, cfg, steps=4) == want
     assert all(torch.equal(trained(streamed)[k], v) for k, v in trained(resident).items())
     assert state.metrics(4)["cache/requests"] == 2 * 2 * (2 * 16 * 2)  # layers, passes, T x k
+
+
+@pytest.mark.parametrize(("mode", "prefetch"), [("disk", True), ("host", False)])
+def test_stream_plan_is_what_the_run_allocates(tmp_path: Path, mode: str, prefetch: bool):
+    """The plan's slot buffer, host tier and experts are the bytes the streamed run holds."""
+    from moestack.cache.streaming import stream_plan
+
+    cfg = run_cfg("lora", mode, capacity=3, prefetch=prefetch)
+    model = build(cfg)
+    state = attach_streaming(model, cfg, tmp_path)
+    train(model, cfg, steps=1)
+    plan = stream_plan(cfg, state.store.expert_bytes, tokens=2 * 16, cuda=False)
+    slots = state.cache._slots
+    assert plan.slots == slots.flat_SB.numel() == slots.count * slots.slot_bytes
+    assert slots.count == 2 * 3 + 2 + (2 if prefetch else 0)  # layers x capacity + top_k (x2)
+    assert plan.experts == plan.disk == 2 * 8 * state.store.expert_bytes
+    assert plan.host == (state.cache.store.nbytes if mode == "host" else 0)  # the HostTier's
+    assert plan.working_set == 8 * (slots.slot_bytes + state.store.expert_bytes)  # dropout
+    assert stream_plan(run_cfg("lora", "off"), 1, 1, cuda=False) is None
+    state.close()
