@@ -281,7 +281,7 @@ def cmd_export(args: argparse.Namespace) -> dict:
                              allow=args.allow_nonfinite)  # fmt: skip
         report = export_adapter(
             run.model, args.out_dir, source_dir=run.cfg.model.path, rank=run.cfg.lora.rank,
-            alpha=run.cfg.lora.alpha, routers=run.cfg.trainable == "routers+lora",
+            alpha=run.cfg.lora.alpha_value, routers=run.cfg.trainable == "routers+lora",
             overwrite=args.overwrite, run_dir=run.run_dir,
             checkpoint=None if bare else run.checkpoint, dtype=args.dtype,
         )  # fmt: skip

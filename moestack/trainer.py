@@ -546,6 +546,8 @@ def _build_model(
     else:  # a transformers folder: on meta, its experts are read once the rank has its own
         model = cfg.model.build(experts=not on_meta)
     lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+    if cfg.trainable in lora.LORA_TRAINABLE:  # the adapters' scale alpha / rank, stated
+        log.info("%s", cfg.lora.describe())
     if cfg.compile:  # the blocks compile at the first step, after the move to the device
         model.compile_blocks()
         log.info("compile=true: the blocks compile during the first step (a minute or more)")
