@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import io
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -149,6 +150,9 @@ def _type_problem(kind: Any, value: Any) -> str | None:
 
     if kind is Any:
         return None
+    optional = _optional_of(kind)
+    if optional is not None:  # X | None: null, or what X takes
+        return None if value is None else _type_problem(optional, value)
     if dataclasses.is_dataclass(kind):
         return None if isinstance(value, dict) else "a section"
     if _origin(kind) in (list, tuple):
@@ -177,6 +181,14 @@ def _type_name(kind: Any) -> str:
 
 def _origin(kind: Any) -> Any:
     return typing.get_origin(kind)
+
+
+def _optional_of(kind: Any) -> Any:
+    """``X`` of a field typed ``X | None`` (or ``Optional[X]``); None for any other type."""
+    if _origin(kind) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if len(args) == 1 and len(typing.get_args(kind)) == 2 else None
 
 
 def _raw(value: Any) -> str:

@@ -89,6 +89,8 @@ def test_a_field_is_set_never_added_or_removed():
             "optim.betas is a list of numbers, not '0.9'; write 'optim.betas=[0.9]'",
         ),  # fmt: skip
         ("model.moe=4", "model.moe is a section, not '4'; set its fields: model.moe.FIELD=VALUE"),
+        ("lora.alpha=abc", "lora.alpha is a number, not 'abc'"),  # a number or null
+        ("optim.experts.weight_decay=abc", "optim.experts.weight_decay is a number, not 'abc'"),
     ],
 )
 def test_a_value_of_the_wrong_type_names_field_value_and_type(override, expected):
@@ -98,6 +100,7 @@ def test_a_value_of_the_wrong_type_names_field_value_and_type(override, expected
 def test_values_of_the_right_type_pass():
     check_overrides([
         "seed=3", "optim.lr=1e-3", "optim.lr=1", "steps=1_000", "compile=True", "out_dir=runs/a",
+        "lora.alpha=null", "lora.alpha=16", "optim.experts.weight_decay=null",
         "data.paths=[a.txt,corpus/]", "telemetry.capacities=[2,4]", "optim.betas=[0.9,0.99]",
         "optim.pipeline=auto", "optim.pipeline=true", "wandb_mode=", "out_dir=${oc.env:HOME}/r",
         "model.moe={num_experts:4,top_k:2}", "hydra.run.dir=x", "hydra/job_logging=disabled",
