@@ -124,6 +124,7 @@ def _fresh_cuda_memory() -> int:
 TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
     "adamw": ("adamw", 0, True, {}),
     "adamw_unclipped": ("adamw", 0, False, {}),
+    "tiered": ("tiered", 0, True, {}),  # optim=tiered's defaults: bf16 weights, no master
     "offload_adamw": ("offload_adamw", 0, True, {}),
     "offload_adamw_unclipped": ("offload_adamw", 0, False, {}),
     "offload_adamw_serial": ("offload_adamw", 0, True, {"pipeline": False}),

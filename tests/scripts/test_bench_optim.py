@@ -96,3 +96,16 @@ def test_delay_loss_reports_a_failing_mode(parts, monkeypatch):
     out = parts.delayed_loss(CPU, 10, "torch")
     assert out["offload_adamw_delayed_error"] == "RuntimeError: the worker thread could not start"
     assert out["offload_adamw_last10_loss"] > 0 and "delayed_vs_exact_loss" not in out
+
+
+def test_the_tiered_contender_trains_bf16_weights_beside_adamw(parts, monkeypatch):
+    """optim=tiered's contender (issue 53's GPU target: its peak memory and step time
+    against device AdamW's): bf16 weights without a master, its ratio to AdamW reported."""
+    names = ("adamw", "tiered")
+    monkeypatch.setattr(parts, "TRAIN_CONTENDERS", {n: parts.TRAIN_CONTENDERS[n] for n in names})
+    out = parts.train_step_time(CPU, 1, "torch")
+    assert out["tiered_param_dtype"] == "bfloat16" and out["adamw_param_dtype"] == "float32"
+    assert out["tiered_host_step"] == "none" and "tiered_error" not in out
+    assert out["tiered_vs_adamw_step_time"] > 0
+    first, last = out["tiered_loss_first_last"]
+    assert last < first  # it trains
