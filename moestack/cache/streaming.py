@@ -328,6 +328,12 @@ def attach_streaming(
             f"offload_experts={mode} streams frozen experts, but trainable={cfg.trainable} "
             "trains them; use trainable=routers, lora or routers+lora"
         )
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise MoestackError(
+            f"offload_experts={mode} runs in one process for now (every rank would write the "
+            f"same expert store); this run has {torch.distributed.get_world_size()}: train "
+            "on one process, or with offload_experts=off"
+        )
     moes = list(model.moe_layers)
     device = next(p.device for p in model.parameters() if not p.is_meta)
     store = frozen_store(moes, store_path(cfg, out_dir), cfg.model, layers)

@@ -218,6 +218,16 @@ def test_refusals(tmp_path: Path):
     assert attach_streaming(model, run_cfg("lora", mode="off"), tmp_path) is None
 
 
+def test_several_processes_refused(tmp_path: Path, monkeypatch):
+    """Every rank would write the same store: one process only, for now."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    cfg = run_cfg("lora")
+    with pytest.raises(MoestackError, match="runs in one process for now.* has 2"):
+        attach_streaming(build(cfg), cfg, tmp_path)
+    assert not (tmp_path / "experts").exists()
+
+
 def test_store_written_once_and_reused(tmp_path: Path):
     """A second start with the same experts reuses the store (a resumed run, or experts not
     in memory); other experts rewrite it."""
