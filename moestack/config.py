@@ -371,12 +371,6 @@ class TrainConfig:
             value = getattr(self, name)
             _check(value >= 0, f"{name}={value} must be >= 0")
         _check_expert_parallel(self.parallel.ep, self.model)
-        _check(
-            self.optim.name != "tiered" or self.parallel.ep == 1,
-            f"optim=tiered runs with parallel.ep=1 (data parallel shards its state), not "
-            f"parallel.ep={self.parallel.ep}; use optim=adamw or offload_adamw with experts "
-            "over ranks",
-        )
         _check(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
         _check(
             self.trainable in TRAINABLE,

@@ -227,11 +227,11 @@ def _tiered_lines(
 ) -> None:
     """optim=tiered's state per population (:func:`moestack.optim.tiered.planned_state_bytes`),
     on the device beside the weights, sharded by whole tensors over the ranks (about 1/N
-    each); its scratch during a step (the largest trained tensor in fp32); under DDP the
-    gradient buckets."""
+    each; under expert parallelism the state of the tensors this rank holds); its scratch
+    during a step (the largest trained tensor in fp32); under DDP the gradient buckets."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     held = planned_state_bytes(trained, classify(model), cfg.optim.policy, cfg.optim.master, pdtype)
-    ranks = plan.ranks
+    ranks = plan.ranks if cfg.parallel.ep == 1 else 1  # under EP: the tensors a rank holds
     for population, size in held.items():
         if size:
             rule = cfg.optim.policy(population)
@@ -249,9 +249,12 @@ def _tiered_lines(
             f"the largest trained tensor, {_mib(largest)} x 4 B",
         )  # fmt: skip
     )
-    if uses_ddp("tiered", ranks, expert_parallel=False):
-        numel = sum(p.numel() for _, p in trained)
-        size = pdtype.itemsize
+    numel, size = sum(p.numel() for _, p in trained), pdtype.itemsize
+    if cfg.parallel.ep > 1:  # gradients averaged in one flat buffer per group, as for AdamW
+        plan.lines.append(
+            Line("device", "gradient all-reduce buffer", numel * size, f"{_mib(numel)} x {size} B")
+        )
+    elif uses_ddp("tiered", ranks, expert_parallel=False):
         plan.lines.append(
             Line("device", "DDP gradient buckets", numel * size, f"{_mib(numel)} x {size} B")
         )

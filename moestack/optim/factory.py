@@ -11,9 +11,14 @@ from typing import Any
 import torch
 
 from moestack.optim.container import LocalOptimizer, TrainingOptimizer
-from moestack.optim.expert_parallel import ExpertParallelAdamW, ExpertParallelOffload
+from moestack.optim.expert_parallel import (
+    ExpertParallelAdamW,
+    ExpertParallelOffload,
+    ExpertParallelTiered,
+)
 from moestack.optim.offload import OffloadAdamW
 from moestack.optim.tiered import TieredAdamW, tiered_groups
+from moestack.parallel import expert_blocks
 from moestack.populations import classify
 
 log = logging.getLogger(__name__)
@@ -72,8 +77,10 @@ def build_training_optimizer(
         if isinstance(optimizer, OffloadAdamW):  # a pipelined step's weights, layer by layer
             optimizer.wait_per_layer(model)
         return LocalOptimizer(optimizer, model, ddp=ddp)
-    if cfg.name == "tiered":
-        raise ValueError("optim=tiered does not run with parallel.ep > 1 yet; use optim=adamw")
+    if cfg.name == "tiered":  # each rank's own tensors, experts keyed by their global ids
+        offsets = {n: b.lo for b in expert_blocks(model) for n, p in model.named_parameters()
+                   if p is b.param}  # fmt: skip
+        return ExpertParallelTiered(_tiered(groups, cfg, model, _kw(cfg), None, offsets), model)
     if cfg.name == "offload_adamw":
         return ExpertParallelOffload(groups, model, mesh, make)
     return ExpertParallelAdamW(make(groups), model)
@@ -82,7 +89,7 @@ def build_training_optimizer(
 def _maker(cfg: Any, model: torch.nn.Module) -> Maker:
     """``make(groups, process_group=None)`` for the optimizer ``cfg`` names (``model``: whose
     parameters the groups hold, for the tiered optimizer's populations)."""
-    kw = {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
+    kw = _kw(cfg)
     if cfg.name == "adamw":
         return lambda groups, process_group=None: _adamw(groups, kw)
     if cfg.name == "tiered":
@@ -113,14 +120,22 @@ def _maker(cfg: Any, model: torch.nn.Module) -> Maker:
     )
 
 
+def _kw(cfg: Any) -> dict[str, Any]:
+    """The Adam hyperparameters every optimizer takes from the config."""
+    return {"lr": float(cfg.lr), "betas": tuple(cfg.betas), "eps": float(cfg.eps)}
+
+
 def _tiered(
     groups: list[dict[str, Any]],
     cfg: Any,
     model: torch.nn.Module,
     kw: dict[str, Any],
     process_group: Any,
+    expert_offsets: dict[str, int] | None = None,
 ) -> TieredAdamW:
-    """TieredAdamW over the groups' parameters, regrouped by population."""
+    """TieredAdamW over the groups' parameters, regrouped by population; with
+    ``expert_offsets`` (expert parallelism: each sharded tensor's first global expert id)
+    unsharded, each rank keeping the state of the tensors it holds."""
     named = [pair for g in groups for pair in g["params"]]
     regrouped = tiered_groups(named, classify(model), cfg.policy, float(cfg.weight_decay))
     return TieredAdamW(
@@ -128,6 +143,8 @@ def _tiered(
         clip_update=float(cfg.clip_update),
         master=cfg.master,
         process_group=process_group,
+        shard=expert_offsets is None,
+        expert_offsets=expert_offsets,
         **kw,
     )
 

@@ -66,6 +66,8 @@ class TieredAdamW(torch.optim.Optimizer):
         master: str = "none",
         seed: int | None = None,
         process_group: Any = None,
+        shard: bool = True,
+        expert_offsets: dict[str, int] | None = None,
     ) -> None:
         if master not in MASTER:
             raise ValueError(f"optim.master={master!r} is unknown; use one of {MASTER}")
@@ -86,6 +88,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self.master = master
         self.seed = seeding.draw_seed() if seed is None else int(seed)
         self.group = process_group
+        self.shard = shard
+        self.offsets = dict(expert_offsets or {})
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks())
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         self._buffers: dict[torch.device, Tensor] = {}
@@ -93,8 +97,9 @@ class TieredAdamW(torch.optim.Optimizer):
     # -- the layout -------------------------------------------------------------------------
 
     def _ranks(self) -> tuple[int, int]:
-        """(this rank, number of ranks) of the state's process group; (0, 1) alone."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """(this rank, number of ranks) of the state's process group; (0, 1) alone or
+        unsharded (expert parallelism: each rank keeps the state of the tensors it holds)."""
+        if not self.shard or not (dist.is_available() and dist.is_initialized()):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
@@ -186,7 +191,8 @@ class TieredAdamW(torch.optim.Optimizer):
             p.copy_(stochastic_round_bf16(w, self._noise_bits(w.shape, w.device, f"{name}@{step}")))
         else:
             for e in range(w.shape[0]):
-                noise = self._noise_bits(w.shape[1:], w.device, f"{name}/expert{e}@{step}")
+                expert = e + self.offsets.get(name, 0)  # its global id
+                noise = self._noise_bits(w.shape[1:], w.device, f"{name}/expert{expert}@{step}")
                 p[e].copy_(stochastic_round_bf16(w[e], noise))
 
     def _noise_bits(self, shape: torch.Size, device: torch.device, key: str) -> Tensor:
@@ -276,7 +282,8 @@ class TieredAdamW(torch.optim.Optimizer):
         own: dict[str, dict[str, Any]] = {}
         for p, st in self.state.items():
             name = self.names[id(p)]
-            own.update(_entries(name, st, self.info[name].stacked))
+            offset = self.offsets.get(name, 0)
+            own.update(_entries(name, st, self.info[name].stacked, offset))
         if self._ranks()[1] > 1:
             gathered: list[Any] = [None] * self._ranks()[1]
             dist.all_gather_object(gathered, own, group=self.group)
@@ -307,7 +314,8 @@ class TieredAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if self.owns(p):
                     name = self.names[id(p)]
-                    st = _from_entries(name, entries, p, self.info[name].stacked)
+                    stacked, offset = self.info[name].stacked, self.offsets.get(name, 0)
+                    st = _from_entries(name, entries, p, stacked, offset)
                     if st is not None:
                         self.state[p] = st
 
@@ -421,24 +429,27 @@ def _schedule_of(group: dict[str, Any]) -> dict[str, float]:
     return {k: float(group[k]) for k in ("lr", "initial_lr") if k in group}
 
 
-def _entries(name: str, st: dict[str, Any], stacked: bool) -> Iterator[tuple[str, dict[str, Any]]]:
-    """A parameter's state as saved: one entry, or one per expert of a stacked tensor."""
-    tensors = {k: v.detach().cpu() for k, v in st.items() if isinstance(v, Tensor)}
+def _entries(
+    name: str, st: dict[str, Any], stacked: bool, offset: int = 0
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A parameter's state as saved: one entry, or one per expert of a stacked tensor, keyed
+    by its global id (``offset``: that of this rank's first expert)."""
+    tensors = {k: v.detach().to("cpu", copy=True) for k, v in st.items() if isinstance(v, Tensor)}
     if not stacked:
         yield name, {"step": st["step"], **tensors}
         return
     for e in range(next(iter(tensors.values())).shape[0]):
         yield (
-            f"{name}/expert{e}",
+            f"{name}/expert{e + offset}",
             {"step": st["step"], **{k: v[e].clone() for k, v in tensors.items()}},
         )
 
 
 def _from_entries(
-    name: str, entries: dict[str, Any], p: Tensor, stacked: bool
+    name: str, entries: dict[str, Any], p: Tensor, stacked: bool, offset: int = 0
 ) -> dict[str, Any] | None:
     """The state of ``p`` from saved entries (None: never stepped when saved)."""
-    keys = [f"{name}/expert{e}" for e in range(p.shape[0])] if stacked else [name]
+    keys = [f"{name}/expert{offset + e}" for e in range(p.shape[0])] if stacked else [name]
     have = [k in entries for k in keys]
     if not any(have):
         return None

@@ -17,12 +17,12 @@ STEPS = 4
 SAVE_AFTER = 2  # steps before the state is saved for the resharded resume
 
 
-def small_model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+def small_model(dtype: torch.dtype = torch.bfloat16, experts: int = 3) -> torch.nn.Module:
     """2 blocks, 3 experts of odd width: every population but adapters."""
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=40, d_model=12, n_layers=2, n_heads=2, max_seq_len=16,
-        moe=MoEConfig(num_experts=3, top_k=2, d_ff=10, impl="torch"),
+        moe=MoEConfig(num_experts=experts, top_k=2, d_ff=10, impl="torch"),
     )  # fmt: skip
     model = cfg.build()
     for p in model.parameters():
@@ -73,4 +73,47 @@ def _rank_body(rank: int, out: str) -> None:
     torch.save(
         {"weights": weights(model), "saved": saved, "held": held, "metrics": opt.metrics()},
         Path(out) / f"rank{rank}.pt",
+    )
+
+
+def grad_for(name: str, shape: torch.Size, step: int) -> torch.Tensor:
+    """The gradient of parameter ``name`` (whole shape) at ``step``, the same in any process."""
+    gen = torch.Generator().manual_seed(hash_name(name) + 7919 * step)
+    return torch.randn(shape, generator=gen)
+
+
+def hash_name(name: str) -> int:
+    return sum((i + 1) * ord(c) for i, c in enumerate(name))
+
+
+def ep_rank_worker(rank: int, world: int, init_method: str, out: str) -> None:
+    run_gloo_rank(rank, world, init_method, _ep_body, rank, out)
+
+
+def _ep_body(rank: int, out: str) -> None:
+    """Rank ``rank`` of 2 at parallel.ep=2: 4 experts, 2 a rank; gradients the whole model's
+    cut to this rank's experts; the state saved after SAVE_AFTER steps (collective)."""
+    from moestack.optim import build_training_optimizer
+    from moestack.parallel import build_mesh, expert_blocks, shard_experts
+
+    model = small_model(experts=4)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    mesh = build_mesh(2, rank, 2)
+    shard_experts(model, mesh)
+    rows = {n: b.lo for b in expert_blocks(model) for n, p in model.named_parameters()
+            if p is b.param}  # fmt: skip
+    torch.manual_seed(1)
+    opt = build_training_optimizer(model, OptimConfig(name="tiered", lr=1e-2), 2, mesh)
+    saved = None
+    for step in range(STEPS):
+        for n, p in model.named_parameters():
+            g = grad_for(n, shapes[n], step)
+            p.grad = (g[rows[n] : rows[n] + p.shape[0]] if n in rows else g).to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == SAVE_AFTER:
+            saved = opt.state_dict()
+    torch.save(
+        {"weights": weights(model), "rows": rows, "saved": saved, "metrics": opt.metrics()},
+        Path(out) / f"ep_rank{rank}.pt",
     )

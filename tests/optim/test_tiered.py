@@ -12,6 +12,8 @@ import torch.distributed as dist
 from _tiered_testlib import (
     SAVE_AFTER,
     STEPS,
+    ep_rank_worker,
+    grad_for,
     rank_worker,
     run_steps,
     small_model,
@@ -318,13 +320,6 @@ def test_bad_settings_refused_naming_the_field(override: dict, field: str) -> No
         OptimConfig(name="tiered", **override)
 
 
-def test_expert_parallel_refused_naming_the_field() -> None:
-    from moestack.config import TrainConfig
-
-    with pytest.raises(ValueError, match=r"optim=tiered runs with parallel\.ep=1"):
-        TrainConfig(optim=OptimConfig(name="tiered"), parallel={"ep": 2})
-
-
 def test_policy_fields_reach_the_groups() -> None:
     model = small_model(torch.float32)
     opt = tiered(model, experts=PopulationConfig(momentum="bfloat16", second_moment="full",
@@ -363,3 +358,38 @@ def test_two_ranks_equal_one_process_and_reshard(tmp_path: Path) -> None:
     run_steps(resumed, again, range(SAVE_AFTER, STEPS))
     for name, p in weights(one).items():
         assert torch.equal(dict(resumed.named_parameters())[name].detach(), p), name
+
+
+def _one_process_ep_reference(steps: range, model=None, opt=None):  # noqa: ANN001, ANN202
+    model = model if model is not None else small_model(experts=4)
+    if opt is None:
+        torch.manual_seed(1)
+        opt = tiered(model)
+    for step in steps:
+        for n, p in model.named_parameters():
+            p.grad = grad_for(n, p.shape, step).to(p.dtype)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_expert_parallel_equals_one_process_and_reshards(tmp_path: Path) -> None:
+    """parallel.ep=2 on 2 gloo ranks, 2 of 4 experts each: every rank's weights (its experts'
+    rows, the replicated tensors) are one process's bit for bit (stochastic rounding keyed by
+    the global expert id); the state they saved resumes in one process as the uninterrupted
+    run."""
+    spawn_ranks(ep_rank_worker, (2, file_rendezvous(tmp_path), str(tmp_path)), 2, "tiered ep")
+    ranks = [torch.load(tmp_path / f"ep_rank{r}.pt", weights_only=True) for r in range(2)]
+    one, _ = _one_process_ep_reference(range(STEPS))
+    want = weights(one)
+    for r in ranks:
+        for name, got in r["weights"].items():
+            lo = r["rows"].get(name)
+            expected = want[name] if lo is None else want[name][lo : lo + got.shape[0]]
+            assert torch.equal(got, expected), name
+    assert ranks[0]["saved"].keys() == ranks[1]["saved"].keys()
+    model, opt = _one_process_ep_reference(range(SAVE_AFTER))
+    opt.load_state_dict(ranks[1]["saved"])
+    _one_process_ep_reference(range(SAVE_AFTER, STEPS), model, opt)
+    for name, p in weights(model).items():
+        assert torch.equal(p, want[name]), name
