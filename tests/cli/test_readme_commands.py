@@ -8,14 +8,18 @@ and `--generate 40` as 8 tokens."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
 import yaml
 from helpers.cli import TINY_MODEL, TINY_RUN
 from helpers.paths import REPO
@@ -84,8 +88,23 @@ def tiny_study(source: Path, out: Path, steps: int = 2) -> None:
     out.write_text(yaml.safe_dump(spec, sort_keys=False))
 
 
+class Readme(NamedTuple):
+    """Where the commands ran, the tiny transformers folder DIR, and each command with its
+    outcome, in README's order."""
+
+    cwd: Path
+    hf_dir: Path
+    results: list[tuple[str, subprocess.CompletedProcess]]
+
+    def outcome(self, command: str) -> subprocess.CompletedProcess:
+        """The outcome of the one README command that reads ``command``."""
+        (done,) = [done for cmd, done in self.results if cmd == command]
+        assert done.returncode == 0, f"{command}: {done.stderr[-800:]}"
+        return done
+
+
 @pytest.fixture(scope="module")
-def readme_results(tmp_path_factory):
+def readme(tmp_path_factory) -> Readme:
     pytest.importorskip("transformers")
     from helpers.hf import tiny_hf_model_dir
 
@@ -105,19 +124,103 @@ def readme_results(tmp_path_factory):
             argv, cwd=cwd, env=command_env(words, env), capture_output=True, text=True, timeout=900
         )
         results.append((" ".join(words), done))
-    return results
+    return Readme(cwd, hf_dir, results)
 
 
-def test_every_readme_command_runs_as_written(readme_results):
+def test_every_readme_command_runs_as_written(readme):
     failed = [
         f"{command}\n  exit {done.returncode}: {(done.stderr or done.stdout).strip()[-800:]}"
-        for command, done in readme_results
+        for command, done in readme.results
         if done.returncode != 0
     ]
     assert not failed, "README commands that fail:\n" + "\n".join(failed)
-    assert len(readme_results) >= 20  # every line of the block ran
+    assert len(readme.results) >= 20  # every line of the block ran
 
 
-def test_no_readme_command_prints_a_traceback(readme_results):
-    shown = [command for command, done in readme_results if "Traceback" in done.stderr]
+def test_no_readme_command_prints_a_traceback(readme):
+    shown = [command for command, done in readme.results if "Traceback" in done.stderr]
     assert not shown, shown
+
+
+def _printed_json(text: str) -> dict:
+    """The JSON object a command printed first (eval prints its metrics, then any text)."""
+    return json.JSONDecoder().raw_decode(text[text.index("{") :])[0]
+
+
+def test_the_run_summary_and_eval_print_the_validation_loss(readme):
+    """runs/a (trained, then resumed at its end): summary.json's validation loss is what
+    the printed summary shows and what `moestack eval runs/a` prints, in memory and with its
+    experts served by the cache; its perplexity is exp(loss); and a tiny model two steps from
+    its initial weights predicts bytes about uniformly: a loss near ln(256)."""
+    summary = json.loads((readme.cwd / "runs/a/summary.json").read_text())
+    loss = summary["loss/val"]
+    assert abs(loss - math.log(256)) < 0.5, loss
+    assert summary["eval/perplexity"] == pytest.approx(math.exp(loss), rel=1e-6)
+    trained = readme.outcome(".venv/bin/moestack-train out_dir=runs/a")
+    assert re.search(rf"val loss +{loss:.4f} ", trained.stdout + trained.stderr)
+    records = [json.loads(line) for line in (readme.cwd / "runs/a/metrics.jsonl").open()]
+    train_losses = [r["loss/train"] for r in records if "loss/train" in r]
+    assert summary["loss/train"] == train_losses[-1]
+    for command in (".venv/bin/moestack eval runs/a",
+                    ".venv/bin/moestack eval runs/a --offload --capacity 4 --policy lru "
+                    "--prefetch"):  # fmt: skip
+        printed = _printed_json(readme.outcome(command).stdout)
+        assert printed["loss/val"] == loss, command
+        assert printed["checkpoint"].endswith("checkpoints/step_000002"), printed
+    dp = json.loads((readme.cwd / "runs/dp/summary.json").read_text())
+    assert abs(dp["loss/val"] - math.log(256)) < 0.5 and dp["eval/perplexity"] == pytest.approx(
+        math.exp(dp["loss/val"]), rel=1e-6
+    )
+
+
+def test_the_export_loads_in_transformers_with_the_trained_logits(readme):
+    """`moestack export runs/hf OUT`: transformers loads OUT, and its logits are those of the
+    fine-tuned run (its routers moved off DIR's, every other weight DIR's)."""
+    from helpers.hf import reference_model, sample_tokens
+
+    from moestack.runs import load_run
+
+    readme.outcome(".venv/bin/moestack export runs/hf OUT")
+    exported = reference_model(readme.cwd / "OUT")
+    run = load_run(readme.cwd / "runs/hf")
+    tokens = sample_tokens(run.model.cfg.doc_separator)
+    with torch.no_grad():
+        want = run.model(tokens).logits
+        got = exported(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    source = dict(reference_model(readme.hf_dir).named_parameters())
+    moved = {n for n, p in exported.named_parameters() if not torch.equal(p, source[n])}
+    assert moved and all(n.endswith("mlp.gate.weight") for n in moved), moved
+
+
+def test_the_adapter_export_loads_in_peft_with_the_trained_logits(readme):
+    """`moestack export runs/lora OUT-adapter --adapter`: peft puts the adapter on DIR's
+    model, and the logits are those of the LoRA run."""
+    import importlib.metadata
+
+    from helpers.hf import reference_model, sample_tokens
+    from packaging.version import Version
+
+    from moestack.runs import load_run
+
+    done = readme.outcome(".venv/bin/moestack export runs/lora OUT-adapter --adapter")
+    try:
+        holds = Version(importlib.metadata.version("peft")) >= Version("0.17")
+    except importlib.metadata.PackageNotFoundError:
+        holds = False
+    if not holds:
+        pytest.skip("no peft >= 0.17: the adapter is written in moestack's names")
+    assert _printed_json(done.stdout)["adapter_format"] == "peft"
+    import peft
+
+    run = load_run(readme.cwd / "runs/lora")
+    tokens = sample_tokens(run.model.cfg.doc_separator)
+    adapted = peft.PeftModel.from_pretrained(
+        reference_model(readme.hf_dir), readme.cwd / "OUT-adapter"
+    )
+    with torch.no_grad():
+        want = run.model(tokens).logits
+        got = adapted(input_ids=tokens).logits
+        base = reference_model(readme.hf_dir)(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(base, want, atol=1e-3)  # the adapter changed the model
