@@ -424,9 +424,10 @@ def frozen_store(
     moes: list[MoE], path: Path, model_cfg: Any, layers: LayerSource | None = None
 ) -> ExpertStore:
     """The store of these layers' experts at ``path``, every load checked against its
-    checksums: the one there when it holds the same experts, else written from the layers
-    in memory or from ``layers`` (``attach_streaming``). Experts neither in memory nor given
-    take the store there as it is."""
+    checksums: the one there when it holds the same experts (refused when it holds others:
+    never silently replaced), else written from the layers in memory or from ``layers``
+    (``attach_streaming``). Experts neither in memory nor given take the store there as it
+    is."""
     resident = not any(moe.w1.is_meta or moe.w2.is_meta for moe in moes)
     make = (lambda: resident_layers(moes)) if resident else layers
     source = experts_digest(make()) if make is not None else None
@@ -440,8 +441,14 @@ def frozen_store(
         else:
             if source is None or store.meta.get("source") == source:
                 return store
-            log.info("expert store %s holds other experts; rewriting it", path)
             store.close()
+            raise MoestackError(
+                f"expert store {path} was written from other experts than this model's "
+                f"({str(store.meta.get('source'))[:32]}..., the model's {source[:32]}...): a "
+                "run's frozen experts never change, so a resumed run whose experts differ "
+                "(another model folder, or experts not read) would train on the wrong ones; "
+                f"delete {path} to write it from this model, or use another cache.store_dir"
+            )
     if make is None:
         raise MoestackError(
             f"the model's experts are not in memory and {path} holds no expert store: write "
