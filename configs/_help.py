@@ -80,7 +80,12 @@ def _value(value: Any) -> str:
 def _nested(f: dataclasses.Field) -> type | None:
     """The config class a field holds, or None for a plain value."""
     factory = f.default_factory
-    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+    if factory is dataclasses.MISSING:
+        return None
+    if isinstance(factory, type):
+        return factory if dataclasses.is_dataclass(factory) else None
+    made = factory()  # a factory of an instance (optim.experts: its population's defaults)
+    return type(made) if dataclasses.is_dataclass(made) else None
 
 
 def _rows(cls: type, values: dict[str, Any], prefix: str) -> list[tuple[str, str]]:

@@ -153,12 +153,14 @@ class OptimConfig:
     # "auto" (on GPUs), true (also CPU parameters over gloo) or false (collectives on the host)
     reduce_on_device: Any = "auto"
     # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
-    # offload_adamw on CUDA (its fp32 master copy lives on the host) and float32 otherwise.
+    # offload_adamw and tiered on CUDA (the fp32 master copy, if any, lives elsewhere), and for
+    # tiered with master=none on every device; float32 otherwise.
     param_dtype: str = "auto"
     # tiered: the RMS threshold of each matrix's update (each expert's on its own; 0 = off)
     clip_update: float = 1.0
-    # tiered: "float32" keeps an fp32 master copy of bf16 weights; "none" keeps the weights
-    # bf16 and writes each fp32 update back by stochastic rounding (auto param_dtype: bf16)
+    # tiered: "float32" keeps an fp32 master copy of bf16 weights; "none" keeps bf16 precision
+    # only, each fp32 update stochastically rounded (bf16 weights; or, with
+    # param_dtype=float32, on the bf16 grid in fp32 storage, for a CPU)
     master: str = "none"
     # tiered: the state of each parameter population (momentum, second_moment, weight_decay)
     experts: PopulationConfig = population_field("experts")

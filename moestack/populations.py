@@ -37,9 +37,9 @@ SECOND_MOMENT = ("full", "factored")
 class PopulationConfig:
     """The optimizer state one population keeps (``optim.<population>.*``)."""
 
-    momentum: str = "float32"  # none, float32 or bfloat16: the first moment and its dtype
-    second_moment: str = "factored"  # full (per element, fp32) or factored (row and column)
-    weight_decay: float | None = None  # decoupled decay on matrices; None: optim.weight_decay
+    momentum: str = "float32"  # tiered: the first moment and its dtype: none, float32, bfloat16
+    second_moment: str = "factored"  # tiered: full (per element, fp32) or factored (rows, cols)
+    weight_decay: float | None = None  # tiered: decay on matrices; null: optim.weight_decay
 
     def check(self, population: str) -> None:
         """Refuse a bad value in one line naming ``optim.<population>.<field>``."""

@@ -113,33 +113,6 @@ class ExpertParallelAdamW(SingleOptimizer):
     def _mesh(self) -> ExpertParallelMesh:
         return expert_blocks(self.model)[0].mesh
 
-
-class ExpertParallelTiered(ExpertParallelAdamW):
-    """TieredAdamW over this rank's parameters under expert parallelism: each rank keeps
-    the state of the tensors it holds (its own experts' and the replicated ones'), the
-    gradients averaged as for torch AdamW. Its state is layout-free already (experts keyed
-    by global id), so ``state_dict`` gathers every rank's entries into the whole state
-    (collective), and any layout, one process included, loads the entries it holds."""
-
-    def __init__(self, optimizer: TieredAdamW, model: nn.Module) -> None:
-        super().__init__(optimizer, model)
-
-    def state_dict(self) -> dict[str, Any]:
-        local = self.optimizer.state_dict()
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local["entries"])
-        entries = {k: v for part in gathered for k, v in part.items()}  # replicated: the same
-        return {**local, "entries": dict(sorted(entries.items()))}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return self.state_dict(), []
-
-    def metrics(self) -> dict[str, float]:
-        return self.optimizer.metrics()
-
     def _names(self) -> list[str]:
         return names_in_order(self.param_groups, self.model)
 
@@ -164,6 +137,32 @@ class ExpertParallelTiered(ExpertParallelAdamW):
                     k: v if k == "step" else fn(v, block) for k, v in entry.items()
                 }
         return out
+
+
+class ExpertParallelTiered(ExpertParallelAdamW):
+    """TieredAdamW over this rank's parameters under expert parallelism: each rank keeps
+    the state of the tensors it holds (its own experts' and the replicated ones'), the
+    gradients averaged as for torch AdamW. Its state is layout-free already (experts keyed
+    by global id), so ``state_dict`` gathers every rank's entries into the whole state
+    (collective), and any layout, one process included, loads the entries it holds."""
+
+    optimizer: TieredAdamW
+
+    def state_dict(self) -> dict[str, Any]:
+        local = self.optimizer.state_dict()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local["entries"])
+        entries = {k: v for part in gathered for k, v in part.items()}  # replicated: the same
+        return {**local, "entries": dict(sorted(entries.items()))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        return self.state_dict(), []
+
+    def metrics(self) -> dict[str, float]:
+        return self.optimizer.metrics()
 
 
 class ExpertParallelOffload(TrainingOptimizer):
