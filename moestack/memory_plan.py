@@ -106,6 +106,7 @@ def plan_memory(
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
     _weights_and_grads(plan, model, pdtype)
+    _streamed_lines(plan, cfg, model, pdtype, ranks)
     _optimizer_lines(plan, cfg, model, pdtype, experts)
     _activation_lines(plan, cfg)
     if hf:
@@ -220,6 +221,41 @@ def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.d
     plan.lines.append(
         Line("device", "gradients", trained * size, f"{_mib(trained)} trained params x {size} B")
     )
+
+
+def _streamed_lines(
+    plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype, ranks: int
+) -> None:
+    """``offload_experts``: the routed experts leave the device weights for the expert store;
+    the cache's slots, one layer's working set and (``host``) the host tier hold them
+    (``moestack.cache.streaming.stream_plan``)."""
+    from moestack.cache.streaming import stream_plan
+
+    moe = model.moe_layers[0]
+    size = moe.w1.element_size() if pdtype == torch.float32 else pdtype.itemsize
+    expert_bytes = (moe.w1[0].numel() + moe.w2[0].numel()) * size
+    tokens = cfg.batch_size // ranks * cfg.data.seq_len
+    streamed = stream_plan(cfg, expert_bytes, tokens, plan.device == "cuda")
+    if streamed is None:
+        return
+    weights = plan.line("weights")
+    weights.bytes -= streamed.experts
+    weights.formula += f" - {streamed.experts} B routed experts (in the store)"
+    plan.lines.append(Line("device", "expert cache slots", streamed.slots,
+                           f"n_layers x cache.capacity + top_k (+ top_k prefetch) slots of "
+                           f"{expert_bytes} B"))  # fmt: skip
+    plan.lines.append(
+        Line(
+            "device",
+            "expert working set",
+            streamed.working_set,
+            "one layer's experts beyond the free slots, while it computes",
+        )
+    )
+    if streamed.host:
+        plan.lines.append(
+            Line("host", "expert host tier", streamed.host, "every expert (offload_experts=host)")
+        )
 
 
 def _tiered_lines(

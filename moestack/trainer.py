@@ -39,6 +39,7 @@ from moestack import (
     parallel,
     provenance,
 )
+from moestack.cache.streaming import attach_streaming, experts_left_out
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
@@ -126,6 +127,7 @@ class Run:
     start_step: int  # the step this process started (or resumed) at
     mesh: parallel.ExpertParallelMesh | None = None  # parallel.ep > 1: this rank's place
     exchange: parallel.ExchangeStats | None = None  # parallel.ep > 1: all-to-all counters
+    streaming: Any = None  # offload_experts: moestack.cache.streaming.StreamingState
     last_metrics: dict[str, float] = field(default_factory=dict)
     interval_step_s: float = 0.0  # seconds in train_step since the last log record
     train_s: float = 0.0  # seconds in train_step since this process started
@@ -408,6 +410,8 @@ def log_interval(
     if run.exchange is not None:
         steps = state.interval_steps
         metrics.update(parallel.exchange_metrics(run.exchange, run.dist.world_size, steps, elapsed))
+    if run.streaming is not None:  # the training's own cache traffic, per step
+        metrics.update(run.streaming.metrics(state.interval_steps))
     if evaluating:
         metrics.update(_evaluate_in_training(run))
     charts = None
@@ -539,6 +543,7 @@ def _build_model(
     torch.manual_seed(cfg.seed)  # whatever a build draws from the global stream
     on_meta = _builds_on_meta(cfg)
     hf_resume = not isinstance(cfg.model, ModelConfig) and resume_from is not None
+    hf_resume = hf_resume and cfg.offload_experts == "off"  # streamed: experts from the folder
     if isinstance(cfg.model, ModelConfig):
         model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
     elif hf_resume:  # every weight comes from the checkpoint: none is read from the folder
@@ -570,7 +575,8 @@ def _build_model(
     torch.manual_seed(cfg.seed)
     start_step = 0
     if resume_from is not None:  # this rank's experts' rows only
-        start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
+        with experts_left_out(model) if cfg.offload_experts != "off" else contextlib.nullcontext():
+            start_step = checkpoint.load_model_weights(resume_from, model, cfg.model)["step"]
     return model, mesh, exchange, start_step
 
 
@@ -591,7 +597,7 @@ def build_run(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parallel.check_layout(dist_info.world_size, cfg.parallel.ep)
-    if cfg.parallel.ep > 1:  # a process must hold its share, not every phase's leftovers
+    if cfg.parallel.ep > 1 or cfg.offload_experts != "off":  # freed blocks back to the OS
         host_allocator.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb << 10)
     cfg.check_batch_split(dist_info.world_size)
     resume_from = prepare_out_dir(cfg, out_dir, dist_info)
@@ -605,6 +611,7 @@ def build_run(
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
+    streaming = attach_streaming(model, cfg, out_dir)  # offload_experts: None when off
     optimizer = build_training_optimizer(model, cfg.optim, dist_info.world_size, mesh)
     run = Run(
         cfg=cfg,
@@ -630,6 +637,7 @@ def build_run(
         start_step=start_step,
         mesh=mesh,
         exchange=exchange,
+        streaming=streaming,
     )
     if resume_from is not None:
         restore(run, resume_from)
