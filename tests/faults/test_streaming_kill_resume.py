@@ -1,7 +1,6 @@
 """Fault injection for training with streamed experts: kill -9 a run with
 offload_experts=disk at random steps and resume it as a user would; its losses, final
-weights and cache metrics' presence must be the uninterrupted run's. Skipped until the
-trainer attaches streaming (``moestack.trainer`` imports ``attach_streaming``)."""
+weights and cache metrics' presence must be the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -16,16 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import moestack.trainer
 from moestack.metrics import read_metrics
 
-pytestmark = [
-    pytest.mark.faults,
-    pytest.mark.skipif(
-        not hasattr(moestack.trainer, "attach_streaming"),
-        reason="the trainer does not attach streaming (offload_experts) yet",
-    ),
-]
+pytestmark = pytest.mark.faults
 
 STEPS = 8
 OVERRIDES = [
