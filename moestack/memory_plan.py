@@ -32,10 +32,10 @@ from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
-from moestack.optim.tiered import planned_state_bytes
+from moestack.optim.tiered import assign_by_size, planned_state_bytes, planned_step_bytes
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
-from moestack.populations import classify
+from moestack.populations import POPULATIONS, classify
 
 log = logging.getLogger(__name__)
 
@@ -262,27 +262,36 @@ def _tiered_lines(
     plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype
 ) -> None:
     """optim=tiered's state per population (:func:`moestack.optim.tiered.planned_state_bytes`),
-    on the device beside the weights, sharded by whole tensors over the ranks (about 1/N
-    each; under expert parallelism the state of the tensors this rank holds); its scratch
-    during a step (the largest trained tensor in fp32); under DDP the gradient buckets."""
+    on the device beside the weights: on several ranks the most loaded rank's share of the
+    optimizer's own split by whole tensors (under expert parallelism: the tensors this rank
+    holds); what a step allocates and frees; under DDP the gradient buckets."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    held = planned_state_bytes(trained, classify(model), cfg.optim.policy, cfg.optim.master, pdtype)
+    info, optim = classify(model), cfg.optim
+    sizes = {n: sum(planned_state_bytes([(n, p)], info, optim.policy, optim.master, pdtype).values())
+             for n, p in trained}  # fmt: skip
     ranks = plan.ranks if cfg.parallel.ep == 1 else 1  # under EP: the tensors a rank holds
-    for population, size in held.items():
+    owner = assign_by_size(sizes, ranks)  # the optimizer's own split
+    load = [sum(size for n, size in sizes.items() if owner[n] == r) for r in range(ranks)]
+    heaviest = load.index(max(load)) if load else 0
+    for population in POPULATIONS:
+        size = sum(sizes[n] for n, _ in trained
+                   if info[n].population == population and owner[n] == heaviest)  # fmt: skip
         if size:
-            rule = cfg.optim.policy(population)
+            rule = optim.policy(population)
             plan.lines.append(Line(
-                "device", f"optimizer state (tiered, {population})", -(-size // ranks),
+                "device", f"optimizer state (tiered, {population})", size,
                 f"momentum {rule.momentum}, second moment {rule.second_moment} (1-D: full), "
-                f"master {cfg.optim.master}" + (f"; / {ranks} ranks (whole tensors)" if ranks > 1 else ""),
+                f"master {optim.master}"
+                + (f"; the most loaded of {ranks} ranks (whole tensors)" if ranks > 1 else ""),
             ))  # fmt: skip
-    largest = max((p.numel() for _, p in trained), default=0)
+    step = planned_step_bytes(trained, info, optim.policy, optim.master, pdtype)
     plan.lines.append(
         Line(
             "device",
             "optimizer scratch (tiered, during a step)",
-            4 * largest,
-            f"the largest trained tensor, {_mib(largest)} x 4 B",
+            step,
+            "fp32 scratch of the largest tensor + the fp32 copies and rounding noise of the "
+            "one that needs most (freed when the step ends)",
         )  # fmt: skip
     )
     numel, size = sum(p.numel() for _, p in trained), pdtype.itemsize

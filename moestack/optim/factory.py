@@ -45,7 +45,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
 
     ``"adamw"`` is ``torch.optim.AdamW`` (fused on the CPU when torch supports it);
     ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings (under
-    ``torch.distributed`` it averages the gradients itself: do not wrap the model in DDP).
+    ``torch.distributed`` it averages the gradients itself: do not wrap the model in DDP);
+    ``"tiered"`` is :class:`TieredAdamW`, its state sized per parameter population.
     """
     return _maker(cfg, model)(param_groups(model, float(cfg.weight_decay)))
 

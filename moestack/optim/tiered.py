@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -90,9 +91,12 @@ class TieredAdamW(torch.optim.Optimizer):
         self.group = process_group
         self.shard = shard
         self.offsets = dict(expert_offsets or {})
-        self.owner = _assign_owners(self.param_groups, self.names, self._ranks())
+        self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         self._buffers: dict[torch.device, Tensor] = {}
+        self._scratch_numel = max(
+            (q.numel() for g in self.param_groups for q in g["params"]), default=0
+        )
 
     # -- the layout -------------------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and self.owns(p):
+                if p.grad is not None and p.numel() and self.owns(p):  # torch skips empty ones too
                     self._update(p, group)
         self._buffers.clear()  # transient: no scratch is kept between steps
         self._share_weights()
@@ -140,8 +144,8 @@ class TieredAdamW(torch.optim.Optimizer):
         u = _denominator(st, g, beta2, t, group["eps"], self._scratch(p))
         if "m" in st:
             m = st["m"].float().lerp_(g, 1 - beta1)
-            if m.data_ptr() != st["m"].data_ptr():
-                st["m"].copy_(m)
+            if m.data_ptr() != st["m"].data_ptr():  # bf16 momentum: the update uses it as kept
+                m = st["m"].copy_(m).float()
             torch.div(m, u, out=u).mul_(math.sqrt(1 - beta2**t) / (1 - beta1**t))
         else:
             torch.div(g, u, out=u).mul_(math.sqrt(1 - beta2**t))
@@ -160,10 +164,10 @@ class TieredAdamW(torch.optim.Optimizer):
     def _scratch(self, p: Tensor) -> Tensor:
         """An fp32 buffer of ``p``'s shape on its device, shared by every parameter during a
         step (the size of the largest parameter; freed when the step ends)."""
-        numel = max(q.numel() for g in self.param_groups for q in g["params"])
         buf = self._buffers.get(p.device)
         if buf is None:
-            buf = self._buffers[p.device] = torch.empty(numel, dtype=torch.float32, device=p.device)
+            buf = torch.empty(self._scratch_numel, dtype=torch.float32, device=p.device)
+            self._buffers[p.device] = buf
         return buf[: p.numel()].view(p.shape)
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
@@ -187,19 +191,23 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.master == "float32" or p.dtype not in (torch.float32, torch.bfloat16):
             if w.data_ptr() != p.data_ptr():
                 p.copy_(w)
-        elif not info.stacked:
-            p.copy_(stochastic_round_bf16(w, self._noise_bits(w.shape, w.device, f"{name}@{step}")))
-        else:
-            for e in range(w.shape[0]):
+        else:  # w is this step's own fp32 copy of p (or p itself): rounded in place
+            if not info.stacked:
+                round_onto_bf16_grid_(w, self._noise_bits(w.shape, w.device, f"{name}@{step}"))
+            for e in range(w.shape[0] if info.stacked else 0):
                 expert = e + self.offsets.get(name, 0)  # its global id
                 noise = self._noise_bits(w.shape[1:], w.device, f"{name}/expert{expert}@{step}")
-                p[e].copy_(stochastic_round_bf16(w[e], noise))
+                round_onto_bf16_grid_(w[e], noise)
+            if w.data_ptr() != p.data_ptr():
+                p.copy_(w)  # exact: w is on the bf16 grid
 
     def _noise_bits(self, shape: torch.Size, device: torch.device, key: str) -> Tensor:
         """16 random bits per element (int32), from a generator keyed by (seed, ``key``)."""
         seed = seeding.generator(self.seed, key).initial_seed()
         gen = torch.Generator(device).manual_seed(seed)
-        return torch.randint(0, 1 << 16, shape, dtype=torch.int32, device=device, generator=gen)
+        return torch.empty(shape, dtype=torch.int32, device=device).random_(
+            0, 1 << 16, generator=gen
+        )
 
     def _share_weights(self) -> None:
         """Several ranks: every parameter's weights from the rank that updated them."""
@@ -367,6 +375,36 @@ def planned_state_bytes(
     return out
 
 
+def planned_step_bytes(
+    named: Iterable[tuple[str, Tensor]],
+    info: dict[str, ParamInfo],
+    policy: Callable[[str], Any],
+    master: str,
+    param_dtype: torch.dtype,
+) -> int:
+    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: the fp32
+    scratch the size of the largest tensor, and for the tensor that needs most, the fp32
+    copies of its gradient and (no master, narrower weights) of its weights, of a bf16
+    momentum, and the stochastic rounding's noise (per expert of a stacked one); plus the
+    row and column vectors of a factored estimate."""
+    named = list(named)
+    if not named:
+        return 0
+    extra = 0
+    for name, p in named:
+        numel, rule = math.prod(p.shape), policy(info[name].population)
+        unit = numel // p.shape[0] if info[name].stacked and p.shape[0] else numel
+        narrow = param_dtype != torch.float32
+        size = 4 * numel if narrow else 0  # the gradient in fp32
+        size += 4 * numel if rule.momentum == "bfloat16" else 0
+        if master == "none":
+            size += (4 * numel if narrow else 0) + 4 * unit  # weights in fp32; the noise
+        extra = max(extra, size)
+    vectors = max(16 * (math.prod(p.shape[:-1]) + math.prod(p.shape[:-2]) * p.shape[-1])
+                  if len(p.shape) >= 2 else 0 for _, p in named)  # fmt: skip
+    return 4 * max(math.prod(p.shape) for _, p in named) + extra + vectors
+
+
 def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: torch.dtype) -> int:
     numel = math.prod(shape)
     size = 0 if rule.momentum == "none" else numel * getattr(torch, rule.momentum).itemsize
@@ -384,9 +422,20 @@ def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
     """fp32 ``w`` to bf16, rounded up in magnitude with probability equal to the dropped
     fraction: 16 random low bits (``noise``, int32 in [0, 2^16)) added to the bit pattern,
     then the low 16 bits cut. Unbiased: E[round(w)] = w. Non-finite values pass as they are."""
-    bits = w.contiguous().view(torch.int32)
-    rounded = ((bits + noise) & -65536).view(torch.float32)
-    return torch.where(torch.isfinite(w), rounded, w).to(torch.bfloat16)
+    return round_onto_bf16_grid_(w.clone(), noise).to(torch.bfloat16)
+
+
+def round_onto_bf16_grid_(w: Tensor, noise: Tensor) -> Tensor:
+    """:func:`stochastic_round_bf16` in place: contiguous fp32 ``w`` rounded onto the bf16
+    grid (it stays fp32), with no temporary of its size (but a mask where a value is not
+    finite); returns ``w``."""
+    finite = bool(torch.isfinite(w.amax()) & torch.isfinite(w.amin()))  # no mask of its size
+    bad = None if finite or w.numel() == 0 else ~torch.isfinite(w)
+    kept = None if bad is None else w[bad]  # inf and nan pass as they are
+    w.view(torch.int32).add_(noise).bitwise_and_(-65536)
+    if bad is not None:
+        w[bad] = kept
+    return w
 
 
 def _denominator(
@@ -467,18 +516,26 @@ def _from_entries(
 
 
 def _assign_owners(
-    groups: list[dict[str, Any]], names: dict[int, str], ranks: tuple[int, int]
+    groups: list[dict[str, Any]], names: dict[int, str], ranks: tuple[int, int], master: str
 ) -> dict[int, int]:
-    """Each parameter's owning rank: the largest first, each to the least loaded rank (by
-    elements; ties to the lowest rank), in name order, so every rank computes the same."""
-    world = ranks[1]
-    params = sorted(
-        (p for g in groups for p in g["params"]), key=lambda p: (-p.numel(), names[id(p)])
-    )
+    """Each parameter's owning rank, balanced by the state it keeps
+    (:func:`assign_by_size`), so every rank computes the same."""
+    sizes = {}
+    for g in groups:
+        for p in g["params"]:
+            rule = SimpleNamespace(momentum=g["momentum"], second_moment=g["second_moment"])
+            sizes[names[id(p)]] = (id(p), _tensor_state_bytes(p.shape, rule, master, p.dtype))
+    owner_of = assign_by_size({n: size for n, (_, size) in sizes.items()}, ranks[1])
+    return {pid: owner_of[n] for n, (pid, _) in sizes.items()}
+
+
+def assign_by_size(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """Each name's rank: the largest first (ties by name), each to the least loaded rank
+    (ties to the lowest): the ZeRO split of tiered's state, which the plan repeats."""
     load = [0] * world
     owner = {}
-    for p in params:
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         r = min(range(world), key=lambda i: (load[i], i))
-        owner[id(p)] = r
-        load[r] += p.numel()
+        owner[name] = r
+        load[r] += sizes[name]
     return owner
