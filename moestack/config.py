@@ -366,12 +366,7 @@ class TrainConfig:
         self.parallel = _coerce(self.parallel, ParallelConfig)
         self.lora = _coerce(self.lora, LoRAConfig)
         self.model.router = _one_router(self.router, self.model.router)
-        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
-            value = getattr(self, name)
-            _check(value >= 1, f"{name}={value} must be >= 1")
-        for name in ("eval_every", "ckpt_every", "threads"):
-            value = getattr(self, name)
-            _check(value >= 0, f"{name}={value} must be >= 0")
+        self._check_counts()
         _check_expert_parallel(self.parallel.ep, self.model)
         _check(self.max_bad_steps >= 1, f"max_bad_steps={self.max_bad_steps} must be >= 1")
         _check(
@@ -417,6 +412,15 @@ class TrainConfig:
             self._cache_sizes()
             if self.trainable.endswith("lora"):
                 self.lora.check_fits(self.model.d_model, self.model.moe.d_ff)
+
+    def _check_counts(self) -> None:
+        """The loop's counts: steps, batches and intervals >= 1; cadences and threads >= 0."""
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
+            value = getattr(self, name)
+            _check(value >= 1, f"{name}={value} must be >= 1")
+        for name in ("eval_every", "ckpt_every", "threads"):
+            value = getattr(self, name)
+            _check(value >= 0, f"{name}={value} must be >= 0")
 
     def _check_offload_experts(self) -> None:
         """``offload_experts`` streams experts that do not train, on one process's model."""
