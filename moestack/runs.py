@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 # Settings a resumed run may change: how it logs, evaluates, checkpoints and where it runs.
 # Everything else (model, router, optim, data, seed, batch, steps) is the run's identity.
+# What the launch decides, not the run: a resume takes them from its own command line and
+# defaults (a checkpoint saved at one parallel layout resumes at any other).
+LAUNCH_SECTIONS = ("parallel",)
 RESUME_MAY_CHANGE = (
     "resume", "out_dir", "progress", "log_every", "eval_every", "eval_batches", "ckpt_every",
     "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
@@ -150,7 +153,8 @@ def resumed_config(out_dir: Path, composed: Any, overrides: Sequence[str]) -> Tr
     """The config of a ``moestack-train ... resume=true`` start: the run's own (``out_dir``/
     config.yaml), as a checkpoint resume takes it (Lightning's ``ckpt_path``, torchtitan's),
     with only the fields its command line gives (``overrides``: a field, a section, a config
-    group's option) taken from hydra's ``composed`` config; ``check_resume_config`` then
+    group's option) and the launch's own sections (``LAUNCH_SECTIONS``: the parallel layout
+    of this start) taken from hydra's ``composed`` config; ``check_resume_config`` then
     refuses those that change the run. The defaults and the run's first overrides are never
     compared. Without a config.yaml (nothing to resume, refused later), hydra's config."""
     path = out_dir / "config.yaml"
@@ -163,7 +167,7 @@ def resumed_config(out_dir: Path, composed: Any, overrides: Sequence[str]) -> Tr
     except (yaml.YAMLError, OmegaConfBaseException, ValueError, OSError) as err:
         raise _unreadable_config(path, err) from None
     given = OmegaConf.to_container(composed, resolve=True)
-    for key in given_keys(overrides):
+    for key in (*LAUNCH_SECTIONS, *given_keys(overrides)):
         _copy_field(given, stored, key.split("."))
     if isinstance(stored.get("model"), dict):  # model.router is router's copy (TrainConfig)
         stored["model"].pop("router", None)
