@@ -283,6 +283,9 @@ def load_run(
     check_run_source(written, run_dir)  # before the source's config.json is read
     cfg = written.resolve()
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
+    streamed = experts and cfg.offload_experts != "off"  # its checkpoints hold no experts
+    if streamed:
+        experts = False
     if experts:
         model = cfg.model.build()
         lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
@@ -295,9 +298,28 @@ def load_run(
                 model = cfg.model.build()
         lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights_without_experts(ckpt, model, cfg.model)
+    if streamed:
+        _experts_from_store(model, cfg, run_dir)
     if device is not None:
         move_resident(model, resolve_device(cfg.device if device == "auto" else str(device)))
     return LoadedRun(run_dir, cfg, model, ckpt, int(meta["step"]))
+
+
+def _experts_from_store(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path) -> None:
+    """A streamed run's frozen experts (offload_experts) read back from its expert store,
+    each file checked against its checksum."""
+    from moestack.cache import ExpertStore
+    from moestack.cache.offload import restore_experts
+    from moestack.cache.streaming import store_path
+
+    path = store_path(cfg, run_dir)
+    if not path.is_dir():
+        raise MoestackError(
+            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"{path}, which is gone; its checkpoints hold no experts: put the store back"
+        )
+    shape = None if isinstance(cfg.model, HFModelConfig) else cfg.model  # checked against it
+    restore_experts(model, ExpertStore(path, shape, verify_loads=True), "cpu")
 
 
 def prepare_out_dir(
