@@ -107,6 +107,12 @@ def check_offload_config(args: argparse.Namespace) -> None:
             top_k = cfg.model.moe.top_k
     except MoestackError:  # not a run, or its source folder changed: load_run says which
         return
+    if cfg.offload_experts != "off":
+        raise MoestackError(
+            f"{args.run_dir} streamed its frozen experts (offload_experts="
+            f"{cfg.offload_experts}) and its checkpoints hold none: evaluate it without "
+            "--offload (its experts are read back from its own store)"
+        )
     cache_cfg = _cache_config(args, cfg.cache)
     if cache_cfg.policy == "belady":
         raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
@@ -260,6 +266,25 @@ def _text_codec(model_cfg: Any) -> Codec:
     return encode, decode
 
 
+def _refuse_streamed_export(run_dir: str) -> None:
+    """A run that streamed its experts (offload_experts) is not exported yet: its model was
+    built without the transformers blocks' experts, which the export writes back."""
+    from moestack.runs import is_transformers_dir, load_run_config
+
+    if is_transformers_dir(run_dir):
+        return
+    try:
+        cfg = load_run_config(run_dir)
+    except MoestackError:  # not a run: load_run says why
+        return
+    if cfg.offload_experts != "off":
+        raise MoestackError(
+            f"{run_dir} streamed its frozen experts (offload_experts={cfg.offload_experts}): "
+            "exporting such a run is not supported yet; export a run trained with them in "
+            "memory (offload_experts=off)"
+        )
+
+
 def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.checkpoint import model_sha256
     from moestack.evaluation import check_finite_weights, model_tensors
@@ -267,6 +292,7 @@ def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.lora import merge_adapters
     from moestack.runs import load_run
 
+    _refuse_streamed_export(args.run_dir)
     run = load_run(args.run_dir, args.checkpoint)
     if not isinstance(run.cfg.model, HFModelConfig):
         raise MoestackError(

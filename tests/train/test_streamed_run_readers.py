@@ -52,3 +52,15 @@ def test_a_streamed_run_without_its_store_is_refused(runs, tmp_path) -> None:
     shutil.rmtree(copy / "experts")
     with pytest.raises(MoestackError, match="streamed its experts .* which is gone"):
         load_run(copy)
+
+
+def test_offloaded_eval_and_export_of_a_streamed_run_are_refused_in_one_line(runs, capsys):
+    for argv, match in (
+        (["eval", str(runs[1]), "--offload"], "evaluate it without --offload"),
+        (["export", str(runs[1]), "OUT"], "exporting such a run is not supported yet"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(argv)
+        assert stop.value.code != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and match in err[0], err
