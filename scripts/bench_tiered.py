@@ -135,12 +135,17 @@ def update_section(rounds: int) -> dict[str, Any]:
     return out
 
 
-def _train_step_of(master: str) -> Callable[[], None]:
+def _train_step_of(master: str, param_dtype: str = "auto") -> Callable[[], None]:
+    """A training step of the default model with tiered at ``master``, its weights as a
+    training run holds them (``apply_param_dtype``: bf16 without a master, or with
+    ``param_dtype=float32`` fp32 values on the bf16 grid; buffers fp32)."""
+    from moestack.optim import apply_param_dtype
+
     torch.manual_seed(0)
     model = model_config("tiny").build()
-    if master == "none":
-        model.to(torch.bfloat16)
-    opt = build_optimizer(model, OptimConfig(name="tiered", master=master))
+    cfg = OptimConfig(name="tiered", master=master, param_dtype=param_dtype)
+    apply_param_dtype(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
     tokens = torch.randint(0, 256, (16, 256), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
@@ -157,6 +162,7 @@ def train_step_section(rounds: int) -> dict[str, Any]:
     contenders = {
         "master_float32": _train_step_of("float32"),
         "master_none": _train_step_of("none"),
+        "master_none_fp32": _train_step_of("none", "float32"),  # the bf16 grid, fp32 storage
     }
     return interleaved(contenders, rounds, 2)
 
