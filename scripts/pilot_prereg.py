@@ -212,7 +212,11 @@ def spread(
             continue
         d_ppl = [by[(arm, s)]["perplexity"] / by[(baseline, s)]["perplexity"] - 1 for s in pairs]
         d_miss = [by[(arm, s)][miss] / by[(baseline, s)][miss] - 1 for s in pairs]
-        d_static = [by[(arm, s)][static] - by[(baseline, s)][static] for s in pairs]
+        d_static = [
+            by[(arm, s)][static] - by[(baseline, s)][static]
+            for s in pairs
+            if static in by[(arm, s)]
+        ]  # a study without the static policy: none
         row: dict[str, Any] = {"seeds": pairs, "d_ppl": d_ppl, "d_miss": d_miss}
         row["ppl"] = [by[(arm, s)]["perplexity"] for s in pairs]
         row[miss] = [by[(arm, s)][miss] for s in pairs]
