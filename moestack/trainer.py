@@ -607,11 +607,7 @@ def build_run(
     if begin is not None:  # the start is not refused: from here on it writes the run's files
         begin()
     start_out_dir(cfg, out_dir, dist_info)  # a resumed run's: its checkpoint fits this config
-    model.to(device)
-    param_dtype = apply_param_dtype(model, cfg.optim, device)
-    if param_dtype != torch.float32:
-        log.info("model weights and gradients on %s in %s", device, param_dtype)
-    streaming = attach_streaming(model, cfg, out_dir)  # offload_experts: None when off
+    streaming = _to_device(model, cfg, device, out_dir)
     optimizer = build_training_optimizer(model, cfg.optim, dist_info.world_size, mesh)
     run = Run(
         cfg=cfg,
@@ -624,14 +620,7 @@ def build_run(
         scheduler=_lr_scheduler(optimizer, cfg),
         loader=BatchLoader(corpus.train, cfg.batch_size, cfg.data.seq_len, cfg.seed),
         val_batches=eval_batches(corpus.val, cfg.batch_size, cfg.data.seq_len, cfg.eval_batches),
-        writer=MetricsWriter(
-            out_dir,
-            enabled=dist_info.is_main,
-            wandb_project=cfg.wandb_project,
-            wandb_mode=cfg.wandb_mode,
-            wandb_config=dataclasses.asdict(cfg),
-            resume_step=start_step,  # drops records a killed attempt logged past it
-        ),
+        writer=_metrics_writer(cfg, out_dir, dist_info, start_step),
         telemetry=None,
         state=TrainState(),
         start_step=start_step,
@@ -649,6 +638,31 @@ def build_run(
     if dist_info.is_main:
         run.telemetry = _attach_telemetry(cfg, model, out_dir, run.start_step)
     return run
+
+
+def _to_device(model: RoutedLM, cfg: TrainConfig, device: torch.device, out_dir: Path) -> Any:
+    """The model on ``device`` in the optimizer's parameter dtype, its frozen experts
+    streamed where ``offload_experts`` asks (the StreamingState; None when off)."""
+    model.to(device)
+    param_dtype = apply_param_dtype(model, cfg.optim, device)
+    if param_dtype != torch.float32:
+        log.info("model weights and gradients on %s in %s", device, param_dtype)
+    return attach_streaming(model, cfg, out_dir)
+
+
+def _metrics_writer(
+    cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistInfo, start_step: int
+) -> MetricsWriter:
+    """metrics.jsonl and wandb, on rank 0; a resumed run drops what a killed attempt logged
+    past ``start_step``."""
+    return MetricsWriter(
+        out_dir,
+        enabled=dist_info.is_main,
+        wandb_project=cfg.wandb_project,
+        wandb_mode=cfg.wandb_mode,
+        wandb_config=dataclasses.asdict(cfg),
+        resume_step=start_step,
+    )
 
 
 def _batch_line(cfg: TrainConfig, world_size: int) -> str:
