@@ -32,10 +32,10 @@ from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
-from moestack.optim.tiered import assign_by_size, planned_state_bytes, planned_step_bytes
+from moestack.optim.tiered import plan_rows
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
-from moestack.populations import POPULATIONS, classify
+from moestack.populations import classify
 
 log = logging.getLogger(__name__)
 
@@ -261,48 +261,17 @@ def _streamed_lines(
 def _tiered_lines(
     plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype
 ) -> None:
-    """optim=tiered's state per population (:func:`moestack.optim.tiered.planned_state_bytes`),
-    on the device beside the weights: on several ranks the most loaded rank's share of the
-    optimizer's own split by whole tensors (under expert parallelism: the tensors this rank
-    holds); what a step allocates and frees; under DDP the gradient buckets."""
+    """optim=tiered's own plan (:func:`moestack.optim.tiered.plan_rows`: its state per
+    population on the most loaded rank, what a step allocates) on the device beside the
+    weights; under expert parallelism or DDP the gradients' exchange buffer."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    info, optim = classify(model), cfg.optim
-    sizes = {n: sum(planned_state_bytes([(n, p)], info, optim.policy, optim.master, pdtype).values())
-             for n, p in trained}  # fmt: skip
     ranks = plan.ranks if cfg.parallel.ep == 1 else 1  # under EP: the tensors a rank holds
-    owner = assign_by_size(sizes, ranks)  # the optimizer's own split
-    load = [sum(size for n, size in sizes.items() if owner[n] == r) for r in range(ranks)]
-    heaviest = load.index(max(load)) if load else 0
-    for population in POPULATIONS:
-        size = sum(sizes[n] for n, _ in trained
-                   if info[n].population == population and owner[n] == heaviest)  # fmt: skip
-        if size:
-            rule = optim.policy(population)
-            plan.lines.append(Line(
-                "device", f"optimizer state (tiered, {population})", size,
-                f"momentum {rule.momentum}, second moment {rule.second_moment} (1-D: full), "
-                f"master {optim.master}"
-                + (f"; the most loaded of {ranks} ranks (whole tensors)" if ranks > 1 else ""),
-            ))  # fmt: skip
-    step = planned_step_bytes(trained, info, optim.policy, optim.master, pdtype)
-    plan.lines.append(
-        Line(
-            "device",
-            "optimizer scratch (tiered, during a step)",
-            step,
-            "fp32 scratch of the largest tensor + the fp32 copies and rounding noise of the "
-            "one that needs most (freed when the step ends)",
-        )  # fmt: skip
-    )
+    for what, size, formula in plan_rows(trained, classify(model), cfg.optim, pdtype, ranks):
+        plan.lines.append(Line("device", what, size, formula))
     numel, size = sum(p.numel() for _, p in trained), pdtype.itemsize
-    if cfg.parallel.ep > 1:  # gradients averaged in one flat buffer per group, as for AdamW
-        plan.lines.append(
-            Line("device", "gradient all-reduce buffer", numel * size, f"{_mib(numel)} x {size} B")
-        )
-    elif uses_ddp("tiered", ranks, expert_parallel=False):
-        plan.lines.append(
-            Line("device", "DDP gradient buckets", numel * size, f"{_mib(numel)} x {size} B")
-        )
+    exchange = "gradient all-reduce buffer" if cfg.parallel.ep > 1 else "DDP gradient buckets"
+    if cfg.parallel.ep > 1 or uses_ddp("tiered", ranks, expert_parallel=False):
+        plan.lines.append(Line("device", exchange, numel * size, f"{_mib(numel)} x {size} B"))
 
 
 def _adamw_lines(

@@ -375,6 +375,38 @@ def planned_state_bytes(
     return out
 
 
+def plan_rows(
+    named: list[tuple[str, Tensor]],
+    info: dict[str, ParamInfo],
+    cfg: Any,
+    param_dtype: torch.dtype,
+    ranks: int,
+) -> list[tuple[str, int, str]]:
+    """The memory plan's rows ``(what, bytes, formula)`` for the trained ``named`` tensors
+    under ``cfg`` (OptimConfig): each population's state on the most loaded of ``ranks``
+    (the optimizer's own split, :func:`assign_by_size`), then what a step allocates."""
+    sizes = {n: sum(planned_state_bytes([(n, p)], info, cfg.policy, cfg.master, param_dtype)
+                    .values()) for n, p in named}  # fmt: skip
+    owner = assign_by_size(sizes, ranks)
+    load = [sum(size for n, size in sizes.items() if owner[n] == r) for r in range(ranks)]
+    heaviest = load.index(max(load)) if load else 0
+    shared = f"; the most loaded of {ranks} ranks (whole tensors)" if ranks > 1 else ""
+    rows = []
+    for population in POPULATIONS:
+        size = sum(sizes[n] for n, _ in named
+                   if info[n].population == population and owner[n] == heaviest)  # fmt: skip
+        rule = cfg.policy(population)
+        formula = (f"momentum {rule.momentum}, second moment {rule.second_moment} (1-D: full), "
+                   f"master {cfg.master}{shared}")  # fmt: skip
+        if size:
+            rows.append((f"optimizer state (tiered, {population})", size, formula))
+    step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype)
+    rows.append(("optimizer scratch (tiered, during a step)", step,
+                 "fp32 scratch of the largest tensor + the fp32 copies and rounding noise of "
+                 "the one that needs most (freed when the step ends)"))  # fmt: skip
+    return rows
+
+
 def planned_step_bytes(
     named: Iterable[tuple[str, Tensor]],
     info: dict[str, ParamInfo],
