@@ -54,7 +54,8 @@ from moestack.prereg import (
     load,
     seeds_needed,
 )
-from moestack.prereg.spec import Analysis, Prereg
+from moestack.prereg.parts import Analysis
+from moestack.prereg.spec import Prereg
 from moestack.trainer import train
 
 log = logging.getLogger("pilot_prereg")

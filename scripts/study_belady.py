@@ -33,9 +33,10 @@ from tqdm import tqdm
 from moestack.atomic import write_text
 from moestack.errors import MoestackError
 from moestack.prereg.analysis import EVAL_FILE, eval_device, test_batches, traced_evaluation
+from moestack.prereg.parts import Analysis
 from moestack.prereg.provenance import is_finished, is_kept
 from moestack.prereg.runner import RunSpec, plan
-from moestack.prereg.spec import Analysis, Prereg, load
+from moestack.prereg.spec import Prereg, load
 
 log = logging.getLogger("study_belady")
 

@@ -69,6 +69,16 @@ from moestack.prereg.compose import check_overrides, compose_config, config_choi
 from moestack.prereg.decision import ONE_SIDED, check_rules
 from moestack.prereg.evaluate import evaluate_finished
 from moestack.prereg.evaluate import render as render_evaluate
+from moestack.prereg.fields import (
+    CACHE_STATS,
+    COMPARISONS,
+    CORRECTIONS,
+    DECISIONS,
+    OPS,
+    REQUIRES,
+    RESERVED_KEYS,
+    SCALAR_METRICS,
+)
 from moestack.prereg.hashing import Fingerprint, config_files, fingerprint
 from moestack.prereg.jobs import run_jobs
 from moestack.prereg.kept import (
@@ -82,6 +92,7 @@ from moestack.prereg.kept import (
 )
 from moestack.prereg.kept import render as render_kept
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
+from moestack.prereg.parts import Analysis, Budget, Hypothesis, Power, Runs
 from moestack.prereg.power import load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
 from moestack.prereg.provenance import (
@@ -109,25 +120,7 @@ from moestack.prereg.runner import (
 )
 from moestack.prereg.signals import Terminated, sigterm_as_interrupt
 from moestack.prereg.sources import check_run_code, check_study_code, code_at_commit, this_code
-from moestack.prereg.spec import (
-    CACHE_STATS,
-    COMPARISONS,
-    CORRECTIONS,
-    DECISIONS,
-    OPS,
-    REQUIRES,
-    RESERVED_KEYS,
-    SCALAR_METRICS,
-    Analysis,
-    Budget,
-    Hypothesis,
-    Power,
-    Prereg,
-    Runs,
-    RunSpec,
-    load,
-    parse,
-)
+from moestack.prereg.spec import Prereg, RunSpec, load, parse
 from moestack.prereg.stats import half_width, holm, mean_ci, t_quantile, t_sf
 from moestack.prereg.status import render as render_status
 from moestack.prereg.status import status

@@ -18,12 +18,14 @@ from typing import Any
 from moestack.errors import MoestackError
 from moestack.interop.hf_model import HFModelConfig
 from moestack.prereg import decision as rules
+from moestack.prereg.fields import CACHE_STATS, STEERED_STATS
 from moestack.prereg.locking import verify
+from moestack.prereg.parts import Analysis
 from moestack.prereg.provenance import check_identities, check_identity, check_run, is_kept
 from moestack.prereg.records import is_sealed, write_sealed
 from moestack.prereg.runner import is_finished, plan
 from moestack.prereg.sources import EVALUATED_BY, check_run_code, this_code
-from moestack.prereg.spec import CACHE_STATS, STEERED_STATS, Analysis, Prereg, load
+from moestack.prereg.spec import Prereg, load
 from moestack.prereg.stats import (
     compare,
     gap_form,

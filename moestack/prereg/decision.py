@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.spec import ONE_SIDED, Hypothesis, Prereg, is_quality_metric
+from moestack.prereg.fields import ONE_SIDED, is_quality_metric
+from moestack.prereg.parts import Hypothesis
+from moestack.prereg.spec import Prereg
 from moestack.prereg.stats import bound, holm
 
 __all__ = ["ONE_SIDED", "check_rules", "decide", "is_budget", "rule", "state", "verdict"]

@@ -22,9 +22,10 @@ from moestack.prereg import hashing
 from moestack.prereg.compose import check_overrides
 from moestack.prereg.decision import check_rules
 from moestack.prereg.hashing import fingerprint, sha256_file
+from moestack.prereg.plain import check_plain
 from moestack.prereg.provenance import find_run
 from moestack.prereg.records import write_json
-from moestack.prereg.spec import Prereg, check_plain, load
+from moestack.prereg.spec import Prereg, load
 from moestack.provenance import run_git
 
 log = logging.getLogger(__name__)

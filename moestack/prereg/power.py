@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.prereg.spec import Hypothesis, Prereg, is_quality_metric, load
+from moestack.prereg.fields import is_quality_metric
+from moestack.prereg.parts import Hypothesis
+from moestack.prereg.spec import Prereg, load
 from moestack.prereg.stats import compare, gap_form, half_width, sample_sd, t_quantile
 
 DEFAULT_HALF_WIDTH = 0.005  # 0.5 pp of relative change: half the 1% perplexity budget

@@ -26,10 +26,11 @@ from moestack.prereg.analysis import recheck as recheck_runs
 from moestack.prereg.decision import ONE_SIDED, rule
 from moestack.prereg.evaluate import checked_study, evaluate_in_parallel
 from moestack.prereg.hashing import changed_files, code_files
+from moestack.prereg.plain import is_control
 from moestack.prereg.runner import is_finished
 from moestack.prereg.sources import render_lines as render_code_lines
 from moestack.prereg.sources import with_evaluations
-from moestack.prereg.spec import Prereg, is_control
+from moestack.prereg.spec import Prereg
 from moestack.prereg.stats import t_quantile
 
 log = logging.getLogger(__name__)
