@@ -38,33 +38,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
-import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from moestack import MoE, MoEConfig, RouterConfig
-
-CPU_SHAPES = [  # name, experts, top_k, d_model, d_ff, tokens
-    ("cpu-E8", 8, 2, 512, 1024, 2048),
-    ("cpu-E64", 64, 8, 512, 256, 2048),
-    ("cpu-E128", 128, 8, 512, 128, 2048),
-]
-GPU_SHAPES = [
-    ("mixtral-8k", 8, 2, 4096, 14336, 8192),
-    ("mixtral-16k", 8, 2, 4096, 14336, 16384),
-    ("qwen3_30b-8k", 128, 8, 2048, 768, 8192),
-    ("qwen3_30b-16k", 128, 8, 2048, 768, 16384),
-    ("olmoe-8k", 64, 8, 2048, 1024, 8192),
-    ("olmoe-16k", 64, 8, 2048, 1024, 16384),
-]
+from moestack import MoE, MoEConfig, RouterConfig, bench
 
 
 @dataclass
@@ -96,22 +77,6 @@ def useful_flops(tokens: int, top_k: int, d_model: int, d_ff: int, backward: boo
     return forward * (3 if backward else 1)
 
 
-def time_fn(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``fn``."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=warmup * 10, rep=repeats * 50, return_mode="median"))
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def qwen3_block(
     num_experts: int, top_k: int, d_model: int, d_ff: int, impl: str
 ) -> torch.nn.Module:
@@ -130,89 +95,65 @@ def qwen3_block(
     return block
 
 
-def fwd_only(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        with torch.no_grad():
-            module(x)
-
-    return run
-
-
-def fwd_bwd(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    def run() -> None:
-        x.grad = None
-        for p in module.parameters():
-            p.grad = None
-        module(x).backward(grad)
-
-    return run
-
-
-def bench_shape(
-    name, num_experts, top_k, d_model, d_ff, tokens, device, dtype, args
-) -> list[Result]:
-    torch.manual_seed(0)
+def moe_contenders(
+    num_experts: int, top_k: int, d_model: int, d_ff: int, device: torch.device, dtype
+) -> tuple[MoE, dict[str, torch.nn.Module]]:
+    """moestack's layer and its contenders on the same weights: on the CPU transformers'
+    Qwen3-MoE block (eager and grouped_mm experts, when installed); on a GPU the Triton
+    layer, the loop over experts and megablocks (when installed), all sharing ours' weights."""
     ours_cfg = MoEConfig(num_experts=num_experts, top_k=top_k, d_ff=d_ff, impl="torch")
     router_cfg = RouterConfig(load_balance=0.0, z_loss=0.0)
     contenders: dict[str, torch.nn.Module] = {}
     with torch.device(device):  # initialised where it runs (Mixtral's experts are 1.4G params)
         ours = MoE(d_model, ours_cfg, router_cfg).to(dtype)
-    if device.type == "cpu":
-        from moestack.interop.hf import moe_from_hf
-
-        for impl in ("eager", "grouped_mm"):
-            try:
-                block = qwen3_block(num_experts, top_k, d_model, d_ff, impl).to(device, dtype)
-            except ImportError:
-                continue
-            with torch.no_grad():
-                for p in block.parameters():
-                    p.normal_(0, 0.02)
-            if contenders:  # every block on the first one's weights (the check compares them)
-                block.load_state_dict(next(iter(contenders.values())).state_dict())
-            contenders[f"transformers-{impl}"] = block
-        if contenders:  # same weights in ours
-            ours = moe_from_hf(next(iter(contenders.values())), impl="torch")
-        contenders = {"moestack-torch": ours, **contenders}
-    else:  # every contender shares ours' weights: one copy in memory, identical inputs
-        contenders["moestack-triton"] = _sharing_weights(ours, "triton")
+    if device.type != "cpu":  # one copy of the weights in memory, identical inputs
+        contenders["moestack-triton"] = bench.sharing_weights(ours, "triton")
         contenders["moestack-torch"] = ours
         contenders["loop"] = _LoopMoE(ours)
-        try:
+        with contextlib.suppress(ImportError):
             import megablocks  # noqa: F401
 
-            contenders["megablocks"] = _sharing_weights(ours, "megablocks")
-        except ImportError:
-            pass
+            contenders["megablocks"] = bench.sharing_weights(ours, "megablocks")
+        return ours, contenders
+    from moestack.interop.hf import moe_from_hf
 
+    for impl in ("eager", "grouped_mm"):
+        try:
+            block = qwen3_block(num_experts, top_k, d_model, d_ff, impl).to(device, dtype)
+        except ImportError:
+            continue
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.02)
+        if contenders:  # every block on the first one's weights (the check compares them)
+            block.load_state_dict(next(iter(contenders.values())).state_dict())
+        contenders[f"transformers-{impl}"] = block
+    if contenders:  # same weights in ours
+        ours = moe_from_hf(next(iter(contenders.values())), impl="torch")
+    return ours, {"moestack-torch": ours, **contenders}
+
+
+def bench_shape(
+    name, num_experts, top_k, d_model, d_ff, tokens, device, dtype, args
+) -> list[Result]:
+    """Every contender at one shape: checked against the torch path first, then timed."""
+    torch.manual_seed(0)
+    ours, contenders = moe_contenders(num_experts, top_k, d_model, d_ff, device, dtype)
     # [1, T, D]: transformers' blocks want a batch dimension; moestack's MoE takes any.
     x = torch.randn(1, tokens, d_model, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(1, tokens, d_model, device=device, dtype=dtype)
     checks = check_outputs(name, contenders, ours, x, grad)
     flops = useful_flops(tokens, top_k, d_model, d_ff)
+    fwd_flops = useful_flops(tokens, top_k, d_model, d_ff, backward=False)
     results = []
     for contender, module in contenders.items():
         if contender not in checks:  # it failed to run at all
             continue
-        _fresh_memory(device, module, x)
         try:
-            step = fwd_bwd(module, x, grad)
-            ms = time_fn(step, device, args.warmup, args.repeats)
-            peak = 0
-            if device.type == "cuda":  # one more step, alone: do_bench's buffers are gone
-                # Peak above what every contender holds alike (the shared weights, x):
-                # gradients, activations kept for backward, workspaces.
-                base = _fresh_memory(device, module, x)
-                step()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base
-            fwd_ms = time_fn(fwd_only(module, x), device, args.warmup, args.repeats)
+            ms, peak, fwd_ms = time_contender(module, x, grad, args)
         except Exception as err:  # one contender failing must not hide the others
             print(f"{name} {contender}: failed: {type(err).__name__}: {err}", flush=True)
             continue
-        finally:
-            _fresh_memory(device, module, x)
-        fwd_flops = useful_flops(tokens, top_k, d_model, d_ff, backward=False)
         row = Result(name, contender, ms, flops / ms / 1e9, peak / 2**20)
         row.fwd_ms, row.fwd_tflops = fwd_ms, fwd_flops / fwd_ms / 1e9
         row.check_err, row.check_ok = checks[contender]
@@ -221,6 +162,29 @@ def bench_shape(
     for r in results:
         r.ratio = results[0].ms / r.ms
     return results
+
+
+def time_contender(
+    module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, args: argparse.Namespace
+) -> tuple[float, int, float]:
+    """(forward+backward ms, peak bytes of one step on CUDA (else 0), forward ms)."""
+    device = x.device
+    _fresh_memory(device, module, x)
+    try:
+        step = bench.fwd_bwd(module, x, grad)
+        ms = bench.median_ms(step, device, args.warmup, args.repeats)
+        peak = 0
+        if device.type == "cuda":  # one more step, alone: do_bench's buffers are gone
+            # Peak above what every contender holds alike (the shared weights, x):
+            # gradients, activations kept for backward, workspaces.
+            base = _fresh_memory(device, module, x)
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+        fwd_ms = bench.median_ms(bench.fwd_only(module, x), device, args.warmup, args.repeats)
+    finally:
+        _fresh_memory(device, module, x)
+    return ms, peak, fwd_ms
 
 
 def run_once(
@@ -300,15 +264,6 @@ def _fresh_memory(device: torch.device, module: torch.nn.Module, x: torch.Tensor
     return torch.cuda.memory_allocated()
 
 
-def _sharing_weights(ours: MoE, impl: str) -> MoE:
-    """The same layer (the very same parameters and router) run through another impl."""
-    cfg = MoEConfig(ours.cfg.num_experts, ours.cfg.top_k, ours.cfg.d_ff, impl)
-    with torch.device("meta"):  # no second copy of the weights is ever allocated
-        layer = MoE(ours.d_model, cfg, ours.router_cfg)
-    layer.router, layer.w1, layer.w2 = ours.router, ours.w1, ours.w2
-    return layer
-
-
 class _LoopMoE(torch.nn.Module):
     """The same layer with a plain loop over experts (the textbook baseline)."""
 
@@ -333,14 +288,6 @@ class _LoopMoE(torch.nn.Module):
         return y.reshape(x.shape)
 
 
-def dense_matmul_tflops(device: torch.device, dtype: torch.dtype, args) -> float:
-    n = 8192 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = time_fn(lambda: a @ b, device, args.warmup, args.repeats)
-    return 2 * n**3 / ms / 1e9
-
-
 def _paired(results: list[Result]) -> list[tuple[str, Result, Result]]:
     """(shape, the Triton layer's result, the torch path's) for every shape that has both."""
     by = {(r.shape, r.contender): r for r in results}
@@ -352,31 +299,24 @@ def _paired(results: list[Result]) -> list[tuple[str, Result, Result]]:
     return pairs
 
 
+def _target(what: str, value: float, met: bool) -> dict:
+    return {"what": what, "value": value, "met": met}
+
+
 def issue3_targets(results: list[Result]) -> list[dict]:
     """Each target of issue 3 at each shape: the measured value and whether it is met."""
     out = []
     for shape, ours, torch_path in _paired(results):
         speedup = torch_path.ms / ours.ms
         need = 1.0 if shape.startswith("mixtral") else 1.2
-        out.append(
-            {
-                "what": f"{shape} fwd+bwd speed-up over torch (>= {need})",
-                "value": speedup,
-                "met": speedup >= need,
-            }
-        )
+        out.append(_target(f"{shape} fwd+bwd speed-up over torch (>= {need})", speedup,
+                           speedup >= need))  # fmt: skip
         memory = ours.peak_mib / torch_path.peak_mib
-        out.append(
-            {"what": f"{shape} peak memory / torch's (<= 1)", "value": memory, "met": memory <= 1}
-        )
+        out.append(_target(f"{shape} peak memory / torch's (<= 1)", memory, memory <= 1))
         if shape.startswith("mixtral"):
-            out.append(
-                {
-                    "what": f"{shape} forward, fraction of dense bf16 (>= 0.6)",
-                    "value": ours.fwd_dense_fraction,
-                    "met": ours.fwd_dense_fraction >= 0.6,
-                }
-            )
+            fraction = ours.fwd_dense_fraction
+            out.append(_target(f"{shape} forward, fraction of dense bf16 (>= 0.6)", fraction,
+                               fraction >= 0.6))  # fmt: skip
     return out
 
 
@@ -394,30 +334,15 @@ def issue30_targets(results: list[Result]) -> list[dict]:
         need = ISSUE30_SPEEDUP.get(shape.rsplit("-", 1)[0])
         if need is not None:
             speedup = torch_path.ms / ours.ms
-            out.append(
-                {
-                    "what": f"{shape} forward+backward >= {need:.1f}x torch._grouped_mm",
-                    "value": speedup,
-                    "met": speedup >= need,
-                }
-            )
+            out.append(_target(f"{shape} forward+backward >= {need:.1f}x torch._grouped_mm",
+                               speedup, speedup >= need))  # fmt: skip
         if shape in ISSUE30_TFLOPS:
             rate = ISSUE30_TFLOPS[shape]
-            out.append(
-                {
-                    "what": f"{shape} forward+backward >= {rate:.0f} TFLOP/s",
-                    "value": ours.tflops,
-                    "met": ours.tflops >= rate,
-                }
-            )
+            out.append(_target(f"{shape} forward+backward >= {rate:.0f} TFLOP/s", ours.tflops,
+                               ours.tflops >= rate))  # fmt: skip
         memory = ours.peak_mib / torch_path.peak_mib if torch_path.peak_mib else float("inf")
-        out.append(
-            {
-                "what": f"{shape} peak memory at or below torch's (triton / torch <= 1)",
-                "value": memory,
-                "met": memory <= 1,
-            }
-        )
+        out.append(_target(f"{shape} peak memory at or below torch's (triton / torch <= 1)",
+                           memory, memory <= 1))  # fmt: skip
     return out
 
 
@@ -483,16 +408,12 @@ def tuning_report() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = bench.parser(__doc__, device=device, warmup=2, repeats=5, threads=0, json="")
     parser.add_argument(
         "--dtype", default="", help="float32 or bfloat16 (default: fp32 CPU, bf16 GPU)"
     )
     parser.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
-    parser.add_argument("--json", default="", help="write the results here (after each shape)")
     parser.add_argument(
         "--save-tuned",
         default="",
@@ -524,17 +445,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    shapes = bench.MOE_GPU_SHAPES if device.type == "cuda" else bench.MOE_CPU_SHAPES
     if args.shapes:
         wanted = set(args.shapes.split(","))
         shapes = [s for s in shapes if s[0] in wanted]
 
-    dense = dense_matmul_tflops(device, dtype, args)
-    machine = (
-        torch.cuda.get_device_name()
-        if device.type == "cuda"
-        else platform.processor() or platform.machine()
-    )
+    dense = bench.dense_matmul_tflops(device, dtype, args.warmup, args.repeats)
+    machine = bench.machine(device)
     print(f"device: {machine}, dense {dtype} matmul: {dense:.2f} TFLOP/s", flush=True)
     results: list[Result] = []
     if retuned:
@@ -603,19 +520,17 @@ def check_failures(results: list[Result], shapes: list[str], device: torch.devic
 def print_table(results: list[Result]) -> None:
     """One row per shape and contender; "check" is the largest error against the torch path
     ("FAILED" past the tolerance)."""
-    header = (
-        f"{'shape':<14} {'contender':<24} {'ms':>9} {'TFLOP/s':>8} {'x first':>8} "
-        f"{'of dense':>8} {'peak MiB':>9} {'fwd ms':>8} {'fwd dense':>9} {'check':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        check = f"{r.check_err:.1e}" if r.check_ok else "FAILED"
-        print(
-            f"{r.shape:<14} {r.contender:<24} {r.ms:>9.2f} {r.tflops:>8.3f} {r.ratio:>8.2f} "
-            f"{r.dense_fraction:>8.1%} {r.peak_mib:>9.0f} {r.fwd_ms:>8.2f} "
-            f"{r.fwd_dense_fraction:>9.1%} {check:>9}"
-        )
+    header = ("shape", "contender", "ms", "TFLOP/s", "x first", "of dense", "peak MiB",
+              "fwd ms", "fwd dense", "check")  # fmt: skip
+    rows = [
+        (r.shape, r.contender, f"{r.ms:.2f}", f"{r.tflops:.3f}", f"{r.ratio:.2f}",
+         f"{r.dense_fraction:.1%}", f"{r.peak_mib:.0f}", f"{r.fwd_ms:.2f}",
+         f"{r.fwd_dense_fraction:.1%}", f"{r.check_err:.1e}" if r.check_ok else "FAILED")
+        for r in results
+    ]  # fmt: skip
+    text = bench.table(header, rows, "<14 <24 >9 >8 >8 >8 >9 >8 >9 >9")
+    head, *body = text.splitlines()
+    print("\n".join([head, "-" * len(head), *body]))
 
 
 def _tuned_keys() -> set[str]:
@@ -627,13 +542,11 @@ def _tuned_keys() -> set[str]:
 def save_checked(path: Path, rows: list[Result], before: set[str]) -> None:
     """Merge the configs autotuned so far into the table at ``path``, leaving out those first
     tuned at this shape unless its triton output ran and passed the check."""
-    from tune_kernels import save  # scripts/ is on sys.path when run as a script
-
     passed = any(r.contender == "moestack-triton" and r.check_ok for r in rows)
     skip = set() if passed else _tuned_keys() - before
     if skip:
         print(f"not saving {len(skip)} tuned configs of a shape whose output check failed")
-    save(path, skip=skip)
+    bench.save_tuned(path, skip=skip)
 
 
 def write_json(
@@ -663,9 +576,7 @@ def write_json(
         "retuned_sources": retune_sources or [],
         "tuning": tuning_report() if cuda else "",
     }
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(path)
+    bench.write_json(path, payload)
 
 
 if __name__ == "__main__":

@@ -36,20 +36,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_moe  # noqa: E402  (the shapes, the dense rate, the layer set-up)
-
-from moestack import MoE, MoEConfig, RouterConfig  # noqa: E402
-from moestack.kernels import _launch, tuning  # noqa: E402
+from moestack import MoE, MoEConfig, RouterConfig, bench
+from moestack.kernels import _launch, tuning
 
 TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, tokens
 
@@ -162,15 +157,8 @@ def install(timer: LaunchTimer) -> None:
 
 
 def step_ms(step: Callable[[], None], device: torch.device, steps: int) -> float:
-    """Mean milliseconds of ``step`` over ``steps`` calls (after the caller's warm-up)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / steps
+    """Milliseconds per step of ``steps`` steps run back to back (synchronised around)."""
+    return 1e3 * bench.seconds(lambda: [step() for _ in range(steps)], device) / steps
 
 
 def profile_shape(
@@ -189,11 +177,11 @@ def profile_shape(
     cfg = MoEConfig(num_experts=E, top_k=k, d_ff=F, impl="torch")
     with torch.device(device):
         torch_moe = MoE(D, cfg, RouterConfig(load_balance=0.0, z_loss=0.0)).to(dtype)
-    triton_moe = bench_moe._sharing_weights(torch_moe, "triton")
+    triton_moe = bench.sharing_weights(torch_moe, "triton")
     x = torch.randn(1, T, D, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(1, T, D, device=device, dtype=dtype)
-    triton_step = bench_moe.fwd_bwd(triton_moe, x, grad)
-    torch_step = bench_moe.fwd_bwd(torch_moe, x, grad)
+    triton_step = bench.fwd_bwd(triton_moe, x, grad)
+    torch_step = bench.fwd_bwd(torch_moe, x, grad)
     if warmup:
         for step in (triton_step, torch_step, triton_step):  # compile, tune, warm the allocator
             step()
@@ -207,35 +195,30 @@ def profile_shape(
     finally:
         timer.active = False
     timer.collect()
-    rows, R = [], T * k
-    for role, total in sorted(timer.ms.items(), key=lambda kv: -kv[1]):
-        ms = total / steps
-        flops = gemm_flops(role, R, D, F)
-        tflops = flops / ms / 1e9 if flops and ms > 0 else 0.0
-        rows.append(
-            {
-                "role": role,
-                "ms": ms,
-                "tflops": tflops,
-                "dense_fraction": tflops / dense_tflops if dense_tflops else 0.0,
-            }
-        )
-    launched = sum(r["ms"] for r in rows)
-    rows.append(
-        {
-            "role": "other",
-            "ms": max(triton_total - launched, 0.0),
-            "tflops": 0.0,
-            "dense_fraction": 0.0,
-        }
-    )
     return {
         "shape": name,
         "triton_ms": triton_total,
         "torch_ms": torch_ms,
         "speedup_over_torch": torch_ms / triton_total,
-        "rows": rows,
+        "rows": launch_rows(timer, steps, T * k, D, F, dense_tflops, triton_total),
     }
+
+
+def launch_rows(
+    timer: LaunchTimer, steps: int, R: int, D: int, F: int, dense_tflops: float, total: float
+) -> list[dict]:
+    """One row per launch role, slowest first (ms per step, useful TFLOP/s, its fraction of
+    the dense rate), then "other": the rest of the step's ``total`` ms."""
+    rows = []
+    for role, summed in sorted(timer.ms.items(), key=lambda kv: -kv[1]):
+        ms = summed / steps
+        flops = gemm_flops(role, R, D, F)
+        tflops = flops / ms / 1e9 if flops and ms > 0 else 0.0
+        dense = tflops / dense_tflops if dense_tflops else 0.0
+        rows.append({"role": role, "ms": ms, "tflops": tflops, "dense_fraction": dense})
+    launched = sum(r["ms"] for r in rows)
+    other = max(total - launched, 0.0)
+    return [*rows, {"role": "other", "ms": other, "tflops": 0.0, "dense_fraction": 0.0}]
 
 
 def print_profile(p: dict) -> None:
@@ -252,12 +235,10 @@ def print_profile(p: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = bench.parser(__doc__, device=device, steps=5, json="")
     parser.add_argument("--shapes", default="", help="comma-separated bench_moe shape names")
     parser.add_argument("--tiny", action="store_true", help="one tiny fp32 shape (CPU tests)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
-    parser.add_argument("--json", default="", help="write the profiles here (after each shape)")
     parser.add_argument(
         "--no-warmup",
         action="store_true",
@@ -327,14 +308,14 @@ def main(argv: list[str] | None = None) -> None:
     if device.type != "cuda" and not (args.tiny and _launch.interpreted()):
         sys.exit("profile_moe.py: without a GPU only --tiny runs, under TRITON_INTERPRET=1")
     dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else torch.float32
-    shapes = [TINY_SHAPE] if args.tiny else bench_moe.GPU_SHAPES
+    shapes = [TINY_SHAPE] if args.tiny else bench.MOE_GPU_SHAPES
     if args.shapes:
         wanted = args.shapes.split(",")
         unknown = sorted(set(wanted) - {s[0] for s in shapes})
         if unknown:
             parser.error(f"--shapes: unknown {unknown}; choose from {[s[0] for s in shapes]}")
         shapes = [s for s in shapes if s[0] in wanted]
-    dense = bench_moe.dense_matmul_tflops(device, dtype, argparse.Namespace(warmup=2, repeats=5))
+    dense = bench.dense_matmul_tflops(device, dtype)
     machine = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     print(f"device: {machine}, {dtype}, dense matmul {dense:.2f} TFLOP/s")
     timer = LaunchTimer(device)
@@ -361,9 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print_profile(profiles[-1])
             if args.json:
-                tmp = Path(args.json).with_suffix(".tmp")
-                tmp.write_text(json.dumps({**header, "profiles": profiles}, indent=2))
-                tmp.replace(args.json)
+                bench.write_json(args.json, {**header, "profiles": profiles})
 
 
 if __name__ == "__main__":

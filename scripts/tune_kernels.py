@@ -23,13 +23,14 @@ the nearest one, so tune at the token counts you train with (``--tokens 8192 163
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from moestack import bench
 
 # name: (num_experts, top_k, d_model, d_ff) -- the shapes of scripts/bench_moe.py
 SHAPES = {
@@ -119,60 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     *(E, k, D, F, tokens, dtype),
                 )
                 tune(E, k, D, F, tokens, dtype)
-                save(args.out)
+                bench.save_tuned(args.out)
     return 0
-
-
-def save(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
-    """Merge the configs this process measured (never those it read from a table or took as
-    untimed defaults), less the keys in ``skip``, into the table at ``out`` (atomically: temp
-    file, rename); return how many. Each entry written is ``"source": "measured"`` with this
-    run's provenance (GPU, date, torch, triton), and ``measured[gpu]`` stamps the latest run
-    that measured any; with nothing measured the file is left as it is. A table of a format
-    this moestack still reads keeps its other entries with their sources (an older one's
-    entries read as ``tuning.parse_table`` reads them: seeds, or measured where its
-    ``sources`` record says so) and is rewritten in the current format; one of an older key
-    format is replaced."""
-    from moestack.kernels import tuning
-
-    gpu = torch.cuda.get_device_name()
-    found = {k: v for k, v in tuning.export_cache().get(gpu, {}).items() if k not in skip}
-    if not found:
-        log.info("nothing measured for %s to save: %s left as it is", gpu, out)
-        return 0
-    table = json.loads(out.read_text()) if out.is_file() else {}
-    if table.get("format", tuning.TABLE_FORMAT) not in tuning.READABLE_FORMATS:
-        log.warning(
-            "replacing %s: key format %s, not %s", out, table["format"], tuning.TABLE_FORMAT
-        )
-        table = {}
-    gpus = {
-        name: {key: tuning.entry_json(entry) for key, entry in entries.items()}
-        for name, entries in tuning.parse_table(table, str(out)).items()
-    }
-    gpus.setdefault(gpu, {}).update(found)
-    table.pop("sources", None)  # format 3's provenance, now in each entry
-    table["format"] = tuning.TABLE_FORMAT
-    table["gpus"] = {name: dict(sorted(entries.items())) for name, entries in gpus.items()}
-    table.setdefault("measured", {})[gpu] = tuning.run_provenance(gpu)
-    table["note"] = (
-        "Tile configs keyed by torch.cuda.get_device_name(); each entry says where it came "
-        'from: "source": "measured" by scripts/tune_kernels.py or scripts/bench_moe.py '
-        '--save-tuned, with its "provenance" (GPU, date, torch, triton), or "seed" (never '
-        "timed at its key); measured[gpu] is the latest run that measured any. GPUs or "
-        "shapes not listed autotune on first use."
-    )
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(table, indent=2) + "\n")
-    tmp.replace(out)
-    persistent = sum(1 for entry in found.values() if entry.get("persistent"))
-    fused = sum(1 for entry in found.values() if entry.get("fused"))
-    torch_dw = sum(1 for entry in found.values() if entry.get("backend") == "torch")
-    log.info(
-        "wrote %d measured configs (%d persistent, %d fused, %d torch dW) for %s to %s",
-        *(len(found), persistent, fused, torch_dw, gpu, out),
-    )
-    return len(found)
 
 
 if __name__ == "__main__":

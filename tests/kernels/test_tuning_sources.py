@@ -6,11 +6,9 @@ fake timer and tables written by hand."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
-from helpers.paths import SCRIPTS
 
 from moestack.kernels import tuning
 
@@ -174,12 +172,11 @@ def test_cache_config_records_agree(fake_gpu):
 
 
 @pytest.fixture
-def tune_kernels(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPTS))
-    import tune_kernels
+def tune_kernels():
+    """The tuned-table save that scripts/tune_kernels.py and bench_moe.py --save-tuned use."""
+    from moestack import bench
 
-    yield tune_kernels
-    sys.modules.pop("tune_kernels", None)
+    return bench
 
 
 def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, tmp_path):
@@ -204,12 +201,12 @@ def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, t
     choose("mm", KEY_MM, fake_gpu)
     choose("wgrad", KEY_WGRAD, fake_gpu)
     before = out.read_text()
-    assert tune_kernels.save(out) == 0
+    assert tune_kernels.save_tuned(out) == 0
     assert out.read_text() == before  # nothing measured: untouched, old stamp kept
 
     with tuning.retune(["mm"]):
         got = choose("mm", KEY_MM, fake_gpu)
-    assert tune_kernels.save(out) == 1
+    assert tune_kernels.save_tuned(out) == 1
     table = json.loads(out.read_text())
     stamp = tuning.run_provenance(GPU)
     assert stamp["gpu"] == GPU and stamp["torch"] == torch.__version__
@@ -252,7 +249,7 @@ def test_export_round_trips_each_entrys_source(fake_gpu, tune_kernels, tmp_path,
 
     out = tmp_path / "saved.json"
     out.write_text(path.read_text())
-    assert tune_kernels.save(out) == 1
+    assert tune_kernels.save_tuned(out) == 1
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(out))
     tuning.clear_cache()
     back = {key: tuning.lookup_entry(GPU, key) for key in (KEY_MM, KEY_WGRAD, other)}

@@ -11,6 +11,7 @@ import torch
 from helpers.scripts import script_module
 
 from moestack import MoE, MoEConfig, RouterConfig
+from moestack import bench as moestack_bench
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def layers(bench, impls):
     ours = MoE(32, MoEConfig(num_experts=4, top_k=2, d_ff=16, impl="torch"), RouterConfig())
     return ours, {
         "moestack-torch" if impl == "torch" else f"moestack-{impl}": (
-            ours if impl == "torch" else bench._sharing_weights(ours, impl)
+            ours if impl == "torch" else moestack_bench.sharing_weights(ours, impl)
         )
         for impl in impls
     }
