@@ -1,9 +1,9 @@
-"""Device choice, mixed precision, validation and greedy generation: what training,
-``moestack eval``, the pre-registered analysis and offloaded evaluation share."""
+"""Validation, greedy generation and the finite-weights check: what training, ``moestack
+eval``, the pre-registered analysis and offloaded evaluation share (the device and its
+autocast: ``moestack.device``)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+# resolve_device: trainer, provenance and prereg.analysis import it from here until they
+# import it from moestack.device
+from moestack.device import autocast_context, resolve_device  # noqa: F401
 from moestack.errors import MoestackError
 
 if TYPE_CHECKING:
@@ -22,22 +25,6 @@ log = logging.getLogger(__name__)
 NONFINITE_LISTED = 5  # tensors named in a non-finite refusal; the rest are counted
 FINITE_CHUNK = 1 << 24  # elements checked for NaN/inf at a time
 ALLOW_NONFINITE = "--allow-nonfinite"  # the option of `eval` and `export` that skips the check
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``name`` ("auto", "cpu", "cuda") as a device; "auto" is CUDA when there is one."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MoestackError("device=cuda but no CUDA device is available; use device=cpu")
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
-
-
-def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; full precision (no autocast) on the CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def perplexity(loss: float) -> float:

@@ -10,26 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 from moestack import atomic
+from moestack.wandb_run import check_wandb_mode, start_wandb
 
 log = logging.getLogger(__name__)
-
-# the wandb modes a run may name: "" = $WANDB_MODE, else offline; "disabled" turns wandb off
-WANDB_MODES = ("", "online", "offline", "disabled")
-
-
-def check_wandb_mode(mode: str) -> None:
-    """Refuse a wandb mode wandb has no use for: a typo must not train with wandb off."""
-    if mode not in WANDB_MODES:
-        raise ValueError(
-            f"wandb_mode={mode!r} is unknown; use online, offline, disabled or '' "
-            "($WANDB_MODE, else offline)"
-        )
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:
@@ -99,34 +86,7 @@ class MetricsWriter:
         if resume_step is not None:
             truncate_after(self.path, resume_step)
         self.file = self.path.open("a")
-        mode = wandb_mode or os.environ.get("WANDB_MODE", "offline")
-        project = wandb_project or os.environ.get("WANDB_PROJECT") or "moestack"
-        if mode != "disabled":
-            self.wandb_run = self._start_wandb(run_dir, project, mode, wandb_config or {})
-
-    @staticmethod
-    def _start_wandb(run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> Any:
-        try:
-            import wandb
-
-            run_id_file = run_dir / "wandb_id.txt"
-            run_id = (
-                run_id_file.read_text().strip() if run_id_file.exists() else secrets.token_hex(4)
-            )
-            atomic.write_text(run_id_file, run_id)
-            return wandb.init(
-                project=project,
-                dir=str(run_dir),
-                mode=mode,
-                id=run_id,
-                resume="allow",
-                config=config,
-                name=os.environ.get("WANDB_NAME") or run_dir.name,  # sweeps name their jobs
-                settings=wandb.Settings(console="off", silent=True),
-            )
-        except Exception as err:  # no wandb, bad settings, no network in online mode
-            log.warning("wandb disabled: %s", err)
-            return None
+        self.wandb_run = start_wandb(run_dir, wandb_project, wandb_mode, wandb_config or {})
 
     def log(
         self, step: int, metrics: dict[str, Any], extra_wandb: dict[str, Any] | None = None
