@@ -43,6 +43,7 @@ def cmd_eval(args: argparse.Namespace) -> dict:
     before its model is read, the model (and its weights' checks) before any text, and of
     the corpus only the validation split is read and tokenised."""
     from moestack.data import eval_batches
+    from moestack.device import resolve_device
     from moestack.eval_corpus import validation_tokens
     from moestack.evaluation import (
         check_finite_loss,
@@ -50,7 +51,6 @@ def cmd_eval(args: argparse.Namespace) -> dict:
         evaluate,
         greedy_generate,
         model_tensors,
-        resolve_device,
     )
     from moestack.runs import load_run
 
@@ -239,10 +239,10 @@ def _text_codec(model_cfg: Any) -> Codec:
     models, the folder's tokenizer for transformers models. The decoded text is valid
     Unicode (no lone surrogates), so it prints as text; a prompt that encodes to no token
     is refused."""
-    if isinstance(model_cfg, HFModelConfig):
+    if model_cfg.pretrained_path:
         from moestack.interop.hf_tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(model_cfg.path)
+        tokenizer = load_tokenizer(model_cfg.pretrained_path)
 
         def tokens(text: str) -> list[int]:
             valid = _prompt_bytes(text).decode("utf-8", "replace")
@@ -294,7 +294,7 @@ def cmd_export(args: argparse.Namespace) -> dict:
 
     _refuse_streamed_export(args.run_dir)
     run = load_run(args.run_dir, args.checkpoint)
-    if not isinstance(run.cfg.model, HFModelConfig):
+    if not run.cfg.model.is_transformers:
         raise MoestackError(
             f"{args.run_dir} trained moestack's own model; export writes runs of transformers "
             "models (model=hf model.path=DIR) back to the transformers format"

@@ -12,7 +12,6 @@ from moestack.errors import MoestackError
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from moestack.config import HFModelConfig
     from moestack.memory_plan import gpu_fit, plan_memory
     from moestack.overrides import check_overrides
     from moestack.prereg.compose import compose_config
@@ -28,13 +27,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     check_overrides(args.overrides, sweep=False)  # the rule moestack-train applies
     cfg = compose_config(args.overrides).resolve()  # a folder's sizes from its config.json
     plan = plan_memory(cfg, ranks=args.ranks, device=device)
-    m = cfg.model
-    model = f"{m.n_layers}x{m.d_model}"
-    if isinstance(m, HFModelConfig):
-        model = f"hf {m.path} ({model}, {m.moe.num_experts} experts, top-{m.moe.top_k})"
     print(
-        f"memory plan: model={model} optim={cfg.optim.name} trainable={cfg.trainable} "
-        f"checkpointing={m.checkpointing} ranks={plan.ranks} device={plan.device}"
+        f"memory plan: model={cfg.model.describe()} optim={cfg.optim.name} "
+        f"trainable={cfg.trainable} checkpointing={cfg.model.checkpointing} "
+        f"ranks={plan.ranks} device={plan.device}"
     )
     print(plan.format())
     if args.gpu_gb is not None:

@@ -4,9 +4,11 @@ Each part of the stack defines its config beside the class it configures, and th
 builds its part: ``MoEConfig`` (moestack.moe), ``RouterConfig`` (moestack.router),
 ``ModelConfig`` (moestack.model, moestack's own model), ``HFModelConfig``
 (moestack.interop.hf_model, a transformers model folder), ``CacheConfig``
-(moestack.cache.expert_cache). This module re-exports them, holds the sections of the
-optimizer, data, telemetry and parallelism, and assembles everything into ``TrainConfig``,
-which checks the values that depend on more than one section. Every field
+(moestack.cache.expert_cache), ``LoRAConfig`` (moestack.lora), ``OptimConfig``
+(moestack.optim.config), ``DataConfig`` (moestack.data), ``TelemetryConfig``
+(moestack.telemetry.config) and ``ParallelConfig`` (moestack.parallel.config). This module
+re-exports them and assembles them into ``TrainConfig``, which nests them and checks the
+values that depend on more than one section. Every field
 has a default (the tiny CPU model and the default training run); a bad value raises
 ``ValueError`` naming the field and the fix when the config is built, so it fails at
 start-up, not deep inside a training step. Nothing here reads a file or builds a model; a
@@ -23,17 +25,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moestack.cache.expert_cache import CacheConfig
-from moestack.cache.policies import check_policy, default_capacities, default_capacity
+from moestack.cache.policies import default_capacities, default_capacity
 from moestack.checks import check as _check
 from moestack.checks import coerce as _coerce
+from moestack.data import DATA_SOURCES, DataConfig
 from moestack.errors import MoestackError
 from moestack.interop.hf_model import HF_PATH_REQUIRED, HFModelConfig
 from moestack.lora import LoRAConfig
-from moestack.metrics import check_wandb_mode
 from moestack.model import CHECKPOINTING, TRAINABLE, ModelConfig
 from moestack.moe import MOE_IMPLS, MoEConfig
-from moestack.populations import MASTER, POPULATIONS, PopulationConfig, population_field
+from moestack.optim.config import OPTIMIZERS, OptimConfig
+from moestack.parallel.config import ParallelConfig
 from moestack.router import ROUTER_SCORES, RouterConfig
+from moestack.telemetry.config import TelemetryConfig
+from moestack.wandb_run import check_wandb_mode
 
 __all__ = [
     "CHECKPOINTING",
@@ -57,9 +62,6 @@ __all__ = [
     "register_configs",
     "to_yaml",
 ]
-
-OPTIMIZERS = ("adamw", "offload_adamw", "tiered")
-DATA_SOURCES = ("stdlib", "files", "hf")
 
 
 @dataclass
@@ -115,193 +117,6 @@ def choose_model(value: Any) -> ModelChoice:
     if isinstance(value, HFModelConfig) or type(value) is ModelConfig:
         return value
     return _coerce(value, ModelSchema).choose()
-
-
-@dataclass
-class OptimConfig:
-    """Optimizer, learning-rate schedule and gradient clipping."""
-
-    # "adamw" (torch.optim.AdamW), "offload_adamw" (host state, sharded) or "tiered" (state
-    # sized per parameter population: the fields from clip_update on; docs/optim.md)
-    name: str = "adamw"
-    lr: float = 3e-3  # peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)  # Adam moment decay rates
-    eps: float = 1e-8  # Adam epsilon
-    weight_decay: float = 0.1  # decoupled weight decay on matrices (not norms or biases)
-    warmup_steps: int = 30  # linear warm-up from 0 to lr
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    grad_clip: float = 1.0  # clip gradients to this global norm (0 = off)
-    offload: str = "cpu"  # offload_adamw: where state lives ("cpu")
-    shard: bool = True  # offload_adamw: shard state over data-parallel ranks (ZeRO-1)
-    overlap: bool = True  # offload_adamw: overlap host copies with compute
-    skip_idle_experts: bool = False  # offload_adamw: skip experts that got no tokens
-    moment_dtype: str = "float32"  # offload_adamw: "float32" or "bfloat16" host moments
-    # offload_adamw: the one-pass host step: "auto" (the native C++ kernel, else
-    # torch.compile, else the reference), "native", "compile" or "off" (the reference path)
-    fused_step: str = "auto"
-    # offload_adamw: 1 runs the host update of step t while step t+1 computes (whose forward
-    # and backward see the weights before it: one step stale; docs/optim.md), 0 is exact
-    update_delay: int = 0
-    delay_warmup: int = 1  # offload_adamw with update_delay: the first steps that run exact
-    # offload_adamw: step bucket by bucket as gradients land, weights back per bucket, the
-    # next forward waiting per layer (docs/optim.md): "auto" (on a GPU, one process, exact
-    # updates), true (also on the CPU) or false (one serial step)
-    pipeline: Any = "auto"
-    bucket_mb: float = 32.0  # offload_adamw with the pipeline: megabytes of gradients a bucket
-    # offload_adamw, sharded over several ranks: reduce-scatter the gradients and all-gather
-    # the new weights on the devices (NCCL), each rank copying only its shard to the host:
-    # "auto" (on GPUs), true (also CPU parameters over gloo) or false (collectives on the host)
-    reduce_on_device: Any = "auto"
-    # dtype of the model's weights and gradients on the device: "auto" is bfloat16 for
-    # offload_adamw and tiered on CUDA (the fp32 master copy, if any, lives elsewhere), and for
-    # tiered with master=none on every device; float32 otherwise.
-    param_dtype: str = "auto"
-    # tiered: the RMS threshold of each matrix's update (each expert's on its own; 0 = off)
-    clip_update: float = 1.0
-    # tiered: "float32" keeps an fp32 master copy of bf16 weights; "none" keeps bf16 precision
-    # only, each fp32 update stochastically rounded (bf16 weights; or, with
-    # param_dtype=float32, on the bf16 grid in fp32 storage, for a CPU)
-    master: str = "none"
-    # tiered: the state of each parameter population (momentum, second_moment, weight_decay)
-    experts: PopulationConfig = population_field("experts")
-    routers: PopulationConfig = population_field("routers")
-    embeddings: PopulationConfig = population_field("embeddings")
-    backbone: PopulationConfig = population_field("backbone")
-    adapters: PopulationConfig = population_field("adapters")
-
-    def __post_init__(self) -> None:
-        self._check_tiered()
-        _check(
-            self.name in OPTIMIZERS, f"optim.name={self.name!r} is unknown; use one of {OPTIMIZERS}"
-        )
-        _check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        betas = tuple(self.betas)
-        _check(
-            len(betas) == 2 and all(0 <= b < 1 for b in betas),
-            f"optim.betas={list(betas)} must be two numbers in [0, 1)",
-        )
-        self.betas = (float(betas[0]), float(betas[1]))
-        _check(self.eps > 0, f"optim.eps={self.eps} must be > 0")
-        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
-        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps} must be >= 0")
-        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} not in [0,1]")
-        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 = off)")
-        _check(
-            self.fused_step in ("auto", "native", "compile", "off"),
-            f"optim.fused_step={self.fused_step!r}; use 'auto', 'native', 'compile' or 'off'",
-        )
-        _check(
-            self.moment_dtype in ("float32", "bfloat16"),
-            f"optim.moment_dtype={self.moment_dtype!r}; use 'float32' or 'bfloat16'",
-        )
-        _check(
-            self.param_dtype in ("auto", "float32", "bfloat16"),
-            f"optim.param_dtype={self.param_dtype!r}; use 'auto', 'float32' or 'bfloat16'",
-        )
-        _check(
-            self.update_delay in (0, 1),
-            f"optim.update_delay={self.update_delay}; use 0 (exact) or 1 (one step delayed)",
-        )
-        _check(
-            self.update_delay == 0 or self.name == "offload_adamw",
-            f"optim.update_delay={self.update_delay} delays the host update of "
-            f"optim=offload_adamw; optim={self.name} has none (use optim=offload_adamw)",
-        )
-        _check(self.delay_warmup >= 0, f"optim.delay_warmup={self.delay_warmup} must be >= 0")
-        _check(
-            isinstance(self.pipeline, bool) or self.pipeline == "auto",
-            f"optim.pipeline={self.pipeline!r}; use auto, true or false",
-        )
-        _check(self.bucket_mb > 0, f"optim.bucket_mb={self.bucket_mb} must be > 0")
-        _check(
-            isinstance(self.reduce_on_device, bool) or self.reduce_on_device == "auto",
-            f"optim.reduce_on_device={self.reduce_on_device!r}; use auto, true or false",
-        )
-
-    def policy(self, population: str) -> PopulationConfig:
-        """The state policy of ``population`` (optim=tiered)."""
-        return getattr(self, population)
-
-    def _check_tiered(self) -> None:
-        for population in POPULATIONS:
-            setattr(self, population, _coerce(getattr(self, population), PopulationConfig))
-            self.policy(population).check(population)
-        _check(
-            self.master in MASTER, f"optim.master={self.master!r} is unknown; use one of {MASTER}"
-        )
-        _check(
-            self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)"
-        )
-
-
-@dataclass
-class DataConfig:
-    """Where training text comes from and how it is cut into sequences."""
-
-    source: str = "stdlib"  # "stdlib" (Python's own library), "files" (paths), "hf" (a hub dataset)
-    paths: list[str] = field(default_factory=list)  # source=files: .txt/.py/.md, .jsonl, .parquet
-    text_field: str = "text"  # jsonl/parquet/hf: the column holding the text
-    hf_name: str = ""  # source=hf: dataset name, e.g. "roneneldan/TinyStories" (needs network)
-    hf_split: str = "train"  # source=hf: split to read
-    val_fraction: float = 0.05  # share of documents (by hash of their name) held out
-    seq_len: int = 256  # tokens per training sequence
-    # cap on the corpus in whole documents (0 = all of it): each split takes documents until
-    # it holds its share (validation val_fraction of it), its last document kept whole
-    max_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        _check(
-            self.source in DATA_SOURCES,
-            f"data.source={self.source!r} is unknown; use one of {DATA_SOURCES}",
-        )
-        _check(
-            self.source != "files" or len(self.paths) > 0,
-            "data.source=files needs data.paths=[...] (text, jsonl or parquet files or folders)",
-        )
-        _check(
-            self.source != "hf" or bool(self.hf_name),
-            "data.source=hf needs data.hf_name=<dataset>",
-        )
-        _check(0 < self.val_fraction < 1, f"data.val_fraction={self.val_fraction} not in (0, 1)")
-        _check(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")
-        _check(self.max_bytes >= 0, f"data.max_bytes={self.max_bytes} must be >= 0")
-
-
-@dataclass
-class TelemetryConfig:
-    """Routing telemetry during training: which cache policies and sizes to replay."""
-
-    enabled: bool = True  # attach telemetry to the model during training
-    policies: list[str] = field(default_factory=lambda: ["lru", "static"])  # replayed policies
-    capacities: list[int] = field(default_factory=list)  # cache sizes, experts/layer ([] = k, 2k)
-    trace_dir: str = ""  # stream the routing trace here ("" = <run dir>/trace)
-
-    def __post_init__(self) -> None:
-        for policy in self.policies:
-            check_policy(policy, "telemetry.policies")
-        for capacity in self.capacities:
-            _check(capacity >= 1, f"telemetry.capacities has {capacity}; each must be >= 1")
-
-
-@dataclass
-class ParallelConfig:
-    """How the ranks of a torchrun job share the work (docs/parallel.md)."""
-
-    # expert-parallel degree: each group of ep ranks splits every MoE layer's experts
-    # (num_experts / ep whole experts per rank) and moves tokens to them by all-to-all; the
-    # world is world_size / ep data-parallel groups of ep ranks (1 = data parallel only)
-    ep: int = 1
-    # with ep > 1, host allocations of this many KiB and more get mappings of their own,
-    # returned to the OS when freed (glibc's heap keeps freed blocks: 0.25 GB a process at
-    # ep=4 in BENCHMARKS.md); 0 keeps glibc's behaviour (moestack.host_allocator)
-    host_mmap_threshold_kb: int = 128
-
-    def __post_init__(self) -> None:
-        _check(
-            0 <= self.host_mmap_threshold_kb <= 32768,
-            f"parallel.host_mmap_threshold_kb={self.host_mmap_threshold_kb}: use 0 (glibc's "
-            "default) to 32768 (glibc's largest, 32 MiB)",
-        )
 
 
 # offload_experts: where a run's frozen experts live (moestack.cache.streaming)
@@ -379,7 +194,7 @@ class TrainConfig:
             "megablocks has no low-rank term: use moe.impl=auto",
         )
         _check(
-            not (self.compile and isinstance(self.model, HFModelConfig)),
+            not (self.compile and self.model.is_transformers),
             "compile=true compiles moestack's own model blocks, not a transformers model "
             "(model.path); use compile=false",
         )
@@ -495,7 +310,7 @@ def _check_expert_parallel(ep: int, model: ModelChoice) -> None:
     _check(ep >= 1, f"parallel.ep={ep} must be >= 1 (1 = no expert parallelism)")
     experts = model.moe.num_experts
     _check(
-        isinstance(model, HFModelConfig) or experts % ep == 0,
+        model.is_transformers or experts % ep == 0,
         f"parallel.ep={ep} does not divide model.moe.num_experts={experts}: every rank "
         "holds the same number of whole experts; choose an ep that divides it",
     )

@@ -34,6 +34,9 @@ one) whose content is binary (a 0 byte in the first 8 KiB, or most of it not UTF
 skipped with a warning when found in a folder and refused when named in ``data.paths``: a
 ``.txt`` name does not make a file text.
 
+``DataConfig`` (the ``data`` section of a run's config) sits here beside the corpus it
+describes, and builds it (``DataConfig.build``).
+
 With a model's own tokenizer (``Tokenizer``: transformers models) each split is its token
 ids instead, the separator the model's EOS; a tokenizer with a ``digest`` has them cached on
 disk, keyed by the documents, the split and the tokenizer (``moestack.interop.token_cache``),
@@ -53,13 +56,13 @@ import math
 import os
 import sysconfig
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from moestack.config import DataConfig
+from moestack.checks import check
 from moestack.errors import MoestackError
 from moestack.metrics import human_count
 
@@ -70,6 +73,55 @@ TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".c", ".h", ".json", ".csv", ".ht
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 CHUNK_BYTES = 64 * 1024  # largest chunk when documents must be cut to fill both splits
 BINARY_PROBE = 8192  # bytes of a text file inspected for binary content
+DATA_SOURCES = ("stdlib", "files", "hf")  # data.source
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is cut into sequences."""
+
+    source: str = "stdlib"  # "stdlib" (Python's own library), "files" (paths), "hf" (a hub dataset)
+    paths: list[str] = field(default_factory=list)  # source=files: .txt/.py/.md, .jsonl, .parquet
+    text_field: str = "text"  # jsonl/parquet/hf: the column holding the text
+    hf_name: str = ""  # source=hf: dataset name, e.g. "roneneldan/TinyStories" (needs network)
+    hf_split: str = "train"  # source=hf: split to read
+    val_fraction: float = 0.05  # share of documents (by hash of their name) held out
+    seq_len: int = 256  # tokens per training sequence
+    # cap on the corpus in whole documents (0 = all of it): each split takes documents until
+    # it holds its share (validation val_fraction of it), its last document kept whole
+    max_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        check(
+            self.source in DATA_SOURCES,
+            f"data.source={self.source!r} is unknown; use one of {DATA_SOURCES}",
+        )
+        check(
+            self.source != "files" or len(self.paths) > 0,
+            "data.source=files needs data.paths=[...] (text, jsonl or parquet files or folders)",
+        )
+        check(
+            self.source != "hf" or bool(self.hf_name),
+            "data.source=hf needs data.hf_name=<dataset>",
+        )
+        check(0 < self.val_fraction < 1, f"data.val_fraction={self.val_fraction} not in (0, 1)")
+        check(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")
+        check(self.max_bytes >= 0, f"data.max_bytes={self.max_bytes} must be >= 0")
+
+    def build(self, tokenizer: Tokenizer | None = None) -> Corpus:
+        """The corpus this section describes, both splits packed (``load_corpus``): bytes,
+        or ``tokenizer``'s ids (a model's own, ``ModelConfig.tokenizer``)."""
+        return load_corpus(self, tokenizer)
+
+    def documents(self) -> tuple[Iterator[tuple[str, bytes]], str]:
+        """The configured documents, ``(name, bytes)`` in reading order, and the corpus's
+        name: the one reading rule of ``load_corpus`` and the validation split alone
+        (``moestack.eval_corpus``)."""
+        if self.source == "stdlib":
+            return stdlib_documents(), f"stdlib:{stdlib_root()}"
+        if self.source == "files":
+            return _file_documents(list(self.paths), self.text_field), ",".join(self.paths)
+        return _hf_documents(self), f"hf:{self.hf_name}"
 
 
 @dataclass
@@ -386,12 +438,7 @@ def split_size(tokens: int, tokenized: bool) -> str:
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """Read the configured documents and pack each split into one token array: bytes by
     default, or ``tokenizer``'s ids with its separator between documents."""
-    if cfg.source == "stdlib":
-        documents, name = stdlib_documents(), f"stdlib:{stdlib_root()}"
-    elif cfg.source == "files":
-        documents, name = _file_documents(list(cfg.paths), cfg.text_field), ",".join(cfg.paths)
-    else:
-        documents, name = _hf_documents(cfg), f"hf:{cfg.hf_name}"
+    documents, name = cfg.documents()
     packer, pending = _split_documents(documents, cfg)
     chunked = not packer.both_filled()
     if chunked:

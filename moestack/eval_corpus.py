@@ -3,7 +3,7 @@
 ``moestack.data.load_corpus`` packs both splits; tokenising the training split with a
 transformers tokenizer is most of its time (the standard library's 95%: about 77 of 105 s
 on two cores, the first time), and evaluation never reads it. ``validation_tokens`` reads
-the same documents, splits them by the same rule (``data._split_documents``, and the chunked
+the same documents (``DataConfig.documents``), splits them by the same rule (``data._split_documents``, and the chunked
 fallback when a split would be empty) and packs only the validation split, through the same
 token cache (``data._pack``): its ids are exactly ``load_corpus(...).val``.
 """
@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from moestack import data
-from moestack.config import HFModelConfig, TrainConfig
+from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,8 @@ def validation_tokens(cfg: TrainConfig) -> np.ndarray:
     moestack's models, the folder's tokenizer for ``model.path``), equal to
     ``runs.run_corpus(cfg).val`` without tokenising the training split. ``cfg`` is resolved
     (``TrainConfig.resolve``)."""
-    tokenizer = None
-    if isinstance(cfg.model, HFModelConfig):
-        from moestack.interop.hf_tokenizer import hf_tokenizer
-
-        tokenizer = hf_tokenizer(cfg.model.path, cfg.model.doc_separator)
-    elif cfg.model.vocab_size < 256:
-        raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
-    documents, name = _documents(cfg)
+    tokenizer = cfg.model.tokenizer()
+    documents, name = cfg.data.documents()
     packer, pending = data._split_documents(documents, cfg.data)
     chunked = not packer.both_filled()
     if chunked:  # load_corpus's fallback: split chunks of the documents
@@ -52,14 +46,3 @@ def validation_tokens(cfg: TrainConfig) -> np.ndarray:
     log.info("corpus %s: val %d %s / %d tokens (the training split left untokenised)",
              name, len(parts), "chunks" if chunked else "docs", len(val))  # fmt: skip
     return val
-
-
-def _documents(cfg: TrainConfig) -> tuple[object, str]:
-    """The configured documents (an iterator of (name, bytes)) and the corpus's name, as
-    ``load_corpus`` reads them."""
-    d = cfg.data
-    if d.source == "stdlib":
-        return data.stdlib_documents(), f"stdlib:{data.stdlib_root()}"
-    if d.source == "files":
-        return data._file_documents(list(d.paths), d.text_field), ",".join(d.paths)
-    return data._hf_documents(d), f"hf:{d.hf_name}"

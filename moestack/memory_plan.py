@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from moestack.config import HFModelConfig, TrainConfig
+from moestack.config import TrainConfig
 from moestack.errors import MoestackError
 from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
@@ -89,8 +89,7 @@ def plan_memory(
     ("cpu" or "cuda"; default: the run's, ``auto`` being cuda when one is present).
     ``model``: the run's model as built (trainable parameters set, this rank's experts under
     ``parallel.ep``), read for its shapes only; without it one is built on the meta device."""
-    hf = isinstance(cfg.model, HFModelConfig)
-    if hf and not cfg.model.resolved:  # its sizes from config.json (plain JSON, no weights)
+    if not cfg.model.resolved:  # a folder's sizes from config.json (plain JSON, no weights)
         cfg = cfg.resolve()
     if ranks < 1:
         raise MoestackError(f"--ranks {ranks} must be >= 1")
@@ -109,10 +108,7 @@ def plan_memory(
     _streamed_lines(plan, cfg, model, pdtype, ranks)
     _optimizer_lines(plan, cfg, model, pdtype, experts)
     _activation_lines(plan, cfg)
-    if hf:
-        from moestack.memory_plan_hf import HF_NOTES
-
-        plan.notes.extend(HF_NOTES)
+    plan.notes.extend(cfg.model.plan_notes)
     if cfg.trainable != "all":
         plan.notes.append(
             f"trainable={cfg.trainable}: weights and their optimizer state as trained; the "
@@ -161,16 +157,9 @@ def _optimizer_lines(
 def _meta_model(cfg: TrainConfig, ranks: int) -> torch.nn.Module:
     """The run's model on the meta device (nothing allocated): trainable as ``cfg`` says and,
     under ``parallel.ep``, cut to one rank's experts as the run cuts them. A transformers
-    folder's model is built from its config.json alone (``memory_plan_hf``)."""
-    if isinstance(cfg.model, HFModelConfig):
-        from moestack.memory_plan_hf import meta_hf_model
-
-        model = meta_hf_model(cfg.model)  # buffers real; adapters follow the meta weights
-        add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
-    else:
-        with torch.device("meta"):
-            model = cfg.model.build()
-            add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
+    folder's model is built from its config.json alone (``HFModelConfig.build_for_plan``)."""
+    model = cfg.model.build_for_plan()
+    add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)  # meta, as the weights are
     model.set_trainable(cfg.trainable)
     if cfg.parallel.ep > 1:  # rank 0's place in the mesh; no process group is needed
         mesh = ExpertParallelMesh(ranks, cfg.parallel.ep, 0, 0, None, None)
@@ -511,7 +500,7 @@ def gpu_fit(plan: MemoryPlan, gpu_gb: float, cfg: TrainConfig) -> str:
         )
     fixes = ["optim=offload_adamw"] if cfg.optim.name == "adamw" else []
     fixes += ["trainable=lora or routers"] if cfg.trainable == "all" else []
-    if not isinstance(cfg.model, HFModelConfig) and cfg.model.checkpointing != "block":
+    if not cfg.model.is_transformers and cfg.model.checkpointing != "block":
         fixes.append("model.checkpointing=block")
     fixes.append(f"a batch_size below {cfg.batch_size} or a data.seq_len below {cfg.data.seq_len}")
     return (

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moestack import seeding
 from moestack.checks import check, coerce
+from moestack.errors import MoestackError
+from moestack.meta_load import parameters_on_meta
 from moestack.moe import MoE, MoEConfig, checkpoint_kwargs
 from moestack.router import RouterConfig
 
@@ -114,6 +116,49 @@ class ModelConfig:
                 "moestack.runs.load_run(RUN, experts=False)"
             )
         return MoETransformer(self, seed=seed, experts_on_meta=experts_on_meta)
+
+    # What a caller asks of the model's config instead of its type; HFModelConfig answers
+    # the same (moestack.interop.hf_model).
+    is_transformers = False  # a transformers model folder (HFModelConfig), not this model
+    pretrained_path = ""  # the folder its weights and tokenizer come from: none, bytes
+    plan_notes = ()  # what the memory plan says of its figures: nothing more
+
+    def describe(self) -> str:
+        """The model in a few words, for a report's header: ``LAYERSxWIDTH``."""
+        return f"{self.n_layers}x{self.d_model}"
+
+    def tokenizer(self) -> None:
+        """None: moestack's model reads bytes as tokens (its vocabulary must hold them)."""
+        if self.vocab_size < 256:
+            raise MoestackError(f"model.vocab_size={self.vocab_size} is below 256 byte tokens")
+
+    @property
+    def store_shape(self) -> ModelConfig:
+        """The config an expert store of its experts is checked against (``ExpertStore``)."""
+        return self
+
+    def build_for_run(
+        self, *, seed: int, experts_on_meta: bool, from_checkpoint: bool
+    ) -> MoETransformer:
+        """The training run's model: drawn from ``seed`` (``experts_on_meta``: the routed
+        experts left for ``fill_experts``), also when a checkpoint then fills it."""
+        return self.build(seed=seed, experts_on_meta=experts_on_meta)
+
+    def fill_experts(self, model: MoETransformer, seed: int, *, resumed: bool) -> None:
+        """This rank's experts of a model built with ``experts_on_meta``, drawn as the whole
+        model's would be (a resumed run's checkpoint then overwrites them)."""
+        model.init_experts(seed)
+
+    def build_for_checkpoint(self) -> MoETransformer:
+        """The model with every parameter on the meta device (buffers real), for a
+        checkpoint to fill (``moestack.runs.load_run``)."""
+        with parameters_on_meta():
+            return self.build()
+
+    def build_for_plan(self) -> MoETransformer:
+        """The model on the meta device, nothing allocated: its shapes for the memory plan."""
+        with torch.device("meta"):
+            return self.build()
 
 
 @dataclass

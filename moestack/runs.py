@@ -30,14 +30,12 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moestack import atomic, checkpoint, distributed, locks, lora
-from moestack.config import DataConfig, TrainConfig, to_yaml
-from moestack.data import Corpus, load_corpus
+from moestack.config import DataConfig, HFModelConfig, TrainConfig, to_yaml
+from moestack.data import Corpus
+from moestack.device import resolve_device
 from moestack.errors import MoestackError
-from moestack.evaluation import resolve_device
 from moestack.interop.hf_config import check_model_dir
-from moestack.interop.hf_model import HFModelConfig
 from moestack.locks import LOCK_FILE
-from moestack.meta_load import parameters_on_meta
 from moestack.metrics import jsonable
 from moestack.model import RoutedLM
 from moestack.run_paths import (  # noqa: F401  (moestack.trainer's, from here)
@@ -111,14 +109,7 @@ def run_corpus(cfg: TrainConfig) -> Corpus:
     """The run's corpus as its model reads text: bytes for moestack's models, the
     transformers model's own tokenizer (EOS between documents) for ``model.path``. ``cfg``
     is resolved (``TrainConfig.resolve``): the separator is the folder's EOS."""
-    tokenizer = None
-    if isinstance(cfg.model, HFModelConfig):
-        from moestack.interop.hf_tokenizer import hf_tokenizer
-
-        tokenizer = hf_tokenizer(cfg.model.path, cfg.model.doc_separator)
-    elif cfg.model.vocab_size < 256:
-        raise MoestackError(f"model.vocab_size={cfg.model.vocab_size} is below 256 byte tokens")
-    return load_corpus(cfg.data, tokenizer)
+    return cfg.data.build(cfg.model.tokenizer())
 
 
 def load_run_config(run_dir: Path | str) -> TrainConfig:
@@ -291,11 +282,7 @@ def load_run(
         lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights(ckpt, model, cfg.model)
     else:
-        if isinstance(cfg.model, HFModelConfig):  # on meta, each tensor read once below
-            model = cfg.model.build(experts=False, weights=False)
-        else:
-            with parameters_on_meta():
-                model = cfg.model.build()
+        model = cfg.model.build_for_checkpoint()  # on meta, each tensor read once below
         lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
         meta = checkpoint.load_model_weights_without_experts(ckpt, model, cfg.model)
     if streamed:
@@ -318,8 +305,7 @@ def _experts_from_store(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path)
             f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
             f"{path}, which is gone; its checkpoints hold no experts: put the store back"
         )
-    shape = None if isinstance(cfg.model, HFModelConfig) else cfg.model  # checked against it
-    restore_experts(model, ExpertStore(path, shape, verify_loads=True), "cpu")
+    restore_experts(model, ExpertStore(path, cfg.model.store_shape, verify_loads=True), "cpu")
 
 
 def prepare_out_dir(
@@ -374,8 +360,8 @@ def start_out_dir(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistIn
     if not cfg.resume:
         if (out_dir / "metrics.jsonl").exists():
             (out_dir / "wandb_id.txt").unlink(missing_ok=True)
-        if isinstance(cfg.model, HFModelConfig):
-            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.path)))
+        if cfg.model.is_transformers:
+            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.pretrained_path)))
     write_run_config(cfg, out_dir, dist_info)
 
 
@@ -408,7 +394,7 @@ def _changed_source_files(cfg: TrainConfig, out_dir: Path, fix: str) -> list[str
     for moestack's own model or a run started before the record (a warning says so). A
     record that cannot be read is one MoestackError line ending in ``fix``."""
     recorded = out_dir / SOURCE_FILE
-    if not isinstance(cfg.model, HFModelConfig):
+    if not cfg.model.is_transformers:
         return []
     if not recorded.is_file():
         log.warning("%s has no %s (started before it was recorded): the source folder %s is "

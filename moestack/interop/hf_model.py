@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +35,29 @@ from moestack.checks import check, coerce
 from moestack.errors import MoestackError
 from moestack.interop.hf import family_router_config, moe_from_hf
 from moestack.interop.hf_config import model_config_kwargs, read_hf_config, transformers_refusal
-from moestack.interop.hf_experts import check_weights
+from moestack.interop.hf_experts import check_weights, fill_expert_rows
 from moestack.interop.hf_without_experts import from_pretrained_without_experts
 from moestack.model import ModelOutput, RoutedLM, check_checkpointing
 from moestack.moe import MoE, MoEConfig
 from moestack.router import RouterConfig
+
+if TYPE_CHECKING:
+    from moestack.data import Tokenizer
 
 log = logging.getLogger(__name__)
 
 # configs/model/hf.yaml's model.path until the user sets it (OmegaConf's ??? would not
 # override the dataclass default in a merge, so it could not mark the field as required).
 HF_PATH_REQUIRED = "<model.path=DIR is required>"
+
+# what the memory plan says of a transformers model's figures (its notes)
+HF_NOTES = (
+    "model.path: weights, gradients and optimizer state are those of the model transformers "
+    "builds from config.json (no weight file read), in the run's dtype",
+    "model.path: the activation line is moestack's block formula at the folder's sizes "
+    "(D, F, k, E, H, V), an estimate: transformers' attention (grouped KV heads, head_dim) "
+    "and any dense MLP layer keep other amounts",
+)
 
 
 @dataclass
@@ -114,6 +126,67 @@ class HFModelConfig:
         if weights:
             model.reset_anchors()
         return model
+
+    # What a caller asks of the model's config instead of its type (ModelConfig's answers
+    # are moestack's own model's).
+    is_transformers = True  # a transformers model folder
+    plan_notes = HF_NOTES  # what the memory plan says of its figures
+
+    @property
+    def pretrained_path(self) -> str:
+        """The folder its weights and tokenizer come from (``path``)."""
+        return self.path
+
+    def describe(self) -> str:
+        """The model in a few words, for a report's header: the folder and its sizes."""
+        size = f"{self.n_layers}x{self.d_model}"
+        return f"hf {self.path} ({size}, {self.moe.num_experts} experts, top-{self.moe.top_k})"
+
+    def tokenizer(self) -> Tokenizer:
+        """The folder's own tokenizer, the EOS token between documents (resolved config)."""
+        from moestack.interop.hf_tokenizer import hf_tokenizer
+
+        return hf_tokenizer(self.path, self.doc_separator)
+
+    @property
+    def store_shape(self) -> None:
+        """None: an expert store of a folder's experts is not checked against this config
+        (its ``n_layers`` counts every decoder layer, dense ones too)."""
+        return None
+
+    def build_for_run(
+        self, *, seed: int, experts_on_meta: bool, from_checkpoint: bool
+    ) -> HFMoEModel:
+        """The training run's model: read from the folder (``experts_on_meta``: the routed
+        experts left for ``fill_experts``), or nothing read (``from_checkpoint``: every
+        weight comes from the run's checkpoint). ``seed``: nothing is drawn."""
+        if from_checkpoint:
+            return self.build_for_checkpoint()
+        return self.build(experts=not experts_on_meta)
+
+    def fill_experts(self, model: HFMoEModel, seed: int, *, resumed: bool) -> None:
+        """This rank's experts of a model built with ``experts_on_meta``, read from the
+        folder (their rows alone); nothing for a ``resumed`` run, whose checkpoint holds
+        them."""
+        if not resumed:
+            fill_expert_rows(model, self.path)
+
+    def build_for_checkpoint(self) -> HFMoEModel:
+        """The model with every parameter on the meta device, no weight read, for a
+        checkpoint to fill (``moestack.runs.load_run``)."""
+        return self.build(experts=False, weights=False)
+
+    def build_for_plan(self) -> HFMoEModel:
+        """The model as ``build`` makes it for training (fp32, moestack MoE layers running
+        ``moe.impl``, the router's losses), every parameter on the meta device, from
+        config.json alone (no weight file, nor tokenizer file, is opened: a folder holding
+        only config.json is planned, as accelerate's estimate-memory does from a config).
+        Buffers (rotary tables, router counters) are real and small."""
+        info = read_hf_config(self.path)
+        hf = from_pretrained_without_experts(Path(info["path"]), torch.float32, read=False)
+        patched = patch_sparse_blocks(hf, impl=self.moe.impl, router=self.router)
+        router = family_router_config(info["router"]["renormalize"], self.router)
+        return HFMoEModel(hf, hf_model_config(info, self.moe.impl, router), info, patched)
 
 
 def document_ids(tokens_BS: torch.Tensor, separator: int) -> torch.Tensor | None:
