@@ -1,4 +1,6 @@
-"""Triton kernels of moestack: grouped GEMM and fused MoE experts, plus torch references.
+"""The kernels of moestack, one op a file: Triton grouped GEMM and fused MoE experts (gemm,
+moe), the torch grouped matmul's custom ops (grouped_mm), the host optimizer steps in C++
+(host_adamw; built by host_build from the .cpp beside them), torch references.
 
 Importing this package never needs triton; the kernels import it at their first call and
 raise a clear ImportError where it is missing. Under ``TRITON_INTERPRET=1`` (set before the
@@ -32,7 +34,14 @@ if __name__ != "moestack.kernels":
 else:
     from . import reference
     from .gemm import grouped_gemm
+    from .grouped_mm import grouped_mm_torch
     from .megablocks_adapter import moe_experts_megablocks
     from .moe import moe_experts
 
-    __all__ = ["grouped_gemm", "moe_experts", "moe_experts_megablocks", "reference"]
+    __all__ = [
+        "grouped_gemm",
+        "grouped_mm_torch",
+        "moe_experts",
+        "moe_experts_megablocks",
+        "reference",
+    ]

@@ -611,9 +611,9 @@ def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict
     writes cost: equal bytes need not take equal time when one variant writes more.
     Each round runs every thread count and variant once (median of ``reps`` calls); each
     keeps its best round."""
-    from moestack.optim import native
+    from moestack.kernels import host_adamw
 
-    kernel = native.load()
+    kernel = host_adamw.load()
     numel = int(n)
     gen = torch.Generator().manual_seed(0)
     best: dict[tuple[int, str], float] = {}
@@ -635,11 +635,11 @@ def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict
         out = None if o_dt is None else torch.empty(numel, dtype=o_dt)
         if o_dt == torch.int16:  # a split master: out holds the weights, x the remainders
             out = torch.empty(numel, dtype=torch.bfloat16)
-            x = fused.split_master(x, out)
-        coef = fused.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
+            x = host_adamw.split_master(x, out)
+        coef = host_adamw.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
                                    "weight_decay": 0.01, "eps": 1e-8}, 10)  # fmt: skip
         alive.append((x, g, m, v, out))
-        prepared = kernel.prepare([native.Seg(x, g, m, v, out, coef)])
+        prepared = kernel.prepare([host_adamw.Seg(x, g, m, v, out, coef)])
         calls[name] = lambda p=prepared, c=coef: kernel.run(p, [c])
     for _ in range(rounds):
         for nt in threads:

@@ -5,23 +5,13 @@ it packs the gradients into an fp32 buffer, runs torch's fused AdamW on the mast
 copies (narrowing) the master back into the parameters. The fused step reads each gradient
 element once, as it arrived (fp32 or bf16), updates master weight and both moments (fp32 or
 bf16) and writes the narrowed weight in the same pass, with the gradient-clipping factor
-applied on the way in (so clipping costs a read for the norm, not a write).
-
-Arithmetic (every backend does exactly these fp32 operations, in this order, no fused
-multiply-add; so the backends agree bitwise, and the master and moments follow
-``torch.optim.AdamW`` to rounding)::
-
-    g  = grad * scale
-    m  = m + (1 - beta1) * (g - m)                 # exp_avg.lerp_(g, 1 - beta1)
-    v  = v * beta2 + (1 - beta2) * g * g
-    x  = x * (1 - lr * wd) + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-    out = x narrowed to the parameter's dtype      # bitwise x.to(torch.bfloat16)
+applied on the way in (so clipping costs a read for the norm, not a write). The arithmetic,
+and the kernels that do it, are :mod:`moestack.kernels.host_adamw`.
 
 Backends, chosen once per process at the first step (``fused_step`` of OffloadAdamW):
-``"native"`` (a small C++ kernel built at first use, :mod:`moestack.optim.native`),
-``"compile"`` (torch.compile's CPU code generation over each contiguous slice) and ``"auto"``
-(native, else compile). When none can be built the optimizer falls back to the reference
-path, saying so in one logged line.
+``"native"`` (the C++ kernel, built at first use), ``"compile"`` (torch.compile's CPU code
+generation over each contiguous slice) and ``"auto"`` (native, else compile). When none can
+be built the optimizer falls back to the reference path, saying so in one logged line.
 
 Where the gradients come from and the weights go (the *mode*, fixed at construction):
 ``direct`` (one process, CPU parameters) reads ``p.grad`` and writes ``p.data`` themselves,
@@ -35,178 +25,35 @@ through the gather as in the reference path.
 from __future__ import annotations
 
 import logging
-import math
-import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from moestack.optim import native
-from moestack.optim.native import Seg
+from moestack.kernels import host_adamw, host_build
+from moestack.kernels.host_adamw import (  # noqa: F401 (join_master, split_master: split_master.py's, until it imports them from kernels)
+    ALL_COMBOS,
+    KERNEL_DTYPES,
+    SPLIT_COMBOS,
+    Combo,
+    CompiledKernel,
+    Kernel,
+    Seg,
+    coefficients,
+    join_master,
+    self_check,
+    split_master,
+)
 from moestack.optim.plan import ParamSpec
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "native", "compile", "off")
 DIRECT, STAGED, MASTER = "direct", "staged", "master"
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ORDER = {"auto": ("native", "compile"), "native": ("native",), "compile": ("compile",)}
-_MIN_COMPILED = 16  # slices shorter than this run the eager formula (no 0/1 specialisation)
 _COMPILE_HINT = 1 << 18  # elements of the slice each dtype combination is first compiled for
 _PREPARED_KEPT = 16  # prepared pointer arrays kept per optimizer (one per param group in use)
-
-Kernel = Callable[[Sequence[Seg]], None]
-Combo = tuple[torch.dtype, torch.dtype, torch.dtype | None]  # (grad, moments, out or None)
-
-
-# ------------------------------------------------------------------------ the arithmetic
-
-
-def _update(
-    x: Tensor, g: Tensor, m: Tensor, v: Tensor, h: Tensor, sqrt: Callable[[Tensor], Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The new (x, m, v) in fp32; ``h`` holds :func:`coefficients` as a float32 tensor."""
-    g32 = g.float() * h[7]
-    m0, v0 = m.float(), v.float()
-    m1 = m0 + h[1] * (g32 - m0)
-    v1 = v0 * h[2] + h[3] * g32 * g32
-    x1 = x * h[0] + h[6] * m1 / (sqrt(v1) / h[4] + h[5])
-    return x1, m1, v1
-
-
-def _ieee_sqrt(t: Tensor) -> Tensor:
-    """The correctly rounded fp32 square root (what ``vsqrtps`` and inductor's code give).
-
-    torch's eager CPU ``sqrt`` may go through a vector math library that is off by one ulp
-    for some inputs; the double square root rounded to fp32 is exact.
-    """
-    return t.double().sqrt().float()
-
-
-def _store(x: Tensor, m: Tensor, v: Tensor, out: Tensor | None, new: tuple[Tensor, ...]) -> None:
-    """Write the new values; ``copy_`` narrows to bf16 with round-to-nearest-even, as
-    ``.to(torch.bfloat16)`` does."""
-    x1, m1, v1 = new
-    x.copy_(x1)
-    m.copy_(m1)
-    v.copy_(v1)
-    if out is not None:
-        out.copy_(x1)
-
-
-def step_formula(x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, h: Tensor) -> None:
-    """One fused step of one slice in eager torch ops: the arithmetic every backend matches
-    bitwise (the reference of :func:`self_check`). An int16 ``x`` is a split master's low
-    halves, with its bf16 weights in ``out`` (:func:`join_master`)."""
-    if x.dtype != torch.int16:
-        _store(x, m, v, out, _update(x, g, m, v, h, _ieee_sqrt))
-        return
-    assert out is not None
-    x1, m1, v1 = _update(join_master(out, x), g, m, v, h, _ieee_sqrt)
-    _store(x, m, v, None, (split_master(x1, out), m1, v1))
-
-
-def join_master(hi: Tensor, lo: Tensor) -> Tensor:
-    """The fp32 master weights of a split master: the bf16 weights ``hi`` and the int16
-    remainders ``lo`` (bits(x) - bits(hi) << 16), exactly. A negative remainder of a zero
-    weight, or a positive one of an infinite weight (the weight was written to from outside
-    since its remainder was computed; either would join to a NaN), counts as 0."""
-    high = hi.view(torch.int16).to(torch.int32) << 16
-    low = lo.to(torch.int32)
-    mag = high & 0x7FFFFFFF
-    invalid = ((mag == 0) & (low < 0)) | ((mag == 0x7F800000) & (low > 0))
-    return (high + torch.where(invalid, 0, low)).view(torch.float32)
-
-
-def split_master(x: Tensor, hi: Tensor) -> Tensor:
-    """Write ``x.to(bfloat16)`` into ``hi`` and return the int16 remainders that join back to
-    ``x``. Nearest-even rounding leaves remainders in [-0x8000, 0x8000]; the one that int16
-    cannot hold, +0x8000 (an exact tie rounded down), becomes 0x7fff: that master weight moves
-    one ulp (2^-24 relative) towards its bf16 weight, to which it still rounds. A NaN's
-    remainder is the low 16 bits of the difference (its bf16 weight is a NaN, and so is every
-    join with it; the kernel writes 0x7fc0 there, torch's ``copy_`` may write another NaN)."""
-    hi.copy_(x)
-    rem = x.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
-    return rem.clamp_(max=0x7FFF).to(torch.int16)
-
-
-def _compiled_formula(
-    x: Tensor, g: Tensor, m: Tensor, v: Tensor, out: Tensor | None, h: Tensor
-) -> None:
-    """:func:`step_formula` as torch.compile sees it (its ``sqrt`` is the exact vector one)."""
-    _store(x, m, v, out, _update(x, g, m, v, h, torch.sqrt))
-
-
-def coefficients(hp: dict[str, float], step: int, scale: float = 1.0) -> tuple[float, ...]:
-    """The 8 per-slice scalars, computed in double as torch's AdamW does, for a slice at
-    ``step`` (1-based) of a group with hyper-parameters ``hp``
-    (:func:`moestack.optim.update.group_hparams`); ``scale`` is the clipping factor."""
-    lr, b1, b2 = hp["lr"], hp["beta1"], hp["beta2"]
-    bc1, bc2 = 1 - b1**step, 1 - b2**step
-    return (
-        1 - lr * hp["weight_decay"],
-        1 - b1,
-        b2,
-        1 - b2,
-        math.sqrt(bc2),
-        hp["eps"],
-        -(lr / bc1),
-        float(scale),
-    )
-
-
-def eager_kernel(segs: Sequence[Seg]) -> None:
-    """The formula slice by slice in eager ops (the reference the backends are checked with)."""
-    for s in segs:
-        if s.x.numel():
-            step_formula(s.x, s.g, s.m, s.v, s.out, torch.tensor(s.coef, dtype=torch.float32))
-
-
-class CompiledKernel:
-    """:func:`step_formula` compiled by torch.compile (inductor's vectorised, multi-threaded
-    C++ for the CPU), called once per slice. Shapes are dynamic, so one compilation serves
-    every length; each dtype combination gets its own copy of the function, so that each
-    has its own compile cache (dynamo caches per code object, with a recompile limit)."""
-
-    name = "compile"
-
-    def __init__(self) -> None:
-        self._fns: dict[Combo, Callable[..., None]] = {}
-
-    def _fn(self, combo: Combo) -> Callable[..., None]:
-        fn = self._fns.get(combo)
-        if fn is None:
-            code = _compiled_formula.__code__
-            twin = types.FunctionType(
-                code.replace(co_name=f"{code.co_name}_{len(self._fns)}"),
-                _compiled_formula.__globals__,
-            )
-            # dynamic_threads: always one parallel loop, its threads chosen by OpenMP at run
-            # time (torch.set_num_threads), not fixed by the thread count or length at compile
-            options = {"cpp.dynamic_threads": True}
-            fn = torch.compile(twin, dynamic=True, fullgraph=True, options=options)
-            self._fns[combo] = fn
-        return fn
-
-    @torch.no_grad()
-    def __call__(self, segs: Sequence[Seg]) -> None:
-        if any(s.x.dtype != torch.float32 for s in segs):
-            raise ValueError("the compiled step takes fp32 master weights, not a split master")
-        for s in segs:
-            n = s.x.numel()
-            if n:
-                combo = (s.g.dtype, s.m.dtype, None if s.out is None else s.out.dtype)
-                fn = self._fn(combo) if n >= _MIN_COMPILED else step_formula
-                x, g, m, v, out = (None if t is None else _alias(t) for t in s[:5])
-                fn(x, g, m, v, out, torch.tensor(s.coef, dtype=torch.float32))
-
-
-def _alias(t: Tensor) -> Tensor:
-    """The memory of ``t`` as a tensor that is not a view: dynamo guards on a view's base
-    (its shape and strides), which would recompile for every parameter shape."""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 # ------------------------------------------------------------- one optimizer's fused step
@@ -306,7 +153,7 @@ class FusedHostStep:
             kernel = _native()
             assert not isinstance(kernel, str), kernel
             self.kernel = kernel
-        self._prepared: dict[tuple[Any, ...], native.Prepared] = {}  # by _where: one a group
+        self._prepared: dict[tuple[Any, ...], host_adamw.Prepared] = {}  # by _where: one a group
         self._kept = kept
 
     @property
@@ -345,7 +192,7 @@ class FusedHostStep:
         grads = (
             {pidx: _flat_grad(params[pidx]) for pidx, *_ in spans} if self.mode == DIRECT else {}
         )
-        if not isinstance(self.kernel, native.NativeKernel):
+        if not isinstance(self.kernel, host_adamw.NativeKernel):
             self.kernel(self._segs(spans, params, host, grads, coefs))
             return
         key = self._where(spans, params, host, grads)
@@ -412,10 +259,6 @@ def _flat_grad(p: Tensor) -> Tensor:
 
 _STATE: dict[Any, Any] = {}  # "native" / ("compile", combo) -> kernel, or why it failed (str)
 _WARNED: set[str] = set()
-ALL_COMBOS: tuple[Combo, ...] = tuple(
-    (g, s, o) for g in KERNEL_DTYPES for s in KERNEL_DTYPES for o in (None, *KERNEL_DTYPES)
-)
-SPLIT_COMBOS: tuple[Combo, ...] = tuple(c for c in ALL_COMBOS if c[2] == torch.bfloat16)
 
 
 def resolve(requested: str, combos: Sequence[Combo]) -> Kernel | None:
@@ -449,9 +292,9 @@ def host_kernel_report() -> str:
     now if it was not built yet), loads and matches the formula, and which C++ compiler it is
     built with. Without it a GPU run's OffloadAdamW cannot pipeline its step (nor reduce on
     the devices) and runs the serial step instead."""
-    cxx = native.find_compiler()
+    cxx = host_build.find_compiler()
     compiler = (
-        f"compiler {cxx} ({native.compiler_version(cxx)})"
+        f"compiler {cxx} ({host_build.compiler_version(cxx)})"
         if cxx
         else "no C++ compiler found (set CXX, or install g++)"
     )
@@ -502,10 +345,10 @@ def _native() -> Kernel | str:
 def _load_native() -> Kernel | Unavailable:
     """The native kernel, built, loaded and checked bitwise against the formula; or why not,
     telling a missing compiler from a failed build or self-check."""
-    if not native.find_compiler():
+    if not host_build.find_compiler():
         return Unavailable("RuntimeError: no C++ compiler (set CXX, or install g++)", False)
     try:
-        kernel = native.load()
+        kernel = host_adamw.load()
     except Exception as err:  # the build or the load failed: unavailable, reported as an error
         return Unavailable(_one_line(err), True)
     try:
@@ -537,36 +380,6 @@ def _compiled(combos: Sequence[Combo]) -> Kernel | str:
         if isinstance(_STATE[key], str):
             return _STATE[key]
     return kernel
-
-
-def self_check(kernel: Kernel, combos: Sequence[Combo], n: int = 67, split: bool = False) -> None:
-    """Raise RuntimeError unless ``kernel`` matches :func:`step_formula` bitwise on random
-    slices of each dtype combination, with split master weights if ``split`` (a wrong build
-    must not train)."""
-    gen = torch.Generator().manual_seed(0)
-    hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
-    coef = coefficients(hp, step=3, scale=0.5)
-    for combo in combos:
-        base = [torch.randn(n, generator=gen) for _ in range(3)]
-        base.append(torch.rand(n, generator=gen))  # the second moment is >= 0
-        want, got = _seg_of(base, combo, coef, split), _seg_of(base, combo, coef, split)
-        eager_kernel([want])
-        kernel([got])
-        for a, b in zip(want, got, strict=True):
-            if isinstance(a, Tensor) and not torch.equal(a, b):
-                raise RuntimeError(f"results differ from the reference formula for {combo}")
-
-
-def _seg_of(base: list[Tensor], combo: Combo, coef: tuple[float, ...], split: bool = False) -> Seg:
-    """A fresh slice of dtypes ``combo`` from fp32 ``base`` = [x, g, m, v]; with ``split`` the
-    master is held as bf16 weights (``out``) and int16 remainders (``x``)."""
-    g_dt, s_dt, o_dt = combo
-    x, g, m, v = (t.clone() for t in base)
-    out = None if o_dt is None else torch.empty(x.numel(), dtype=o_dt)
-    if split:
-        assert out is not None and o_dt == torch.bfloat16
-        x = split_master(x, out)
-    return Seg(x, g.to(g_dt), m.to(s_dt), v.to(s_dt), out, coef)
 
 
 def _warn_once(message: str, level: int = logging.WARNING) -> None:

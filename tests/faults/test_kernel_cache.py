@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestack.optim import fused, native
-from moestack.optim.native import Seg
+from moestack.kernels import host_adamw, host_build
+from moestack.kernels.host_adamw import Seg
 
 pytestmark = [
     pytest.mark.faults,
@@ -45,12 +45,12 @@ __attribute__((constructor)) static void planted() {
 CHILD = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
-from moestack.optim import native
+from moestack.kernels import host_adamw, host_build
 if "--no-build" in sys.argv:
     def refuse(*args, **kw):
         raise AssertionError("rebuilt")
-    native._build = refuse
-print("PATH", native.load().path)
+    host_build._build = refuse
+print("PATH", host_adamw.load().path)
 """
 
 
@@ -60,7 +60,7 @@ def golden(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("golden")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOESTACK_KERNEL_CACHE", str(folder / "kernels"))
-        return native.load().path
+        return host_adamw.load().path
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def home(monkeypatch, tmp_path) -> Path:
     monkeypatch.delenv("MOESTACK_KERNEL_CACHE", raising=False)
     (tmp_path / "tmp").mkdir(mode=0o700)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(native, "_PRIVATE", {}, raising=False)  # folders this process made
+    monkeypatch.setattr(host_build, "_PRIVATE", {}, raising=False)  # folders this process made
     return home
 
 
@@ -107,7 +107,7 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def _assert_steps_like_torch(kernel: native.NativeKernel) -> None:
+def _assert_steps_like_torch(kernel: host_adamw.NativeKernel) -> None:
     """Two steps of the kernel on small random fp32 tensors against torch.optim.AdamW."""
     gen = torch.Generator().manual_seed(11)
     n = 1000
@@ -119,7 +119,7 @@ def _assert_steps_like_torch(kernel: native.NativeKernel) -> None:
     )  # fmt: skip
     for step in (1, 2):
         g = torch.randn(n, generator=gen)
-        kernel([Seg(x, g.clone(), m, v, None, fused.coefficients(HP, step))])
+        kernel([Seg(x, g.clone(), m, v, None, host_adamw.coefficients(HP, step))])
         ref.grad = g
         opt.step()
     state = opt.state[ref]
@@ -137,7 +137,7 @@ def _assert_recorded(path: Path) -> None:
 
 
 def _child(*args: str) -> subprocess.CompletedProcess:
-    """native.load() in a fresh process with this process's environment; output has the
+    """host_adamw.load() in a fresh process with this process's environment; output has the
     warnings it logged and ``PATH <library>``."""
     env = {**os.environ, "TMPDIR": tempfile.gettempdir()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -165,7 +165,7 @@ def test_library_planted_at_the_cached_name_is_not_loaded(
     _replace(path, planted)
     monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(cache))
     with caplog.at_level(logging.INFO, logger="moestack"):
-        kernel = native.load()
+        kernel = host_adamw.load()
     assert not marker.exists()
     assert kernel.path == path and path.read_bytes() != planted
     _assert_recorded(path)
@@ -184,17 +184,17 @@ def test_library_swapped_between_the_check_and_the_load_is_not_loaded(
     path = _seed(cache, golden)
     marker = tmp_path / "constructor-ran"
     planted = _planted(tmp_path, marker).read_bytes()
-    verified = native._verified
+    verified = host_build._verified
 
     def then_swap(p: Path) -> tuple[int, str]:
         got = verified(p)
         _replace(p, planted)
         return got
 
-    monkeypatch.setattr(native, "_verified", then_swap)
-    monkeypatch.setattr(native, "_LOADED", {})  # the golden bytes are loaded: load them again
+    monkeypatch.setattr(host_build, "_verified", then_swap)
+    monkeypatch.setattr(host_build, "_LOADED", {})  # the golden bytes are loaded: load them again
     monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(cache))
-    kernel = native.load()
+    kernel = host_adamw.load()
     assert path.read_bytes() == planted and not marker.exists()
     _assert_steps_like_torch(kernel)
     fault_report.add(f"{KIND}: swapped between the check and the load", injected=1, harmless=1)
@@ -240,8 +240,8 @@ def test_cache_folder_others_can_write_is_refused(
             why = f"owned by uid {OTHER_UID}"
     monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(folder))
     with caplog.at_level(logging.INFO, logger="moestack"):
-        kernel = native.load()
-        again = native.load()  # the same private folder, nothing more logged
+        kernel = host_adamw.load()
+        again = host_adamw.load()  # the same private folder, nothing more logged
     assert not marker.exists()
     private = kernel.path.parent
     assert private not in (folder, folder.resolve(), predictable)
@@ -269,7 +269,7 @@ def test_empty_or_relative_xdg_cache_home_counts_as_unset(
     monkeypatch.setenv("XDG_CACHE_HOME", xdg)
     _seed(home / ".cache" / "moestack" / "kernels", golden)
     with caplog.at_level(logging.INFO, logger="moestack"):
-        kernel = native.load()
+        kernel = host_adamw.load()
     assert kernel.path.parent == (home / ".cache" / "moestack" / "kernels").resolve()
     assert list(work.iterdir()) == []
     assert _warnings(caplog) == []
@@ -316,7 +316,7 @@ def test_damaged_library_is_refused_before_loading_and_rebuilt(
     assert (path.read_bytes(), os.stat(path).st_ino) != damaged
     _assert_recorded(path)
     with caplog.at_level(logging.INFO, logger="moestack"):
-        kernel = native.load()  # the rebuilt library is loaded as it is
+        kernel = host_adamw.load()  # the rebuilt library is loaded as it is
     assert kernel.path == path and _warnings(caplog) == []
     _assert_steps_like_torch(kernel)
     fault_report.add(f"{KIND}: damaged or unsafe cached library", injected=1, recovered=1)
@@ -327,7 +327,7 @@ def test_cached_library_is_reused_by_a_fresh_process(home, tmp_path, monkeypatch
     sha256; a second process loads that same file without rebuilding or warning."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("MOESTACK_KERNEL_CACHE", str(cache))
-    kernel = native.load()
+    kernel = host_adamw.load()
     assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
     _assert_recorded(kernel.path)
     before = os.stat(kernel.path)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from helpers.runs import killed_at, losses, small_config, small_model
 
-import moestack.moe as moe_module
+import moestack.kernels.grouped_mm as grouped_mm_module
 from moestack import checkpoint
 from moestack.config import LoRAConfig, OptimConfig, TelemetryConfig, TrainConfig
 from moestack.lora import adapter_parameters, add_adapters, add_adapters_for, merge_adapters
@@ -96,7 +96,7 @@ def test_fp32_adapters_of_any_rank_run_on_grouped_mm_not_a_loop(monkeypatch, cas
         raise AssertionError("a per-expert loop ran")
 
     monkeypatch.setattr(torch, "_grouped_mm", counted)
-    monkeypatch.setattr(moe_module, "_grouped_mm_loop", no_loop)
+    monkeypatch.setattr(grouped_mm_module, "_grouped_mm_loop", no_loop)
     check_against_reference("torch", torch.float32, case)
     assert len(calls) == 6  # forward: w1, A1, B1, w2, A2, B2 (their backward is autograd's)
 

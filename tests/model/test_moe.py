@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from helpers.moe import moe_layer, reference_moe
 
-import moestack.moe as moe_module
+import moestack.kernels.grouped_mm as grouped_mm_module
 from moestack import MoE, MoEConfig, RouterConfig
 from moestack.moe import grouped_mm_torch, moe_experts_torch, sort_by_expert
 
@@ -108,8 +108,8 @@ def grouped_mm_calls(monkeypatch):
         raise AssertionError("the per-group loop ran where torch._grouped_mm can")
 
     monkeypatch.setattr(torch, "_grouped_mm", counted)
-    monkeypatch.setattr(moe_module, "_grouped_mm_loop", no_loop)
-    monkeypatch.setattr(moe_module, "_grouped_mm_wgrad_loop", no_loop)
+    monkeypatch.setattr(grouped_mm_module, "_grouped_mm_loop", no_loop)
+    monkeypatch.setattr(grouped_mm_module, "_grouped_mm_wgrad_loop", no_loop)
     return calls
 
 

@@ -27,8 +27,9 @@ from _optim_testlib import (
 )
 from helpers.native_kernel import native_kernel
 
-from moestack.optim import OffloadAdamW, fused, native
-from moestack.optim.native import Seg
+from moestack.kernels import host_adamw, host_build
+from moestack.kernels.host_adamw import Seg
+from moestack.optim import OffloadAdamW, fused
 
 BF16_COMBO = (torch.bfloat16, torch.float32, torch.bfloat16)  # bf16 weights, fp32 moments
 HP = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "eps": 1e-8}
@@ -48,7 +49,7 @@ def _segments(combo, sizes, seed=0):
     for k, n in enumerate(sizes):
         base = [torch.randn(n, generator=gen) for _ in range(3)]
         base.append(torch.rand(n, generator=gen) * 1e-2)
-        segs.append(fused._seg_of(base, combo, fused.coefficients(HP, k + 1, 0.7)))
+        segs.append(host_adamw._seg_of(base, combo, host_adamw.coefficients(HP, k + 1, 0.7)))
     return segs
 
 
@@ -64,13 +65,13 @@ def _native_kernel():
     return native_kernel()
 
 
-@pytest.mark.parametrize("combo", fused.ALL_COMBOS, ids=str)
+@pytest.mark.parametrize("combo", host_adamw.ALL_COMBOS, ids=str)
 def test_native_kernel_matches_the_formula_bitwise(combo) -> None:
     """Tails, several slices in one call, and more elements than one thread takes."""
     kernel = _native_kernel()
     sizes = [1, 15, 67, 40_000, 0, 33]
     want, got = _segments(combo, sizes), _segments(combo, sizes)
-    fused.eager_kernel(want)
+    host_adamw.eager_kernel(want)
     kernel(got)
     _assert_same(want, got)
     for s in got:
@@ -87,7 +88,7 @@ def test_native_kernel_splits_over_threads_exactly() -> None:
     small = torch.randint(1, 900, (300,), generator=gen).tolist()  # many slices in one chunk
     sizes = [70_001, 0, 12_345, chunk - 82_346 % chunk, chunk, 0, *small, 50_000, 1]
     want = _segments(BF16_COMBO, sizes, seed=1)
-    fused.eager_kernel(want)
+    host_adamw.eager_kernel(want)
     threads = torch.get_num_threads()
     for nt in (1, max(2, threads)):
         torch.set_num_threads(nt)
@@ -104,8 +105,8 @@ def test_prepared_segments_take_new_coefficients() -> None:
     kernel = _native_kernel()
     want, got = _segments(BF16_COMBO, [5, 100], seed=2), _segments(BF16_COMBO, [5, 100], seed=2)
     prepared = kernel.prepare(got)
-    other = [seg._replace(coef=fused.coefficients(HP, 7, 0.3)) for seg in want]
-    fused.eager_kernel(other)
+    other = [seg._replace(coef=host_adamw.coefficients(HP, 7, 0.3)) for seg in want]
+    host_adamw.eager_kernel(other)
     kernel.run(prepared, [seg.coef for seg in other])
     _assert_same(other, got)
     with pytest.raises(ValueError, match="coefficient"):
@@ -151,7 +152,7 @@ def test_compiled_kernel_matches_the_formula_bitwise() -> None:
     assert kernel is not None and fused.kernel_name(kernel) == "compile"
     sizes = [5, 67, 1000]  # the first is below the compiled minimum: the eager formula
     want, got = _segments(BF16_COMBO, sizes), _segments(BF16_COMBO, sizes)
-    fused.eager_kernel(want)
+    host_adamw.eager_kernel(want)
     kernel(got)
     _assert_same(want, got)
 
@@ -286,7 +287,7 @@ def test_no_kernel_falls_back_to_the_reference_path_with_one_line(
     def no_compile(*args, **kw):
         raise RuntimeError("inductor cannot build")
 
-    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    monkeypatch.setattr(host_build, "find_compiler", lambda: None)
     monkeypatch.setattr(fused.torch, "compile", no_compile)
     with caplog.at_level(logging.INFO, logger="moestack.optim"):
         opt, weights = _losses_after(3, fused_step="auto")
@@ -307,13 +308,13 @@ def test_native_failure_uses_the_compiled_step(monkeypatch, caplog, fresh_backen
     def read_only_cache():
         raise OSError("read-only file system")
 
-    monkeypatch.setattr(native, "load", read_only_cache)
+    monkeypatch.setattr(host_adamw, "load", read_only_cache)
     with caplog.at_level(logging.WARNING, logger="moestack.optim.fused"):
         kernel = fused.resolve("auto", [BF16_COMBO])
     assert fused.kernel_name(kernel) == "compile"
     (record,) = caplog.records
     assert "using compile" in record.getMessage() and "read-only" in record.getMessage()
-    assert record.levelno == (logging.ERROR if native.find_compiler() else logging.WARNING)
+    assert record.levelno == (logging.ERROR if host_build.find_compiler() else logging.WARNING)
 
 
 def test_bad_fused_step_names_the_argument() -> None:
@@ -323,11 +324,11 @@ def test_bad_fused_step_names_the_argument() -> None:
 
 def test_segments_take_only_what_the_kernel_can() -> None:
     with pytest.raises(ValueError, match="segment"):
-        native.check_seg(Seg(torch.zeros(3), torch.zeros(4), *[torch.zeros(3)] * 3, (0.0,) * 8))
+        host_adamw.check_seg(Seg(torch.zeros(3), torch.zeros(4), *[torch.zeros(3)] * 3, (0.0,) * 8))
 
 
 # ------------------------------------------------------------------ the split master weight
-@pytest.mark.parametrize("combo", fused.SPLIT_COMBOS, ids=str)
+@pytest.mark.parametrize("combo", host_adamw.SPLIT_COMBOS, ids=str)
 def test_split_master_kernel_matches_the_formula_bitwise(combo) -> None:
     """bf16 weights plus int16 remainders: the kernel against the eager formula, over tails,
     several slices, chunks taken by two threads; the join equals the fp32-master step."""
@@ -336,20 +337,21 @@ def test_split_master_kernel_matches_the_formula_bitwise(combo) -> None:
 
     def split_segments():
         return [
-            s._replace(x=fused.split_master(s.x, s.out)) for s in _segments(combo, sizes, seed=5)
+            s._replace(x=host_adamw.split_master(s.x, s.out))
+            for s in _segments(combo, sizes, seed=5)
         ]
 
     want, got, plain = split_segments(), split_segments(), _segments(combo, sizes, seed=5)
-    fused.eager_kernel(want)
+    host_adamw.eager_kernel(want)
     kernel(got)
     _assert_same(want, got)
-    start = [fused.join_master(s.out, s.x) for s in split_segments()]
+    start = [host_adamw.join_master(s.out, s.x) for s in split_segments()]
     plain = [s._replace(x=x) for s, x in zip(plain, start, strict=True)]
     kernel(plain)  # the same step on the fp32 master
     for p, s in zip(plain, got, strict=True):
         assert torch.equal(s.out, p.out)  # the same bf16 weights
         assert torch.equal(s.m, p.m) and torch.equal(s.v, p.v)
-        joined = fused.join_master(s.out, s.x)
+        joined = host_adamw.join_master(s.out, s.x)
         ties = (joined != p.x).sum().item()  # a tie rounded down moves one ulp
         assert ties <= max(3, p.x.numel() >> 12), ties
 
@@ -359,11 +361,11 @@ def test_portable_loops_match_the_formula_bitwise() -> None:
     dtype combination, fp32 and split master, over the threads' chunks and the tails."""
     _native_kernel()
     try:
-        kernel = native.load(("-mno-avx512f",))
+        kernel = host_adamw.load(("-mno-avx512f",))
     except RuntimeError as err:  # a compiler that does not know the flag (not x86)
         pytest.skip(f"cannot build without AVX-512: {err}")
-    fused.self_check(kernel, fused.ALL_COMBOS, n=70_001)
-    fused.self_check(kernel, fused.SPLIT_COMBOS, n=70_001, split=True)
+    host_adamw.self_check(kernel, host_adamw.ALL_COMBOS, n=70_001)
+    host_adamw.self_check(kernel, host_adamw.SPLIT_COMBOS, n=70_001, split=True)
     start = torch.tensor([1.0] * 40 + [1.0078125] * 30)  # both rounding ties, as below
     coef = (1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 2.0**-8, 1.0)
     n = start.numel()
@@ -384,9 +386,9 @@ def test_split_master_holds_every_value_it_can() -> None:
     ).to(torch.int32)  # fmt: skip
     x = bits.repeat(5).view(torch.float32)  # 70 values: the 16-lane loop and the tail
     hi = torch.empty(x.numel(), dtype=torch.bfloat16)
-    lo = fused.split_master(x, hi)
+    lo = host_adamw.split_master(x, hi)
     assert torch.equal(hi.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
-    joined = fused.join_master(hi, lo)
+    joined = host_adamw.join_master(hi, lo)
     nan = x.isnan()
     assert joined[nan].isnan().all()
     tie_down = torch.tensor([1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], dtype=torch.bool).repeat(5)
@@ -406,7 +408,7 @@ def test_split_master_holds_every_value_it_can() -> None:
                    torch.zeros(n), hi, coef)  # fmt: skip
 
     want, got = tie_step(), tie_step()
-    fused.eager_kernel([want])
+    host_adamw.eager_kernel([want])
     kernel([got])
     _assert_same([want], [got])
     assert got.x[:40].eq(0x7FFF).all() and got.x[40:].eq(-0x8000).all()
@@ -496,7 +498,7 @@ def test_split_master_takes_writes_to_the_weights() -> None:
     lo = opt.host_buffers()["master"]
     lo.copy_(torch.randint(-0x8000, 0x8000, lo.shape, generator=gen, dtype=torch.int16))
     w.data.fill_(float("inf"))  # stale remainders of both signs under infinite weights
-    joined = fused.join_master(w.detach(), lo)  # a negative remainder: a finite value that
+    joined = host_adamw.join_master(w.detach(), lo)  # a negative remainder: a finite value that
     assert not joined.isnan().any() and torch.isinf(joined[lo >= 0]).all()  # rounds to inf
     w.grad = torch.zeros_like(w)
     opt.step()

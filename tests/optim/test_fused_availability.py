@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers.native_kernel import native_kernel
 
-from moestack.optim import fused, native
+from moestack.kernels import host_adamw, host_build
+from moestack.optim import fused
 
 BF16_COMBO = (torch.bfloat16, torch.float32, torch.bfloat16)  # bf16 weights, fp32 moments
 
@@ -52,7 +53,7 @@ def test_a_failed_self_check_is_an_error_not_a_missing_compiler(
                 s.x[0] = torch.nextafter(s.x[0], torch.tensor(float("inf")))
 
     monkeypatch.setattr(fused, "_STATE", {})
-    monkeypatch.setattr(native, "load", lambda: off_by_one_ulp)
+    monkeypatch.setattr(host_adamw, "load", lambda: off_by_one_ulp)
     with caplog.at_level(logging.WARNING, logger="moestack.optim.fused"):
         assert fused.resolve("native", [BF16_COMBO]) is None
     (record,) = caplog.records
@@ -71,7 +72,7 @@ def test_host_kernel_report_names_the_compiler_and_the_outcome(
     back."""
     native_kernel()
     line = fused.host_kernel_report()
-    cxx = native.find_compiler()
+    cxx = host_build.find_compiler()
     assert line.startswith("native host kernel: loads (") and f"compiler {cxx} (" in line
     monkeypatch.setattr(fused, "_STATE", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
@@ -81,7 +82,7 @@ def test_host_kernel_report_names_the_compiler_and_the_outcome(
     assert "no-such-c++ (does not run: FileNotFoundError" in line and "serial step" in line
     assert "a broken build: report it" in line
     monkeypatch.setattr(fused, "_STATE", {})
-    monkeypatch.setattr(native, "find_compiler", lambda: None)
+    monkeypatch.setattr(host_build, "find_compiler", lambda: None)
     line = fused.host_kernel_report()
     assert "unavailable (RuntimeError: no C++ compiler" in line
     assert "no C++ compiler found (set CXX, or install g++)" in line and "broken" not in line
