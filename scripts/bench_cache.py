@@ -18,8 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import shutil
 import statistics
@@ -30,22 +28,11 @@ from typing import Any
 
 import torch
 
-from moestack import CacheConfig, ModelConfig, MoETransformer
+from moestack import CacheConfig, ModelConfig, MoETransformer, bench
 from moestack.cache import ExpertStore, evaluate_offloaded
 from moestack.evaluation import evaluate
 
 CPU = torch.device("cpu")
-
-
-def drop_pages(files: list[Path]) -> None:
-    """Ask the kernel to drop the files' cached pages (clean pages only: fsync first)."""
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def sequential_read(files: list[Path], chunk: int = 16 << 20) -> float:
@@ -88,7 +75,7 @@ def bench_io(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             for _ in range(args.reps):
                 for name in ("seq", "expert"):
                     if mode == "cold":
-                        drop_pages(files)
+                        bench.drop_pages(files)
                     else:
                         sequential_read(files)
                     if name == "seq":
@@ -133,77 +120,69 @@ def load_model(args: argparse.Namespace) -> tuple[MoETransformer, list]:
 
 
 def bench_eval(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """In memory (best of ``--eval-reps``), offloaded at each capacity without and with
+    prefetch, and cache-aware routing at each bias."""
     model, data = load_model(args)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = sum(x.numel() for x, _ in data)
     evaluate(model, data[:1], CPU)  # warm-up (first-call kernel set-up)
-    times = []
-    for _ in range(args.eval_reps):
-        start = time.perf_counter()
-        ref = evaluate(model, data, CPU)
-        times.append(time.perf_counter() - start)
-    in_memory = tokens / min(times)
+    ref: dict[str, Any] = {}
+    times = bench.times(lambda: ref.update(evaluate(model, data, CPU)), repeats=args.eval_reps)
     store = ExpertStore.write(model, root / "eval_store")
-    top_k = model.cfg.moe.top_k
-    rows = []
 
     def fresh() -> MoETransformer:
         m = MoETransformer(model.cfg)
         m.load_state_dict(state)
         return m.eval()
 
-    for capacity in args.capacities:
-        if capacity < top_k:
-            continue
-        for prefetch in (False, True):
-            runs = []
-            for _ in range(args.eval_reps):
-                drop_pages(store.files())
-                runs.append(
-                    evaluate_offloaded(
-                        fresh(), store, data, CPU, CacheConfig(capacity=capacity, prefetch=prefetch)
-                    )
-                )
-            best = max(runs, key=lambda r: r["eval/tokens_per_s"])
-            assert best["loss/val"] == ref["loss/val"], "offloaded loss differs from in-memory"
-            rows.append(
-                {
-                    "capacity": capacity,
-                    "prefetch": prefetch,
-                    "tokens_per_s": best["eval/tokens_per_s"],
-                    "hit_rate": best["cache/hit_rate"],
-                    "loads": int(best["cache/loads"]),
-                    "stall_s": statistics.median(r["cache/stall_s"] for r in runs),
-                    "seconds": best["eval/seconds"],
-                    "prefetch_hits": int(best["cache/prefetch_hits"]),
-                    "prefetch_wasted": int(best["cache/prefetch_wasted"]),
-                }
-            )
+    rows = [
+        offloaded_row(fresh, store, data, capacity, prefetch, ref, args.eval_reps)
+        for capacity in args.capacities
+        if capacity >= model.cfg.moe.top_k
+        for prefetch in (False, True)
+    ]
     bias_rows = []
     for capacity in args.bias_capacities:
         for bias in args.biases:
             r = evaluate_offloaded(
                 fresh(), store, data, CPU, CacheConfig(capacity=capacity), cache_aware_bias=bias
             )
-            bias_rows.append(
-                {
-                    "capacity": capacity,
-                    "bias": bias,
-                    "hit_rate": r["cache/hit_rate"],
-                    "perplexity": r["eval/perplexity"],
-                    "ppl_change": r["eval/perplexity"] / ref["eval/perplexity"] - 1,
-                }
-            )
+            ppl = r["eval/perplexity"]
+            bias_rows.append(dict(capacity=capacity, bias=bias, hit_rate=r["cache/hit_rate"],
+                                  perplexity=ppl, ppl_change=ppl / ref["eval/perplexity"] - 1))  # fmt: skip
+    random_model = "random MoETransformer(ModelConfig())"
     return {
-        "model": "trained:" + args.run_dir
-        if args.run_dir
-        else "random MoETransformer(ModelConfig())",
+        "model": "trained:" + args.run_dir if args.run_dir else random_model,
         "tokens": tokens,
-        "in_memory_tokens_per_s": in_memory,
+        "in_memory_tokens_per_s": tokens / min(times),
         "perplexity": ref["eval/perplexity"],
         "expert_bytes": store.expert_bytes,
         "offloaded": rows,
         "cache_aware": bias_rows,
+    }
+
+
+def offloaded_row(
+    fresh: Any, store: ExpertStore, data: list, capacity: int, prefetch: bool, ref: dict, reps: int
+) -> dict[str, Any]:
+    """One capacity and prefetch setting: the best of ``reps`` runs, each from a cold store."""
+    runs = []
+    for _ in range(reps):
+        bench.drop_pages(store.files())
+        cfg = CacheConfig(capacity=capacity, prefetch=prefetch)
+        runs.append(evaluate_offloaded(fresh(), store, data, CPU, cfg))
+    best = max(runs, key=lambda r: r["eval/tokens_per_s"])
+    assert best["loss/val"] == ref["loss/val"], "offloaded loss differs from in-memory"
+    return {
+        "capacity": capacity,
+        "prefetch": prefetch,
+        "tokens_per_s": best["eval/tokens_per_s"],
+        "hit_rate": best["cache/hit_rate"],
+        "loads": int(best["cache/loads"]),
+        "stall_s": statistics.median(r["cache/stall_s"] for r in runs),
+        "seconds": best["eval/seconds"],
+        "prefetch_hits": int(best["cache/prefetch_hits"]),
+        "prefetch_wasted": int(best["cache/prefetch_wasted"]),
     }
 
 
@@ -237,12 +216,11 @@ def print_tables(io_rows: list[dict], ev: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench.parser(__doc__, reps=3, threads=0, json="")
     parser.add_argument("--io-layers", type=int, default=4)
     parser.add_argument("--io-experts", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=512, help="I/O store: D")
     parser.add_argument("--d-ff", type=int, default=1024, help="I/O store: F")
-    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--run-dir", default="", help="a trained run (default: random model)")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
@@ -251,9 +229,7 @@ def main() -> None:
     parser.add_argument("--eval-reps", type=int, default=2)
     parser.add_argument("--bias-capacities", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--biases", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.3])
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
-    parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -266,7 +242,7 @@ def main() -> None:
     print_tables(io_rows, ev)
     if args.json:
         out = {"io": io_rows, "eval": ev, "torch_threads": torch.get_num_threads()}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        bench.write_json(args.json, out)
 
 
 if __name__ == "__main__":

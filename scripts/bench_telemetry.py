@@ -16,13 +16,13 @@ the median step time. Then the recorded trace is replayed through every policy a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
-from moestack import ModelConfig, MoETransformer
+from moestack import ModelConfig, MoETransformer, bench
 from moestack.cache.policies import POLICIES
 from moestack.telemetry import Telemetry, attach, simulate
 
@@ -58,22 +58,13 @@ def hook_seconds(
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=12, help="off/on step pairs")
-    parser.add_argument("--log-every", type=int, default=10, help="interval_metrics period")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--json", type=str, default="", help="write the results here")
-    args = parser.parse_args()
-
-    torch.manual_seed(0)
-    model = MoETransformer(ModelConfig()).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tel = attach(model, policies=("lru", "static"), capacities=(2, 4))
-    with tel.paused():
-        train_step(model, opt, args.batch, args.seq)  # warm-up
-    off, on, ratios, interval_s = [], [], [], []
+def paired_steps(
+    model: MoETransformer, opt: torch.optim.Optimizer, tel: Telemetry, args: argparse.Namespace
+) -> dict[str, list[float]]:
+    """``--pairs`` pairs of single steps, recording paused and on, alternating which runs
+    first; every ``--log-every`` recorded steps ``interval_metrics()`` runs, its time counted
+    in that step (and kept in ``interval``)."""
+    out: dict[str, list[float]] = {"off": [], "on": [], "ratios": [], "interval": []}
     recorded = 0
     for pair in range(args.pairs):
         times = {}
@@ -85,33 +76,68 @@ def main() -> None:
             t = train_step(model, opt, args.batch, args.seq)
             recorded += 1
             if recorded % args.log_every == 0:
-                start = time.perf_counter()
-                tel.interval_metrics()
-                interval_s.append(time.perf_counter() - start)
-                t += interval_s[-1]
+                out["interval"].append(bench.seconds(tel.interval_metrics))
+                t += out["interval"][-1]
             times[mode] = t
-        off.append(times["off"])
-        on.append(times["on"])
-        ratios.append(times["on"] / times["off"])
-    if not interval_s:
-        start = time.perf_counter()
-        tel.interval_metrics()
-        interval_s.append((time.perf_counter() - start) * args.log_every / max(recorded, 1))
+        out["off"].append(times["off"])
+        out["on"].append(times["on"])
+        out["ratios"].append(times["on"] / times["off"])
+    if not out["interval"]:
+        took = bench.seconds(tel.interval_metrics)
+        out["interval"].append(took * args.log_every / max(recorded, 1))
+    return out
+
+
+def print_results(results: dict[str, Any], args: argparse.Namespace) -> None:
+    off_med, on_med = results["step_s_without"], results["step_s_with"]
+    print(f"telemetry overhead: default model, batch {args.batch}x{args.seq}, {args.pairs} pairs")
+    print(f"  step, recording paused   {off_med * 1000:9.1f} ms (median)")
+    print(f"  step, recording          {on_med * 1000:9.1f} ms (median)")
+    print(f"  router hooks             {results['hook_ms_per_step']:9.2f} ms per step")
+    print(
+        f"  interval_metrics         {results['interval_metrics_ms']:9.1f} ms per "
+        f"{args.log_every} steps"
+    )
+    print(f"  overhead, paired median  {100 * results['overhead_paired_median']:9.2f} %")
+    print(f"  overhead, accounted      {100 * results['overhead_accounted']:9.2f} %")
+    print(f"replay at capacity 4, {results['trace_requests_per_layer']} requests per layer")
+    rows = [
+        (name, f"{row['accesses_per_s']:,.0f}", f"{row['hit_rate']:.3f}")
+        for name, row in results["replay_capacity4"].items()
+    ]
+    print(bench.table(("policy", "requests/s", "hit rate"), rows, "<11 >14 >9", "  "))
+
+
+def main() -> None:
+    parser = bench.parser(__doc__, json="")
+    parser.add_argument("--pairs", type=int, default=12, help="off/on step pairs")
+    parser.add_argument("--log-every", type=int, default=10, help="interval_metrics period")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = MoETransformer(ModelConfig()).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tel = attach(model, policies=("lru", "static"), capacities=(2, 4))
+    with tel.paused():
+        train_step(model, opt, args.batch, args.seq)  # warm-up
+    steps = paired_steps(model, opt, tel, args)
     hook_s = hook_seconds(tel, model, args.batch, args.seq)
     tel.detach()
     trace = tel.trace
-    off_med = statistics.median(off)
-    accounted = (hook_s + statistics.median(interval_s) / args.log_every) / off_med
-    results: dict[str, object] = {
+    off_med = statistics.median(steps["off"])
+    interval_med = statistics.median(steps["interval"])
+    results: dict[str, Any] = {
         "step_s_without": off_med,
-        "step_s_with": statistics.median(on),
-        "overhead_paired_median": statistics.median(ratios) - 1.0,
-        "overhead_accounted": accounted,
+        "step_s_with": statistics.median(steps["on"]),
+        "overhead_paired_median": statistics.median(steps["ratios"]) - 1.0,
+        "overhead_accounted": (hook_s + interval_med / args.log_every) / off_med,
         "hook_ms_per_step": 1000 * hook_s,
-        "interval_metrics_ms": 1000 * statistics.median(interval_s),
+        "interval_metrics_ms": 1000 * interval_med,
         "log_every": args.log_every,
         "tokens_per_step": args.batch * args.seq,
-        "steps": {"off": off, "on": on},
+        "steps": {"off": steps["off"], "on": steps["on"]},
         "threads": torch.get_num_threads(),
     }
     replay = {}
@@ -120,24 +146,9 @@ def main() -> None:
         replay[name] = {"accesses_per_s": stats.accesses_per_s, "hit_rate": stats.hit_rate}
     results["replay_capacity4"] = replay
     results["trace_requests_per_layer"] = int(trace.accesses(0).size)
-
-    print(f"telemetry overhead: default model, batch {args.batch}x{args.seq}, {args.pairs} pairs")
-    print(f"  step, recording paused   {off_med * 1000:9.1f} ms (median)")
-    print(f"  step, recording          {statistics.median(on) * 1000:9.1f} ms (median)")
-    print(f"  router hooks             {results['hook_ms_per_step']:9.2f} ms per step")
-    print(
-        f"  interval_metrics         {results['interval_metrics_ms']:9.1f} ms per "
-        f"{args.log_every} steps"
-    )
-    print(f"  overhead, paired median  {100 * results['overhead_paired_median']:9.2f} %")
-    print(f"  overhead, accounted      {100 * accounted:9.2f} %")
-    print(f"replay at capacity 4, {results['trace_requests_per_layer']} requests per layer")
-    print(f"  {'policy':<12}{'requests/s':>14}{'hit rate':>10}")
-    for name, row in replay.items():
-        print(f"  {name:<12}{row['accesses_per_s']:>14,.0f}{row['hit_rate']:>10.3f}")
+    print_results(results, args)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+        bench.write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

@@ -200,8 +200,17 @@ def bs():
 
 
 @pytest.fixture(scope="module")
-def report(bs):
-    return sys.modules["bench_serve_report"]  # the figures and the table, bench_serve's import
+def report():
+    from moestack.cache import serve_report  # the figures and the table, bench_serve's import
+
+    return serve_report
+
+
+@pytest.fixture(scope="module")
+def sb():
+    from moestack.cache import serve_bench  # the budget, the device, the timed serving
+
+    return serve_bench
 
 
 class FakeClock:
@@ -237,9 +246,9 @@ def test_rows_are_measured_key_comparisons_first(bs):
     assert kinds["disk lru 2k"] == "disk" and kinds["cache static 50%"] == "cache"
 
 
-def test_budget_judges_a_cache_row_by_cache_rows_only(bs):
+def test_budget_judges_a_cache_row_by_cache_rows_only(sb):
     clock = FakeClock()
-    budget = bs.Budget(55.0, start=0.0, clock=clock)
+    budget = sb.Budget(55.0, start=0.0, clock=clock)
     clock.now = 10.0
     budget.record("resident", 4.0)
     clock.now = 50.0
@@ -263,8 +272,8 @@ def test_budget_judges_a_cache_row_by_cache_rows_only(bs):
     assert budget.skip_reason("disk") is None  # 51 + 3.5 = 54.5
     clock.now = 52.0
     assert "3.5 s estimated" in budget.skip_reason("disk")
-    assert bs.Budget(0.0, 0.0, clock).skip_reason("disk") is None  # 0: no budget
-    assert bs.Budget(0.0, 0.0, clock).deadline() is None and budget.deadline() == 55.0
+    assert sb.Budget(0.0, 0.0, clock).skip_reason("disk") is None  # 0: no budget
+    assert sb.Budget(0.0, 0.0, clock).deadline() is None and budget.deadline() == 55.0
 
 
 def measured_row(report) -> dict:
@@ -326,16 +335,16 @@ class FakeLM:
         return SimpleNamespace(logits=logits, past_key_values=past)
 
 
-def test_repeats_stop_where_the_budget_ends(bs):
+def test_repeats_stop_where_the_budget_ends(sb):
     args = argparse.Namespace(warmup=1, repeats=3, row_seconds=60.0, decode_tokens=5)
     prompts = {"a": torch.zeros(1, 4, dtype=torch.long), "b": torch.zeros(1, 6, dtype=torch.long)}
-    dev = bs.Device(torch.device("cpu"))
-    full = bs.serve(FakeLM(), bs.Probe(), prompts, args, dev)
+    dev = sb.Device(torch.device("cpu"))
+    full = sb.serve(FakeLM(), sb.Probe(), prompts, args, dev)
     assert [full[p]["repeats"] for p in ("decode", "prefill")] == [3, 3]
     assert full["decode"]["tokens"] == 15 and full["prefill"]["tokens"] == 18
     assert full["decoded"] == list(range(1, 1 + 1 + 1 + 15))  # prefill A, warm-up, windows
     # a budget that has already ended: one repeat of each phase, and the JSON says so
-    short = bs.serve(FakeLM(), bs.Probe(), prompts, args, dev, deadline=time.monotonic() - 1)
+    short = sb.serve(FakeLM(), sb.Probe(), prompts, args, dev, deadline=time.monotonic() - 1)
     for phase in ("decode", "prefill"):
         assert (short[phase]["repeats"], short[phase]["repeats_wanted"]) == (1, 3)
     assert short["decode"]["tokens"] == 5

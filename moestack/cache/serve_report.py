@@ -318,6 +318,14 @@ def print_table(out: dict[str, Any]) -> None:
             f"| {fmt(mb, 1):>9} | {fmt(d['hit_rate']):>5} | {fmt(stall):>10} "
             f"| {d['repeats']}/{p['repeats']:<2}| {'-' if same is None else ('yes' if same else 'NO'):<4} |"
         )
+    print_notes(out)
+    print_prefetch(out)
+
+
+def print_notes(out: dict[str, Any]) -> None:
+    """What the table's columns mean, the device memory note, the skipped rows."""
+    cfg = out["config"]
+    mib = cfg["expert_bytes"] / 2**20
     print(
         "decode/prefill: the median tokens/s of the repeats (range: the lowest and highest); "
         "x res / x acc: over the resident ceiling's / accelerate's median; MB/token, hit, "
@@ -336,6 +344,10 @@ def print_table(out: dict[str, Any]) -> None:
               "(the reasons above and in the JSON's `skipped`)")  # fmt: skip
     if out.get("interrupted"):
         print(f"bench_serve: {out['interrupted']}")
+
+
+def print_prefetch(out: dict[str, Any]) -> None:
+    """The prefetch figures, one line per pair of rows (without and with prefetch)."""
     if out["prefetch"]:
         print("prefetch: miss time hidden (wall = (s_off - s_on) / miss per decode token, "
               "n/a unless miss >= "
