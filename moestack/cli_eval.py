@@ -163,9 +163,9 @@ def _eval_offloaded(
     every expert weight lives only in the safetensors store and the cache."""
     from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
     from moestack.cache.offload import check_servable
+    from moestack.device import move_resident
     from moestack.evaluation import finite_expert_layers
     from moestack.meta_load import resident_bytes
-    from moestack.runs import move_resident
 
     cache_cfg = _cache_config(args, run.cfg.cache)  # checked by check_offload_config
     for layer, moe in enumerate(run.model.moe_layers):

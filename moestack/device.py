@@ -1,6 +1,7 @@
-"""Where a run computes, and in what precision: the device a ``device`` setting names, and
-the autocast a forward pass runs under there. Training, ``moestack eval``, the
-pre-registered analysis and the benchmarks share them."""
+"""Where a run computes, and in what precision: the device a ``device`` setting names, a
+model moved there with its meta (unread) expert weights left behind, and the autocast a
+forward pass runs under there. Training, ``moestack eval``, the pre-registered analysis
+and the benchmarks share them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise MoestackError("device=cuda but no CUDA device is available; use device=cpu")
     return torch.device("cuda", local_rank) if name == "cuda" else torch.device(name)
+
+
+def move_resident(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+    """``model.to(device)`` for a model whose expert weights may be meta tensors (released,
+    or never read): those stay meta, everything else moves."""
+    return model._apply(lambda t: t if t.is_meta else t.to(device))
 
 
 def autocast_context(device: torch.device) -> contextlib.AbstractContextManager:

@@ -123,6 +123,20 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` atomically (temp file, then rename); NaN/inf become strings, so the
+    file stays valid JSON."""
+    atomic.write_text(path, json.dumps(_plain(data), indent=2))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return jsonable(value)
+
+
 def human_count(n: int) -> str:
     """A count with three significant digits and a suffix (384, 24.8K, 3.45M, 1.20B): never
     0.00M for a few hundred."""

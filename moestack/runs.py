@@ -8,7 +8,7 @@ newest checkpoint falls back to the newest one that verifies), and ``start_out_d
 run's config once the start's checks passed. ``load_run`` serves ``moestack
 eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation, so that they
 all rebuild a run the same way; it too refuses a run whose transformers source folder changed
-since it trained (``check_run_source``).
+since it trained (``moestack.interop.hf_source``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -32,11 +31,11 @@ from omegaconf.errors import OmegaConfBaseException
 from moestack import atomic, checkpoint, distributed, locks, lora
 from moestack.config import DataConfig, HFModelConfig, TrainConfig, to_yaml
 from moestack.data import Corpus
-from moestack.device import resolve_device
+from moestack.device import move_resident, resolve_device
 from moestack.errors import MoestackError
-from moestack.interop.hf_config import check_model_dir
+from moestack.interop.hf_source import check_resume_source, check_run_source, write_source
 from moestack.locks import LOCK_FILE
-from moestack.metrics import jsonable
+from moestack.metrics import write_json  # noqa: F401  (moestack.trainer's, from here)
 from moestack.model import RoutedLM
 from moestack.run_paths import (  # noqa: F401  (moestack.trainer's, from here)
     check_out_dir,
@@ -245,12 +244,6 @@ def _load_transformers_dir(
     return LoadedRun(path, cfg, model, path, 0)
 
 
-def move_resident(model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-    """``model.to(device)`` for a model whose expert weights may be meta tensors (released,
-    or never read): those stay meta, everything else moves."""
-    return model._apply(lambda t: t if t.is_meta else t.to(device))
-
-
 def load_run(
     run_dir: Path | str,
     checkpoint_path: Path | str | None = None,
@@ -271,7 +264,7 @@ def load_run(
     if is_transformers_dir(run_dir):
         return _load_transformers_dir(run_dir, device, experts)
     written = _read_run_config(run_dir)
-    check_run_source(written, run_dir)  # before the source's config.json is read
+    check_run_source(written.model, run_dir)  # before the source's config.json is read
     cfg = written.resolve()
     ckpt = resolve_checkpoint(run_dir, checkpoint_path)
     streamed = experts and cfg.offload_experts != "off"  # its checkpoints hold no experts
@@ -330,7 +323,7 @@ def prepare_out_dir(
     resume_from = None
     if cfg.resume:
         check_resume_config(cfg, out_dir)
-        check_resume_source(cfg, out_dir)
+        check_resume_source(cfg.model, out_dir)
         resume_from = checkpoint.newest_verified(
             ckpt_root,
             *(dist_info.rank, dist_info.world_size),
@@ -360,8 +353,7 @@ def start_out_dir(cfg: TrainConfig, out_dir: Path, dist_info: distributed.DistIn
     if not cfg.resume:
         if (out_dir / "metrics.jsonl").exists():
             (out_dir / "wandb_id.txt").unlink(missing_ok=True)
-        if cfg.model.is_transformers:
-            write_json(out_dir / SOURCE_FILE, source_record(Path(cfg.model.pretrained_path)))
+        write_source(cfg.model, out_dir)
     write_run_config(cfg, out_dir, dist_info)
 
 
@@ -371,69 +363,6 @@ def write_run_config(cfg: TrainConfig, out_dir: Path, dist_info: distributed.Dis
     another lora.rank, leaves the folder's config as it was)."""
     if dist_info.is_main:
         atomic.write_text(out_dir / "config.yaml", to_yaml(cfg))
-
-
-SOURCE_FILE = "source_model.json"  # model=hf: the digests of the folder's config files
-_SOURCE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-)  # fmt: skip
-
-
-def source_record(folder: Path) -> dict[str, Any]:
-    """The transformers folder a ``model=hf`` run started from: its path and the sha256 of
-    each config and tokenizer file it has (the weights are in the run's checkpoints)."""
-    files = {name: checkpoint.sha256_file(folder / name) for name in _SOURCE_FILES
-             if (folder / name).is_file()}  # fmt: skip
-    return {"path": str(folder), "sha256": files}
-
-
-def _changed_source_files(cfg: TrainConfig, out_dir: Path, fix: str) -> list[str]:
-    """The config and tokenizer files of a ``model=hf`` run's source folder whose sha256
-    differs from the run's record (``SOURCE_FILE``; added or removed ones too), sorted; none
-    for moestack's own model or a run started before the record (a warning says so). A
-    record that cannot be read is one MoestackError line ending in ``fix``."""
-    recorded = out_dir / SOURCE_FILE
-    if not cfg.model.is_transformers:
-        return []
-    if not recorded.is_file():
-        log.warning("%s has no %s (started before it was recorded): the source folder %s is "
-                    "not compared", out_dir, SOURCE_FILE, cfg.model.path)  # fmt: skip
-        return []
-    try:
-        before = json.loads(recorded.read_text())["sha256"]
-        if not isinstance(before, dict):
-            raise TypeError("sha256 is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError):
-        raise MoestackError(f"{recorded} cannot be read; {fix}") from None
-    now = source_record(check_model_dir(cfg.model.path))["sha256"]  # a folder gone: one line
-    return sorted(n for n in set(before) | set(now) if before.get(n) != now.get(n))
-
-
-def check_resume_source(cfg: TrainConfig, out_dir: Path) -> None:
-    """Refuse to resume a ``model=hf`` run whose source folder's config or tokenizer files
-    changed since it started: the same shapes may hide another architecture or tokenizer."""
-    changed = _changed_source_files(cfg, out_dir, "start a new out_dir")
-    if changed:
-        raise MoestackError(
-            f"resume=true but {', '.join(changed)} in model.path={cfg.model.path} changed since "
-            f"the run started ({out_dir / SOURCE_FILE}); resume with the folder as it was, or "
-            "start a new out_dir"
-        )
-
-
-def check_run_source(cfg: TrainConfig, run_dir: Path) -> None:
-    """Refuse to load (evaluate, export) a ``model=hf`` run whose source folder's config or
-    tokenizer files changed since it trained: the run's checkpoints hold only its weights,
-    the architecture, routing and tokenizer are read from that folder, so a change there
-    (``norm_topk_prob`` flipped, another tokenizer) would give another model in silence."""
-    changed = _changed_source_files(cfg, run_dir, "train the run again")
-    if changed:
-        raise MoestackError(
-            f"{', '.join(changed)} in model.path={cfg.model.path} changed since the run "
-            f"{run_dir} trained ({run_dir / SOURCE_FILE}); put the folder back as it was, or "
-            "train a new run of the changed folder"
-        )
 
 
 def check_resume_config(cfg: TrainConfig, out_dir: Path) -> None:
@@ -491,17 +420,3 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return out
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` atomically (temp file, then rename); NaN/inf become strings, so the
-    file stays valid JSON."""
-    atomic.write_text(path, json.dumps(_plain(data), indent=2))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return jsonable(value)

@@ -29,7 +29,7 @@ import time
 import torch
 
 from moestack.config import CHECKPOINTING
-from moestack.evaluation import autocast_context
+from moestack.device import autocast_context
 from moestack.memory_plan import measure_activations, plan_memory
 from moestack.optim import build_optimizer
 from moestack.prereg.compose import compose_config

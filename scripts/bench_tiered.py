@@ -172,7 +172,7 @@ def _device_run(
 ) -> dict[str, Any]:
     """Peak memory and step times of ``steps`` training steps of model ``name`` on the GPU
     (else the CPU) with ``optim``, after two warm-up steps."""
-    from moestack.evaluation import autocast_context
+    from moestack.device import autocast_context
     from moestack.optim import apply_param_dtype
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

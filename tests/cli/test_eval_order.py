@@ -70,7 +70,7 @@ def no_corpus(monkeypatch) -> list[str]:
         (moestack.data, "stdlib_documents"),
         (moestack.data, "_file_documents"),
         (moestack.runs, "run_corpus"),
-        (moestack.runs, "load_corpus"),
+        (moestack.data.DataConfig, "build"),
     ):
         monkeypatch.setattr(module, name, refuse(name))
     return calls
