@@ -117,8 +117,7 @@ class ModelConfig:
             )
         return MoETransformer(self, seed=seed, experts_on_meta=experts_on_meta)
 
-    # What a caller asks of the model's config instead of its type; HFModelConfig answers
-    # the same (moestack.interop.hf_model).
+    # What a caller asks instead of the config's type (HFModelConfig answers the same).
     is_transformers = False  # a transformers model folder (HFModelConfig), not this model
     pretrained_path = ""  # the folder its weights and tokenizer come from: none, bytes
     plan_notes = ()  # what the memory plan says of its figures: nothing more
