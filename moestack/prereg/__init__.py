@@ -58,13 +58,7 @@ from __future__ import annotations
 
 import logging
 
-from moestack.prereg.analysis import (
-    EVAL_FILE,
-    analysis_key,
-    collect,
-    evaluate_hypotheses,
-    evaluate_run,
-)
+from moestack.prereg.analysis import EVAL_FILE, analysis_key, collect, evaluate_run
 from moestack.prereg.compose import check_overrides, compose_config, config_choices
 from moestack.prereg.decision import ONE_SIDED, check_rules
 from moestack.prereg.evaluate import evaluate_finished
@@ -92,6 +86,7 @@ from moestack.prereg.kept import (
 )
 from moestack.prereg.kept import render as render_kept
 from moestack.prereg.locking import LOCK_SUFFIX, lock, lock_path, sha256_file, verify
+from moestack.prereg.markdown import md
 from moestack.prereg.parts import Analysis, Budget, Hypothesis, Power, Runs
 from moestack.prereg.power import load_pilot, power, seeds_needed
 from moestack.prereg.power import render as render_power
@@ -105,7 +100,8 @@ from moestack.prereg.provenance import (
     read_run_record,
     write_run_record,
 )
-from moestack.prereg.report import analyze, md, plot_capacity, plot_scatter, render_markdown
+from moestack.prereg.report import analyze, render_markdown
+from moestack.prereg.report_plots import plot_capacity, plot_scatter
 from moestack.prereg.runner import (
     CLAIM_FILE,
     SUMMARY_FILE,
@@ -124,6 +120,7 @@ from moestack.prereg.spec import Prereg, RunSpec, load, parse
 from moestack.prereg.stats import half_width, holm, mean_ci, t_quantile, t_sf
 from moestack.prereg.status import render as render_status
 from moestack.prereg.status import status
+from moestack.prereg.verdicts import evaluate_hypotheses
 
 log = logging.getLogger(__name__)
 

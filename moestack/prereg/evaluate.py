@@ -19,12 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moestack.errors import MoestackError
-from moestack.prereg.analysis import (
-    analysis_key,
-    cached_evaluation,
-    evaluate_shard,
-    metric_names,
-)
+from moestack.prereg.analysis import analysis_key, cached_evaluation, evaluate_shard, metric_names
 from moestack.prereg.locking import verify
 from moestack.prereg.provenance import check_identities
 from moestack.prereg.runner import check_runs, default_out_dir, is_finished, plan

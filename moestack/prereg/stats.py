@@ -12,7 +12,7 @@ u = arctan(t / sqrt(df)), where the tail is accurate for any x.
 
 A NaN (or, where a value is averaged, an infinity) is refused, naming it: ``max(0, nan)`` is
 0, so a NaN statistic would read as p = 0, a pass. The analysis decides what a run with a
-non-finite metric means before anything reaches these (``analysis._arm_row``).
+non-finite metric means before anything reaches these (``verdicts._arm_row``).
 """
 
 from __future__ import annotations

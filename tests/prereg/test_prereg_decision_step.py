@@ -17,10 +17,11 @@ from helpers.paths import EXPERIMENTS
 from helpers.prereg import full_metrics, study
 
 from moestack import prereg
-from moestack.prereg.analysis import control_rows, metric_names, misses_rows
+from moestack.prereg.analysis import metric_names
 from moestack.prereg.decision import state
 from moestack.prereg.report import _json_safe, decide_and_report, render_markdown
 from moestack.prereg.stats import mean_ci, one_sided, t_quantile, t_sf
+from moestack.prereg.verdicts import control_rows, misses_rows
 
 LOCK = {"sha256": "0" * 64, "study_sha256": "1" * 64, "locked_at": "now", "history": []}
 
@@ -253,7 +254,7 @@ def test_the_misses_table_gives_seed_means_and_sds(tmp_path) -> None:
     assert (one["mean"], one["sd"], one["min"], one["max"]) == (2.0, 1.0, 1.0, 3.0)
     assert eight["mean"] == pytest.approx(0.625) and eight["n"] == 2 and eight["nonfinite"] == 1
     assert eight["sd"] == pytest.approx(statistics.stdev([0.5, 0.75]))
-    lines = prereg.report._misses_lines(table)
+    lines = prereg.report_tables.misses_lines(table)
     text = "\n".join(lines)
     assert "| arm | capacity | seeds | batch 1 | batch 8 |\n|---|---|---|---|---|" in text
     assert "| a | 2 | 3 | 2 +- 1 | 2 +- 1 |" in text
@@ -439,7 +440,7 @@ def test_a_value_hypothesis_ignores_a_broken_baseline(tmp_path):
 def test_steered_rows_leave_out_a_broken_baseline_run() -> None:
     """The baseline's seed 0 at perplexity inf: its pair leaves the steered rows' changes
     against the baseline (before, it added -100% to their mean); the others stay."""
-    from moestack.prereg.analysis import steered_rows
+    from moestack.prereg.verdicts import steered_rows
 
     spec = prereg.load(EXPERIMENTS / "prereg_cpu_v3.yaml")
     records = shipped_records(spec, V3)

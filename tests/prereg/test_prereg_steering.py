@@ -120,7 +120,7 @@ def test_steered_metrics_of_a_model(tmp_path: Path) -> None:
 
 def test_steered_rows_against_hand_worked_numbers(tmp_path: Path) -> None:
     """Arm a at seeds 0 and 1 (seed 2 not finished); the baseline at every seed."""
-    from moestack.prereg.analysis import steered_rows
+    from moestack.prereg.verdicts import steered_rows
 
     spec = prereg.parse(steered_study(reroute_taus=[0.25]), tmp_path / "s.yaml")
 
@@ -147,7 +147,7 @@ def test_steered_rows_against_hand_worked_numbers(tmp_path: Path) -> None:
     assert a["misses_vs_baseline"] == pytest.approx((0.25 - 1 + 0.25 - 1) / 2)
     assert a["perplexity_vs_baseline"] == pytest.approx((0.21 + 0.05) / 2)
     assert rows["baseline"]["misses_vs_unsteered"] == pytest.approx((-0.5 - 0.75) / 2)
-    text = "\n".join(prereg.report._steered_lines(steered_rows(spec, records)))
+    text = "\n".join(prereg.report_tables.steered_lines(steered_rows(spec, records)))
     assert "| a | reroute0.25 | 2 | 2 | 0.75 | -50.0% | -75.0% |" in text
 
 
