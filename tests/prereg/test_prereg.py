@@ -429,7 +429,7 @@ def test_jobs_train_a_study_with_several_runner_processes(tmp_path: Path) -> Non
 def test_capacity_plot_takes_arms_whose_seeds_agree(tmp_path) -> None:
     """An arm whose seeds give equal hit rates (an un-tuned model) has a mean that rounds
     past them (0.1 x 3 / 3 > 0.1): its bar must not go negative (matplotlib refuses it)."""
-    from moestack.prereg.report import plot_capacity
+    from moestack.prereg.report_plots import plot_capacity
 
     spec = prereg.load(EXPERIMENTS / "prereg_cpu.yaml")
     a = spec.analysis
@@ -451,7 +451,7 @@ def test_batch_curves_are_each_arms_seed_mean_and_range(tmp_path) -> None:
     """Misses per token against the serving batch: batch 1 is the one-stream replay, each
     point the mean of the arm's finished seeds with their min and max (worked by hand); an
     unfinished run counts for nothing. The figure is drawn; a one-stream study has none."""
-    from moestack.prereg.report import batch_curves, plot_batches
+    from moestack.prereg.report_plots import batch_curves, plot_batches
 
     spec = prereg.load(EXPERIMENTS / "prereg_cpu_v3.yaml")
     a = spec.analysis
