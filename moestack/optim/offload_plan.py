@@ -61,37 +61,23 @@ def plan_offload(
     depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
     steps the parameters themselves: it keeps a master copy, reads packed gradients (two
     buffers: the next step's land beside the ones the update reads) and copies weights back,
-    through the buckets where the step is pipelined.
-    A pipelined step (``pipeline``: :func:`moestack.optim.switches.decide`, where every
-    parameter is on a GPU and ``overlap`` is on) runs the staged mode, its gradients crossing
-    in their own dtype when all are bf16. Sharded state with ``reduce_on_device``
-    (:func:`_reduces_on_device`; ``backend``: the process group's) keeps only this rank's
-    gradient shard on the host, in the gradients' dtype, and bf16 weights staged back."""
+    through the buckets where the step is pipelined (:func:`_pipelines`). Device
+    collectives (:func:`_reduces_on_device`; ``backend``: the process group's) keep only
+    this rank's gradient shard on the host."""
     distributed = world_size > 1
-    why_not = buckets.refusal(
-        specs,
-        distributed=distributed,
-        skip_idle_experts=skip_idle_experts,
-        fused_step=fused_step,
-        in_place=in_place,
-    )
-    pipelined = switches.decide(
-        "pipeline", pipeline, why_not, pays=overlap and buckets.on_devices(specs)
-    )
+    pipelined = _pipelines(specs, pipeline, overlap, distributed, fused_step, in_place,
+                           skip_idle_experts)  # fmt: skip
     num_shards = world_size if (distributed and shard) else 1
     shards = _shard_plan(specs, group_of, is_expert, num_shards, rank)
-    steps_in_place = transfer.choose_in_place(
-        False if (update_delay or pipelined) else in_place, specs, distributed
-    )
+    never = update_delay or pipelined  # a master copy: the parameters stay as they are
+    steps_in_place = transfer.choose_in_place(False if never else in_place, specs, distributed)
     device_reduce = _reduces_on_device(
         specs, reduce_on_device, num_shards, fused_step, backend, skip_idle_experts
     )
     mode = _fused_mode(specs, fused_step, pipelined, steps_in_place, update_delay, distributed,
                        num_shards)  # fmt: skip
     split = mode is not None and fused.wants_split_master(fused_step, mode, specs) and native()
-    staging = None if mode is None else fused.staging_dtype_of(mode, specs)
-    if device_reduce and specs[0].dtype == torch.bfloat16:
-        staging = torch.bfloat16  # the shard's new weights cross back as bf16
+    staging = _staging_dtype(specs, mode, device_reduce)
     # gradients packed into host buffers, weights copied back: all but the direct fused step
     # (it reads p.grad and writes p.data itself) and the in-place one
     pack = not steps_in_place and mode != fused.DIRECT
@@ -111,6 +97,42 @@ def plan_offload(
     )
 
 
+def _pipelines(
+    specs: Sequence[ParamSpec],
+    requested: bool | str,
+    overlap: bool,
+    distributed: bool,
+    fused_step: str,
+    in_place: bool | None,
+    skip_idle_experts: bool,
+) -> bool:
+    """Whether the step runs bucket by bucket (``pipeline``,
+    :func:`moestack.optim.switches.decide`): where ``buckets.refusal`` allows it and, on
+    "auto", every parameter is on a GPU and ``overlap`` is on. It runs the fused step's
+    staged mode, its gradients crossing in their own dtype when all are bf16."""
+    why_not = buckets.refusal(
+        specs,
+        distributed=distributed,
+        skip_idle_experts=skip_idle_experts,
+        fused_step=fused_step,
+        in_place=in_place,
+    )
+    return switches.decide(
+        "pipeline", requested, why_not, pays=overlap and buckets.on_devices(specs)
+    )
+
+
+def _staging_dtype(
+    specs: Sequence[ParamSpec], mode: str | None, device_reduce: bool
+) -> torch.dtype | None:
+    """The dtype of the staged weight buffer: the fused mode's, bf16 where the device
+    collectives send a bf16 shard's new weights back; None without a fused step."""
+    staging = None if mode is None else fused.staging_dtype_of(mode, specs)
+    if device_reduce and specs[0].dtype == torch.bfloat16:
+        staging = torch.bfloat16  # the shard's new weights cross back as bf16
+    return staging
+
+
 def _reduces_on_device(
     specs: Sequence[ParamSpec],
     requested: bool | str,
@@ -120,7 +142,9 @@ def _reduces_on_device(
     skip_idle_experts: bool,
 ) -> bool:
     """Whether the ranks reduce their gradients on the devices (``reduce_on_device``): where
-    ``device_comm.refusal`` allows it and, on "auto", every parameter is on a GPU."""
+    ``device_comm.refusal`` allows it and, on "auto", every parameter is on a GPU. Then
+    only this rank's gradient shard is on the host, in the gradients' dtype, and bf16
+    weights are staged back."""
     why_not = device_comm.refusal(
         specs,
         num_shards=num_shards,
