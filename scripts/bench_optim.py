@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -49,19 +48,18 @@ from typing import Any
 from unittest import mock
 
 import torch
-from bench_optim_parts import (  # a sibling module: scripts/ is on sys.path when run
-    _release,
+
+from moestack import bench
+from moestack.optim import OffloadAdamW, fused
+from moestack.optim.train_bench import (
     delayed_loss,
     gpu_step_time,
-    kernel_streams,
     make_params,
-    print_kernel_table,
     print_train_table,
+    release,
     set_grads,
     train_step_time,
 )
-
-from moestack.optim import OffloadAdamW, fused
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -104,18 +102,13 @@ def memory(n: float, experts: int) -> dict[str, Any]:
     }
     if device == "cpu":
         out["note"] = "no GPU: 'device' counts the model's weights and grads by role"
-    _release(opt)
+    release(opt)
     return out
 
 
 def _time_steps(opt: torch.optim.Optimizer, reps: int) -> float:
-    opt.step()  # warm-up (lazy state, kernel build)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``reps`` steps after one warm-up step (lazy state, kernel build)."""
+    return statistics.median(bench.times(opt.step, warmup=1, repeats=reps))
 
 
 # name: (parameter dtype, bytes per parameter the step must move, optimizer for the params).
@@ -161,13 +154,8 @@ def copy_bandwidth(reps: int) -> dict[str, float]:
     times: dict[str, list[float]] = {"copy": [], "scale": []}
     for _ in range(max(reps, 3)):
         dst.copy_(src)  # also the warm-up of the first repeat
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        t1 = time.perf_counter()
-        src.mul_(1.0)
-        t2 = time.perf_counter()
-        times["copy"].append(t1 - t0)
-        times["scale"].append(t2 - t1)
+        times["copy"].append(bench.seconds(lambda: dst.copy_(src)))
+        times["scale"].append(bench.seconds(lambda: src.mul_(1.0)))
     copy, scale = (statistics.median(times[k]) for k in ("copy", "scale"))
     return {
         "stream": 8 * COPY_ELEMENTS / copy,
@@ -227,7 +215,7 @@ def throughput(
             "variants": rows,
         }
     for opt, _ in built.values():
-        _release(opt)
+        release(opt)
     del built
     out.update(step_parts(n, experts, reps))  # at the last (largest) thread count
     return out
@@ -272,24 +260,21 @@ def step_parts(n: float, experts: int, reps: int) -> dict[str, Any]:
         staged = OffloadAdamW(bf16, fused_step="native")
     for opt in (torch_opt, ref, staged):
         opt.step()  # lazy state, kernel build
-    secs: dict[str, list[float]] = {
-        k: [] for k in ("torch", "pack", "update", "copy_back", "staged")
-    }
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch_opt.step()
+
+    def pack() -> None:
         ref._grads_ready = False
-        t1 = time.perf_counter()
         ref._sync_grads()
-        t2 = time.perf_counter()
-        ref._step_spans(ref._jobs(), ref._host, ref._steps, ref._grad_scale)
-        t3 = time.perf_counter()
-        ref._return_weights(ref._active, ref._idle)
-        t4 = time.perf_counter()
-        staged._step_spans(staged._jobs(), staged._host, staged._steps, staged._grad_scale)
-        t5 = time.perf_counter()
-        for key, sec in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
-            secs[key].append(sec)
+
+    calls = {  # run back to back in this order each repeat
+        "torch": torch_opt.step,
+        "pack": pack,
+        "update": lambda: ref._step_spans(ref._jobs(), ref._host, ref._steps, ref._grad_scale),
+        "copy_back": lambda: ref._return_weights(ref._active, ref._idle),
+        "staged": lambda: staged._step_spans(
+            staged._jobs(), staged._host, staged._steps, staged._grad_scale
+        ),
+    }
+    secs = bench.interleave(calls, reps, rotate=False)
     ms = {k: 1e3 * statistics.median(v) for k, v in secs.items()}
     parts = ("pack", "update", "copy_back")
     rows: dict[str, Any] = {f"offload_master_copy_{k}_ms": ms[k] for k in parts}
@@ -299,7 +284,7 @@ def step_parts(n: float, experts: int, reps: int) -> dict[str, Any]:
     rows["staged_update_backend"] = staged.host_step
     rows["torch_adamw_fused_ms"] = ms["torch"]
     for opt in (ref, staged):
-        _release(opt)
+        release(opt)
     return rows
 
 
@@ -366,18 +351,15 @@ def machine() -> str:
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     """The command line, checked; the parser too, for the --only check, which needs the sections."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench.parser(__doc__, reps=10, threads=0, rounds=5, json="")
     ap.add_argument("--params", type=float, default=8e6, help="parameters per measurement")
     ap.add_argument("--experts", type=int, default=8, help="experts in the stacked tensors")
-    ap.add_argument("--reps", type=int, default=10, help="timed steps (median)")
     ap.add_argument("--drift-steps", type=int, default=200, help="steps for drift figures")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     ap.add_argument(
         "--thread-counts",
         default="1,2,all",
         help="throughput: thread counts to measure ('all' = every core; --threads overrides)",
     )
-    ap.add_argument("--rounds", type=int, default=5, help="throughput: interleaved rounds")
     ap.add_argument(
         "--skip-variants",
         default="",
@@ -385,7 +367,6 @@ def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
         "master_bf16_compile, whose torch.compile takes most of a toy run); "
         "torch_adamw_fused, the baseline of the ratios, always runs",
     )
-    ap.add_argument("--json", default="", help="also write the results to this JSON file")
     ap.add_argument(
         "--only",
         default="",
@@ -472,9 +453,104 @@ def main() -> None:
         results[name] = sections[name]()
         print_section(name, results[name])
         if args.json:
-            tmp = Path(args.json + ".tmp")
-            tmp.write_text(json.dumps(results, indent=2) + "\n")
-            tmp.replace(args.json)
+            bench.write_json(args.json, results)
+
+
+# name: (gradient dtype, moment dtype, output dtype or None (int16: a split master), bytes
+# read, bytes written) per parameter. torch's in-place step reads gradient, weight and both moments (16) and writes the
+# last three back (12); the native kernel reads the gradient as it arrives and writes the
+# narrowed weight as a separate (streamed) store.
+KERNEL_VARIANTS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None, int, int]] = {
+    "torch_fused_adamw_kernel": (torch.float32, torch.float32, None, 16, 12),
+    "native_fp32_grad_no_out": (torch.float32, torch.float32, None, 16, 12),
+    "native_bf16_grad_bf16_out": (torch.bfloat16, torch.float32, torch.bfloat16, 14, 14),
+    "native_fp32_grad_bf16_out": (torch.float32, torch.float32, torch.bfloat16, 16, 14),
+    "native_bf16_moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 10, 10),
+    # the whole step with a split master: bf16 weight and int16 remainder read and written
+    "native_split_master": (torch.bfloat16, torch.float32, torch.int16, 14, 12),
+}
+
+
+def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict[str, Any]:
+    """The step kernels alone, no optimizer around them: torch's ``_fused_adamw_`` on one flat
+    fp32 tensor against the native kernel with the same streams (fp32 gradient, no output)
+    and with the whole step's (bf16 gradient in, bf16 weight out). Shows what the reads and
+    writes cost: equal bytes need not take equal time when one variant writes more.
+    Each round runs every thread count and variant once (median of ``reps`` calls); each
+    keeps its best round."""
+    numel = int(n)
+    calls, alive = _kernel_calls(numel)  # alive: the tensors behind the calls' raw pointers
+    best: dict[tuple[int, str], float] = {}
+    for _ in range(rounds):
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for name, call in calls.items():
+                times = bench.times(call, warmup=1, repeats=reps)
+                best[nt, name] = max(best.get((nt, name), 0.0), numel / statistics.median(times))
+    del alive
+    rows: dict[str, Any] = {"params": numel, "rounds": rounds}
+    for nt in threads:
+        base = best[nt, "torch_fused_adamw_kernel"]
+        rows[f"threads_{nt}"] = {
+            name: {
+                "bytes_read": read,
+                "bytes_written": written,
+                "params_per_s": best[nt, name],
+                "vs_torch_kernel": best[nt, name] / base,
+            }
+            for name, (*_, read, written) in KERNEL_VARIANTS.items()
+        }
+    return rows
+
+
+def _kernel_calls(numel: int) -> tuple[dict[str, Any], list[Any]]:
+    """One call per kernel variant on ``numel`` random parameters, and the tensors they
+    point at (kept alive while the calls run)."""
+    from moestack.kernels import host_adamw
+
+    kernel = host_adamw.load()
+    gen = torch.Generator().manual_seed(0)
+    calls = {}
+    alive = []
+    for name, (g_dt, s_dt, o_dt, _, _) in KERNEL_VARIANTS.items():
+        x = torch.randn(numel, generator=gen)
+        g = torch.randn(numel, generator=gen).to(g_dt)
+        m = (torch.randn(numel, generator=gen) * 0.1).to(s_dt)
+        v = (torch.rand(numel, generator=gen) * 0.01).to(s_dt)
+        if name.startswith("torch"):
+            step = torch.zeros(())
+            args = ([x], [g], [m], [v], [], [step])
+            hp = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
+            calls[name] = lambda a=args, h=hp: torch._fused_adamw_(
+                *a, amsgrad=False, maximize=False, **h
+            )
+            continue
+        out = None if o_dt is None else torch.empty(numel, dtype=o_dt)
+        if o_dt == torch.int16:  # a split master: out holds the weights, x the remainders
+            out = torch.empty(numel, dtype=torch.bfloat16)
+            x = host_adamw.split_master(x, out)
+        coef = host_adamw.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
+                                   "weight_decay": 0.01, "eps": 1e-8}, 10)  # fmt: skip
+        alive.append((x, g, m, v, out))
+        prepared = kernel.prepare([host_adamw.Seg(x, g, m, v, out, coef)])
+        calls[name] = lambda p=prepared, c=coef: kernel.run(p, [c])
+    return calls, alive
+
+
+def print_kernel_table(rows: dict[str, Any]) -> None:
+    """The kernels section as one table per thread count."""
+    print(f"  {rows['params']:,} parameters, best of {rows['rounds']} interleaved rounds")
+    for key, table in rows.items():
+        if key.startswith("threads_"):
+            print(f"\n  {key.removeprefix('threads_')} thread(s):")
+            print("  {:<28} {:>6} {:>9} {:>9} {:>9}".format(
+                "kernel", "read", "written", "Mparam/s", "vs torch"))  # fmt: skip
+            for name, r in table.items():
+                print(
+                    f"  {name:<28} {r['bytes_read']:>6} {r['bytes_written']:>9} "
+                    f"{r['params_per_s'] / 1e6:>9.0f} {r['vs_torch_kernel']:>8.2f}x"
+                )
+    print()
 
 
 if __name__ == "__main__":

@@ -3,12 +3,9 @@ contender says how its step ran (pipelined or not, which host kernel); one that 
 recorded with its reason while the others still run; the delayed-loss comparison fits a
 time budget and reports a failing mode instead of dying."""
 
-import sys
-
 import pytest
 import torch
 from helpers.native_kernel import native_kernel
-from helpers.paths import SCRIPTS
 
 from moestack.optim import buckets, fused
 
@@ -17,13 +14,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def parts():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_optim_parts
+    from moestack.optim import train_bench  # bench_optim's train_step and delay_loss sections
 
-        yield bench_optim_parts
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    return train_bench
 
 
 def test_a_contender_that_fails_is_recorded_and_the_others_still_run(parts, monkeypatch, capsys):

@@ -1,10 +1,12 @@
-"""The parts of bench_optim shared by its sections, and the ones that need a device model:
-synthetic parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, a
-whole training step of an MoE transformer (OffloadAdamW, exact and delayed, against torch
-AdamW and torchao's CPUOffloadOptimizer when installed, each clipped and unclipped) with the
-time the compute stream sits idle per step and the pinned copy bandwidth each way and both
-at once, and the loss of the delayed update against the exact one.
-``python scripts/bench_optim.py`` runs them."""
+"""The training-step benchmark of the optimizers (``scripts/bench_optim.py``'s sections
+gpu, train_step and delay_loss; its docstring says what each figure means): synthetic
+parameters and gradients, OffloadAdamW clean-up, the GPU optimizer step time, a whole
+training step of an MoE transformer (OffloadAdamW, exact and delayed, against torch AdamW
+and torchao's CPUOffloadOptimizer when installed, each clipped and unclipped) with its
+parts, the time the compute stream sits idle per step and the pinned copy bandwidth each
+way and both at once, and the loss of the delayed update against the exact one. It reaches
+into OffloadAdamW's internals (its parts are timed by wrapping them), so it lives beside
+them: a rename fails its tests here rather than on a lent GPU."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ import gc
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from moestack import bench
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.model import MoETransformer
 from moestack.optim import (
@@ -76,23 +79,16 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
             opt = torch.optim.AdamW(master, fused=True)
             params = [(k, m) for (k, _), m in zip(params, master, strict=True)]
         set_grads(params, 3)
-        opt.step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            opt.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times = bench.times(opt.step, "cuda", warmup=1, repeats=reps)
         out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
         out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        _release(opt)
+        release(opt)
         del opt, params
     _fresh_cuda_memory()
     return out
 
 
-def _release(opt: Any) -> None:
+def release(opt: Any) -> None:
     """Unhook an OffloadAdamW from its parameters (its delayed update applied first), so
     that dropping both frees them."""
     sync = getattr(opt, "synchronize", None)
@@ -204,11 +200,8 @@ def _step_fn(
 ) -> Any:
     """One training step of ``model`` on ``tokens`` (bf16 autocast on CUDA): its loss. With
     ``probe``, the clip and the optimizer step are bracketed by its events."""
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if tokens.device.type == "cuda"
-        else contextlib.nullcontext()
-    )
+    cuda = tokens.device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
     torchao = _is_torchao(opt)
 
     def update() -> None:
@@ -403,13 +396,9 @@ def how_it_runs(name: str, opt: Any) -> dict[str, Any]:
 
 
 def _time_contender(
-    name: str,
-    model_cfg: ModelConfig,
-    device: torch.device,
-    tokens: torch.Tensor,
-    reps: int,
+    name: str, model_cfg: ModelConfig, device: torch.device, tokens: torch.Tensor, reps: int,
     out: dict[str, Any],
-) -> None:
+) -> None:  # fmt: skip
     """Contender ``name``'s training step into ``out`` (what it measured stays there if it
     fails): how it runs (:func:`how_it_runs`), median time, peak device memory, first and
     last loss; OffloadAdamW's parts; an offloading optimizer's idle compute stream (CUDA)."""
@@ -423,13 +412,7 @@ def _time_contender(
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # the peak of steady-state steps
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            losses.append(step())  # float(loss) synchronises with the device
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+        times = bench.times(lambda: losses.append(step()), device, repeats=reps)
         numel = sum(p.numel() for p in model.parameters())
         out["params"] = numel
         out[f"{name}_step_ms"] = 1e3 * statistics.median(times)
@@ -445,7 +428,7 @@ def _time_contender(
             idle = compute_idle(model, opt, clip, tokens, min(reps, 3))  # within the phase cap
             out[f"{name}_compute_idle_ms"] = idle
     finally:
-        _release(opt)  # its hooks off the parameters: the model and it are freed with this frame
+        release(opt)  # its hooks off the parameters: the model and it are freed with this frame
 
 
 DELAY_LOSS_MODES = ("offload_adamw", "offload_adamw_delayed")
@@ -486,13 +469,9 @@ def delayed_loss(
 
 
 def _losses_of(
-    name: str,
-    model_cfg: ModelConfig,
-    device: torch.device,
-    shape: tuple[int, int],
-    steps: int,
+    name: str, model_cfg: ModelConfig, device: torch.device, shape: tuple[int, int], steps: int,
     deadline: float | None,
-) -> tuple[list[float], dict[str, Any]]:
+) -> tuple[list[float], dict[str, Any]]:  # fmt: skip
     """The loss of each training step of contender ``name`` on the delay_loss batches (seed
     1), ``steps`` of them or, with ``deadline`` (time.monotonic()), those made before it
     (:data:`DELAY_LOSS_MIN_STEPS` at least); and how it ran (:func:`how_it_runs`)."""
@@ -509,7 +488,7 @@ def _losses_of(
             losses.append(_step_fn(model, opt, clip, tokens)())
         return losses, how_it_runs(name, opt)
     finally:
-        _release(opt)
+        release(opt)
 
 
 def offload_step_parts(
@@ -536,48 +515,53 @@ def offload_step_parts(
     if opt.pipelined:
         parts["release"], owners["release"] = "release", opt._pipe
     overlapped = {"host_update"} if (opt.update_delay or opt.pipelined) else set()
-    per_step: dict[str, float] = {}
-    nesting = threading.local()  # a part called inside another counts as the outer one's time
-    lock = threading.Lock()
-
-    def timed(fn: Any, part: str) -> Any:
-        def run(*args: Any, **kw: Any) -> Any:
-            if getattr(nesting, "part", None):
-                return fn(*args, **kw)
-            nesting.part = part
-            t0 = time.perf_counter()
-            try:
-                result = fn(*args, **kw)
-                if device.type == "cuda" and part in ("return_weights", "wait_update"):
-                    torch.cuda.synchronize()
-            finally:
-                nesting.part = None
-            with lock:
-                per_step[part] = per_step.get(part, 0.0) + time.perf_counter() - t0
-            return result
-
-        return run
-
+    timer = _PartTimer(device)
     for part, attr in parts.items():
-        setattr(owners[part], attr, timed(getattr(owners[part], attr), part))
+        setattr(owners[part], attr, timer.wrap(getattr(owners[part], attr), part))
     rows: dict[str, list[float]] = {part: [] for part in (*parts, "rest")}
     try:
         for _ in range(reps):
-            per_step.clear()
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            total = time.perf_counter() - t0
-            with lock:
+            timer.per_step.clear()
+            total = bench.seconds(step, device)
+            with timer.lock:
                 for part in parts:
-                    rows[part].append(per_step.get(part, 0.0))
-                serial = sum(t for part, t in per_step.items() if part not in overlapped)
+                    rows[part].append(timer.per_step.get(part, 0.0))
+                serial = sum(t for part, t in timer.per_step.items() if part not in overlapped)
             rows["rest"].append(total - serial)
     finally:
         for part, attr in parts.items():
             delattr(owners[part], attr)  # the class's methods again
     return {f"{prefix}{part}_ms": 1e3 * statistics.median(v) for part, v in rows.items()}
+
+
+class _PartTimer:
+    """Seconds spent in each wrapped part during a step (``per_step``, by part), from any
+    thread; a part called inside another counts as the outer one's time; the weights'
+    return and the wait for an update are timed to the end of their copies on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.per_step: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self._nesting = threading.local()
+
+    def wrap(self, fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        def run(*args: Any, **kw: Any) -> Any:
+            if getattr(self._nesting, "part", None):
+                return fn(*args, **kw)
+            self._nesting.part = part
+            t0 = time.perf_counter()
+            try:
+                result = fn(*args, **kw)
+                if self.device.type == "cuda" and part in ("return_weights", "wait_update"):
+                    torch.cuda.synchronize()
+            finally:
+                self._nesting.part = None
+            with self.lock:
+                self.per_step[part] = self.per_step.get(part, 0.0) + time.perf_counter() - t0
+            return result
+
+        return run
 
 
 def _torchao_offload() -> Any:
@@ -587,100 +571,6 @@ def _torchao_offload() -> Any:
     except Exception:  # not installed, or built for another torch
         return None
     return CPUOffloadOptimizer
-
-
-# name: (gradient dtype, moment dtype, output dtype or None (int16: a split master), bytes
-# read, bytes written) per parameter. torch's in-place step reads gradient, weight and both moments (16) and writes the
-# last three back (12); the native kernel reads the gradient as it arrives and writes the
-# narrowed weight as a separate (streamed) store.
-KERNEL_VARIANTS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype | None, int, int]] = {
-    "torch_fused_adamw_kernel": (torch.float32, torch.float32, None, 16, 12),
-    "native_fp32_grad_no_out": (torch.float32, torch.float32, None, 16, 12),
-    "native_bf16_grad_bf16_out": (torch.bfloat16, torch.float32, torch.bfloat16, 14, 14),
-    "native_fp32_grad_bf16_out": (torch.float32, torch.float32, torch.bfloat16, 16, 14),
-    "native_bf16_moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 10, 10),
-    # the whole step with a split master: bf16 weight and int16 remainder read and written
-    "native_split_master": (torch.bfloat16, torch.float32, torch.int16, 14, 12),
-}
-
-
-def kernel_streams(n: float, reps: int, threads: list[int], rounds: int) -> dict[str, Any]:
-    """The step kernels alone, no optimizer around them: torch's ``_fused_adamw_`` on one flat
-    fp32 tensor against the native kernel with the same streams (fp32 gradient, no output)
-    and with the whole step's (bf16 gradient in, bf16 weight out). Shows what the reads and
-    writes cost: equal bytes need not take equal time when one variant writes more.
-    Each round runs every thread count and variant once (median of ``reps`` calls); each
-    keeps its best round."""
-    from moestack.kernels import host_adamw
-
-    kernel = host_adamw.load()
-    numel = int(n)
-    gen = torch.Generator().manual_seed(0)
-    best: dict[tuple[int, str], float] = {}
-    calls = {}
-    alive = []  # the tensors behind each prepared call's raw pointers
-    for name, (g_dt, s_dt, o_dt, _, _) in KERNEL_VARIANTS.items():
-        x = torch.randn(numel, generator=gen)
-        g = torch.randn(numel, generator=gen).to(g_dt)
-        m = (torch.randn(numel, generator=gen) * 0.1).to(s_dt)
-        v = (torch.rand(numel, generator=gen) * 0.01).to(s_dt)
-        if name.startswith("torch"):
-            step = torch.zeros(())
-            args = ([x], [g], [m], [v], [], [step])
-            hp = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-8}
-            calls[name] = lambda a=args, h=hp: torch._fused_adamw_(
-                *a, amsgrad=False, maximize=False, **h
-            )
-            continue
-        out = None if o_dt is None else torch.empty(numel, dtype=o_dt)
-        if o_dt == torch.int16:  # a split master: out holds the weights, x the remainders
-            out = torch.empty(numel, dtype=torch.bfloat16)
-            x = host_adamw.split_master(x, out)
-        coef = host_adamw.coefficients({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999,
-                                   "weight_decay": 0.01, "eps": 1e-8}, 10)  # fmt: skip
-        alive.append((x, g, m, v, out))
-        prepared = kernel.prepare([host_adamw.Seg(x, g, m, v, out, coef)])
-        calls[name] = lambda p=prepared, c=coef: kernel.run(p, [c])
-    for _ in range(rounds):
-        for nt in threads:
-            torch.set_num_threads(nt)
-            for name, call in calls.items():
-                call()  # warm-up
-                times = []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    call()
-                    times.append(time.perf_counter() - t0)
-                best[nt, name] = max(best.get((nt, name), 0.0), numel / statistics.median(times))
-    rows: dict[str, Any] = {"params": numel, "rounds": rounds}
-    for nt in threads:
-        base = best[nt, "torch_fused_adamw_kernel"]
-        rows[f"threads_{nt}"] = {
-            name: {
-                "bytes_read": read,
-                "bytes_written": written,
-                "params_per_s": best[nt, name],
-                "vs_torch_kernel": best[nt, name] / base,
-            }
-            for name, (*_, read, written) in KERNEL_VARIANTS.items()
-        }
-    return rows
-
-
-def print_kernel_table(rows: dict[str, Any]) -> None:
-    """The kernels section as one table per thread count."""
-    print(f"  {rows['params']:,} parameters, best of {rows['rounds']} interleaved rounds")
-    for key, table in rows.items():
-        if key.startswith("threads_"):
-            print(f"\n  {key.removeprefix('threads_')} thread(s):")
-            print("  {:<28} {:>6} {:>9} {:>9} {:>9}".format(
-                "kernel", "read", "written", "Mparam/s", "vs torch"))  # fmt: skip
-            for name, r in table.items():
-                print(
-                    f"  {name:<28} {r['bytes_read']:>6} {r['bytes_written']:>9} "
-                    f"{r['params_per_s'] / 1e6:>9.0f} {r['vs_torch_kernel']:>8.2f}x"
-                )
-    print()
 
 
 def print_train_table(rows: dict[str, Any]) -> None:
