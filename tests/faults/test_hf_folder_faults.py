@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from helpers.hf import hf_config, tiny_hf_model_dir  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from moestack import checkpoint, cli  # noqa: E402
+from moestack import checkpoint, checkpoint_format, cli  # noqa: E402
 from moestack.errors import MoestackError  # noqa: E402
 from moestack.trainer import train  # noqa: E402
 
@@ -187,7 +187,7 @@ def resign(ckpt: Path) -> None:
     weights = ckpt / checkpoint.MODEL_FILE
     meta["sizes"][checkpoint.MODEL_FILE] = weights.stat().st_size
     meta["sha256"][checkpoint.MODEL_FILE] = hashlib.sha256(weights.read_bytes()).hexdigest()
-    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    meta[checkpoint.SELF_DIGEST] = checkpoint_format.meta_digest(meta)
     (ckpt / checkpoint.META_FILE).write_text(json.dumps(meta, indent=2))
     checkpoint.verify_checkpoint(ckpt)  # it does verify
 

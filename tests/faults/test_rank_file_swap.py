@@ -16,7 +16,7 @@ import pytest
 import safetensors
 import torch
 
-from moestack import checkpoint, checkpoint_parts
+from moestack import checkpoint, checkpoint_format, checkpoint_parts
 from moestack.errors import MoestackError
 from moestack.model import ModelConfig
 from moestack.moe import MoEConfig
@@ -57,7 +57,7 @@ def swap_and_resign(path: Path, suffix: str) -> tuple[Path, Path]:
     for file in (a, b):
         meta["sizes"][file.name] = file.stat().st_size
         meta["sha256"][file.name] = hashlib.sha256(file.read_bytes()).hexdigest()
-    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    meta[checkpoint.SELF_DIGEST] = checkpoint_format.meta_digest(meta)
     (path / checkpoint.META_FILE).write_text(json.dumps(meta, indent=2))
     return a, b
 

@@ -13,7 +13,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from moestack import checkpoint, checkpoint_parts
+from moestack import checkpoint, checkpoint_format, checkpoint_parts
 from moestack.errors import MoestackError
 from moestack.model import ModelConfig
 from moestack.moe import MoEConfig
@@ -83,7 +83,7 @@ def test_a_missing_rank_file_is_named(tmp_path) -> None:
     meta = json.loads((path / "meta.json").read_text())
     for table in ("sizes", "sha256", "parts"):
         meta[table].pop("rank00001.experts.safetensors")
-    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    meta[checkpoint.SELF_DIGEST] = checkpoint_format.meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(
         MoestackError, match=r"no rank file holds the experts state of experts 2..3"
@@ -104,7 +104,7 @@ def test_malformed_parts_are_refused_naming_the_field(tmp_path, name, record, wh
     path, _ = write(tmp_path / "ckpt", ep=2)
     meta = json.loads((path / "meta.json").read_text())
     meta["parts"][name] = record
-    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    meta[checkpoint.SELF_DIGEST] = checkpoint_format.meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(MoestackError, match=rf"meta.json: parts .*{why}.*corrupt"):
         checkpoint.read_meta(path)
@@ -145,7 +145,7 @@ def test_versions_one_process_checkpoints_stay_readable_by_older_moestack(tmp_pa
     meta = json.loads((path / "meta.json").read_text())
     assert meta["version"] == 3
     meta["version"] = 2
-    meta[checkpoint.SELF_DIGEST] = checkpoint._meta_digest(meta)
+    meta[checkpoint.SELF_DIGEST] = checkpoint_format.meta_digest(meta)
     (path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(MoestackError, match="version 2 meta.json"):
         checkpoint.read_meta(path)
@@ -196,7 +196,7 @@ def test_ranks_verify_each_file_once_and_agree(tmp_path, monkeypatch, caplog) ->
         hashed.append((threading.current_thread().name, str(path)))
         return real(path)
 
-    monkeypatch.setattr(checkpoint, "sha256_file", counted)
+    monkeypatch.setattr(checkpoint_format, "sha256_file", counted)  # verify_file hashes there
     assert _newest_by_ranks(root, 2) == [new, new]
     files = sorted(meta["sizes"])
     assert sorted(p.rsplit("/", 1)[1] for _, p in hashed) == files  # each once
