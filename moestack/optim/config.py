@@ -143,6 +143,4 @@ class OptimConfig:
         check(
             self.master in MASTER, f"optim.master={self.master!r} is unknown; use one of {MASTER}"
         )
-        check(
-            self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)"
-        )
+        check(self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)")
