@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 
 from moestack import MoE, MoEConfig, RouterConfig, bench
-from moestack.kernels import _launch, tuning
+from moestack.kernels import _launch, tuned_table, tuning
 
 TINY_SHAPE = ("tiny", 4, 2, 32, 48, 64)  # name, experts, top_k, d_model, d_ff, tokens
 
@@ -291,9 +291,9 @@ def configs_line(forced: dict[str, tuning.KernelConfig]) -> str:
     if _launch.interpreted():
         source = "the interpreter's fixed tile"
     elif tuning.autotune_enabled():
-        source = f"the tuned table {tuning.table_path()}, autotuned where it has no entry"
+        source = f"the tuned table {tuned_table.table_path()}, autotuned where it has no entry"
     else:
-        source = f"the tuned table {tuning.table_path()}, the default where it has no entry"
+        source = f"the tuned table {tuned_table.table_path()}, the default where it has no entry"
     if not forced:
         return f"configs: every kind from {source}"
     named = "; ".join(f"{kind} forced to {describe(cfg)}" for kind, cfg in forced.items())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moestack.kernels import tuning
+from moestack.kernels import tuned_table, tuning
 
 pytestmark = pytest.mark.faults
 
@@ -58,7 +58,7 @@ def refused(table: Path, fault_report, kind: str) -> str:
 
 def with_entry(table: Path, entry: object, gpus: object = None) -> None:
     gpus = {GPU: {KEY: entry}} if gpus is None else gpus
-    table.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": gpus}))
+    table.write_text(json.dumps({"format": tuned_table.TABLE_FORMAT, "gpus": gpus}))
 
 
 def test_a_good_entry_is_chosen(table):

@@ -14,7 +14,7 @@ from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
-from moestack.kernels import _launch, moe_experts, tuning  # noqa: E402
+from moestack.kernels import _launch, moe_experts, tuned_table, tuning  # noqa: E402
 from moestack.kernels.reference import moe_experts_reference  # noqa: E402
 
 pytestmark = interpreter_only(
@@ -179,9 +179,9 @@ def test_tuner_times_fused_against_unfused_and_never_in_place(monkeypatch, fused
 
 def test_fused_config_only_for_its_kind_and_table_entries():
     cfg = FUSED[0]
-    assert tuning.table_entry(cfg)["fused"] is True
-    assert "fused" not in tuning.table_entry(tuning.UNFUSED_DSWIGLU)
-    assert tuning.KernelConfig(**tuning.table_entry(cfg)) == cfg
+    assert tuned_table.table_entry(cfg)["fused"] is True
+    assert "fused" not in tuned_table.table_entry(tuning.UNFUSED_DSWIGLU)
+    assert tuning.KernelConfig(**tuned_table.table_entry(cfg)) == cfg
     for kind in ("mm", "mm_swiglu", "wgrad"):
         with (
             pytest.raises(ValueError, match="fused=True is for kind='mm_dswiglu' only"),
@@ -198,12 +198,15 @@ def test_table_entry_elsewhere_gives_the_default(tmp_path, monkeypatch):
     """A fused entry under another kind's key (an edited table) runs that kind's default;
     under its own key it is launched as recorded."""
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(tmp_path / "t.json"))
-    entry = tuning.table_entry(FUSED[1])
+    entry = tuned_table.table_entry(FUSED[1])
     keys = {
         "mm": "mm|E=4|K=64|M=64|bfloat16|g0s0c0z0t1|R=128",
         "mm_dswiglu": "mm_dswiglu|E=4|K=64|M=64|bfloat16|h1t1|R=128",
     }
-    data = {"format": tuning.TABLE_FORMAT, "gpus": {"Fancy GPU": {k: entry for k in keys.values()}}}
+    data = {
+        "format": tuned_table.TABLE_FORMAT,
+        "gpus": {"Fancy GPU": {k: entry for k in keys.values()}},
+    }
     (tmp_path / "t.json").write_text(json.dumps(data))
     tuning.clear_cache()
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fancy GPU")

@@ -10,15 +10,15 @@ import sys
 import pytest
 import torch
 
-from moestack.kernels import tuning
+from moestack.kernels import tuned_table, tuning
 
 
 def test_shipped_table_parses_and_invents_nothing():
     """Every shipped entry is a valid config that says where it came from in so many words
     (not by the default of an older table); a measured one names the GPU it is filed under."""
-    data = json.loads(tuning.TABLE_PATH.read_text())
-    assert data["format"] == tuning.TABLE_FORMAT
-    parsed = tuning.parse_table(data, "shipped")
+    data = json.loads(tuned_table.TABLE_PATH.read_text())
+    assert data["format"] == tuned_table.TABLE_FORMAT
+    parsed = tuned_table.parse_table(data, "shipped")
     for gpu, entries in data["gpus"].items():
         for key, raw in entries.items():
             assert key.split("|")[0] in tuning.CANDIDATES, (gpu, key)
@@ -29,7 +29,7 @@ def test_shipped_table_parses_and_invents_nothing():
                 assert entry.provenance["gpu"] == gpu, (gpu, key)
 
 
-def write_table(path, entries, monkeypatch, fmt=tuning.TABLE_FORMAT):
+def write_table(path, entries, monkeypatch, fmt=tuned_table.TABLE_FORMAT):
     path.write_text(json.dumps({"format": fmt, "gpus": {"Fancy GPU": entries}}))
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
     tuning.clear_cache()
@@ -41,10 +41,10 @@ def test_table_lookup(tmp_path, monkeypatch):
     assert tuning.make_key("mm", 8, 4096, 14336, torch.bfloat16, "g1s0c0z1t0", 9000) == key
     cfg = tuning.KernelConfig(64, 128, 32, 4, 4, 5)
     write_table(tmp_path / "table.json", {key: cfg.__dict__}, monkeypatch)
-    assert tuning.lookup_table("Fancy GPU", key) == cfg
-    assert tuning.lookup_table("Other GPU", key) is None
-    assert tuning.lookup_table("Fancy GPU", key.replace("E=8", "E=16")) is None
-    assert tuning.lookup_table("Fancy GPU", key.replace("t0", "t1")) is None  # W^T: other key
+    assert tuned_table.lookup_table("Fancy GPU", key) == cfg
+    assert tuned_table.lookup_table("Other GPU", key) is None
+    assert tuned_table.lookup_table("Fancy GPU", key.replace("E=8", "E=16")) is None
+    assert tuned_table.lookup_table("Fancy GPU", key.replace("t0", "t1")) is None  # W^T: other key
 
 
 def test_table_lookup_takes_the_nearest_row_bucket(tmp_path, monkeypatch):
@@ -54,13 +54,13 @@ def test_table_lookup_takes_the_nearest_row_bucket(tmp_path, monkeypatch):
     small, big = tuning.KernelConfig(64, 64, 64), tuning.KernelConfig(128, 128, 64)
     entries = {key(2048): small.__dict__, key(65536): big.__dict__}
     write_table(tmp_path / "table.json", entries, monkeypatch)
-    assert tuning.lookup_table("Fancy GPU", key(2048)) == small  # exact
-    assert tuning.lookup_table("Fancy GPU", key(4096)) == small  # one power of two away
-    assert tuning.lookup_table("Fancy GPU", key(32768)) == big
-    assert tuning.lookup_table("Fancy GPU", key(8192)) == small  # a tie: the smaller bucket
-    assert tuning.lookup_table("Fancy GPU", key(16)) == small
+    assert tuned_table.lookup_table("Fancy GPU", key(2048)) == small  # exact
+    assert tuned_table.lookup_table("Fancy GPU", key(4096)) == small  # one power of two away
+    assert tuned_table.lookup_table("Fancy GPU", key(32768)) == big
+    assert tuned_table.lookup_table("Fancy GPU", key(8192)) == small  # a tie: the smaller bucket
+    assert tuned_table.lookup_table("Fancy GPU", key(16)) == small
     other = tuning.make_key("wgrad", 64, 2048, 2048, torch.bfloat16, "g01", 2048)
-    assert tuning.lookup_table("Fancy GPU", other) is None  # another variant never matches
+    assert tuned_table.lookup_table("Fancy GPU", other) is None  # another variant never matches
 
 
 def test_tables_of_the_old_key_format_are_ignored(tmp_path, monkeypatch, caplog):
@@ -71,7 +71,7 @@ def test_tables_of_the_old_key_format_are_ignored(tmp_path, monkeypatch, caplog)
         monkeypatch,
         fmt=1,
     )
-    assert tuning.lookup_table("Fancy GPU", key) is None
+    assert tuned_table.lookup_table("Fancy GPU", key) is None
     assert "unknown format 1" in caplog.text and str(tmp_path / "old.json") in caplog.text
     assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
     tuning.clear_cache()
@@ -82,8 +82,8 @@ def test_format_2_tables_are_read_as_moestack_kernels(tmp_path, monkeypatch):
     key = tuning.make_key("wgrad", 8, 4096, 28672, torch.bfloat16, "g00", 16384)
     write_table(tmp_path / "v2.json", {key: {"block_m": 64, "block_n": 64, "block_k": 32}},
                 monkeypatch, fmt=2)  # fmt: skip
-    assert tuning.lookup_table("Fancy GPU", key) == tuning.KernelConfig(64, 64, 32)
-    assert tuning.lookup_table("Fancy GPU", key).backend == "triton"
+    assert tuned_table.lookup_table("Fancy GPU", key) == tuning.KernelConfig(64, 64, 32)
+    assert tuned_table.lookup_table("Fancy GPU", key).backend == "triton"
     tuning.clear_cache()
 
 
@@ -111,7 +111,7 @@ def test_lookups_report_each_entrys_source(tmp_path, monkeypatch):
     assert (measured.source, measured.provenance) == ("measured", H200)
     near = tuning.lookup_entry("Fancy GPU", wkey(32768, "g10"))  # its neighbour's entry
     assert near.source == "measured" and near.key == wkey(16384, "g10")
-    assert tuning.lookup_table("Fancy GPU", wkey(16384)) == seed.config
+    assert tuned_table.lookup_table("Fancy GPU", wkey(16384)) == seed.config
     tuning.clear_cache()
 
 
@@ -152,7 +152,7 @@ def test_table_entries_name_their_backend(tmp_path, monkeypatch):
     key = tuning.make_key("wgrad", 8, 4096, 28672, torch.bfloat16, "g00", 16384)
     entry = {"block_m": 128, "block_n": 128, "block_k": 64, "backend": "torch"}
     write_table(tmp_path / "v3.json", {key: entry}, monkeypatch)
-    assert tuning.lookup_table("Fancy GPU", key) == tuning.TORCH_WGRAD
+    assert tuned_table.lookup_table("Fancy GPU", key) == tuning.TORCH_WGRAD
     tuning.cache_config("Fancy GPU", key, tuning.TORCH_WGRAD)
     tuning.cache_config("Fancy GPU", "mm|k", tuning.CANDIDATES["mm"][0])
     exported = tuning.export_cache()["Fancy GPU"]
@@ -495,7 +495,7 @@ def shared_bound(kind: str, cfg: tuning.KernelConfig) -> int:
 _CANDIDATES_CHECK = (
     _COMPILE_PRELUDE
     + r"""
-from moestack.kernels import tuning
+from moestack.kernels import tuned_table, tuning
 
 # The launch variants of the MoE layer and the plain grouped GEMM (unit strides constant).
 mm_variants = {

@@ -10,7 +10,7 @@ from helpers.kernels import needs_kernels
 
 pytest.importorskip("triton")
 
-from moestack.kernels import _launch, grouped_gemm, moe_experts, tuning  # noqa: E402
+from moestack.kernels import _launch, grouped_gemm, moe_experts, tuned_table, tuning  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -179,7 +179,7 @@ def test_every_shipped_table_key_is_one_the_layer_asks_for(tuning_keys):
     with torch.no_grad():
         moe_experts(x, w1, w2, experts, weights)
     asked = {key.split("|")[0] + "|" + key.split("|")[5] for key in tuning_keys}
-    shipped = json.loads(tuning.TABLE_PATH.read_text())["gpus"]
+    shipped = json.loads(tuned_table.TABLE_PATH.read_text())["gpus"]
     for gpu, entries in shipped.items():
         dead = sorted(k for k in entries if k.split("|")[0] + "|" + k.split("|")[5] not in asked)
         assert not dead, (gpu, dead, asked)

@@ -14,7 +14,7 @@ from helpers.kernels import interpreter_only, layer_inputs, rel_err
 
 pytest.importorskip("triton")
 
-from moestack.kernels import _launch, _tiles, grouped_gemm, moe_experts, tuning  # noqa: E402
+from moestack.kernels import _launch, _tiles, grouped_gemm, moe_experts, tuned_table, tuning  # noqa: E402
 from moestack.kernels.reference import (  # noqa: E402
     grouped_gemm_reference,
     moe_experts_reference,
@@ -203,7 +203,9 @@ def test_autotuning_may_choose_the_persistent_kernel(monkeypatch):
 
 
 def write_table(path, entries, monkeypatch):
-    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {"Fancy GPU": entries}}))
+    path.write_text(
+        json.dumps({"format": tuned_table.TABLE_FORMAT, "gpus": {"Fancy GPU": entries}})
+    )
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
     tuning.clear_cache()
 
@@ -216,11 +218,13 @@ def test_table_entries_read_and_written(tmp_path, monkeypatch):
     persistent = tuning.KernelConfig(128, 256, 64, 8, 8, 3, persistent=True, num_programs=66)
     classic = {"block_m": 64, "block_n": 64, "block_k": 64, "backend": "triton"}
     write_table(
-        tmp_path / "t.json", {key_p: tuning.table_entry(persistent), key_c: classic}, monkeypatch
+        tmp_path / "t.json",
+        {key_p: tuned_table.table_entry(persistent), key_c: classic},
+        monkeypatch,
     )
     try:
-        assert tuning.lookup_table("Fancy GPU", key_p) == persistent
-        old = tuning.lookup_table("Fancy GPU", key_c)
+        assert tuned_table.lookup_table("Fancy GPU", key_p) == persistent
+        old = tuned_table.lookup_table("Fancy GPU", key_c)
         assert not old.persistent and old.num_programs == 0
         tuning.cache_config("Fancy GPU", key_p, persistent)
         tuning.cache_config("Fancy GPU", key_c, old)
@@ -229,14 +233,14 @@ def test_table_entries_read_and_written(tmp_path, monkeypatch):
         tuning.clear_cache()
     assert exported[key_p]["persistent"] is True and exported[key_p]["num_programs"] == 66
     assert "persistent" not in exported[key_c] and "num_programs" not in exported[key_c]
-    assert tuning.parse_entry(exported[key_p], key_p, None).config == persistent
+    assert tuned_table.parse_entry(exported[key_p], key_p, None).config == persistent
 
 
 def test_a_persistent_entry_of_another_kind_gives_the_default(tmp_path, monkeypatch):
     """Only kind "mm" runs the persistent kernel: an (edited) entry naming it for the SwiGLU
     GEMM gives that kind's default tile, chosen before any launch."""
     key = "mm_swiglu|E=8|K=64|M=64|bfloat16|g1s0c0z1t0|R=1024"
-    entry = tuning.table_entry(tuning.PERSISTENT_CANDIDATES[0])
+    entry = tuned_table.table_entry(tuning.PERSISTENT_CANDIDATES[0])
     write_table(tmp_path / "t.json", {key: entry}, monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fancy GPU")
     try:

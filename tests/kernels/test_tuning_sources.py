@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from moestack.kernels import tuning
+from moestack.kernels import tuned_table, tuning
 
 GPU = "Fake GPU"
 CPU = torch.device("cpu")
@@ -26,8 +26,8 @@ def fake_gpu(tmp_path, monkeypatch):
     pytest.importorskip("triton")  # _benchmark names triton's errors
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: GPU)
     table = tmp_path / "table.json"
-    entry = tuning.table_entry(SEED)
-    payload = {"format": tuning.TABLE_FORMAT, "gpus": {GPU: {KEY_MM: entry, KEY_WGRAD: entry}}}
+    entry = tuned_table.table_entry(SEED)
+    payload = {"format": tuned_table.TABLE_FORMAT, "gpus": {GPU: {KEY_MM: entry, KEY_WGRAD: entry}}}
     table.write_text(json.dumps(payload))
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(table))
     monkeypatch.setenv("MOESTACK_AUTOTUNE", "1")
@@ -113,14 +113,14 @@ def test_retune_by_source_reads_measured_entries_and_remeasures_seeds(
     key_seed = KEY_MM.replace("E=8", "E=16")
     key_near = KEY_MM.replace("R=4096", "R=8192")  # KEY_MM's bucket neighbour
     key_swiglu = tuning.make_key("mm_swiglu", 8, 256, 512, torch.bfloat16, "g1s0c0z1t0", 4096)
-    seed = {**tuning.table_entry(SEED), "source": "seed"}
+    seed = {**tuned_table.table_entry(SEED), "source": "seed"}
     table = {
-        KEY_MM: {**tuning.table_entry(measured_cfg), "source": "measured", "provenance": h200},
+        KEY_MM: {**tuned_table.table_entry(measured_cfg), "source": "measured", "provenance": h200},
         key_seed: seed,
         key_swiglu: seed,
     }
     path = tmp_path / "v4.json"
-    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: table}}))
+    path.write_text(json.dumps({"format": tuned_table.TABLE_FORMAT, "gpus": {GPU: table}}))
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
     tuning.clear_cache()
     assert choose("mm", key_seed, fake_gpu) == SEED  # read before: dropped on entry
@@ -186,7 +186,7 @@ def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, t
     seed, its recorded entry becomes measured with that record, in the current format."""
     out = tmp_path / "tuned.json"
     old = {"date": "2000-01-01", "torch": "2.0.0", "triton": "3.0.0"}
-    seed_entry = tuning.table_entry(SEED)
+    seed_entry = tuned_table.table_entry(SEED)
     key_old = KEY_WGRAD.replace("R=4096", "R=64")
     out.write_text(
         json.dumps(
@@ -210,9 +210,9 @@ def test_save_writes_and_stamps_only_what_was_measured(fake_gpu, tune_kernels, t
     table = json.loads(out.read_text())
     stamp = tuning.run_provenance(GPU)
     assert stamp["gpu"] == GPU and stamp["torch"] == torch.__version__
-    assert table["format"] == tuning.TABLE_FORMAT and "sources" not in table
+    assert table["format"] == tuned_table.TABLE_FORMAT and "sources" not in table
     assert table["gpus"][GPU] == {
-        KEY_MM: {**tuning.table_entry(got), "source": "measured", "provenance": stamp},
+        KEY_MM: {**tuned_table.table_entry(got), "source": "measured", "provenance": stamp},
         KEY_WGRAD: {**seed_entry, "source": "seed"},
         key_old: {**seed_entry, "source": "measured", "provenance": {"gpu": GPU, **old}},
     }
@@ -228,11 +228,15 @@ def test_export_round_trips_each_entrys_source(fake_gpu, tune_kernels, tmp_path,
     h200 = {"gpu": GPU, "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
     measured_cfg = tuning.KernelConfig(128, 128, 32, 8, 4, 4)
     table = {
-        KEY_MM: {**tuning.table_entry(SEED), "source": "seed"},
-        KEY_WGRAD: {**tuning.table_entry(measured_cfg), "source": "measured", "provenance": h200},
+        KEY_MM: {**tuned_table.table_entry(SEED), "source": "seed"},
+        KEY_WGRAD: {
+            **tuned_table.table_entry(measured_cfg),
+            "source": "measured",
+            "provenance": h200,
+        },
     }
     path = tmp_path / "v4.json"
-    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: table}}))
+    path.write_text(json.dumps({"format": tuned_table.TABLE_FORMAT, "gpus": {GPU: table}}))
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
     tuning.clear_cache()
     assert choose("mm", KEY_MM, fake_gpu) == SEED
@@ -243,7 +247,7 @@ def test_export_round_trips_each_entrys_source(fake_gpu, tune_kernels, tmp_path,
     assert tuning.cache_sources()[GPU] == {KEY_MM: "table", KEY_WGRAD: "table", other: "measured"}
     assert tuning.entry_sources()[GPU] == {KEY_MM: "seed", KEY_WGRAD: "measured", other: "measured"}
     stamp = tuning.run_provenance(GPU)
-    fresh = {**tuning.table_entry(got), "source": "measured", "provenance": stamp}
+    fresh = {**tuned_table.table_entry(got), "source": "measured", "provenance": stamp}
     assert tuning.export_cache(measured_only=False)[GPU] == {**table, other: fresh}
     assert tuning.export_cache()[GPU] == {other: fresh}  # the table's own never re-stamped
 
@@ -264,9 +268,11 @@ def test_a_neighbours_entry_or_a_default_is_exported_as_a_seed(fake_gpu, monkeyp
     """A measured entry read for another row bucket was never timed at that key, nor was an
     untimed default: both export as seeds (never as measured)."""
     h200 = {"gpu": GPU, "date": "2026-11-30", "torch": "2.11.0", "triton": "3.6.0"}
-    entry = {**tuning.table_entry(SEED), "source": "measured", "provenance": h200}
+    entry = {**tuned_table.table_entry(SEED), "source": "measured", "provenance": h200}
     path = tmp_path / "v4.json"
-    path.write_text(json.dumps({"format": tuning.TABLE_FORMAT, "gpus": {GPU: {KEY_WGRAD: entry}}}))
+    path.write_text(
+        json.dumps({"format": tuned_table.TABLE_FORMAT, "gpus": {GPU: {KEY_WGRAD: entry}}})
+    )
     monkeypatch.setenv("MOESTACK_TUNED_CONFIGS", str(path))
     monkeypatch.setenv("MOESTACK_AUTOTUNE", "0")
     tuning.clear_cache()

@@ -97,7 +97,7 @@ def test_tuned_configs_of_a_failed_shape_are_not_saved(bench, tmp_path, monkeypa
     failed the check stay out of the table; those of a passing shape go in; a table of
     the old key format is replaced rather than mixed."""
     pytest.importorskip("triton")
-    from moestack.kernels import tuning
+    from moestack.kernels import tuned_table, tuning
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     table = tmp_path / "tuned.json"
@@ -115,7 +115,7 @@ def test_tuned_configs_of_a_failed_shape_are_not_saved(bench, tmp_path, monkeypa
     finally:
         tuning.clear_cache()
     saved = json.loads(table.read_text())
-    assert saved["format"] == tuning.TABLE_FORMAT
+    assert saved["format"] == tuned_table.TABLE_FORMAT
     assert list(saved["gpus"]["Fake GPU"]) == ["mm|shape1"]
 
 
