@@ -81,7 +81,7 @@ def _device(cfg: TrainConfig) -> dict[str, Any]:
     """The device ``cfg.device`` resolves to on this rank, with the GPU's name."""
     import torch
 
-    from moestack.evaluation import resolve_device
+    from moestack.device import resolve_device
 
     device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
