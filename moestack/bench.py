@@ -272,10 +272,10 @@ def save_tuned(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
     run's provenance (GPU, date, torch, triton), and ``measured[gpu]`` stamps the latest run
     that measured any; with nothing measured the file is left as it is. A table of a format
     this moestack still reads keeps its other entries with their sources (an older one's
-    entries read as ``tuning.parse_table`` reads them: seeds, or measured where its
+    entries read as ``tuned_table.parse_table`` reads them: seeds, or measured where its
     ``sources`` record says so) and is rewritten in the current format; one of an older key
     format is replaced."""
-    from moestack.kernels import tuning
+    from moestack.kernels import tuned_table, tuning
 
     gpu = torch.cuda.get_device_name()
     found = {k: v for k, v in tuning.export_cache().get(gpu, {}).items() if k not in skip}
@@ -283,20 +283,20 @@ def save_tuned(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
         log.info("nothing measured for %s to save: %s left as it is", gpu, out)
         return 0
     table_ = json.loads(out.read_text()) if out.is_file() else {}
-    if table_.get("format", tuning.TABLE_FORMAT) not in tuning.READABLE_FORMATS:
+    if table_.get("format", tuned_table.TABLE_FORMAT) not in tuned_table.READABLE_FORMATS:
         log.warning(
-            "replacing %s: key format %s, not %s", out, table_["format"], tuning.TABLE_FORMAT
+            "replacing %s: key format %s, not %s", out, table_["format"], tuned_table.TABLE_FORMAT
         )
         table_ = {}
     gpus = {
-        name: {key: tuning.entry_json(entry) for key, entry in entries.items()}
-        for name, entries in tuning.parse_table(table_, str(out)).items()
+        name: {key: tuned_table.entry_json(entry) for key, entry in entries.items()}
+        for name, entries in tuned_table.parse_table(table_, str(out)).items()
     }
     gpus.setdefault(gpu, {}).update(found)
     table_.pop("sources", None)  # format 3's provenance, now in each entry
-    table_["format"] = tuning.TABLE_FORMAT
+    table_["format"] = tuned_table.TABLE_FORMAT
     table_["gpus"] = {name: dict(sorted(entries.items())) for name, entries in gpus.items()}
-    table_.setdefault("measured", {})[gpu] = tuning.run_provenance(gpu)
+    table_.setdefault("measured", {})[gpu] = tuned_table.run_provenance(gpu)
     table_["note"] = TUNED_NOTE
     write_json(out, table_)
     count = {k: sum(1 for e in found.values() if e.get(k)) for k in ("persistent", "fused")}

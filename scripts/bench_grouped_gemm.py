@@ -10,11 +10,11 @@ scripts/bench_moe.py; this isolates the GEMM kernel.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
+
+from moestack import bench
 
 # name: (E, k, K, M) -- the first expert GEMM (D -> 2F) of each bench model
 SHAPES = {
@@ -42,7 +42,8 @@ def _impls():
     return impls
 
 
-def bench(fn, x, w, offsets, backward: bool) -> float:
+def time_impl(fn, x, w, offsets, backward: bool) -> float:
+    """Mean milliseconds of one call (and its backward): triton's timer, gradients dropped."""
     from triton.testing import do_bench
 
     def step():
@@ -55,9 +56,8 @@ def bench(fn, x, w, offsets, backward: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench.parser(__doc__, json=None)
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_grouped_gemm.py needs a CUDA GPU", file=sys.stderr)
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = 2 * N * K * M
         for impl, fn in _impls().items():
             try:
-                fwd = bench(fn, x, w, offsets, backward=False)
-                fb = bench(fn, x, w, offsets, backward=True)
+                fwd = time_impl(fn, x, w, offsets, backward=False)
+                fb = time_impl(fn, x, w, offsets, backward=True)
             except Exception as exc:  # e.g. torch._grouped_mm unsupported on this GPU
                 print(f"{name:14s} {impl:18s} failed: {exc}", file=sys.stderr)
                 continue
@@ -90,15 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     print(f"GPU: {torch.cuda.get_device_name()}  tokens={args.tokens}  bf16")
-    print(f"{'shape':14s} {'impl':18s} {'fwd ms':>8s} {'TF/s':>7s} {'f+b ms':>8s} {'TF/s':>7s}")
-    for r in rows:
-        print(
-            f"{r['shape']:14s} {r['impl']:18s} {r['fwd_ms']:8.3f} {r['fwd_tflops']:7.1f} "
-            f"{r['fwd_bwd_ms']:8.3f} {r['fwd_bwd_tflops']:7.1f}"
-        )
+    cells = [
+        (r["shape"], r["impl"], f"{r['fwd_ms']:.3f}", f"{r['fwd_tflops']:.1f}",
+         f"{r['fwd_bwd_ms']:.3f}", f"{r['fwd_bwd_tflops']:.1f}")
+        for r in rows
+    ]  # fmt: skip
+    head = ("shape", "impl", "fwd ms", "TF/s", "f+b ms", "TF/s")
+    print(bench.table(head, cells, "<14 <18 >8 >7 >8 >7"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+        bench.write_json(args.json, {"gpu": torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 

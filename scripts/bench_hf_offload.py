@@ -197,7 +197,9 @@ def print_table(rows: list[dict], folder_bytes: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from moestack import bench  # lazily: a contender's process measures from its own imports
+
+    parser = bench.parser(__doc__, json="")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--d-model", type=int, default=256)
@@ -211,7 +213,6 @@ def main() -> None:
         "imports everything itself; forkserver: forked from one server that imported the "
         "contenders' modules once)",
     )  # fmt: skip
-    parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -233,7 +234,7 @@ def main() -> None:
     print_table(rows, folder_bytes)
     if args.json:
         out = {"rows": rows, "folder_bytes": folder_bytes, "args": vars(args)}
-        Path(args.json).write_text(json.dumps(out, indent=2))
+        bench.write_json(args.json, out)
 
 
 if __name__ == "__main__":

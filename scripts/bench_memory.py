@@ -21,13 +21,11 @@ Times are medians of ``--steps`` steps after the warm-up steps; ratios are withi
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 
 import torch
 
+from moestack import bench
 from moestack.config import CHECKPOINTING
 from moestack.device import autocast_context
 from moestack.memory_plan import measure_activations, plan_memory
@@ -42,13 +40,13 @@ def _step_times(cfg, tokens, targets, steps: int, warmup: int, compile: bool = F
     if compile:
         model.compile_blocks()
     opt = build_optimizer(model, cfg.optim)
-    times = []
-    for _ in range(warmup + steps):
-        start = time.perf_counter()
+
+    def step() -> None:
         model(tokens, targets=targets).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+
+    times = bench.times(step, repeats=warmup + steps)
     return statistics.median(times[warmup:]), sum(times[:warmup])
 
 
@@ -104,17 +102,11 @@ def cuda_step_row(overrides: list[str], steps: int, compile: bool = False) -> di
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 
-    start = time.perf_counter()
-    for _ in range(2 if compile else 1):  # kernels (and the compile) before the timed steps
-        step()
-    warmup_s = time.perf_counter() - start
+    # kernels (and the compile) before the timed steps
+    warmup_s = sum(bench.times(step, device, repeats=2 if compile else 1))
     torch.cuda.reset_peak_memory_stats()
     resident = torch.cuda.memory_allocated()  # weights and optimizer state, between steps
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    times = bench.times(step, device, repeats=steps)
     peak = torch.cuda.max_memory_allocated()
     plan = plan_memory(cfg, device="cuda")
     return {"overrides": overrides, "compile": compile, "peak_mib": peak / 2**20,
@@ -142,8 +134,7 @@ def bench_cuda(steps: int, json_path: str = "") -> list[dict]:
               f"{row['planned_device_mib']:>8.0f} {row['step_s']:>8.3f} "
               f"{row['step_s'] / rows[0]['step_s']:>7.2f}", flush=True)  # fmt: skip
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "cuda": rows}, f, indent=2)
+            bench.write_json(json_path, {"gpu": torch.cuda.get_device_name(), "cuda": rows})
     print(f"[cuda] compile (first two compiled steps): {rows[-1]['warmup_s']:.1f} s")
     return rows
 
@@ -160,10 +151,7 @@ def plan_rows() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
-    parser.add_argument("--json", default="", help="also write the results here (default: none)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser = bench.parser(__doc__, steps=5, json="", threads=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the GPU rows instead of the CPU ones (default: cpu)")  # fmt: skip
     args = parser.parse_args()
@@ -187,8 +175,7 @@ def main() -> None:
         print(f"m137 {r['optim']:<14} ranks={r['ranks']}: device {r['device_mib']:.0f} MiB, "
               f"host {r['host_mib']:.0f} MiB")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"checkpointing": ckpt, "compile": comp, "plans": plans}, f, indent=2)
+        bench.write_json(args.json, {"checkpointing": ckpt, "compile": comp, "plans": plans})
 
 
 if __name__ == "__main__":

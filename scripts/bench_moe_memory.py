@@ -11,8 +11,6 @@ block with its grouped_mm and eager experts. Ratios are against moestack-torch.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 if "TRITON_INTERPRET" not in os.environ:
@@ -23,6 +21,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import torch
 
+from moestack import bench
 from moestack.interop.hf import moe_from_hf
 from moestack.memory_plan import saved_tensor_bytes
 
@@ -33,9 +32,8 @@ SHAPES = [  # name, experts, top_k, d_model, d_ff
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench.parser(__doc__, json="")
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--json", default="")
     args = parser.parse_args()
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -70,12 +68,12 @@ def main() -> None:
             base = base or nbytes
             rows.append({"shape": name, "contender": contender, "saved_mib": nbytes / 2**20,
                          "ratio": nbytes / base})  # fmt: skip
-    print(f"{'shape':<8} {'contender':<24} {'saved MiB':>10} {'x torch':>8}")
-    for r in rows:
-        print(f"{r['shape']:<8} {r['contender']:<24} {r['saved_mib']:>10.2f} {r['ratio']:>8.2f}")
+    cells = [
+        (r["shape"], r["contender"], f"{r['saved_mib']:.2f}", f"{r['ratio']:.2f}") for r in rows
+    ]
+    print(bench.table(("shape", "contender", "saved MiB", "x torch"), cells, "<8 <24 >10 >8"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"tokens": args.tokens, "dtype": "float32", "results": rows}, f, indent=2)
+        bench.write_json(args.json, {"tokens": args.tokens, "dtype": "float32", "results": rows})
 
 
 if __name__ == "__main__":

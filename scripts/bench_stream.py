@@ -128,6 +128,7 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
     """One mode in this (fresh) process: build, step, measure."""
     import torch
 
+    from moestack import bench
     from moestack.optim.factory import build_training_optimizer
 
     torch.set_num_threads(args.threads)
@@ -144,15 +145,17 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        out = model(inputs, targets)
-        out.loss.backward()
+    held: list[Any] = []
+
+    def step() -> None:
+        loss = model(inputs, targets).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(out.loss.item())
+        held.append(loss.detach())
+
+    times = bench.times(step, repeats=args.steps)
+    losses = [loss.item() for loss in held]
     peak_anon = sampler.stop()
     step_s = statistics.median(times[1:] or times)
     experts_bytes = 3 * cfg.model.d_model * cfg.model.moe.d_ff * 4 * cfg.model.moe.num_experts
@@ -178,7 +181,9 @@ def _child(mode: str, args: argparse.Namespace, store_root: str, queue: Any) -> 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from moestack import bench  # lazily, as torch: the children import this file
+
+    p = bench.parser(__doc__, steps=5, threads=2, json=None)
     p.add_argument("--experts-mb", type=float, default=256.0)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)
@@ -187,17 +192,14 @@ def main() -> None:
     p.add_argument("--capacity", type=int, default=8, help="cache slots per layer")
     p.add_argument("--prefetch", action="store_true")
     p.add_argument("--trainable", default="lora", choices=("routers", "lora", "routers+lora"))
-    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument(
         "--mmap-threshold-kb", type=int, default=0,
         help="glibc's mmap threshold in every mode (moestack.host_allocator; 0: glibc's default)",
     )  # fmt: skip
     p.add_argument("--store-dir", default=None, help="where the stores go (default: a temp dir)")
-    p.add_argument("--json", default=None)
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -226,7 +228,7 @@ def main() -> None:
         "rows": rows,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        bench.write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

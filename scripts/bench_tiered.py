@@ -17,11 +17,8 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from typing import Any
 import torch
 import yaml
 
+from moestack import bench
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.optim import build_optimizer
 from moestack.optim.tiered import planned_state_bytes
@@ -94,22 +92,18 @@ def interleaved(contenders: dict[str, Callable[[], None]], rounds: int, reps: in
     warm-up call each first); median and range over rounds, and the ratio to the first."""
     for fn in contenders.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
-            start = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times[name].append((time.perf_counter() - start) / reps)
-    base = statistics.median(next(iter(times.values())))
+    batched = {name: (lambda fn=fn: [fn() for _ in range(reps)]) for name, fn in contenders.items()}
+    rounds_s = bench.interleave(batched, rounds, rotate=False)
+    spreads = {name: bench.spread([t / reps for t in ts]) for name, ts in rounds_s.items()}
+    base = next(iter(spreads.values()))["median"]
     return {
         name: {
-            "median_s": statistics.median(t),
-            "min_s": min(t),
-            "max_s": max(t),
-            "ratio": statistics.median(t) / base,
+            "median_s": sp["median"],
+            "min_s": sp["min"],
+            "max_s": sp["max"],
+            "ratio": sp["median"] / base,
         }  # fmt: skip
-        for name, t in times.items()
+        for name, sp in spreads.items()
     }
 
 
@@ -185,29 +179,28 @@ def _device_run(
     opt = build_optimizer(model, optim)
     seq = min(cfg.max_seq_len, seq_len)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
-    times = []
-    for i in range(steps + 2):
-        if i == 2 and device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
         with autocast_context(device):
-            out = model(tokens[:, :-1], targets=tokens[:, 1:])
-        out.loss.backward()
+            loss = model(tokens[:, :-1], targets=tokens[:, 1:]).loss
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
+        losses[:] = [loss]
+
+    bench.times(step, device, repeats=2)  # warm-up, then the peak of steady-state steps
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = bench.times(step, device, repeats=steps)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    del model, opt
+    model = opt = None  # the closure's cells too: freed before empty_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
         "param_dtype": str(dtype), "peak_bytes": peak, "median_s": statistics.median(times),
-        "min_s": min(times), "max_s": max(times), "loss": float(out.loss),
+        "min_s": min(times), "max_s": max(times), "loss": float(losses[0]),
     }  # fmt: skip
 
 
@@ -254,10 +247,8 @@ def print_tables(results: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench.parser(__doc__, rounds=5, json="")
     ap.add_argument("--only", default="bytes,update,train_step", help="sections to run")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (timed sections)")
-    ap.add_argument("--json", default="", help="also write the results to this JSON file")
     ap.add_argument("--device-steps", type=int, default=10, help="device: timed training steps")
     ap.add_argument("--batch", type=int, default=16, help="device: sequences a step")
     args = ap.parse_args()
@@ -275,7 +266,7 @@ def main() -> None:
         results[name] = sections[name]()
     print_tables(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        bench.write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":
