@@ -23,6 +23,7 @@ Scripts import it as ``from moestack import bench``: no script imports another.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -140,6 +141,15 @@ def machine(device: torch.device | str | None = None) -> str:
     """The GPU's name on a CUDA device, else the CPU's (or the machine's architecture)."""
     if device is not None and torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows of it."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

@@ -37,13 +37,10 @@ Measures, in one process:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -340,13 +337,7 @@ def drift(steps: int, experts: int) -> dict[str, Any]:
 
 def machine() -> str:
     """The CPU model and core count, and the date (for the record in BENCHMARKS.md)."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+    return f"{bench.cpu_model()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
 
 
 def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
