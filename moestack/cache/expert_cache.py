@@ -3,9 +3,10 @@
 Tiers: the *device* tier (``device``: the GPU when there is one, else host memory) holds
 ``capacity`` experts per layer and is managed by a policy from ``moestack.cache.policies``
 (the same objects ``moestack.telemetry.simulate`` replays); an optional *host* tier
-(``host_capacity`` experts per layer, LRU, page-locked on CUDA machines) sits between the
-device and the *disk* (the store). On a CPU device the device tier is host memory and
-the host tier is off.
+(``moestack.cache.host_tier.HostTier``) sits between the device and the *disk* (the
+store): the cache's own (``host_capacity`` experts per layer, LRU, page-locked; on CUDA
+machines only: on a CPU device the device tier is host memory), or one holding every
+expert, read ahead and given in the store's place.
 
 Device tier (``moestack.cache.device_tier``): an expert is one flat buffer (``w1`` then
 ``w2``) and a load is one copy of it into a *slot* of one device buffer shared by all
@@ -27,8 +28,8 @@ the waits. Staged experts that are not requested before the layer's next batch o
 (``get_many``/``serve``) or the next ``prefetch`` of that layer are dropped and counted as
 ``prefetch_wasted``.
 
-Thread safety: one lock around the policies, slots and staging; each layer's host tier and
-the statistics have their own locks; store reads are positional reads on shared file
+Thread safety: one lock around the policies, slots and staging; the host tier and the
+statistics have their own locks; store reads are positional reads on shared file
 descriptors. Prefetch reads and copies run in a thread pool without the lock, into slots
 reserved for them. ``serve``'s views are for one caller at a time (a model's forward).
 
@@ -43,14 +44,22 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from moestack.cache.cache_state import (
+    LayerState,
+    Staged,
+    check_options,
+    checked_capacity,
+    host_tier_of,
+    new_layers,
+)
 from moestack.cache.device_tier import Copier, Expert, ExpertLayout, SlotPool
-from moestack.cache.policies import CachePolicy, check_policy, make_policy
+from moestack.cache.host_tier import HostTier
+from moestack.cache.policies import check_policy
 from moestack.cache.store import ExpertStore
 from moestack.checks import check
 
@@ -84,7 +93,8 @@ class CacheConfig:
 class ExpertCacheStats:
     """Counters of one cache. ``hits``/``misses`` are the policy's (one per request);
     ``loads`` are reads that went below the device tier (deduplicated within a ``get_many``),
-    ``bytes_read`` the bytes read from disk, ``bytes_to_device`` the bytes copied into the
+    ``host_hits`` the loads a host tier filled on misses served (a tier read ahead serves
+    the rest of them, with no disk read), ``bytes_read`` the bytes read from disk, ``bytes_to_device`` the bytes copied into the
     device tier (prefetches included), ``stall_s`` the seconds callers waited on the host for
     reads (on CUDA the device copies are waited on by the compute stream, not counted)."""
 
@@ -114,32 +124,6 @@ class ExpertCacheStats:
         return out
 
 
-class _Staged:
-    """A prefetched expert: the slot reserved for it, the read that fills it (its result:
-    the event recorded after the slot's copy, None on the CPU) and, once that read is
-    waited on, the event."""
-
-    def __init__(self, slot: int, future: Future[torch.cuda.Event | None]) -> None:
-        self.slot = slot
-        self.future = future
-        self.event: torch.cuda.Event | None = None
-
-
-class _Layer:
-    """One layer's cache state (guarded by the cache's lock, except the host tier:
-    ``host_lock``, which prefetch workers take)."""
-
-    def __init__(self, policy: CachePolicy) -> None:
-        self.policy = policy
-        self.slot_of: dict[int, int] = {}  # the policy's resident experts -> their slots
-        self.staged: dict[int, _Staged] = {}
-        self.host: OrderedDict[int, torch.Tensor] = OrderedDict()  # flat host buffers
-        self.host_lock = threading.Lock()
-        self.log: list[tuple[int, bool]] | None = None
-        self.lut_E: torch.Tensor | None = None  # expert -> row, on the device
-        self.lut_rows: dict[int, int] = {}  # what lut_E holds (written entries only)
-
-
 @dataclasses.dataclass(frozen=True)
 class ServedExperts:
     """One layer call's experts on the device: ``weights`` ``{"w1": [N, D, 2F], "w2": [N, F,
@@ -151,72 +135,13 @@ class ServedExperts:
     lut_E: torch.Tensor
 
 
-def _checked_capacity(
-    store: ExpertStore, capacity: int | None, capacity_bytes: int | None, top_k: int | None
-) -> int:
-    """Experts per layer from ``capacity`` or ``capacity_bytes``, refused in one line where
-    it is not an int or one token's ``top_k`` experts would not fit."""
-    if capacity_bytes:
-        if capacity:
-            raise ValueError("give capacity (experts per layer) or capacity_bytes, not both")
-        capacity = int(capacity_bytes) // store.expert_bytes
-        what = f"capacity_bytes={capacity_bytes} ({capacity} experts of {store.expert_bytes} bytes)"
-    else:
-        what = f"capacity={capacity}"
-    if capacity is None or isinstance(capacity, bool) or not isinstance(capacity, int):
-        raise ValueError(f"capacity={capacity!r} must be an int (experts per layer)")
-    if capacity < max(1, top_k or 1):
-        raise ValueError(
-            f"{what} is smaller than top_k={top_k or 1}: one token's experts would not fit; "
-            f"use capacity >= {top_k or 1}"
-        )
-    return capacity
-
-
-def _check_options(
-    store: ExpertStore,
-    pinned: Sequence[Sequence[int]] | None,
-    host_capacity: int,
-    prefetch_slots: int | None,
-) -> None:
-    """Refuse pins for another number of layers and negative tier sizes, in one line."""
-    if pinned is not None and len(pinned) != store.num_layers:
-        raise ValueError(
-            f"pinned has {len(pinned)} entries, the store has {store.num_layers} layers"
-        )
-    if host_capacity < 0:
-        raise ValueError(f"host_capacity={host_capacity} must be >= 0")
-    if prefetch_slots is not None and prefetch_slots < 0:
-        raise ValueError(f"prefetch_slots={prefetch_slots} must be >= 0")
-
-
-def _new_layers(
-    num_layers: int,
-    policy: str,
-    capacity: int,
-    pinned: Sequence[Sequence[int]] | None,
-    warmup: int,
-    num_pinned: int | None,
-) -> list[_Layer]:
-    """Each layer's state with its own policy (its pins where ``pinned`` gives them)."""
-    return [
-        _Layer(
-            make_policy(
-                policy,
-                capacity,
-                pinned=None if pinned is None else list(pinned[i]),
-                warmup=warmup,
-                num_pinned=num_pinned,
-            )
-        )
-        for i in range(num_layers)
-    ]
-
-
 class ExpertCache:
     """Serve ``get(layer, expert) -> {"w1": [D, 2F], "w2": [F, D]}`` through a policy-managed
     cache of ``capacity`` experts per layer (or ``capacity_bytes`` per layer).
 
+    ``store`` is an ExpertStore, or a ``HostTier`` read ahead from one (``self.store`` is
+    then the tier's store and ``self.host`` the tier; else ``self.host`` is the cache's own
+    tier of ``host_capacity`` experts per layer on a CUDA device, or None).
     ``pinned`` (per layer, a list of expert ids) and ``warmup`` (requests per layer) choose
     the pins of "static" / "lru+static", ``num_pinned`` splits "lru+static". ``top_k`` is the
     model's experts per token (default: the store's); a capacity below it is an error.
@@ -227,7 +152,7 @@ class ExpertCache:
 
     def __init__(
         self,
-        store: ExpertStore,
+        store: ExpertStore | HostTier,
         capacity: int | None = None,
         policy: str = "lru",
         device: str | torch.device = "cpu",
@@ -244,26 +169,27 @@ class ExpertCache:
         record: bool = False,
     ) -> None:
         check_policy(policy, "policy", online=True)
-        self.store = store
         self.device = torch.device(device)
-        self.policy_name = policy
-        top_k = top_k if top_k is not None else store.top_k
-        capacity = _checked_capacity(store, capacity, capacity_bytes, top_k)
-        _check_options(store, pinned, host_capacity, prefetch_slots)
-        self.capacity = capacity
-        self.top_k = top_k
-        on_gpu = self.device.type == "cuda"
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device} is not supported: use cpu or cuda")
+        on_gpu = self.device.type == "cuda"
+        self.store, self.host = host_tier_of(store, host_capacity, on_gpu)
+        store = self.store
+        self.policy_name = policy
+        top_k = top_k if top_k is not None else store.top_k
+        capacity = checked_capacity(store, capacity, capacity_bytes, top_k)
+        check_options(store, pinned, host_capacity, prefetch_slots)
+        self.capacity = capacity
+        self.top_k = top_k
         self.host_capacity = host_capacity if on_gpu else 0
         self._pin = on_gpu
-        self._layers = _new_layers(store.num_layers, policy, capacity, pinned, warmup, num_pinned)
+        self._layers = new_layers(store.num_layers, policy, capacity, pinned, warmup, num_pinned)
         if record:
             for layer in self._layers:
                 layer.log = []
         self._stats = ExpertCacheStats()
         self._stats_lock = threading.Lock()
-        self._lock = threading.Lock()  # policies, slots, staging (not the host tier)
+        self._lock = threading.Lock()  # policies, slots, staging (not the host tier's)
         self.prefetch_enabled = bool(prefetch)
         self._pool = (
             ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="expert-prefetch")
@@ -330,7 +256,7 @@ class ExpertCache:
             weights = (
                 self._slots.stacked if flat is self._slots.flat_SB else self.layout.stacked(flat)
             )
-            return ServedExperts(weights, self._lookup(state, rows))
+            return ServedExperts(weights, state.lookup(rows, self.store.num_experts, self.device))
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start background reads of ``experts`` of ``layer`` that are not resident.
@@ -364,8 +290,8 @@ class ExpertCache:
                 self._staged_count += 1
                 dst = self._slots.row(slot)  # here: the buffer is allocated under the lock
                 after = (marker, self._slots.pending(slot, self._copier.prefetch))
-                fut = self._pool.submit(self._read_async, state, layer, expert, dst, after)
-                state.staged[expert] = _Staged(slot, fut)
+                fut = self._pool.submit(self._read_async, layer, expert, dst, after)
+                state.staged[expert] = Staged(slot, fut)
                 started += 1
         with self._stats_lock:
             self._stats.prefetch_issued += started
@@ -405,7 +331,7 @@ class ExpertCache:
         )
 
     # ------------------------------------------------------------------ internals
-    def _layer(self, layer: int) -> _Layer:
+    def _layer(self, layer: int) -> LayerState:
         if not isinstance(layer, int) or not 0 <= layer < len(self._layers):
             raise ValueError(
                 f"layer={layer!r} out of range: the store has {len(self._layers)} layers"
@@ -461,7 +387,7 @@ class ExpertCache:
         return flat, rows
 
     def _admit_slots(
-        self, state: _Layer, layer: int, used: list[int], keep: set[int]
+        self, state: LayerState, layer: int, used: list[int], keep: set[int]
     ) -> dict[int, int]:
         """Every requested expert into a slot: a resident one stays, a staged one keeps its
         slot, the others are loaded into free slots (one copy each); the experts the policy
@@ -488,7 +414,7 @@ class ExpertCache:
                 else:
                     slot = self._slots.take()
                 try:
-                    last_load = self._load_slot(state, layer, expert, slot)
+                    last_load = self._load_slot(layer, expert, slot)
                 except BaseException:
                     self._settle_failed_call(state, rows, keep, slot)
                     raise
@@ -504,7 +430,7 @@ class ExpertCache:
         return rows
 
     def _settle_failed_call(
-        self, state: _Layer, rows: dict[int, int], keep: set[int], slot: int
+        self, state: LayerState, rows: dict[int, int], keep: set[int], slot: int
     ) -> None:
         """A load of this call failed (``slot`` was to take it): every slot goes back or to
         the expert it holds, so none leaks. The experts loaded so far stay resident where the
@@ -520,7 +446,7 @@ class ExpertCache:
                 self._slots.give(row)
 
     def _admit_buffer(
-        self, state: _Layer, layer: int, used: list[int], keep: set[int]
+        self, state: LayerState, layer: int, used: list[int], keep: set[int]
     ) -> tuple[torch.Tensor, dict[int, int]]:
         """More experts in this call than free slots (a long prompt on a small cache): copy
         them into a buffer of their own (resident and staged ones from their slots, the
@@ -550,7 +476,7 @@ class ExpertCache:
                         hits.append(staged.event)
                         continue
                     self._slots.give(staged.slot)
-                last_load = self._load(state, layer, expert, flat[rows[expert], :nbytes])
+                last_load = self._load(layer, expert, flat[rows[expert], :nbytes])
         finally:
             copier.compute_waits([*hits, last_load])
         for expert, slot in on_device.items():  # device to device, on the compute stream
@@ -566,27 +492,7 @@ class ExpertCache:
                 state.slot_of[expert] = slot
         return flat, rows
 
-    def _lookup(self, state: _Layer, rows: dict[int, int]) -> torch.Tensor:
-        """The layer's expert -> row table on the device, with ``rows`` written (only the
-        entries that changed: none when every expert hit in place)."""
-        if state.lut_E is None:
-            state.lut_E = torch.full(
-                (self.store.num_experts,), -1, dtype=torch.int64, device=self.device
-            )
-        changed = [(e, r) for e, r in rows.items() if state.lut_rows.get(e) != r]
-        if not changed:
-            return state.lut_E
-        if self.device.type == "cuda":  # one small async copy from page-locked memory
-            idx_rows = torch.tensor(changed, dtype=torch.int64).T.contiguous().pin_memory()
-            idx_rows = idx_rows.to(self.device, non_blocking=True)
-            state.lut_E.index_copy_(0, idx_rows[0], idx_rows[1])
-        else:
-            for expert, row in changed:
-                state.lut_E[expert] = row
-        state.lut_rows.update(changed)
-        return state.lut_E
-
-    def _wait_staged(self, staged: _Staged, layer: int, expert: int) -> bool:
+    def _wait_staged(self, staged: Staged, layer: int, expert: int) -> bool:
         """Wait for a prefetch's read (host time, counted as stall); False if it failed."""
         start = time.perf_counter()
         try:
@@ -602,13 +508,13 @@ class ExpertCache:
                 self._stats.prefetch_hits += 1
         return ok
 
-    def _finish_read(self, staged: _Staged) -> None:
+    def _finish_read(self, staged: Staged) -> None:
         """Wait on the host for a prefetch's read (raising what it raised); its copy becomes
         the slot's last write, which a later write from another stream waits on."""
         staged.event = staged.future.result()
         self._slots.wrote(staged.slot, self._copier.prefetch, staged.event)
 
-    def _drop(self, staged: _Staged) -> None:
+    def _drop(self, staged: Staged) -> None:
         """Give a staged expert's slot back (after its read, if running: it writes the slot;
         its copy may still run on the device, so the slot keeps its event)."""
         if not staged.future.cancel():
@@ -617,31 +523,27 @@ class ExpertCache:
         self._staged_count -= 1
         self._slots.give(staged.slot)
 
-    def _host_flat(self, state: _Layer, layer: int, expert: int) -> tuple[torch.Tensor, bool, int]:
-        """The expert's flat host buffer: (buffer, from the host tier, bytes read from disk)."""
-        host = self._host_get(state, expert)
-        if host is not None:
-            return host, True, 0
-        loaded = self.store.load(layer, expert, pin_memory=self._pin)
-        host = self.layout.flat(loaded, pin=self._pin)
-        self._host_put(state, expert, host)
-        disk = getattr(self.store, "reads_disk", True)  # a HostTier in the store's place: no
-        return host, False, self.store.expert_bytes if disk else 0
+    def _host_flat(self, layer: int, expert: int) -> tuple[torch.Tensor, bool, int]:
+        """The expert's flat host buffer: (buffer, a host tier filled on misses held it,
+        bytes read from disk), through the host tier where there is one."""
+        if self.host is not None:
+            held, host_hit, nbytes = self.host.fetch(layer, expert)
+        else:
+            held = self.store.load(layer, expert, pin_memory=self._pin)
+            host_hit, nbytes = False, self.store.expert_bytes
+        return self.layout.flat(held, pin=self._pin), host_hit, nbytes
 
-    def _load_slot(
-        self, state: _Layer, layer: int, expert: int, slot: int
-    ) -> torch.cuda.Event | None:
+    def _load_slot(self, layer: int, expert: int, slot: int) -> torch.cuda.Event | None:
         """Serve a miss into ``slot`` (caller holds the lock), after the slot's last copy
         where the prefetch stream issued it (a dropped or failed prefetch's slot)."""
         demand = self._copier.demand
         after = [self._slots.pending(slot, demand)]
-        event = self._load(state, layer, expert, self._slots.row(slot), after=after)
+        event = self._load(layer, expert, self._slots.row(slot), after=after)
         self._slots.wrote(slot, demand, event)
         return event
 
     def _load(
         self,
-        state: _Layer,
         layer: int,
         expert: int,
         dst: torch.Tensor,
@@ -650,7 +552,7 @@ class ExpertCache:
         """Serve a miss into ``dst`` (caller holds the lock): host tier or disk, one copy on
         the demand stream after ``after``. Returns the event after the copy (CUDA)."""
         start = time.perf_counter()
-        host, host_hit, nbytes = self._host_flat(state, layer, expert)
+        host, host_hit, nbytes = self._host_flat(layer, expert)
         event = self._copier.copy(dst, host, after=after)
         stall = time.perf_counter() - start
         with self._stats_lock:
@@ -665,7 +567,6 @@ class ExpertCache:
 
     def _read_async(
         self,
-        state: _Layer,
         layer: int,
         expert: int,
         dst: torch.Tensor,
@@ -674,27 +575,9 @@ class ExpertCache:
         """Prefetch worker: host tier or disk into ``dst`` (the reserved slot's row), without
         the lock, on the prefetch stream after ``after`` (the compute stream's marker, the
         slot's last copy from another stream). Returns the event after the copy (CUDA)."""
-        host, _, nbytes = self._host_flat(state, layer, expert)
+        host, _, nbytes = self._host_flat(layer, expert)
         event = self._copier.copy(dst, host, prefetch=True, after=after)
         with self._stats_lock:
             self._stats.bytes_read += nbytes
             self._stats.bytes_to_device += self.layout.nbytes
         return event
-
-    def _host_get(self, state: _Layer, expert: int) -> torch.Tensor | None:
-        if not self.host_capacity:
-            return None
-        with state.host_lock:
-            host = state.host.get(expert)
-            if host is not None:
-                state.host.move_to_end(expert)
-            return host
-
-    def _host_put(self, state: _Layer, expert: int, host: torch.Tensor) -> None:
-        if not self.host_capacity:
-            return
-        with state.host_lock:
-            state.host[expert] = host
-            state.host.move_to_end(expert)
-            while len(state.host) > self.host_capacity:
-                state.host.popitem(last=False)

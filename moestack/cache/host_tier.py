@@ -1,11 +1,16 @@
-"""A host tier filled ahead: every expert of an ExpertStore read once into (pinned) host
-memory, then served to any number of ExpertCaches in the store's place.
+"""The host tier of the expert cache: experts of an ExpertStore held in (pinned) host
+memory, between the store on disk and the cache's device tier. One class, filled one of two
+ways:
 
-ExpertCache's own host tier (``CacheConfig.host_capacity``) fills on misses and belongs to
-one cache; a server that replays several caches over the same model, or that wants no disk
-read on its first misses, reads the store once with ``HostTier.read(store)``. ``load``
-returns the held expert (``w1`` and ``w2`` views of one buffer, so a load to the device is
-one copy) and counts the call; every other attribute is the store's.
+- ahead (``HostTier.read(store, pin=...)``): every expert read once; passed to any number
+  of ExpertCaches in the store's place (``ExpertCache(tier, ...)``), so a server that
+  replays several caches over one model reads the files once and no miss reads the disk;
+- on misses (``HostTier(store, capacity=n, pin=...)``, what an ExpertCache builds for its
+  ``host_capacity``): each layer keeps its ``n`` most recently used experts, evicted by
+  the replacement module's ``LRUPolicy`` (the one LRU the cache and the simulator share).
+
+An expert is held as ``ExpertStore.load`` returns it: ``w1`` and ``w2`` views of one
+buffer, so a load to the device is one copy.
 """
 
 from __future__ import annotations
@@ -14,11 +19,11 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-import torch
 from tqdm import tqdm
 
+from moestack.cache.device_tier import Expert
+from moestack.cache.replacement import LRUPolicy
 from moestack.cache.store import ExpertStore
 from moestack.errors import MoestackError
 
@@ -49,17 +54,34 @@ def store_bytes(store: ExpertStore, *, pinned: bool = False) -> int:
 
 
 class HostTier:
-    """Every expert of ``store`` held in host memory (``read`` builds one); a drop-in for
-    the store wherever ExpertCache takes one."""
+    """Experts of ``store`` in host memory: every one (``experts``, read ahead: ``read``)
+    or, with ``capacity``, the ``capacity`` most recently used of each layer, filled on
+    misses from the store (page-locked with ``pin``). It knows what it holds: ``store``
+    (where its experts come from), ``num_layers``, ``num_experts``, ``expert_bytes``,
+    ``nbytes`` (held now) and ``loads`` (experts served)."""
 
-    reads_disk = False  # a load is served from memory (ExpertCacheStats.bytes_read stays 0)
-
-    def __init__(self, store: ExpertStore, experts: dict[tuple[int, int], dict]) -> None:
-        self._store = store
-        self._experts = experts
+    def __init__(
+        self,
+        store: ExpertStore,
+        experts: dict[tuple[int, int], Expert] | None = None,
+        *,
+        capacity: int = 0,
+        pin: bool = False,
+    ) -> None:
+        if capacity < 0 or (capacity and experts):
+            raise ValueError(
+                f"capacity={capacity}: give experts read ahead (capacity 0) or a capacity "
+                ">= 1 experts per layer filled on misses"
+            )
+        self.store = store
+        self.num_layers, self.num_experts = store.num_layers, store.num_experts
+        self.expert_bytes = store.expert_bytes
+        self.capacity = capacity  # 0: holds every expert, read ahead
+        self.pin = pin
+        self._experts = dict(experts or {})
+        self._lru = [LRUPolicy(capacity) for _ in range(self.num_layers)] if capacity else []
         self._lock = threading.Lock()
-        self.loads = 0  # load calls served, each one expert moved on by its caller
-        self.nbytes = store_bytes(store)
+        self.loads = 0  # experts served, each one moved on by its caller
 
     @classmethod
     def read(
@@ -91,21 +113,42 @@ class HostTier:
             held = list(
                 tqdm(loads, total=len(keys), desc="host tier", unit="expert", disable=not progress)
             )
-        return cls(store, dict(zip(keys, held, strict=True)))
+        return cls(store, dict(zip(keys, held, strict=True)), pin=pin)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the experts held now (every expert's, read ahead)."""
+        with self._lock:
+            return sum(t.nbytes for held in self._experts.values() for t in held.values())
 
-    def load(self, layer: int, expert: int, *, pin_memory: bool = False) -> dict[str, torch.Tensor]:
-        """The held ``{"w1", "w2"}`` of one expert (the caller must not write into it);
-        ``pin_memory`` is the store's argument, decided once by ``read``."""
-        try:
-            held = self._experts[(layer, expert)]
-        except KeyError:
+    def load(self, layer: int, expert: int, *, pin_memory: bool = False) -> Expert:
+        """The held ``{"w1", "w2"}`` of one expert (the caller must not write into it), as
+        ``fetch``; ``pin_memory`` is the store's argument, decided once for the tier."""
+        return self.fetch(layer, expert)[0]
+
+    def fetch(self, layer: int, expert: int) -> tuple[Expert, bool, int]:
+        """One expert for the cache: its tensors, whether a tier filled on misses held them
+        (``ExpertCacheStats.host_hits``), and the bytes read from disk for them (a miss of
+        a tier filled on misses: read from the store, kept, the least recently used expert
+        of the layer evicted)."""
+        key = (layer, expert)
+        with self._lock:
+            held = self._experts.get(key)
+            if held is not None:
+                self.loads += 1
+                if self.capacity:
+                    self._lru[layer].access(expert)  # most recently used now
+                return held, bool(self.capacity), 0
+        if not self.capacity:
             raise MoestackError(
-                f"expert {expert} of layer {layer} is not in the host tier of {self._store.path} "
-                f"({self._store.num_layers} layers x {self._store.num_experts} experts)"
-            ) from None
+                f"expert {expert} of layer {layer} is not in the host tier of {self.store.path} "
+                f"({self.num_layers} layers x {self.num_experts} experts)"
+            )
+        loaded = self.store.load(layer, expert, pin_memory=self.pin)
         with self._lock:
             self.loads += 1
-        return held
+            _, evicted = self._lru[layer].access(expert)
+            self._experts[key] = loaded
+            if evicted is not None:
+                del self._experts[(layer, evicted)]
+        return loaded, False, self.expert_bytes

@@ -13,6 +13,7 @@ from helpers.cache import tiny_model
 
 import moestack.cache.host_tier as host_tier
 from moestack.cache import ExpertCache, ExpertStore
+from moestack.cache.cache_state import host_tier_of
 from moestack.cache.host_tier import HostTier, available_host_bytes, store_bytes
 from moestack.errors import MoestackError
 
@@ -109,3 +110,54 @@ def test_pinned_experts_are_counted_as_the_pinned_allocator_takes_them(store):
     rounded = [2 ** math.ceil(math.log2(n)) for n in sizes]
     assert store_bytes(store) == sum(sizes)
     assert store_bytes(store, pinned=True) == sum(rounded) > sum(sizes)
+
+
+def test_a_tier_filled_on_misses_keeps_each_layers_most_recent_experts(store, monkeypatch):
+    """``capacity`` experts per layer, least recently used evicted: which fetches it held
+    and which it read from disk are a plain LRU list's, worked per layer here."""
+    reads = []
+    real = ExpertStore.load
+    monkeypatch.setattr(
+        ExpertStore, "load", lambda self, *a, **k: reads.append(a) or real(self, *a, **k)
+    )
+    tier = HostTier(store, capacity=2)
+    requests = [(0, 3), (1, 3), (0, 1), (0, 3), (0, 5), (0, 1), (1, 3), (1, 0), (0, 3)]
+    held = {0: [], 1: []}  # oldest first
+    for layer, e in requests:
+        got, hit, nbytes = tier.fetch(layer, e)
+        w1, w2 = _direct(store, layer, e)
+        assert torch.equal(got["w1"], w1) and torch.equal(got["w2"], w2)
+        assert hit == (e in held[layer])
+        assert nbytes == (0 if hit else store.expert_bytes)
+        if hit:
+            held[layer].remove(e)
+        elif len(held[layer]) == 2:
+            held[layer].pop(0)
+        held[layer].append(e)
+    # worked by hand: layer 0 goes 3, 1, 3 (hit), 5 (evicts 1), 1 (evicts 3), 3 (evicts 5);
+    # layer 1 goes 3, 3 (hit), 0: the fourth and seventh requests hit, the rest read the disk
+    assert reads == [r for i, r in enumerate(requests) if i not in (3, 6)]
+    assert tier.nbytes == sum(store.entry(layer, e).nbytes for layer in held for e in held[layer])
+    assert tier.loads == len(requests)
+
+
+def test_a_cache_over_a_tier_read_ahead_takes_no_tier_of_its_own(store):
+    tier = HostTier.read(store, pin=False, progress=False)
+    with ExpertCache(tier, 2, "lru") as cache:
+        assert cache.host is tier and cache.store is store
+    with ExpertCache(store, 2, "lru", host_capacity=4) as cache:
+        assert cache.host is None  # on a CPU device the device tier is host memory
+
+
+def test_the_tiers_a_cache_reads_through(store):
+    """On a CUDA device the cache's own tier holds ``host_capacity`` experts per layer; a
+    tier read ahead is taken as it is, and a second tier on top of it refused in one line."""
+    tier = HostTier.read(store, pin=False, progress=False)
+    assert host_tier_of(tier, 0, on_gpu=True) == (store, tier)
+    with pytest.raises(
+        ValueError, match=r"^host_capacity=4 with a HostTier .*: give host_capacity=0$"
+    ):
+        host_tier_of(tier, 4, on_gpu=True)
+    got, own = host_tier_of(store, 4, on_gpu=True)
+    assert got is store and own is not None and (own.capacity, own.pin) == (4, True)
+    assert host_tier_of(store, 4, on_gpu=False) == (store, None)

@@ -417,7 +417,7 @@ def test_stream_plan_is_what_the_run_allocates(tmp_path: Path, mode: str, prefet
     assert plan.slots == slots.flat_SB.numel() == slots.count * slots.slot_bytes
     assert slots.count == 2 * 3 + 2 + (2 if prefetch else 0)  # layers x capacity + top_k (x2)
     assert plan.experts == plan.disk == 2 * 8 * state.store.expert_bytes
-    assert plan.host == (state.cache.store.nbytes if mode == "host" else 0)  # the HostTier's
+    assert plan.host == (state.cache.host.nbytes if mode == "host" else 0)  # the HostTier's
     assert plan.working_set == 8 * (slots.slot_bytes + state.store.expert_bytes)  # dropout
     assert stream_plan(run_cfg("lora", "off"), 1, 1, cuda=False) is None
     state.close()
