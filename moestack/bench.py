@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -153,9 +154,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device: torch.device | str | None = None) -> dict[str, Any]:
-    """What a figure was measured on: the machine, CPU count, torch (and CUDA) version,
-    moestack's commit and whether the tree had changes, the UTC date and the host."""
+@functools.cache
+def _environment(device: str | None) -> dict[str, Any]:
     from moestack.provenance import git_state
 
     return {
@@ -170,11 +170,27 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     }
 
 
+def environment(device: torch.device | str | None = None) -> dict[str, Any]:
+    """What a figure was measured on: the machine (the GPU on a CUDA device), CPU count,
+    torch (and CUDA) version, moestack's commit and whether the tree had changes, the UTC
+    date of the process's first record and the host (worked out once per process)."""
+    return dict(_environment(None if device is None else str(device)))
+
+
 # --------------------------------------------------------------------------- output
-def write_json(path: str | Path, payload: Any, indent: int | None = 2) -> None:
+def write_json(
+    path: str | Path, payload: Any, indent: int | None = 2, device: torch.device | str | None = None
+) -> None:
     """``payload`` as JSON at ``path``, all or nothing (a run stopped mid-write leaves the
-    previous file): scripts write after every case, so a cut run keeps what it measured."""
-    atomic.write_text(Path(path), json.dumps(payload, indent=indent) + "\n")
+    previous file): scripts write after every case, so a cut run keeps what it measured. A
+    dict payload gets the :func:`environment` record of ``device`` as ``"environment"``."""
+    if isinstance(payload, dict) and "environment" not in payload:
+        payload = {**payload, "environment": environment(device)}
+    _write(Path(path), payload, indent)
+
+
+def _write(path: Path, payload: Any, indent: int | None = 2) -> None:
+    atomic.write_text(path, json.dumps(payload, indent=indent) + "\n")
 
 
 def table(
@@ -308,7 +324,7 @@ def save_tuned(out: Path, skip: set[str] | frozenset[str] = frozenset()) -> int:
     table_["gpus"] = {name: dict(sorted(entries.items())) for name, entries in gpus.items()}
     table_.setdefault("measured", {})[gpu] = tuned_table.run_provenance(gpu)
     table_["note"] = TUNED_NOTE
-    write_json(out, table_)
+    _write(out, table_)
     count = {k: sum(1 for e in found.values() if e.get(k)) for k in ("persistent", "fused")}
     torch_dw = sum(1 for entry in found.values() if entry.get("backend") == "torch")
     log.info(

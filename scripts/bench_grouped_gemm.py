@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     head = ("shape", "impl", "fwd ms", "TF/s", "f+b ms", "TF/s")
     print(bench.table(head, cells, "<14 <18 >8 >7 >8 >7"))
     if args.json:
-        bench.write_json(args.json, {"gpu": torch.cuda.get_device_name(), "rows": rows})
+        bench.write_json(
+            args.json, {"gpu": torch.cuda.get_device_name(), "rows": rows}, device="cuda"
+        )
     return 0
 
 

@@ -134,7 +134,9 @@ def bench_cuda(steps: int, json_path: str = "") -> list[dict]:
               f"{row['planned_device_mib']:>8.0f} {row['step_s']:>8.3f} "
               f"{row['step_s'] / rows[0]['step_s']:>7.2f}", flush=True)  # fmt: skip
         if json_path:
-            bench.write_json(json_path, {"gpu": torch.cuda.get_device_name(), "cuda": rows})
+            bench.write_json(
+                json_path, {"gpu": torch.cuda.get_device_name(), "cuda": rows}, device=CUDA_DEVICE
+            )
     print(f"[cuda] compile (first two compiled steps): {rows[-1]['warmup_s']:.1f} s")
     return rows
 

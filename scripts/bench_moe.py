@@ -576,7 +576,7 @@ def write_json(
         "retuned_sources": retune_sources or [],
         "tuning": tuning_report() if cuda else "",
     }
-    bench.write_json(path, payload)
+    bench.write_json(path, payload, device=device)
 
 
 if __name__ == "__main__":

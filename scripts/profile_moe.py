@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             print_profile(profiles[-1])
             if args.json:
-                bench.write_json(args.json, {**header, "profiles": profiles})
+                bench.write_json(args.json, {**header, "profiles": profiles}, device=device)
 
 
 if __name__ == "__main__":
