@@ -232,6 +232,23 @@ def _tile_tables(tiles: TileTables | None, offsets_E: torch.Tensor, rows: int) -
     return tiles
 
 
+def _mm_flags(
+    b_EKM: torch.Tensor,
+    a_rows: torch.Tensor | None,
+    c_rows: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    z: torch.Tensor | None,
+) -> str:
+    """The kernel variant of a grouped GEMM, part of its tuning key: which of the gather,
+    scatter, scale and pre-activation operands it has, and whether the weight is a
+    transposed view (its K dimension of unit stride: another best tile)."""
+    transposed = b_EKM.stride(2) != 1 and b_EKM.stride(1) == 1  # e.g. W^T in backward
+    return (
+        f"g{int(a_rows is not None)}s{int(c_rows is not None)}"
+        f"c{int(scale is not None)}z{int(z is not None)}t{int(transposed)}"
+    )
+
+
 def grouped_mm(
     a: torch.Tensor,
     b_EKM: torch.Tensor,
@@ -260,11 +277,7 @@ def grouped_mm(
     tables = _tile_tables(tiles, offsets_E, rows)
     E, K = b_EKM.shape[0], b_EKM.shape[1]
     M = b_EKM.shape[2] // 2 if swiglu else b_EKM.shape[2]
-    transposed = b_EKM.stride(2) != 1 and b_EKM.stride(1) == 1  # e.g. W^T in backward
-    flags = (
-        f"g{int(a_rows is not None)}s{int(c_rows is not None)}"
-        f"c{int(scale is not None)}z{int(z is not None)}t{int(transposed)}"
-    )
+    flags = _mm_flags(b_EKM, a_rows, c_rows, scale, z)
     kind = "mm_swiglu" if swiglu else "mm"
     precision = _dot_precision(a.dtype)
 
@@ -399,6 +412,52 @@ def grouped_wgrad_torch(a_NK: torch.Tensor, b_NM: torch.Tensor, offsets_E: torch
     return out_EKM.masked_fill_((offsets_E == starts_E).view(-1, 1, 1), 0)
 
 
+def _wgrad_triton(
+    tk: ModuleType,
+    cfg: tuning.KernelConfig,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets_E: torch.Tensor,
+    a_rows: torch.Tensor | None,
+    b_rows: torch.Tensor | None,
+    precision: str,
+) -> torch.Tensor:
+    """``grouped_wgrad`` by moestack's Triton kernels ``tk`` with tile config ``cfg``: a new
+    [E, K, M] tensor (every element written)."""
+    E, K, M = offsets_E.shape[0], a.shape[1], b.shape[1]
+    dummy = offsets_E
+    out_EKM = new_empty((E, K, M), a.dtype, a.device)
+    grid = ((-(-K // cfg.block_m)) * (-(-M // cfg.block_n)), E)
+    tk.grouped_wgrad_kernel[grid](
+        a,
+        b,
+        out_EKM,
+        offsets_E,
+        a_rows if a_rows is not None else dummy,
+        b_rows if b_rows is not None else dummy,
+        K,
+        M,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        out_EKM.stride(0),
+        out_EKM.stride(1),
+        out_EKM.stride(2),
+        GATHER_A=a_rows is not None,
+        GATHER_B=b_rows is not None,
+        EVEN_KM=K % cfg.block_m == 0 and M % cfg.block_n == 0,
+        DOT_PRECISION=precision,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out_EKM
+
+
 def grouped_wgrad(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -420,7 +479,6 @@ def grouped_wgrad(
         raise TypeError(f"dtype mismatch: {a.dtype} and {b.dtype}")
     tk = kernels()
     E, K, M = offsets_E.shape[0], a.shape[1], b.shape[1]
-    dummy = offsets_E
     flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}"
     precision = _dot_precision(a.dtype)
 
@@ -429,36 +487,7 @@ def grouped_wgrad(
             a_g = a if a_rows is None else gather_rows(a, a_rows)
             b_g = b if b_rows is None else gather_rows(b, b_rows)
             return grouped_wgrad_torch(a_g, b_g, offsets_E)
-        out_EKM = new_empty((E, K, M), a.dtype, a.device)
-        grid = ((-(-K // cfg.block_m)) * (-(-M // cfg.block_n)), E)
-        tk.grouped_wgrad_kernel[grid](
-            a,
-            b,
-            out_EKM,
-            offsets_E,
-            a_rows if a_rows is not None else dummy,
-            b_rows if b_rows is not None else dummy,
-            K,
-            M,
-            a.stride(0),
-            a.stride(1),
-            b.stride(0),
-            b.stride(1),
-            out_EKM.stride(0),
-            out_EKM.stride(1),
-            out_EKM.stride(2),
-            GATHER_A=a_rows is not None,
-            GATHER_B=b_rows is not None,
-            EVEN_KM=K % cfg.block_m == 0 and M % cfg.block_n == 0,
-            DOT_PRECISION=precision,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        return out_EKM
+        return _wgrad_triton(tk, cfg, a, b, offsets_E, a_rows, b_rows, precision)
 
     rows = a_rows.numel() if a_rows is not None else a.shape[0]  # the sorted rows
     key = tuning.make_key("wgrad", E, K, M, a.dtype, flags, rows)

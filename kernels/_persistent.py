@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+from typing import Any
 
 import torch
 import triton
@@ -321,8 +322,34 @@ def persistent_grouped_mm(
         raise ValueError(f"num_programs = {programs} must be >= 1")
 
     a_arg, b_arg, how = _operands(a, b_EKN, rows, a_rows, cfg, use_tma)
-    dummy = offsets_E
     grid = (max(1, min(programs, capacity(rows, E, cfg.block_m) * -(-N // cfg.block_n))),)
+    _launch_kernel(grid, a, a_arg, b_arg, b_EKN, out, offsets_E, tiles, cfg, how, precision,
+                   a_rows=a_rows, c_rows=c_rows, scale=scale)  # fmt: skip
+    return tiles
+
+
+def _launch_kernel(
+    grid: tuple[int],
+    a: torch.Tensor,
+    a_arg: Any,
+    b_arg: Any,
+    b_EKN: torch.Tensor,
+    out: torch.Tensor,
+    offsets_E: torch.Tensor,
+    tiles: TileTable,
+    cfg: tuning.KernelConfig,
+    how: _Reads,
+    precision: str | None,
+    *,
+    a_rows: torch.Tensor | None,
+    c_rows: torch.Tensor | None,
+    scale: torch.Tensor | None,
+) -> None:
+    """One launch of the persistent kernel on ``grid`` programs, on a's device: the operands
+    as ``_operands`` prepared them (``a_arg``, ``b_arg``, read as ``how`` says), the tile
+    table ``tiles`` cut with ``cfg.block_m``; arguments as ``persistent_grouped_mm``'s."""
+    K, N = b_EKN.shape[1], b_EKN.shape[2]
+    dummy = offsets_E
     on_device = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
     with on_device:
         persistent_grouped_mm_kernel[grid](
@@ -358,7 +385,6 @@ def persistent_grouped_mm(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-    return tiles
 
 
 @dataclasses.dataclass(frozen=True)
