@@ -174,35 +174,20 @@ def simulate(
     sizes = _expert_sizes(trace, expert_bytes)
     if trace.num_tokens == 0:
         raise _nothing_to_replay(trace, layer_ids)
-    stats: list[LayerStats] = []
-    hists: list[list[int]] = []
-    seconds = 0.0
-    tokens = 0
-    replayed = 0
-    requested = 0
-    for layer in layer_ids:
-        requests, rows = _layer_requests(trace, layer, batch_size)
-        requested += requests.size
-        if max_accesses is not None:
-            requests = requests[:max_accesses]
-        cap = _layer_capacity(capacity, capacity_bytes, sizes[layer], layer)
-        skip = _resolve_warmup(warmup, requests.size)
-        pol = _layer_policy(policy, layer, cap, requests, skip, static_experts, num_pinned)
-        start = time.perf_counter()
-        hits_mask = pol.access_many(requests)
-        seconds += time.perf_counter() - start
-        replayed += requests.size
-        counted = hits_mask[skip:]
-        hits = int(counted.sum())
-        misses = int(counted.size - hits)
-        size = sizes[layer] or 0
-        rate = _rate(hits, counted.size)
-        stats.append(LayerStats(layer, cap, int(counted.size), hits, misses, rate, misses * size))
-        tokens = max(tokens, _counted_tokens(rows, counted.size, requests.size, trace.top_k[layer]))
-        if reuse:
-            hists.append(reuse_histogram(requests, trace.num_experts[layer], skip))
-    if requested == 0:
+    runs = [
+        _replay_layer(
+            trace, layer, sizes[layer], policy, capacity, capacity_bytes, warmup,
+            static_experts, num_pinned, max_accesses, reuse, batch_size,
+        )
+        for layer in layer_ids
+    ]  # fmt: skip
+    if sum(run.requested for run in runs) == 0:
         raise _nothing_to_replay(trace, layer_ids)
+    stats = [run.stats for run in runs]
+    hists = [run.hist for run in runs if run.hist is not None]
+    seconds = sum((run.seconds for run in runs), 0.0)
+    tokens = max([0, *(run.tokens for run in runs)])
+    replayed = sum(run.replayed for run in runs)
     return _total_stats(
         name,
         stats[0].capacity if stats else int(capacity or 0),
@@ -212,6 +197,56 @@ def simulate(
         seconds,
         replayed,
     )
+
+
+@dataclass(frozen=True)
+class _LayerRun:
+    """What replaying one layer gave: its stats, its reuse histogram (None unless asked),
+    the seconds the policy took, the tokens its counted requests cover, and its requests
+    replayed and in the trace."""
+
+    stats: LayerStats
+    hist: list[int] | None
+    seconds: float
+    tokens: int
+    replayed: int
+    requested: int
+
+
+def _replay_layer(
+    trace: RoutingTrace,
+    layer: int,
+    size: int | None,
+    policy: str | PolicyFactory,
+    capacity: int | None,
+    capacity_bytes: int | None,
+    warmup: int | float,
+    static_experts: Sequence[Sequence[int]] | None,
+    num_pinned: int | None,
+    max_accesses: int | None,
+    reuse: bool,
+    batch_size: int,
+) -> _LayerRun:
+    """Replay layer ``layer``'s requests (``size``: its expert's bytes, None if unknown)
+    through a fresh policy; the arguments are ``simulate``'s."""
+    requests, rows = _layer_requests(trace, layer, batch_size)
+    requested = int(requests.size)
+    if max_accesses is not None:
+        requests = requests[:max_accesses]
+    cap = _layer_capacity(capacity, capacity_bytes, size, layer)
+    skip = _resolve_warmup(warmup, requests.size)
+    pol = _layer_policy(policy, layer, cap, requests, skip, static_experts, num_pinned)
+    start = time.perf_counter()
+    hits_mask = pol.access_many(requests)
+    seconds = time.perf_counter() - start
+    counted = hits_mask[skip:]
+    hits = int(counted.sum())
+    misses = int(counted.size - hits)
+    rate = _rate(hits, counted.size)
+    stats = LayerStats(layer, cap, int(counted.size), hits, misses, rate, misses * (size or 0))
+    tokens = _counted_tokens(rows, counted.size, requests.size, trace.top_k[layer])
+    hist = reuse_histogram(requests, trace.num_experts[layer], skip) if reuse else None
+    return _LayerRun(stats, hist, seconds, tokens, int(requests.size), requested)
 
 
 def _layer_requests(

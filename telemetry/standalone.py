@@ -257,6 +257,47 @@ def hit_rates(summary: dict[str, Any]) -> dict[tuple[str, int], float]:
     return found
 
 
+def _check_inputs(
+    text_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int,
+) -> Path:
+    """``out_dir`` as a Path, once the sizes make sense, the text exists and ``out_dir``
+    holds no telemetry run yet (each refused in one line naming the value)."""
+    if seq_len < 2 or batch_size < 1 or max_tokens < seq_len:
+        raise ValueError(
+            f"need seq_len >= 2, batch_size >= 1, max_tokens >= seq_len; got {seq_len}, "
+            f"{batch_size}, {max_tokens}"
+        )
+    if not Path(text_path).is_file():
+        raise FileNotFoundError(
+            f"text file {str(text_path)!r} not found; give a text file to route"
+        )
+    out = Path(out_dir)
+    if (out / "trace" / "header.json").exists():
+        raise FileExistsError(f"{out} already holds a telemetry run; choose a new out_dir")
+    return out
+
+
+def _token_blocks(
+    text_path: str | os.PathLike[str],
+    tokenizer: Any,
+    vocab_size: int,
+    max_tokens: int,
+    seq_len: int,
+) -> torch.Tensor:
+    """The first ``max_tokens`` tokens of the text as [sequences, seq_len + 1] blocks (the
+    extra token: the next-token targets); the tokens past the last whole block are left."""
+    ids = _read_tokens(text_path, tokenizer, vocab_size)[:max_tokens]
+    width = seq_len + 1  # next-token targets
+    n_seq = len(ids) // width
+    if n_seq == 0:
+        raise ValueError(f"{text_path}: {len(ids)} tokens, fewer than seq_len+1={width}")
+    return torch.from_numpy(ids[: n_seq * width].reshape(n_seq, width).copy())
+
+
 def run_telemetry(
     model: str | os.PathLike[str] | nn.Module,
     text_path: str | os.PathLike[str],
@@ -279,27 +320,12 @@ def run_telemetry(
     (expert slots per layer) default to ``default_capacities(top_k)`` of the model's routers
     (``attach``): (2, 4) for top_k = 2. ``progress`` shows progress bars (batches, report).
     """
-    if seq_len < 2 or batch_size < 1 or max_tokens < seq_len:
-        raise ValueError(
-            f"need seq_len >= 2, batch_size >= 1, max_tokens >= seq_len; got {seq_len}, "
-            f"{batch_size}, {max_tokens}"
-        )
-    if not Path(text_path).is_file():
-        raise FileNotFoundError(
-            f"text file {str(text_path)!r} not found; give a text file to route"
-        )
-    out = Path(out_dir)
-    if (out / "trace" / "header.json").exists():
-        raise FileExistsError(f"{out} already holds a telemetry run; choose a new out_dir")
+    out = _check_inputs(text_path, out_dir, seq_len, batch_size, max_tokens)
     net, tokenizer = load_model(model, seed)
     out.mkdir(parents=True, exist_ok=True)
     net.to(device).eval()
-    ids = _read_tokens(text_path, tokenizer, _vocab_size(net))[:max_tokens]
-    width = seq_len + 1  # next-token targets
-    n_seq = len(ids) // width
-    if n_seq == 0:
-        raise ValueError(f"{text_path}: {len(ids)} tokens, fewer than seq_len+1={width}")
-    blocks = torch.from_numpy(ids[: n_seq * width].reshape(n_seq, width).copy())
+    blocks = _token_blocks(text_path, tokenizer, _vocab_size(net), max_tokens, seq_len)
+    n_seq = blocks.shape[0]
     tel = attach(
         net,
         policies=policies,

@@ -346,10 +346,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     file = folder / CONFIG_FILE
     raw = _read_json(file)
     family = _family(raw, file)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise MoestackError(
-            f"{file}: hidden_act={raw['hidden_act']!r}; moestack experts are SwiGLU (silu)"
-        )
+    _check_activation(raw, file)
 
     def get(*keys: str) -> int:
         key, value = _get(raw, keys, file, family)
@@ -391,6 +388,20 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     }
     if family == "qwen2_moe":
         info["shared_expert_d_ff"] = get("shared_expert_intermediate_size")
+    _check_sparse(info, file)
+    return info
+
+
+def _check_activation(raw: dict[str, Any], file: Path) -> None:
+    """Refuse experts whose activation is not SiLU: moestack's experts are SwiGLU."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise MoestackError(
+            f"{file}: hidden_act={raw['hidden_act']!r}; moestack experts are SwiGLU (silu)"
+        )
+
+
+def _check_sparse(info: dict[str, Any], file: Path) -> None:
+    """Refuse a config without a sparse-MoE layer, or whose top-k is not in [1, experts]."""
     if not info["moe_layer_ids"]:
         raise MoestackError(f"{file}: no decoder layer has a sparse-MoE block (mlp_only_layers)")
     moe = info["moe"]
@@ -398,7 +409,6 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise MoestackError(
             f"{file}: num_experts_per_tok={moe['top_k']} is not in [1, {moe['num_experts']}]"
         )
-    return info
 
 
 def model_config_kwargs(info: dict[str, Any]) -> dict[str, Any]:

@@ -296,6 +296,54 @@ def export_record(
     }
 
 
+def _check_exportable(
+    model: HFMoEModel, out: Path, checkpoint: str | Path | None, allow_nonfinite: bool
+) -> None:
+    """Refuse a model a transformers folder cannot hold as it is: one with LoRA adapters,
+    one with experts not in memory, one whose weights hold NaN/inf (unless allowed)."""
+    if has_adapters(model):
+        raise MoestackError(
+            "the model carries LoRA adapters, which a transformers folder has no place for: "
+            "merge them first (moestack.lora.merge_adapters, as `moestack export` does) or "
+            "write them alone (`moestack export --adapter`)"
+        )
+    _check_in_memory(model)
+    what = f"checkpoint {checkpoint}" if checkpoint is not None else f"the model to export to {out}"
+    check_finite_weights(model_tensors(model), what, allow=allow_nonfinite)
+
+
+def _remove_partial(err: BaseException, tmp: Path, out: Path, needed: int) -> None:
+    """After a failed export: its temporary folder removed (a failed export leaves nothing
+    behind), and a full disk raised as one line naming the bytes ``needed``."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    full = out_of_space(err, out.parent, needed, f"the export {out} (partial files removed)")
+    if full is not None:
+        raise full from None
+
+
+def _save_weights(
+    model: HFMoEModel,
+    tmp: Path,
+    source: Path,
+    as_dtype: torch.dtype,
+    max_shard_size: str | int,
+    needed: list[int],
+) -> None:
+    """The model's original blocks saved into ``tmp`` by transformers, in ``as_dtype`` (its
+    config.json's dtype following), once the disk has room for the export; ``needed[0]``
+    is set to the export's bytes as soon as they are known."""
+    with (
+        torch.no_grad(),
+        original_blocks(model) as hf,
+        _kept_config_dtype(hf),
+        cast_weights(hf, as_dtype),  # config.json's dtype follows the weights'
+    ):
+        needed[0] = _export_bytes(hf, source, tokenizer_files(source))
+        if shutil.disk_usage(tmp).free < needed[0]:  # known to fail: refused before writing
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+        hf.save_pretrained(tmp, max_shard_size=max_shard_size)
+
+
 def export_hf(
     model: HFMoEModel,
     out_dir: str | Path,
@@ -329,15 +377,7 @@ def export_hf(
     free), also when it fills up while writing (the partial folder removed)."""
     source, out = export_target(out_dir, source_dir, run_dir, overwrite)
     as_dtype = export_dtype(dtype, source)
-    if has_adapters(model):
-        raise MoestackError(
-            "the model carries LoRA adapters, which a transformers folder has no place for: "
-            "merge them first (moestack.lora.merge_adapters, as `moestack export` does) or "
-            "write them alone (`moestack export --adapter`)"
-        )
-    _check_in_memory(model)
-    what = f"checkpoint {checkpoint}" if checkpoint is not None else f"the model to export to {out}"
-    check_finite_weights(model_tensors(model), what, allow=allow_nonfinite)
+    _check_exportable(model, out, checkpoint, allow_nonfinite)
     dropped = expert_bias_report(model)
     report: dict[str, Any] = {
         **export_record(model, out, source, run_dir, checkpoint),
@@ -347,28 +387,16 @@ def export_hf(
         "expert_bias_folded": {},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    needed = 0
+    needed = [0]  # the export's bytes, once known (named by a full disk's error)
     tmp = temp_dir(out)
     try:
-        with (
-            torch.no_grad(),
-            original_blocks(model) as hf,
-            _kept_config_dtype(hf),
-            cast_weights(hf, as_dtype),  # config.json's dtype follows the weights'
-        ):
-            needed = _export_bytes(hf, source, tokenizer_files(source))
-            if shutil.disk_usage(tmp).free < needed:  # known to fail: refused before writing
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
-            hf.save_pretrained(tmp, max_shard_size=max_shard_size)
+        _save_weights(model, tmp, source, as_dtype, max_shard_size, needed)
         report["tokenizer_files"] = _copy_tokenizer(source, tmp)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         report["files"] = sorted(f.name for f in tmp.iterdir())
         install_dir(tmp, out)  # every file flushed to disk, then renamed into place
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
-        full = out_of_space(err, out.parent, needed, f"the export {out} (partial files removed)")
-        if full is not None:
-            raise full from None
+        _remove_partial(err, tmp, out, needed[0])
         raise
     _warn_dropped(dropped)
     log.info("exported %s model to %s", model.info["family"], out)
