@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import datetime as dt
 import functools
+import gc
 import json
 import logging
 import os
@@ -125,6 +126,16 @@ def interleave(
             if round_ >= warmup:
                 out[name].append(took)
     return out
+
+
+def fresh_cuda_memory() -> int:
+    """Free what earlier contenders left (a collection, the allocator's cached blocks) and
+    reset the peak counter; the bytes still allocated, to subtract from the next peak."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 # --------------------------------------------------------------------------- figures

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -255,13 +254,7 @@ def _fresh_memory(device: torch.device, module: torch.nn.Module, x: torch.Tensor
     x.grad = None
     for p in module.parameters():
         p.grad = None
-    if device.type != "cuda":
-        return 0
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
+    return bench.fresh_cuda_memory() if device.type == "cuda" else 0
 
 
 class _LoopMoE(torch.nn.Module):

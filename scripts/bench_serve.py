@@ -369,7 +369,9 @@ class Bench:
     def save(self) -> None:
         finish(self.out)
         if self.args.json:
-            harness.write_json(self.args.json, self.out, indent=1, device=self.args.device)
+            harness.write_json(
+                self.args.json, self.out, indent=1, device=self.out["config"].get("device")
+            )
 
 
 def set_estimates(budget: Budget, setup_s: dict[str, float], link: dict[str, Any],

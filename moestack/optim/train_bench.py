@@ -11,7 +11,6 @@ them: a rename fails its tests here rather than on a lent GPU."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
 import threading
 import time
@@ -70,7 +69,7 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
         return {"skipped": "no CUDA device"}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
     for name in ("offload", "device_adamw_fused"):
-        base = _fresh_cuda_memory()
+        base = bench.fresh_cuda_memory()
         params = make_params(n, experts, torch.bfloat16, "cuda")
         if name == "offload":
             opt: torch.optim.Optimizer = OffloadAdamW(params)
@@ -84,7 +83,7 @@ def gpu_step_time(n: float, experts: int, reps: int) -> dict[str, Any]:
         out[f"{name}_peak_device_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         release(opt)
         del opt, params
-    _fresh_cuda_memory()
+    bench.fresh_cuda_memory()
     return out
 
 
@@ -97,16 +96,6 @@ def release(opt: Any) -> None:
     remove = getattr(opt, "remove_hooks", None)
     if callable(remove):
         remove()
-
-
-def _fresh_cuda_memory() -> int:
-    """Free what earlier contenders left, reset the peak; return the bytes still allocated
-    (subtracted from each contender's peak, so that nothing left over is counted)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
 
 
 # The training-step contenders: name -> (optimizer, update_delay, clipped, OffloadAdamW's
@@ -402,7 +391,7 @@ def _time_contender(
     """Contender ``name``'s training step into ``out`` (what it measured stays there if it
     fails): how it runs (:func:`how_it_runs`), median time, peak device memory, first and
     last loss; OffloadAdamW's parts; an offloading optimizer's idle compute stream (CUDA)."""
-    base = _fresh_cuda_memory() if device.type == "cuda" else 0
+    base = bench.fresh_cuda_memory() if device.type == "cuda" else 0
     model, opt, clip, dtype = _build_contender(name, model_cfg, device)
     out.update(how_it_runs(name, opt))
     try:
