@@ -58,18 +58,17 @@ def plan_offload(
     each) on ``rank`` of a process group of ``world_size`` ranks (1: not distributed;
     ``rank=None``: the rank holding the largest shard). Arguments as OffloadAdamW's;
     ``native`` says whether the native kernel loads, asked only where a split master
-    depends on it (a memory plan assumes it does). A delayed update (``update_delay``) never
-    steps the parameters themselves: it keeps a master copy, reads packed gradients (two
-    buffers: the next step's land beside the ones the update reads) and copies weights back,
-    through the buckets where the step is pipelined (:func:`_pipelines`). Device
-    collectives (:func:`_reduces_on_device`; ``backend``: the process group's) keep only
-    this rank's gradient shard on the host."""
+    depends on it (a memory plan assumes it does). A delayed update (``update_delay``) keeps
+    a master copy and two packed gradient buffers (the next step's land beside the ones the
+    update reads); the pipeline: :func:`_pipelines`; the device collectives (``backend``:
+    the process group's): :func:`_reduces_on_device`."""
     distributed = world_size > 1
     pipelined = _pipelines(specs, pipeline, overlap, distributed, fused_step, in_place,
                            skip_idle_experts)  # fmt: skip
     num_shards = world_size if (distributed and shard) else 1
     shards = _shard_plan(specs, group_of, is_expert, num_shards, rank)
-    never = update_delay or pipelined  # a master copy: the parameters stay as they are
+    # a delayed or pipelined update copies weights back: the parameters stay as they are
+    never = update_delay or pipelined
     steps_in_place = transfer.choose_in_place(False if never else in_place, specs, distributed)
     device_reduce = _reduces_on_device(
         specs, reduce_on_device, num_shards, fused_step, backend, skip_idle_experts
