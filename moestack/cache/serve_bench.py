@@ -16,12 +16,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from moestack import bench
 from moestack.cache import ExpertCache, offloaded
 from moestack.cache.device_tier import flat_view
 from moestack.cache.host_tier import HostTier
@@ -203,8 +205,7 @@ class Device:
         self.cuda = device.type == "cuda"
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        bench.synchronize(self.device)
 
     def reset_peak(self) -> None:
         if self.cuda:
@@ -510,23 +511,13 @@ def link_figures(host: HostTier, dev: Device, samples: int = 16) -> dict[str, fl
     for i in range(samples + 2):
         flat = flat_view(host.load(0, i % host.num_experts))
         assert flat is not None, "the host tier holds each expert as one buffer"
-        dev.sync()
-        start = time.perf_counter()
-        slot.copy_(flat, non_blocking=True)
-        dev.sync()
-        times.append(time.perf_counter() - start)
+        times.append(bench.seconds(partial(slot.copy_, flat, non_blocking=True), dev.device))
     del slot
     host.loads = 0
     median = sorted(times[2:])[samples // 2]
     pageable = torch.ones(8 * host.expert_bytes, dtype=torch.uint8)  # touched: no page faults
     target = torch.empty_like(pageable, device=dev.device)
-    copies = []
-    for _ in range(5):
-        dev.sync()
-        start = time.perf_counter()
-        target.copy_(pageable)
-        dev.sync()
-        copies.append(time.perf_counter() - start)
+    copies = bench.times(partial(target.copy_, pageable), dev.device, repeats=5)
     del pageable, target
     return {
         "expert_load_s": median,
