@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,22 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_from_env(device_type: str) -> DistInfo:
-    """Join the process group torchrun describes in the environment (gloo on CPU)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def launch_info(env: Mapping[str, str] | None = None) -> DistInfo:
+    """This process's place in its torchrun launch, as torchrun's environment (``env``,
+    default ``os.environ``) says, before any process group exists: the one place that reads
+    RANK, WORLD_SIZE and LOCAL_RANK (a world of one without them)."""
+    env = os.environ if env is None else env
+    world_size = int(env.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return DistInfo()
-    info = DistInfo(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
+    return DistInfo(int(env.get("RANK", "0")), world_size, int(env.get("LOCAL_RANK", "0")))
+
+
+def init_from_env(device_type: str) -> DistInfo:
+    """Join the process group torchrun describes in the environment (gloo on CPU)."""
+    info = launch_info()
+    if not info.active:
+        return info
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)

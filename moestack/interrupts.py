@@ -7,16 +7,16 @@ run trains on), while hydra makes the run folder (a half-made folder stays), or 
 interpreter's exit (torch's atexit callbacks print a traceback). So the command takes SIGINT
 over as it starts (``install``) and:
 
-- *holds* it (notes it, raises nothing) while it starts up: its imports, hydra composing the
-  config and making the run folder. It is raised at the next point that can undo what the
-  start made (``raise_held``, ``live``): before hydra runs, nothing was made; at the start
-  of hydra's task, what hydra wrote is put back (``moestack.train``);
+- *holds* it (notes it, raises nothing) while it starts up: its imports and hydra composing
+  the config. It is raised at the next point where the command can stop cleanly
+  (``raise_held``, ``live``): before hydra composes, or as the run's checks begin (a start
+  writes nothing before they pass, ``moestack.train``);
 - raises it at once while a run trains (``live``), so that the run stops where it is. One
   the run then drops (a finalizer's) is raised again by the next Ctrl-C, a few seconds on;
   one within ``AGAIN_AFTER_S`` of the first is the same keypress repeated, and waits;
 - ignores every later one once the command is stopping (``stopping``, the system's
-  ``SIG_IGN``, which Python keeps through its exit), so that none cuts the put-back short
-  or lands in an atexit callback.
+  ``SIG_IGN``, which Python keeps through its exit), so that none cuts the stop short or
+  lands in an atexit callback.
 
 Nothing here acts until ``install`` is called: Python's ``train`` and the tests keep
 Python's own Ctrl-C.
@@ -25,7 +25,6 @@ Python's own Ctrl-C.
 from __future__ import annotations
 
 import contextlib
-import os
 import shlex
 import signal
 import threading
@@ -148,8 +147,10 @@ def resume_command(overrides: list[str], out_dir: Path) -> str:
     """The command line that resumes the run in ``out_dir``: the start's own overrides (a
     resumed run keeps its config, and these give it no other value), ``out_dir`` and
     ``resume=true``."""
+    from moestack.distributed import launch_info
+
     kept = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in ("out_dir", "resume")]
     words = ["moestack-train", *kept, f"out_dir={out_dir}", "resume=true"]
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if launch_info().active:
         return f"the same torchrun launch of {shlex.join(words)}"
     return shlex.join(words)

@@ -32,7 +32,7 @@ HELP = "moestack-train --help lists every field"
 def check_command_line(argv: Sequence[str]) -> None:
     """Check the overrides of a ``moestack-train`` command line (its flags set aside, as
     hydra's own parser reads them); raise MoestackError for the first bad one."""
-    parsed = _hydra_arguments(argv)
+    parsed = hydra_arguments(argv)
     if parsed is not None:
         sweep = bool(parsed.multirun) or any(o.startswith("hydra.mode=") for o in parsed.overrides)
         check_overrides(parsed.overrides, sweep=sweep)
@@ -54,14 +54,34 @@ def check_overrides(overrides: Sequence[str], sweep: bool = True) -> None:
         _check_one(text, override, sweep)
 
 
-def _hydra_arguments(argv: Sequence[str]) -> Any:
-    """``argv`` as hydra's own argument parser reads it; None when it refuses (hydra then
-    says why)."""
+def hydra_arguments(argv: Sequence[str]) -> Any:
+    """``argv`` as hydra's own argument parser reads it (its flags, ``.overrides``); None
+    when it refuses (hydra then says why). The one reading of the command line."""
     from hydra._internal.utils import get_args_parser
 
     with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
         return get_args_parser().parse_args(list(argv))
     return None
+
+
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last of ``overrides`` that sets ``key`` gives it, as written (an
+    interpolation unresolved), read by hydra's override parser; None when none sets it (or
+    deletes it, or sweeps it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, found = OverridesParser.create(), None
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except HydraException:
+            continue  # hydra says what it cannot parse
+        if override.key_or_group == key:
+            simple = not override.is_delete() and not override.is_sweep_override()
+            value = override.value() if simple else None
+            found = None if value is None else str(value)
+    return found
 
 
 def _check_one(text: str, override: Any, sweep: bool) -> None:

@@ -8,22 +8,19 @@ what produced it in ``provenance.json`` (``moestack.provenance``, with this comm
 overrides and config choices). In a sweep (``-m``) a job that fails logs one line and
 the sweep goes on; the exit status is the number of jobs that failed.
 
-Before hydra composes anything, the overrides are checked against the config
-(``moestack.overrides``: an unknown key or a value of the wrong type is one line, exit
-status 2), ``out_dir`` against what it holds (a run's checkpoints without ``resume=true`` are
-refused before hydra writes its record there; a name longer than the file system takes), and
-a ``hydra.run.dir`` apart from it against the run it belongs to (another run's folder or
-record is refused). A resume takes the run's own config.yaml, with only the fields its own
-command line gives (``moestack.runs.resumed_config``). A start refused later,
-before it begins (a changed config on resume, missing data, a checkpoint of another shape:
-the trainer writes nothing then, ``moestack.trainer.refused_start``), leaves the folder as it
-was: the lines each rank logged are cut from its log, the run's ``.hydra/`` record is put back
-and what hydra added is removed (the folders it made too, and only those; a folder not known
-before hydra ran, an interpolated ``out_dir``, is left as hydra left it). Ctrl-C, whenever
-it comes (``moestack.interrupts``: held during the start-up, raised at once while a run
-trains, ignored once the command stops), ends the command with one line naming the last step
-logged, the newest checkpoint and the command that continues from it (exit status 130); a
-start interrupted before it began is put back as a refused one is.
+A start checks first and creates after. Before hydra composes anything, the overrides are
+checked against the config (``moestack.overrides``: an unknown key or a value of the wrong
+type is one line, exit status 2). A run is then composed by hydra without hydra's writes
+(``moestack.hydra_run``: a ``hydra.run.dir`` apart from ``out_dir`` is checked against the
+run it belongs to), and the trainer checks the rest (``out_dir`` and what it holds, the
+config against the run's on resume, the data, the model, a resumed run's weights, the ranks)
+before it writes anything: hydra's record and ``train.log`` come at the trainer's ``begin``
+point, with the run's own files. A refused start has written nothing, so it leaves the
+folder as it was. A resume takes the run's own config.yaml, with only the fields its own
+command line gives (``moestack.runs.resumed_config``). Ctrl-C, whenever it comes
+(``moestack.interrupts``: held during the start-up, raised at once while a run trains,
+ignored once the command stops), ends the command with one line naming the last step
+logged, the newest checkpoint and the command that continues from it (exit status 130).
 """
 
 from __future__ import annotations
@@ -32,26 +29,15 @@ import contextlib
 import functools
 import logging
 import os
-import re
-import shutil
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import moestack
-from moestack import interrupts, locks
+from moestack import interrupts
 from moestack.errors import MoestackError
-from moestack.locks import LOCK_FILE
-from moestack.run_paths import (
-    check_out_dir,
-    check_record_dir,
-    missing_folders,
-    remove_made_folders,
-    sigterm_deferred,
-)
+from moestack.run_paths import check_out_dir, check_record_dir
 
 if TYPE_CHECKING:
     from moestack import sweep_summary
@@ -64,86 +50,54 @@ log = logging.getLogger(__name__)
 
 _MAX_STATUS = 125  # exit statuses above are the shell's own
 _jobs: list[sweep_summary.SweepJob] = []  # this process's sweep jobs, as they ended
+# hydra's flags that are no plain run: hydra.main answers them (a sweep, --cfg, --help, ...)
+_HYDRA_COMMANDS = ("multirun", "cfg", "info", "help", "hydra_help", "shell_completion",
+                   "config_path", "config_name", "config_dir", "experimental_rerun",
+                   "resolve", "package")  # fmt: skip
 
 
-def _check_overrides(overrides: list[str], sweep: bool = True) -> None:
-    """The overrides' check (``moestack.overrides.check_overrides``), by its old name."""
-    from moestack.overrides import check_overrides
-
-    check_overrides(overrides, sweep=sweep)
-
-
-def _command_line_value(argv: list[str], key: str) -> str | None:
-    """The value of the command line's last ``key=`` override, unquoted (None: absent)."""
-    found = None
-    for arg in argv:
-        name, sep, value = arg.lstrip("+~").partition("=")
-        if sep and name == key:
-            found = value.strip("'\"")
-    return found
-
-
-def _command_line_out_dir(argv: list[str]) -> Path | None:
-    """The ``out_dir=`` override of the command line (None when absent or interpolated)."""
-    value = _command_line_value(argv, "out_dir")
-    return Path(value) if value and "${" not in value else None
-
-
-def torchrun_out_dir(argv: list[str], env: dict[str, str]) -> str | None:
+def torchrun_out_dir(argv: list[str], env: Mapping[str, str]) -> str | None:
     """The run folder every rank of a torchrun launch without ``out_dir`` agrees on, with no
     message between them: ``outputs/torchrun/<run id>`` (torchrun gives each launch an id,
     the same on every rank: a fresh one with ``--standalone``); None outside torchrun, in a
     sweep, with ``out_dir`` given, or when the launch has no id of its own."""
+    from moestack.distributed import launch_info
+    from moestack.overrides import hydra_arguments, override_value
+
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
-    if int(env.get("WORLD_SIZE", "1")) <= 1 or _command_line_out_dir(argv) is not None:
+    if launch_info(env).world_size <= 1 or run_id in ("", "none"):
         return None
-    if any(arg in ("-m", "--multirun") for arg in argv) or run_id in ("", "none"):
+    args = hydra_arguments(argv)
+    if args is None or args.multirun or override_value(args.overrides, "out_dir") is not None:
         return None
     return f"outputs/torchrun/{run_id}"
 
 
-def _command_line_resume(argv: list[str]) -> bool:
-    """Whether the command line sets ``resume=true`` (the last ``resume=`` override wins)."""
-    resume = False
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if sep and key == "resume":
-            resume = value.strip("'\"").lower() == "true"
-    return resume
+def _plain_run(args: Any) -> bool:
+    """Whether the command line is one run (no hydra command, no ``hydra.mode``)."""
+    from moestack.overrides import override_value
+
+    if any(getattr(args, name) for name in _HYDRA_COMMANDS):
+        return False
+    return override_value(args.overrides, "hydra.mode") is None
 
 
-def check_out_dir_early(argv: list[str]) -> None:
-    """Refuse an ``out_dir`` that cannot hold a run, that another process trains into, or
-    that holds a run's checkpoints without ``resume=true``, and a ``hydra.run.dir`` apart
-    from it that is another run's, before hydra writes its own record (``.hydra/``,
-    ``train.log``) there: a refused start leaves the run's as it was."""
-    from moestack import checkpoint
-    from moestack.runs import check_run_dir_free
+def _check_sweep_folder(args: Any) -> None:
+    """A sweep's ``out_dir`` (its jobs' parent, which hydra makes) checked before hydra."""
+    from moestack.overrides import override_value
 
-    out_dir = _command_line_out_dir(argv)
-    sweep = any(arg in ("-m", "--multirun") for arg in argv)
-    record = _command_line_value(argv, "hydra.run.dir")
-    if record and "${" not in record and not sweep:
-        check_out_dir(Path(record), "hydra.run.dir")
-        check_record_dir(Path(record), out_dir or Path(record))
-    if out_dir is None:
+    out_dir = override_value(args.overrides, "out_dir")
+    if out_dir and "${" not in out_dir:
+        check_out_dir(Path(out_dir))
+
+
+def _check_record_dir(record: Path, out_dir: Path, configured: str) -> None:
+    """A ``hydra.run.dir`` apart from ``out_dir`` (``configured``: the config's out_dir):
+    refused when it cannot hold a record or is another run's."""
+    if configured and os.path.abspath(record) == os.path.abspath(out_dir):
         return
-    check_out_dir(out_dir)
-    if sweep:
-        return  # a sweep's jobs hold subfolders of their own
-    if os.environ.get("RANK", "0") == "0":
-        check_run_dir_free(out_dir)
-    if not _command_line_resume(argv) and checkpoint.latest_checkpoint(out_dir / "checkpoints"):
-        raise MoestackError(
-            f"{out_dir} already holds checkpoints; pass resume=true to continue it or pick "
-            "another out_dir"
-        )  # the words of moestack.runs.prepare_out_dir, which checks again once hydra composed
-
-
-def _is_sweep(hydra_cfg: Any) -> bool:
-    from hydra.types import RunMode
-
-    return hydra_cfg.mode == RunMode.MULTIRUN
+    check_out_dir(record, "hydra.run.dir")
+    check_record_dir(record, out_dir)
 
 
 # --------------------------------------------------------------------------- provenance
@@ -165,13 +119,33 @@ def launch_record(hydra_cfg: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- one run
-def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
-    """Build the config (its overrides were checked before hydra composed them), then train
-    in the run's folder; returns its summary."""
-    from moestack.trainer import train
+def _run_one(overrides: list[str]) -> None:
+    """One run: composed by hydra (nothing written), checked, then trained; a refusal is one
+    line, exit status 2, and leaves nothing behind."""
+    from hydra._internal.utils import run_and_report
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import env_override
 
-    cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
-    return train(cfg, out_dir, launch=launch_record(hydra_cfg))
+    from moestack.hydra_run import HydraRecord, HydraRun
+    from moestack.trainer import Trainer
+
+    run = run_and_report(lambda: HydraRun.compose(overrides))  # hydra's errors, as hydra says
+    out_dir, trainer = run.record_dir, None
+    try:
+        with interrupts.live(), env_override(run.hydra.job.env_set):
+            cfg, out_dir = _run_config(run.task, run.hydra)
+            _check_record_dir(Path(run.run_dir), out_dir, run.task.out_dir)
+            trainer = Trainer(cfg, out_dir, launch_record(run.hydra), [HydraRecord(run)])
+            trainer.train()
+    except KeyboardInterrupt:  # one line saying how to continue, not a traceback
+        began = trainer is not None and trainer.began
+        _stop_interrupted(out_dir, list(run.hydra.overrides.task), began)
+    except (MoestackError, ValueError) as err:
+        interrupts.stopping()
+        log.error("error: %s", err)
+        sys.exit(2)
+    finally:
+        GlobalHydra.instance().clear()
 
 
 def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
@@ -180,9 +154,10 @@ def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
     (``moestack.runs.resumed_config``: the defaults are not compared with the run's)."""
     from omegaconf import OmegaConf
 
+    from moestack.distributed import launch_info
     from moestack.runs import resumed_config
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dict_cfg.out_dir:
+    if launch_info().world_size > 1 and not dict_cfg.out_dir:
         raise MoestackError(
             "under torchrun without a launch id (--rdzv-id), set out_dir=<run dir> so every "
             "rank writes one run"
@@ -200,6 +175,43 @@ def _run_config(dict_cfg: Any, hydra_cfg: Any) -> tuple[TrainConfig, Path]:
         cfg = OmegaConf.to_object(dict_cfg)
     cfg.out_dir = str(out_dir)  # config.yaml names the folder the run lives in
     return cfg, out_dir
+
+
+def _is_sweep(hydra_cfg: Any) -> bool:
+    from hydra.types import RunMode
+
+    return hydra_cfg.mode == RunMode.MULTIRUN
+
+
+# --------------------------------------------------------------------------- a sweep
+def _hydra_task(dict_cfg: Any) -> None:
+    """hydra.main's task: a sweep's job (or a run started with a hydra flag such as
+    ``--config-name``: hydra has written its record and log then)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    if _is_sweep(hydra_cfg):
+        _sweep_job(dict_cfg, hydra_cfg)
+        return
+    try:
+        with interrupts.live():
+            _run(dict_cfg, hydra_cfg)
+    except KeyboardInterrupt:
+        _stop_interrupted(Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task),
+                          began=True)  # fmt: skip
+    except (MoestackError, ValueError) as err:
+        interrupts.stopping()
+        log.error("error: %s", err)
+        sys.exit(2)
+
+
+def _run(dict_cfg: Any, hydra_cfg: Any) -> dict[str, Any]:
+    """Build the config (its overrides were checked before hydra composed them), then train
+    in the run's folder; returns its summary."""
+    from moestack.trainer import train
+
+    cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
+    return train(cfg, out_dir, launch=launch_record(hydra_cfg))
 
 
 @contextlib.contextmanager
@@ -244,201 +256,14 @@ def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
         _jobs.append(ended(None, summary))
 
 
-def _hydra_task(dict_cfg: Any, before: _FolderBefore | None = None) -> None:
-    """One hydra job: a sweep's job, or the run (``before``: its ``out_dir`` as ``main``
-    found it, so that a refused or interrupted start removes only what it added). A Ctrl-C
-    held while hydra made the folder is raised as the job starts (``interrupts.live``)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from moestack.trainer import refused_start, train
-
-    before = before or _FolderBefore()
-    hydra_cfg = HydraConfig.get()
-    if _is_sweep(hydra_cfg):
-        _sweep_job(dict_cfg, hydra_cfg)
-        return
-    overrides, hydra_dir = list(hydra_cfg.overrides.task), Path(hydra_cfg.runtime.output_dir)
-    out_dir, training = hydra_dir, False  # a config refused before train() is refused too
-    try:
-        with interrupts.live():
-            cfg, out_dir = _run_config(dict_cfg, hydra_cfg)
-            training = True
-            train(cfg, out_dir, launch=launch_record(hydra_cfg))
-    except KeyboardInterrupt as err:  # one line saying how to continue, not a traceback
-        interrupts.stopping()
-        began = training and _began(err)
-        if not began:  # nothing of the run was written: nor is anything of hydra's kept
-            before.put_back(hydra_dir)
-        _stop_interrupted(out_dir, overrides, began)
-    except (MoestackError, ValueError) as err:
-        interrupts.stopping()
-        log.error("error: %s", err)
-        if not training or refused_start(err):  # the run wrote nothing: nor does hydra
-            before.put_back(hydra_dir)
-        sys.exit(2)
-
-
-def _began(err: BaseException) -> bool:
-    """Whether the start ``train`` was interrupted in had begun (``moestack.trainer`` marks
-    what its start raised; a Ctrl-C before the start held the folder is unmarked)."""
-    from moestack.trainer import _REFUSED_START
-
-    return getattr(err, _REFUSED_START, True) is False
-
-
-# --------------------------------------------------------------------------- a refused start
-# What a start writes before it begins (moestack.trainer.build_run): hydra's record and log,
-# and the folder's lock; the run's own files (config.yaml, provenance.json, ...) come after.
-_LOG_FILE = re.compile(r"train(\.rank\d+)?\.log")  # hydra's log of the run, one a rank
-_START_FILES = re.compile(r"\.hydra|" + _LOG_FILE.pattern + "|" + re.escape(LOCK_FILE))
-
-
-_DATED_ROOT = "outputs"  # hydra's run folder without out_dir: outputs/<date>/<time>
-
-
-@dataclass
-class _FolderBefore:
-    """What the run folder held before hydra wrote into it: the folder (``folder``: absolute
-    and normalised, as hydra's ``runtime.output_dir``), whether it existed (if not, the
-    folders hydra would make: it and those above it that were not there), the names in it,
-    the files of its ``.hydra/`` record (small YAML files) and the sizes of its log files
-    (hydra appends to them). Hydra's dated default folder is new (``dated``: all in it is the
-    start's): only which folders above it were missing is recorded. A folder not known
-    before hydra (``folder`` None and not dated: an interpolated ``out_dir``, one set other
-    than on the command line) is not this start's to put back: nothing in it is touched."""
-
-    folder: Path | None = None
-    dated: bool = False
-    existed: bool = False
-    missing: tuple[Path, ...] = ()  # runs.missing_folders: absolute, deepest first
-    names: frozenset[str] = frozenset()
-    hydra_record: dict[str, bytes] = field(default_factory=dict)
-    log_sizes: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def of_command_line(cls, argv: list[str]) -> _FolderBefore:
-        """The run folder the command line names, read before hydra: ``hydra.run.dir=``,
-        else ``out_dir=`` (configs/train.yaml), else the dated default; unknown when the
-        value is interpolated."""
-        value = _command_line_value(argv, "hydra.run.dir") or _command_line_value(argv, "out_dir")
-        if not value:  # hydra's ${now:%Y-%m-%d} (a start across midnight leaves that folder)
-            today = Path(_DATED_ROOT, time.strftime("%Y-%m-%d"))
-            return cls(dated=True, missing=missing_folders(today))
-        return cls() if "${" in value else cls.read(Path(value))
-
-    @classmethod
-    def read(cls, out_dir: Path) -> _FolderBefore:
-        folder = Path(os.path.abspath(out_dir))
-        if not out_dir.is_dir():
-            return cls(folder=folder, missing=missing_folders(out_dir))
-        record = out_dir / ".hydra"
-        files = sorted(record.iterdir()) if record.is_dir() else []
-        saved = {p.name: p.read_bytes() for p in files if p.is_file()}
-        names = frozenset(p.name for p in out_dir.iterdir())
-        logs = {n: (out_dir / n).stat().st_size for n in names if _LOG_FILE.fullmatch(n)}
-        return cls(folder=folder, existed=True, names=names, hydra_record=saved, log_sizes=logs)
-
-    def describes(self, out_dir: Path) -> bool:
-        """Whether ``out_dir`` (hydra's run folder) is the folder read before the start."""
-        folder = Path(os.path.abspath(out_dir))
-        if self.dated:
-            return folder.parent.parent == Path(os.path.abspath(_DATED_ROOT))
-        return self.folder is not None and folder == self.folder
-
-    def put_back(self, out_dir: Path) -> None:
-        """Leave ``out_dir`` as it was before a refused start: this process's log lines cut
-        off, the ``.hydra/`` record put back (rank 0), and what the start added removed.
-        Nothing in it is touched while another process holds the folder (it took it after
-        this start was refused: its log lines, record and lock are that run's), nor when it
-        is not the folder read before (``describes``). SIGTERM waits till the end."""
-        if not self.describes(out_dir):
-            return
-        with sigterm_deferred():
-            held = _held_by_another_run(out_dir / LOCK_FILE)
-            self.cut_log(out_dir, truncate=not held)
-            if held:
-                return
-            if os.environ.get("RANK", "0") == "0":
-                self.restore_hydra_record(out_dir)
-            _remove_refused_folder(out_dir, self)
-
-    def cut_log(self, out_dir: Path, truncate: bool = True) -> None:
-        """Cut the lines this process logged into ``out_dir``'s log file (hydra's file
-        handler, closed here) back to the size the file had: hydra only appends
-        (``truncate=False``: the handler closed only)."""
-        folder = os.path.abspath(out_dir)
-        root = logging.getLogger()
-        for handler in list(root.handlers):
-            if not isinstance(handler, logging.FileHandler):
-                continue
-            path = Path(handler.baseFilename)
-            if str(path.parent) != folder or path.name not in self.log_sizes:
-                continue
-            root.removeHandler(handler)
-            handler.close()  # flushed: nothing more lands in the file
-            with contextlib.suppress(OSError):
-                if truncate and path.stat().st_size >= self.log_sizes[path.name]:
-                    os.truncate(path, self.log_sizes[path.name])
-
-    def restore_hydra_record(self, out_dir: Path) -> None:
-        """Put back the ``.hydra/`` record a refused start into a run's folder overwrote with
-        its own (hydra writes it before the run's checks can refuse)."""
-        record = out_dir / ".hydra"
-        if not self.hydra_record or not record.is_dir():
-            return
-        for path in record.iterdir():
-            if path.is_file() and path.name not in self.hydra_record:
-                path.unlink()
-        for name, data in self.hydra_record.items():
-            (record / name).write_bytes(data)
-
-
-_RANK0_LETS_GO_S = 10.0  # how long a rank > 0 waits for its rank 0 to drop the folder's lock
-
-
-def _held_by_another_run(lock: Path) -> bool:
-    """Whether another run holds the folder's ``lock`` now. On a rank > 0 of a torchrun
-    launch the holder may be this launch's rank 0, refused too and about to let go: it is
-    waited for (up to ``_RANK0_LETS_GO_S``), else that rank's own log lines would stay."""
-    if os.environ.get("RANK", "0") == "0":
-        return locks.is_held(lock)
-    deadline = time.monotonic() + _RANK0_LETS_GO_S
-    while locks.is_held(lock):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def _remove_refused_folder(out_dir: Path, before: _FolderBefore) -> None:
-    """A refused start leaves nothing new: what it added to ``out_dir`` (hydra's record and
-    log, the lock file) is removed, and the folders it made too, each only while empty:
-    ``out_dir`` and those above it that were not there before (a dated default one is new,
-    ``outputs/<date>`` and ``outputs`` when they were missing). Should it have added
-    anything else (a run's metrics, checkpoints), everything stays."""
-    try:
-        added = [p for p in out_dir.iterdir() if before.dated or p.name not in before.names]
-    except OSError:
-        return
-    if not all(_START_FILES.fullmatch(p.name) for p in added):
-        return  # a run that began: kept
-    for path in added:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    if before.dated:
-        remove_made_folders([Path(os.path.abspath(out_dir)), *before.missing])
-    elif not before.existed:
-        remove_made_folders(before.missing)
-
-
 # --------------------------------------------------------------------------- Ctrl-C
 def _stop_interrupted(out_dir: Path, overrides: list[str], began: bool) -> None:
     """Say where the run in ``out_dir`` stopped (rank 0 only: every rank of a torchrun launch
     gets the Ctrl-C) and exit with the shell's status for it; later Ctrl-Cs are ignored."""
+    from moestack.distributed import launch_info
+
     interrupts.stopping()
-    if os.environ.get("RANK", "0") == "0":
+    if launch_info().is_main:
         _say(interrupts.stopped_line(out_dir, overrides, began), sys.stderr)
     sys.exit(interrupts.INTERRUPTED)
 
@@ -495,9 +320,10 @@ def _hydra_help() -> None:
     import hydra
 
     from moestack.config import register_configs
+    from moestack.hydra_run import CONFIG_NAME, CONFIG_PATH, VERSION_BASE
 
     register_configs()
-    app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
+    app = hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base=VERSION_BASE)
     text = io.StringIO()
     with contextlib.redirect_stdout(text), contextlib.suppress(SystemExit):
         app(_hydra_task)()
@@ -507,46 +333,40 @@ def _hydra_help() -> None:
 
 def main() -> None:
     """Console entry point of ``moestack-train``."""
-    interrupts.install()  # first: a Ctrl-C is held till what the start made can be undone
+    interrupts.install()  # first: a Ctrl-C is held till a run can stop cleanly
     if "--version" in sys.argv[1:]:  # before hydra, whose own --version names hydra's
         _say(f"moestack {moestack.__version__}", sys.stdout)
         return
     if "--hydra-help" in sys.argv[1:]:
         _hydra_help()
         return
-    shared = torchrun_out_dir(sys.argv[1:], dict(os.environ))
-    if shared is not None:  # before hydra, which makes the run folder from it
+    shared = torchrun_out_dir(sys.argv[1:], os.environ)
+    if shared is not None:  # every rank's run folder, before hydra composes out_dir
         sys.argv.append(f"out_dir={shared}")
     try:
-        from moestack.overrides import check_command_line
+        from moestack.overrides import check_command_line, hydra_arguments
 
         check_command_line(sys.argv[1:])  # before hydra: it would take a typo's '+' silently
-        check_out_dir_early(sys.argv[1:])
+        args = hydra_arguments(sys.argv[1:])
+        one_run = args is not None and _plain_run(args)
+        if args is not None and not one_run:
+            _check_sweep_folder(args)
     except MoestackError as err:
         interrupts.stopping()
         _say(f"error: {err}", sys.stderr)
         sys.exit(2)
-    if os.environ.get("RANK", "0") != "0":  # one .hydra/ record a run, rank 0's: another
-        # rank's would land after rank 0 put the run's back when a start is refused
-        sys.argv.append("hydra.output_subdir=null")
-    import hydra
-
     from moestack import trainer  # noqa: F401  (imported while a Ctrl-C is held)
     from moestack.config import register_configs
-
-    before = _FolderBefore.of_command_line(sys.argv[1:])
-
-    @functools.wraps(_hydra_task)
-    def task(dict_cfg: Any) -> None:
-        _hydra_task(dict_cfg, before)
 
     if interrupts.held():  # nothing made yet
         _stop_before_the_run()
     register_configs()
     _jobs.clear()
-    app = hydra.main(config_path="pkg://moestack.configs", config_name="train", version_base="1.3")
     try:
-        app(task)()
+        if one_run:
+            _run_one(args.overrides)
+        else:
+            _hydra_main()
     except KeyboardInterrupt:  # outside a run (a run says where it stopped)
         _stop_before_the_run()
     status = _sweep_status() if _jobs else 0
@@ -556,6 +376,20 @@ def main() -> None:
         sys.exit(interrupts.INTERRUPTED)
     if status:  # a Ctrl-C from here on, as the interpreter exits, stays held: ignored
         sys.exit(status)
+
+
+def _hydra_main() -> None:
+    """hydra.main over the command line: a sweep, or one of hydra's commands."""
+    import hydra
+
+    from moestack.distributed import launch_info
+
+    if not launch_info().is_main:  # one .hydra/ record a sweep job, rank 0's
+        sys.argv.append("hydra.output_subdir=null")
+    from moestack.hydra_run import CONFIG_NAME, CONFIG_PATH, VERSION_BASE
+
+    app = hydra.main(config_path=CONFIG_PATH, config_name=CONFIG_NAME, version_base=VERSION_BASE)
+    app(_hydra_task)()
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def scaled_remote(remote: float, measured_ep: int, target_ep: int) -> float:
 
 
 # --------------------------------------------------------------------------- measurement
-def _grad_sync_bytes(run: trainer.Run, world: int) -> float:
+def _grad_sync_bytes(run: trainer.Trainer, world: int) -> float:
     """Ring all-reduce bytes per rank and step for the gradients: replicated parameters over
     the world, the rank's experts over their expert data-parallel group (all at ep=1)."""
     experts = {id(getattr(m, n)) for m in run.model.moe_layers for n in ("w1", "w2")}
@@ -113,11 +113,11 @@ def _grad_sync_bytes(run: trainer.Run, world: int) -> float:
     return ring_allreduce_bytes(shared, world) + ring_allreduce_bytes(own, expert_ranks)
 
 
-def _timed_step(run: trainer.Run) -> dict[str, float]:
+def _timed_step(run: trainer.Trainer) -> dict[str, float]:
     """One training step between barriers: its wall time and this rank's exchange counts."""
     dist.barrier()
     start = time.perf_counter()
-    trainer.train_step(run)
+    run.train_step()
     dist.barrier()
     seconds = time.perf_counter() - start
     stats = run.exchange

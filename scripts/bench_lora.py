@@ -299,11 +299,11 @@ def run_contender(trainable: str, folder: Path, root: Path, args: argparse.Names
 
 
 def interleaved_step_times(folder: Path, root: Path, args: argparse.Namespace) -> dict:
-    """Seconds of ``trainer.train_step`` of each contender's run, called on the three in
+    """Seconds of ``Trainer.train_step`` of each contender's run, called on the three in
     turn for ``args.rounds`` rounds after one warm-up round (a load that drifts slows all
     three alike)."""
     from moestack import distributed
-    from moestack.trainer import build_run, train_step
+    from moestack.trainer import build_run
 
     runs = {}
     for trainable in CONTENDERS:
@@ -313,7 +313,7 @@ def interleaved_step_times(folder: Path, root: Path, args: argparse.Namespace) -
     for round_ in range(1 + args.rounds):
         for trainable, run in runs.items():
             started = time.perf_counter()
-            train_step(run)
+            run.train_step()
             if round_:
                 times[trainable].append(time.perf_counter() - started)
     for trainable, run in runs.items():
@@ -472,7 +472,7 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
     step); on the CPU the bytes of weights, gradients and AdamW state, counted."""
     from moestack import distributed
     from moestack.prereg.compose import compose_config
-    from moestack.trainer import build_run, train_step
+    from moestack.trainer import build_run
 
     cuda = args.device == "cuda"
     rows = []
@@ -496,7 +496,7 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
             if cuda:
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            train_step(run)
+            run.train_step()
             if cuda:
                 torch.cuda.synchronize()
             if i >= args.warmup:

@@ -10,7 +10,7 @@ per-expert layout, a byte-level tokenizer) is fine-tuned by 4 gloo processes on 
 
 Each phase runs in fresh processes (``mp.spawn``, one torch thread each), built and stepped as
 ``moestack-train model=hf parallel.ep=P`` builds them (``trainer.build_run``,
-``trainer.train_step``, ``trainer.save``). ``--start-method forkserver`` forks them instead
+``Trainer.train_step``, ``callbacks.save``). ``--start-method forkserver`` forks them instead
 from one server process that imported the run's modules (torch, transformers, dynamo,
 moestack) once: at a toy size, the 12 processes' own imports are most of the run's time. For
 every process it records:
@@ -272,7 +272,7 @@ def _count_reads(counts: dict[str, int], hashed: dict[str, int]) -> None:
 
 
 def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -> None:
-    from moestack import distributed, trainer
+    from moestack import callbacks, distributed, trainer
     from moestack.prereg.compose import compose_config
 
     torch.set_num_threads(1)
@@ -297,11 +297,11 @@ def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -
         stages = {"built": anon.peak}
         stepping = time.perf_counter()
         for _ in range(phase["steps"]):
-            trainer.train_step(run)  # the scheduler steps inside
+            run.train_step()  # the scheduler steps inside
             run.state.step += 1
         steps_s = time.perf_counter() - stepping
         stages["stepped"] = anon.peak
-        trainer.save(run, run.state.step)
+        callbacks.save(run, run.state.step)
         stages["saved"] = anon.peak
         record = {
             "rank": rank, "rss_before": before, "hwm_built": built["hwm"], "build_s": built["s"],

@@ -73,7 +73,7 @@ def test_a_mapping_with_a_path_chooses_the_transformers_config(tmp_path):
 
 
 def test_a_true_false_field_of_the_model_node_takes_only_true_or_false():
-    from moestack.train import _check_overrides
+    from moestack.overrides import check_overrides as _check_overrides
 
     with pytest.raises(MoestackError, match="model.tie_embeddings is true or false, not '2'"):
         _check_overrides(["model.tie_embeddings=2"])

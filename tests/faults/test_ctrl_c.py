@@ -58,20 +58,20 @@ def test_ctrl_c_as_torch_imports_is_one_line(tmp_path, fault_report):
     fault_report.add("Ctrl-C: as torch imports", injected=1, refused=1)
 
 
-def test_ctrl_c_right_after_the_folder_is_made_and_again_at_exit_leaves_nothing(
+def test_ctrl_c_right_before_the_start_writes_and_again_at_exit_leaves_nothing(
     tmp_path, fault_report
 ):
-    """hydra made kept/a/b/run, its log and the first file of its record: all of it goes, and
-    so do a/b (kept, there before, stays); the second Ctrl-C, as the process exits, is
-    ignored."""
+    """Every check passed, the start about to make kept/a/b/run (hydra's record and log, the
+    run's files): none of it is made (kept, there before, stays as it was); the second
+    Ctrl-C, as the process exits, is ignored."""
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept/mine.txt").write_text("the user's")
     before = tree_of(tmp_path)
-    done = planted("folder-made", *TINY, "out_dir=kept/a/b/run", cwd=tmp_path)
+    done = planted("checks-passed", *TINY, "out_dir=kept/a/b/run", cwd=tmp_path)
     line = the_line(done)
     assert line == "moestack-train: interrupted before the run began; nothing was written"
     assert tree_of(tmp_path) == before
-    fault_report.add("Ctrl-C: right after the run folder is made, again at exit", injected=2,
+    fault_report.add("Ctrl-C: right before the start writes, again at exit", injected=2,
                      refused=2)  # fmt: skip
 
 

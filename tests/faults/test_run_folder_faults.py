@@ -20,8 +20,10 @@ from helpers.runs import small_config
 from moestack import atomic, checkpoint
 from moestack.errors import MoestackError
 from moestack.model import MoETransformer
+from moestack.overrides import check_overrides as _check_overrides
+from moestack.run_folder import RunFolder
 from moestack.runs import LOCK_FILE, holding_run_dir, resolve_checkpoint
-from moestack.train import _check_overrides, check_out_dir_early
+from moestack.train import _check_record_dir
 from moestack.trainer import train
 
 pytestmark = pytest.mark.faults
@@ -135,7 +137,7 @@ def test_an_out_dir_with_a_name_longer_than_the_file_system_allows_is_one_line(
     )
     assert list(tmp_path.iterdir()) == []  # no runs/ left behind
     with pytest.raises(MoestackError, match=r"hydra.run.dir=.*is 300 bytes, longer than the 255"):
-        check_out_dir_early([f"hydra.run.dir=logs/{long_name}", "out_dir=run"])
+        _check_record_dir(Path(f"logs/{long_name}"), Path("run"), "run")
     fault_report.add("run folder: a name longer than the file system allows", injected=2,
                      refused=2)  # fmt: skip
 
@@ -166,8 +168,8 @@ def test_a_hydra_record_folder_holding_another_runs_record_is_refused(tmp_path, 
     (rec / ".hydra/hydra.yaml").write_text(f"hydra:\n  runtime:\n    cwd: {tmp_path}\n")
     with pytest.raises(MoestackError, match=f"hydra.run.dir={rec} holds the record of the run "
                        f"in {tmp_path / 'runs/a'}"):  # fmt: skip
-        check_out_dir_early([f"hydra.run.dir={rec}", f"out_dir={tmp_path / 'runs/b'}"])
-    check_out_dir_early([f"hydra.run.dir={rec}", f"out_dir={tmp_path / 'runs/a'}"])
+        _check_record_dir(rec, tmp_path / "runs/b", str(tmp_path / "runs/b"))
+    _check_record_dir(rec, tmp_path / "runs/a", str(tmp_path / "runs/a"))
     fault_report.add("run folder: hydra.run.dir holding another run's record", injected=1,
                      refused=1)  # fmt: skip
 
@@ -197,12 +199,13 @@ def test_the_run_folder_is_free_again_after_a_run_is_killed(tmp_path, fault_repo
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(MoestackError, match="is in use"):
-            check_out_dir_early([f"out_dir={run}"])
+        with pytest.raises(MoestackError, match="is in use"), RunFolder(run):
+            pass
     finally:
         holder.kill()
         holder.wait()
-    check_out_dir_early([f"out_dir={run}"])  # the system dropped the lock with the process
+    with RunFolder(run):  # the system dropped the lock with the process
+        pass
     fault_report.add("run folder: run killed holding the folder", injected=1, recovered=1)
 
 

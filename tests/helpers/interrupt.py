@@ -18,8 +18,9 @@ from pathlib import Path
 #                     Python prints a KeyboardInterrupt and drops it;
 #   torch-import      as torch starts to import (the heaviest import of a start; before the
 #                     package loaded its names lazily, it ran before main() took Ctrl-C over);
-#   folder-made       right after hydra made the run folder (its first .hydra/ file), and a
-#                     second one while the interpreter exits (an atexit callback).
+#   checks-passed     right after every check of the start passed, before it writes its first
+#                     file (the trainer's begin), and a second one while the interpreter exits
+#                     (an atexit callback).
 _PLANTED = r"""
 import atexit, builtins, gc, os, signal, sys, time
 moment = sys.argv.pop(1)
@@ -28,16 +29,16 @@ def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.05)  # the handler runs here, at the next line Python executes
 
-if moment == "folder-made":
+if moment == "checks-passed":
     atexit.register(ctrl_c)  # runs last, after moestack's and torch's: the second Ctrl-C
 
-    import hydra.core.utils as hydra_utils
-    real_save = hydra_utils._save_config
-    def save_config(*args, **kwargs):
-        hydra_utils._save_config = real_save
+    import moestack.trainer as trainer
+    real_begin = trainer.Trainer.begin
+    def begin(self):
+        trainer.Trainer.begin = real_begin
         ctrl_c()
-        return real_save(*args, **kwargs)
-    hydra_utils._save_config = save_config
+        return real_begin(self)
+    trainer.Trainer.begin = begin
 
 if moment == "import-finalizer":
     class Finalized:

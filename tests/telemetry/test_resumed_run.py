@@ -105,14 +105,14 @@ def test_a_start_records_its_step_and_rank_0s_tokens_and_drops_what_it_redoes(
 
     import torch
 
-    from moestack.trainer import _attach_telemetry
+    from moestack.callbacks import attach_telemetry
 
     resumed, _ = runs
     shutil.copytree(resumed / "trace", tmp_path / "trace")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
     cfg = small_config(steps=10, ckpt_every=5, telemetry=TelemetryConfig(enabled=True))
-    telemetry = _attach_telemetry(cfg, cfg.model.build(), tmp_path, 3)
+    telemetry = attach_telemetry(cfg, cfg.model.build(), tmp_path, 3)
     assert "from-0000005: a later start this run abandons; removed" in caplog.text
     assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
         "from-0000000",

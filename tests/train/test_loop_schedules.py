@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers.runs import small_config
 
-from moestack import checkpoint, trainer
+from moestack import callbacks, checkpoint
 from moestack.data import eval_batches
 from moestack.metrics import read_metrics
 from moestack.model import MoETransformer
@@ -67,14 +67,14 @@ def test_a_skipped_step_still_checkpoints_evaluates_and_moves_the_bar(tmp_path, 
         return out
 
     bars = []
-    make_bar = trainer._progress_bar
+    make_bar = callbacks._progress_bar
 
     def kept_bar(cfg, start_step):
         bars.append(make_bar(cfg, start_step))
         return bars[-1]
 
     monkeypatch.setattr(MoETransformer, "forward", poisoned)
-    monkeypatch.setattr(trainer, "_progress_bar", kept_bar)
+    monkeypatch.setattr(callbacks, "_progress_bar", kept_bar)
     cfg = small_config(steps=8, log_every=5, eval_every=5, ckpt_every=5, progress=True)
     summary = train(cfg, tmp_path)
     assert summary["perf/bad_steps"] == 1

@@ -1,7 +1,7 @@
-"""A start that ``moestack.trainer.train`` refuses before it begins (a changed config on resume,
-a checkpoint of another shape, missing data, nothing to resume) writes nothing: a run's folder
-keeps every file, byte for byte, and no provenance record; a folder it would have made is not
-left behind. A start that fails after it began is on record, saying why."""
+"""A start that ``moestack.trainer.Trainer`` refuses before it begins (a changed config on
+resume, a checkpoint of another shape, missing data, nothing to resume) writes nothing: a run's
+folder keeps every file, byte for byte, and no provenance record; a folder it would have made is
+never made. A start that fails after it began is on record, saying why."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from moestack import trainer
 from moestack.config import DataConfig, OptimConfig, to_yaml
 from moestack.errors import MoestackError
 from moestack.runs import load_run_config
-from moestack.trainer import refused_start, train
+from moestack.trainer import Trainer, train
 
 
 def tree_of(folder: Path) -> dict[str, bytes | None]:
@@ -46,9 +46,10 @@ def copy_of(run: Path, tmp_path: Path) -> Path:
 
 def refused(cfg, run: Path, match: str) -> MoestackError:
     """Start ``cfg`` in ``run``, expect it refused with ``match``; the error."""
+    start = Trainer(cfg, run)
     with pytest.raises(MoestackError, match=match) as info:
-        train(cfg, run)
-    assert refused_start(info.value)
+        start.train()
+    assert not start.began  # refused before it began: nothing of it written
     return info.value
 
 
@@ -120,13 +121,13 @@ def test_a_refused_start_into_a_path_with_dotdot_removes_only_what_it_made(tmp_p
 
 
 def test_a_refused_start_keeps_a_folder_it_made_that_now_holds_another(tmp_path, monkeypatch):
-    """Another process made a folder beside the new run's (in ``a/``, which this start
-    made) while the start checked its data: ``a/b/new`` and ``a/b`` go, ``a`` stays with it."""
+    """Another process made a folder beside the new run's (in ``a/``) while the start checked
+    its data: the start made none of ``a/b/new``, ``a/b``; ``a`` stays with that folder."""
     root = tmp_path / "root"
     root.mkdir()
 
     def sibling_then_refused(cfg):
-        (root / "a" / "other").mkdir()
+        (root / "a" / "other").mkdir(parents=True)
         raise MoestackError("data/missing.txt does not exist")
 
     monkeypatch.setattr(trainer, "run_corpus", sibling_then_refused)
@@ -138,10 +139,11 @@ def test_a_start_that_fails_after_it_began_is_on_record(tmp_path, monkeypatch):
     def broken(run):
         raise MoestackError("the disk went away")
 
-    monkeypatch.setattr(trainer, "train_step", broken)
-    with pytest.raises(MoestackError, match="disk went away") as info:
-        train(run_config(), tmp_path / "run", launch={"api": "notebook"})
-    assert not refused_start(info.value)
+    monkeypatch.setattr(trainer.Trainer, "train_step", broken)
+    start = Trainer(run_config(), tmp_path / "run", launch={"api": "notebook"})
+    with pytest.raises(MoestackError, match="disk went away"):
+        start.train()
+    assert start.began
     (start,) = json.loads((tmp_path / "run" / "provenance.json").read_text())["starts"]
     assert start["api"] == "notebook" and start["status"] == "failed"
     assert start["error"] == "MoestackError: the disk went away"
@@ -149,26 +151,24 @@ def test_a_start_that_fails_after_it_began_is_on_record(tmp_path, monkeypatch):
 
 
 def test_a_folder_another_process_holds_is_not_this_starts_to_undo(finished, tmp_path):
-    """Refused because another process trains into the folder (it took the lock after the
-    command line's early check): the error is not a refused start of this process, so the
-    command line cuts none of the other run's log lines and leaves its lock file."""
+    """Refused because another process trains into the folder (it holds the lock): the start
+    did not begin and touched nothing there, none of the other run's log lines and not its
+    lock file."""
     import os
 
     from moestack import locks
     from moestack.runs import LOCK_FILE, FolderInUse
-    from moestack.train import _FolderBefore
 
     run = copy_of(finished, tmp_path)
-    before = _FolderBefore.read(run)
     fd = os.open(run / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         assert locks.lock_exclusive(fd)  # the other process holds the folder
         (run / "train.log").write_text("the other run's line\n")
-        with pytest.raises(FolderInUse, match="is in use") as info:
-            train(run_config(resume=True), run)
-        assert not refused_start(info.value)
         after = tree_of(run)
-        before.put_back(run)  # what the command line would do if it were
+        start = Trainer(run_config(resume=True), run)
+        with pytest.raises(FolderInUse, match="is in use"):
+            start.train()
+        assert not start.began
         assert tree_of(run) == after  # the held lock file and the other run's lines stay
         assert locks.is_held(run / LOCK_FILE)
     finally:

@@ -1,7 +1,7 @@
 """A start refused on two torchrun ranks (gloo, on the CPU) leaves the run folder as it was,
-byte for byte: each rank cuts its own lines from its own log (train.log on rank 0,
-train.rank1.log on rank 1), rank 0 puts back the run's ``.hydra/`` record, and a new folder,
-with the folders above it that the start made, is removed."""
+byte for byte: no rank writes before every check passed (no line in train.log on rank 0 or
+train.rank1.log on rank 1, no ``.hydra/`` record), and a new folder, with the folders above it,
+is never made."""
 
 from __future__ import annotations
 

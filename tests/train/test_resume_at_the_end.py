@@ -7,7 +7,7 @@ import json
 import pytest
 from helpers.runs import small_config
 
-from moestack import trainer
+from moestack import callbacks, trainer
 from moestack.metrics import read_metrics
 from moestack.trainer import train
 
@@ -23,14 +23,14 @@ def records(run) -> list[dict]:
 
 def kill_after_the_final_save(patch) -> None:
     """Killed once the final checkpoint is written, before the final evaluation is logged."""
-    real_save = trainer.save
+    real_save = callbacks.save
 
     def save_then_kill(run, step):
         real_save(run, step)
         if step == run.cfg.steps:
             raise KeyboardInterrupt("simulated kill")
 
-    patch.setattr(trainer, "save", save_then_kill)
+    patch.setattr(callbacks, "save", save_then_kill)
 
 
 def kill_before_the_summary(patch) -> None:
@@ -39,7 +39,7 @@ def kill_before_the_summary(patch) -> None:
     def kill(*args, **kwargs):
         raise KeyboardInterrupt("simulated kill")
 
-    patch.setattr(trainer, "run_summary", kill)
+    patch.setattr(trainer.Trainer, "summary", kill)
 
 
 @pytest.mark.parametrize("kill", [kill_after_the_final_save, kill_before_the_summary])

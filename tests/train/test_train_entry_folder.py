@@ -6,8 +6,9 @@ that continues it."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
-import logging
 import os
 import shlex
 import shutil
@@ -21,6 +22,7 @@ import pytest
 from helpers.cli import TINY_ARGS, run_module
 
 from moestack import checkpoint
+from moestack.errors import MoestackError
 
 TINY = [*TINY_ARGS, "telemetry=off", "wandb_mode=disabled"]
 
@@ -117,18 +119,14 @@ def test_a_new_folder_refused_for_its_data_is_not_left_behind(tmp_path):
 
 
 def test_a_refused_start_removes_only_the_folders_it_made_and_left_empty(tmp_path):
-    """What ``moestack-train`` does once a start into a new ``a/b/run`` is refused, with
-    hydra's writes made by hand: ``run`` and its files go, and so does ``a/b``; ``a`` stays,
-    holding a folder another process made there meanwhile, and so does ``tmp_path``."""
-    from moestack.train import _FolderBefore
-
-    run = tmp_path / "a" / "b" / "run"
-    before = _FolderBefore.read(run)
-    (run / ".hydra").mkdir(parents=True)  # what hydra writes before the start is refused
-    (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
-    (run / "train.log").write_text("error: refused\n")
-    (tmp_path / "a" / "other").mkdir()  # another process's, made meanwhile
-    before.put_back(run)
+    """A start into a new ``a/b/run`` refused for its data makes none of ``run``, ``a/b``:
+    ``a``, holding a folder another process made there, stays as it was, and so does
+    ``tmp_path``."""
+    missing = tmp_path / "missing.txt"
+    (tmp_path / "a" / "other").mkdir(parents=True)  # another process's
+    done = run_module(*TINY, "data=files", f"data.paths=[{missing}]",
+                      f"out_dir={tmp_path / 'a/b/run'}", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
     assert tree_of(tmp_path) == {"a": None, "a/other": None}
 
 
@@ -153,69 +151,96 @@ def test_a_refused_start_removes_no_folder_that_was_there(tmp_path):
     assert tree_of(tmp_path) == {"cwd": None, "cwd/outputs": None, "me": None}
 
 
-def test_a_folder_not_read_before_hydra_is_left_as_hydra_left_it(tmp_path, monkeypatch):
-    """An interpolated out_dir cannot be read before hydra resolves it, nor one set other
-    than on the command line (the command line names none: the dated default is expected):
-    nothing in the folder is taken as the start's, so nothing is cut, put back or removed."""
-    from moestack.train import _FolderBefore
-
+def test_a_folder_not_read_before_hydra_is_left_as_hydra_left_it(tmp_path):
+    """An interpolated out_dir (resolved by hydra): its folder, holding a record and log, is
+    left as it was by a start refused for its data."""
     run = tmp_path / "run"
-    (run / ".hydra").mkdir(parents=True)  # hydra's record and log: the start's, or older?
+    (run / ".hydra").mkdir(parents=True)  # hydra's record and log: an older start's
     (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
     (run / "train.log").write_text("a line\n")
     after = tree_of(run)
-    monkeypatch.setenv("RUN_ROOT", str(tmp_path))
-    for argv in (["out_dir=${oc.env:RUN_ROOT}/run"], []):
-        before = _FolderBefore.of_command_line(argv)
-        before.put_back(run)
-        assert tree_of(run) == after, argv
+    missing = tmp_path / "missing.txt"
+    env = {**os.environ, "WANDB_MODE": "disabled", "RUN_ROOT": str(tmp_path)}
+    done = run_module(*TINY, "data=files", f"data.paths=[{missing}]",
+                      "out_dir=${oc.env:RUN_ROOT}/run", cwd=tmp_path, env=env)  # fmt: skip
+    assert done.returncode == 2 and f"{missing} does not exist" in done.stderr
+    assert tree_of(run) == after
 
 
 class Terminated(Exception):
     """Raised by the test's SIGTERM handler (the default one ends the process)."""
 
 
-def test_sigterm_waits_till_a_refused_start_put_its_folder_back(tmp_path, monkeypatch):
-    """torchrun sends SIGTERM to the other ranks once one fails: one that comes while a rank
-    puts the folder back (here after its log lines were cut, before the record is restored)
-    waits till the folder is as it was, then reaches the handler, which is put back."""
-    from moestack.runs import LOCK_FILE
-    from moestack.train import _FolderBefore
+def test_sigterm_during_a_refused_start_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    """torchrun sends SIGTERM to the other ranks once one fails: one that comes while a start
+    is being refused (here during its data check) finds the folder as it was, since nothing
+    is written before the checks pass."""
+    from helpers.runs import small_config
+
+    from moestack import trainer
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text("steps: 2\n")
     (run / "train.log").write_text("the run's line\n")
     was = tree_of(run)
-    before = _FolderBefore.read(run)
-    (run / ".hydra" / "config.yaml").write_text("steps: 3\n")  # what the refused start wrote
-    (run / ".hydra" / "overrides.yaml").write_text("- steps=3\n")
-    (run / LOCK_FILE).touch()
-    handler = logging.FileHandler(run / "train.log")
-    logging.getLogger().addHandler(handler)
-    logging.getLogger("moestack.train").error("error: refused")
-    assert "error: refused" in (run / "train.log").read_text()
 
-    restore = _FolderBefore.restore_hydra_record
-
-    def terminated_midway(self, out_dir):
+    def terminated_midway(cfg):
         os.kill(os.getpid(), signal.SIGTERM)  # torchrun's
-        restore(self, out_dir)
+        raise MoestackError("data/missing.txt does not exist")
 
     def terminate(signum, frame):
         raise Terminated
 
-    monkeypatch.setattr(_FolderBefore, "restore_hydra_record", terminated_midway)
+    monkeypatch.setattr(trainer, "run_corpus", terminated_midway)
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         with pytest.raises(Terminated):
-            before.put_back(run)
+            trainer.train(small_config(steps=2), run)
         assert signal.getsignal(signal.SIGTERM) is terminate
     finally:
         signal.signal(signal.SIGTERM, previous)
-        logging.getLogger().removeHandler(handler)  # put_back's to close, unless cut short
-        handler.close()
     assert tree_of(run) == was
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``folder`` and ``folder`` itself: (mtime in ns, size). A file made and
+    removed again changes its folder's mtime, so nothing written goes unseen."""
+    seen = {}
+    for path in [folder, *folder.rglob("*")]:
+        with contextlib.suppress(FileNotFoundError):
+            info = path.stat()
+            seen[path.relative_to(folder).as_posix()] = (info.st_mtime_ns, info.st_size)
+    return seen
+
+
+def test_a_watched_out_dir_sees_nothing_written_during_a_refused_start(finished, tmp_path):
+    """A resume whose checkpoint does not fit its config (refused at the last check, once the
+    config, the folder, the data and the model passed theirs), watched every millisecond while
+    the command runs: no file or folder in out_dir is made, changed or removed at any time."""
+    from moestack.config import to_yaml
+    from moestack.runs import load_run_config
+
+    run = copy_of(finished, tmp_path)
+    wider = load_run_config(run)
+    wider.model = dataclasses.replace(wider.model, d_model=64)
+    (run / "config.yaml").write_text(to_yaml(wider))  # the config check cannot tell
+    time.sleep(0.01)
+    before = snapshot(run)
+    command = [sys.executable, "-m", "moestack.train", f"out_dir={run}", "resume=true"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env={**os.environ, "WANDB_MODE": "disabled"})  # fmt: skip
+    looks = 0
+    try:
+        while proc.poll() is None:
+            assert snapshot(run) == before
+            looks += 1
+            time.sleep(0.001)
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and "was trained with model.d_model=32, this model has 64" in stderr
+    assert looks > 10 and snapshot(run) == before
 
 
 # --------------------------------------------------------------------------- Ctrl-C
@@ -297,14 +322,14 @@ def test_a_resume_names_only_the_overrides_it_was_given(finished, tmp_path):
 
 
 def test_ctrl_c_before_a_resume_began_leaves_the_run_as_it_was(finished, tmp_path):
-    """Right after hydra wrote into the run's folder (its log, the first file of .hydra/),
-    and again as the process exits: the folder byte for byte as it was, the line naming the
-    run's checkpoint and the command that resumes it."""
+    """Right after the resume's checks passed, before it writes into the run's folder, and
+    again as the process exits: the folder byte for byte as it was, the line naming the run's
+    checkpoint and the command that resumes it."""
     from helpers.interrupt import planted
 
     run = copy_of(finished, tmp_path)
     before = tree_of(run)
-    done = planted("folder-made", f"out_dir={run}", "resume=true", cwd=tmp_path)
+    done = planted("checks-passed", f"out_dir={run}", "resume=true", cwd=tmp_path)
     line = one_line(done, 130)
     newest = checkpoint.latest_checkpoint(run / "checkpoints")
     assert line == (

@@ -8,7 +8,7 @@ from helpers.runs import small_config
 from moestack.config import OptimConfig
 from moestack.distributed import DistInfo
 from moestack.model import MoETransformer
-from moestack.trainer import build_run, train_step
+from moestack.trainer import build_run
 
 
 @pytest.mark.parametrize("optim", ["adamw", "offload_adamw"])
@@ -18,7 +18,7 @@ def test_only_the_chosen_weights_train(tmp_path, which, optim):
     run = build_run(cfg, tmp_path, DistInfo())
     before = {k: v.clone() for k, v in run.model.state_dict().items()}
     for _ in range(3):
-        train_step(run)
+        run.train_step()
     after = run.model.state_dict()
     expected = {f"layers.{i}.moe.router.weight" for i in range(cfg.model.n_layers)}
     if which == "routers+experts":
