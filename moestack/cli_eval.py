@@ -11,6 +11,12 @@ Counts and the cache-aware bias are checked by the argument parser (``count_arg`
 (``--generate``) the generated text as text; ``--help`` says which text a model folder is
 evaluated on (``model_folder_text``).
 
+A run trained with its experts streamed (``offload_experts``; its checkpoints hold none)
+is read from the expert store it trained with: ``export`` and ``eval`` read its experts
+back (``runs.load_run``), ``eval --offload`` serves them from that store as it is (LoRA
+adapters on them applied as training applied them, ``cache.streaming.evaluate_streamed``);
+a store gone, or failing its checksums, is refused naming it.
+
 ``eval`` checks first and loads only what it uses: what the command line and the run's config
 decide (``check_offload_config``) before the model is read, the model and its weights' checks
 before any text, and of the corpus only the validation split
@@ -19,6 +25,7 @@ before any text, and of the corpus only the validation split
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -107,22 +114,40 @@ def check_offload_config(args: argparse.Namespace) -> None:
             top_k = cfg.model.moe.top_k
     except MoestackError:  # not a run, or its source folder changed: load_run says which
         return
-    if cfg.offload_experts != "off":
-        raise MoestackError(
-            f"{args.run_dir} streamed its frozen experts (offload_experts="
-            f"{cfg.offload_experts}) and its checkpoints hold none: evaluate it without "
-            "--offload (its experts are read back from its own store)"
-        )
     cache_cfg = _cache_config(args, cfg.cache)
     if cache_cfg.policy == "belady":
         raise MoestackError("--policy belady needs the future: use `moestack simulate` on a trace")
     _check_capacity(cache_cfg, top_k)
-    if cfg.trainable in LORA_TRAINABLE and cfg.lora.on_experts:
+    expert_adapters = cfg.trainable in LORA_TRAINABLE and cfg.lora.on_experts
+    if cfg.offload_experts != "off":
+        _check_streamed(args, cfg, expert_adapters)
+    elif expert_adapters:
         raise MoestackError(
             f"{args.run_dir} trained LoRA adapters on its experts (trainable={cfg.trainable}, "
             f"lora.targets={cfg.lora.targets}), which an expert store does not hold: evaluate "
             "it without --offload, or merge them (moestack export RUN OUT, for a transformers "
             "model's run) and serve the merged model"
+        )
+
+
+def _check_streamed(args: argparse.Namespace, cfg: TrainConfig, expert_adapters: bool) -> None:
+    """A run that streamed its experts is served from its own store (its checkpoints hold
+    none): refuse ``--store-dir`` naming another, and the routing steering where the layers
+    carry LoRA adapters on their experts (served as training served them, unsteered)."""
+    from moestack.cache.streaming import store_path
+
+    own = store_path(cfg, args.run_dir)
+    if args.store_dir and Path(args.store_dir).resolve() != own.resolve():
+        raise MoestackError(
+            f"{args.run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"its own expert store {own}, which --offload serves: drop --store-dir {args.store_dir}"
+        )
+    if expert_adapters and (args.cache_aware_bias or args.reroute_tau):
+        raise MoestackError(
+            f"{args.run_dir} trained LoRA adapters on its streamed experts (lora.targets="
+            f"{cfg.lora.targets}): --cache-aware-bias and --reroute-tau do not steer such "
+            "layers; evaluate it without them, or export it merged (moestack export RUN OUT) "
+            "and evaluate the export with them"
         )
 
 
@@ -160,20 +185,52 @@ def _eval_offloaded(
     args: argparse.Namespace, run: Any, batches: list, device: Any, prompt: list[int]
 ) -> tuple[dict, list[int]]:
     """The metrics, and the ids ``--generate`` appends to ``prompt`` (none without it);
-    every expert weight lives only in the safetensors store and the cache."""
-    from moestack.cache import evaluate_offloaded, generate_offloaded, open_or_write_store
-    from moestack.cache.offload import check_servable
+    every expert weight lives only in the safetensors store and the cache: one written
+    from the checkpoint (or folder), or the store a streamed run trained with (read as it
+    is, each load checked against its checksum: its checkpoints hold no experts)."""
+    from moestack.cache import evaluate_offloaded, generate_offloaded
+    from moestack.cache.streaming import evaluate_streamed, open_run_store, run_store_checked
     from moestack.device import move_resident
-    from moestack.evaluation import finite_expert_layers
     from moestack.meta_load import resident_bytes
 
     cache_cfg = _cache_config(args, run.cfg.cache)  # checked by check_offload_config
+    streamed = run.cfg.offload_experts != "off"
+    store = open_run_store(run.cfg, run.run_dir) if streamed else _written_store(args, run)
+    move_resident(run.model, device)  # released (or never read) experts stay meta
+    steer = {"cache_aware_bias": args.cache_aware_bias, "reroute_tau": args.reroute_tau}
+    new: list[int] = []
+    checked = run_store_checked(run.cfg, run.run_dir) if streamed else contextlib.nullcontext()
+    with store, checked:
+        if any(moe.expert_adapters() is not None for moe in run.model.moe_layers):  # streamed
+            result, new = evaluate_streamed(
+                run.model, store, batches, device, cache_cfg, prompt, args.generate
+            )
+        else:
+            result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, **steer)
+            if args.generate:
+                new = generate_offloaded(
+                    run.model, store, prompt, args.generate, device, cache_cfg, **steer
+                )["tokens"]
+    result["memory/model_bytes"] = resident_bytes(run.model)  # held by the model: no expert
+    result["memory/experts_bytes"] = store.expert_bytes * store.num_experts * store.num_layers
+    return _counts_as_int(result), new
+
+
+def _written_store(args: argparse.Namespace, run: Any) -> Any:
+    """The expert store ``eval --offload`` serves a run (or a model folder) from: at
+    ``--store-dir``, the run's ``cache.store_dir`` or its default place, reused when it was
+    written from these weights (``_weights_identity``), else written from the checkpoint's
+    (or the folder's) safetensors one layer at a time."""
+    from moestack.cache import open_or_write_store
+    from moestack.cache.offload import check_servable
+    from moestack.evaluation import finite_expert_layers
+
     for layer, moe in enumerate(run.model.moe_layers):
         check_servable(moe, layer)
     bare = run.checkpoint == run.run_dir  # a transformers model folder itself, not a run
     default_dir = run.run_dir.with_name(f"{run.run_dir.name}.experts") if bare else (
         run.run_dir / "experts")  # fmt: skip
-    store_dir = args.store_dir or cache_cfg.store_dir or default_dir
+    store_dir = args.store_dir or run.cfg.cache.store_dir or default_dir
     dtype = run.model.moe_layers[0].w1.dtype  # the store holds the experts as the model would
     if bare:  # the experts were not loaded: the store is read from the safetensors
         from moestack.interop.hf_experts import iter_hf_expert_layers
@@ -185,18 +242,7 @@ def _eval_offloaded(
         layers = iter_expert_layers(run.checkpoint, dtype, verify=False)  # load_run verified
     layers = finite_expert_layers(layers, _weights_name(run), allow=args.allow_nonfinite)
     source = _weights_identity(run, args.allow_nonfinite)
-    store = open_or_write_store(run.model, store_dir, run.cfg.model, source=source, layers=layers)
-    move_resident(run.model, device)  # released (or never read) experts stay meta
-    steer = {"cache_aware_bias": args.cache_aware_bias, "reroute_tau": args.reroute_tau}
-    result = evaluate_offloaded(run.model, store, batches, device, cache_cfg, **steer)
-    new: list[int] = []
-    if args.generate:
-        new = generate_offloaded(
-            run.model, store, prompt, args.generate, device, cache_cfg, **steer
-        )["tokens"]
-    result["memory/model_bytes"] = resident_bytes(run.model)  # held by the model: no expert
-    result["memory/experts_bytes"] = store.expert_bytes * store.num_experts * store.num_layers
-    return _counts_as_int(result), new
+    return open_or_write_store(run.model, store_dir, run.cfg.model, source=source, layers=layers)
 
 
 def _weights_identity(run: Any, allow_nonfinite: bool = False) -> str:
@@ -266,25 +312,6 @@ def _text_codec(model_cfg: Any) -> Codec:
     return encode, decode
 
 
-def _refuse_streamed_export(run_dir: str) -> None:
-    """A run that streamed its experts (offload_experts) is not exported yet: its model was
-    built without the transformers blocks' experts, which the export writes back."""
-    from moestack.runs import is_transformers_dir, load_run_config
-
-    if is_transformers_dir(run_dir):
-        return
-    try:
-        cfg = load_run_config(run_dir)
-    except MoestackError:  # not a run: load_run says why
-        return
-    if cfg.offload_experts != "off":
-        raise MoestackError(
-            f"{run_dir} streamed its frozen experts (offload_experts={cfg.offload_experts}): "
-            "exporting such a run is not supported yet; export a run trained with them in "
-            "memory (offload_experts=off)"
-        )
-
-
 def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.checkpoint import model_sha256
     from moestack.evaluation import check_finite_weights, model_tensors
@@ -292,7 +319,6 @@ def cmd_export(args: argparse.Namespace) -> dict:
     from moestack.lora import merge_adapters
     from moestack.runs import load_run
 
-    _refuse_streamed_export(args.run_dir)
     run = load_run(args.run_dir, args.checkpoint)
     if not run.cfg.model.is_transformers:
         raise MoestackError(
@@ -490,7 +516,8 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
         default="",
         help="where --offload writes and reads the expert store (default: the run's "
         "cache.store_dir if set, else RUN_DIR/experts for a run; DIR.experts beside a model "
-        "folder DIR)",
+        "folder DIR); a run that streamed its experts (offload_experts) is served from the "
+        "store it trained with, never another",
     )
     p.add_argument(
         "--cache-aware-bias",

@@ -287,18 +287,28 @@ def load_run(
 
 def _experts_from_store(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path) -> None:
     """A streamed run's frozen experts (offload_experts) read back from its expert store,
-    each file checked against its checksum."""
-    from moestack.cache import ExpertStore
+    each file checked against its checksum (``open_run_store``)."""
     from moestack.cache.offload import restore_experts
-    from moestack.cache.streaming import store_path
+    from moestack.cache.streaming import open_run_store, run_store_checked
 
-    path = store_path(cfg, run_dir)
-    if not path.is_dir():
-        raise MoestackError(
-            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
-            f"{path}, which is gone; its checkpoints hold no experts: put the store back"
-        )
-    restore_experts(model, ExpertStore(path, cfg.model.store_shape, verify_loads=True), "cpu")
+    with open_run_store(cfg, run_dir) as store, run_store_checked(cfg, run_dir):
+        restore_experts(model, store, "cpu")
+    _original_blocks_on_host(model)
+
+
+def _original_blocks_on_host(model: torch.nn.Module) -> None:
+    """A transformers model built with nothing read (``build_for_checkpoint``) keeps its
+    original blocks' router and expert parameters on meta, where ``export_hf`` cannot refill
+    them: each becomes an empty host tensor of its dtype, as a build from the folder leaves
+    them (``release_routed_weights``). moestack's own model has no original blocks."""
+    for patched in getattr(model, "_patched", ()):
+        for module in patched.original.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if param.is_meta:
+                    empty = torch.nn.Parameter(
+                        torch.empty(0, dtype=param.dtype), param.requires_grad
+                    )
+                    setattr(module, name, empty)
 
 
 def prepare_out_dir(

@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +42,15 @@ import torch
 from torch import nn
 
 from moestack.cache.device_tier import SLOT_ALIGN
-from moestack.cache.expert_cache import ExpertCache, ExpertCacheStats
+from moestack.cache.expert_cache import CacheConfig, ExpertCache, ExpertCacheStats
 from moestack.cache.host_tier import HostTier
 from moestack.cache.offload import CachedExperts, release_experts
+from moestack.cache.offload import _cache_metrics as cache_metrics
 from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
 from moestack.cache.store_format import INDEX_FILE
 from moestack.errors import MoestackError
+from moestack.evaluation import evaluate, greedy_generate
 from moestack.lora import init_expert_adapters
 from moestack.moe import EXPERT_ADAPTERS, ExpertAdapters, MoE
 from moestack.router import Routing
@@ -341,18 +344,10 @@ def attach_streaming(
     tier = (
         HostTier.read(store, pin=device.type == "cuda", progress=False) if mode == "host" else store
     )
-    top_k = moes[0].cfg.top_k
-    capacity = None if cfg.cache.capacity_bytes else (cfg.cache.capacity or default_capacity(top_k))
-    cache = ExpertCache(
-        tier, capacity, cfg.cache.policy, device=device, prefetch=cfg.cache.prefetch,
-        capacity_bytes=cfg.cache.capacity_bytes or None, warmup=cfg.cache.warmup, top_k=top_k,
-    )  # fmt: skip
-    state = StreamingState(mode, store, cache, [], _Traffic(cache))
-    for i, moe in enumerate(moes):
-        nxt = moes[i + 1].router if i + 1 < len(moes) else None
-        backend = StreamedExperts(i, moe, cache, nxt, state.traffic, prefetch_limit=cache.capacity)
-        backend.previous = state.backends[-1] if state.backends else None
-        state.backends.append(backend)
+    cache = _cache_of(tier, cfg.cache, moes[0].cfg.top_k, device)
+    backends = _streamed_backends(moes, cache)
+    state = StreamingState(mode, store, cache, backends, backends[0].traffic)
+    for moe, backend in zip(moes, backends, strict=True):
         moe.set_experts(backend)
         state.hooks.append(moe.register_state_dict_post_hook(_drop_streamed))
     log.info(
@@ -360,6 +355,111 @@ def attach_streaming(
         "experts per layer", mode, len(moes), store.path, cache.policy_name, cache.capacity,
     )  # fmt: skip
     return state
+
+
+def _cache_of(
+    tier: ExpertStore | HostTier, cache_cfg: CacheConfig, top_k: int, device: torch.device
+) -> ExpertCache:
+    """The expert cache ``cache_cfg`` describes (policy, capacity or capacity_bytes, prefetch,
+    warm-up; capacity 0: ``default_capacity``) over ``tier``, its slots on ``device``."""
+    capacity = None if cache_cfg.capacity_bytes else (cache_cfg.capacity or default_capacity(top_k))
+    return ExpertCache(
+        tier, capacity, cache_cfg.policy, device=device, prefetch=cache_cfg.prefetch,
+        capacity_bytes=cache_cfg.capacity_bytes or None, warmup=cache_cfg.warmup, top_k=top_k,
+    )  # fmt: skip
+
+
+def _streamed_backends(moes: list[MoE], cache: ExpertCache) -> list[StreamedExperts]:
+    """A ``StreamedExperts`` per layer over ``cache``, each knowing the layer before it
+    (the backward's prefetch), counting into one ``_Traffic``."""
+    traffic = _Traffic(cache)
+    backends: list[StreamedExperts] = []
+    for i, moe in enumerate(moes):
+        nxt = moes[i + 1].router if i + 1 < len(moes) else None
+        backend = StreamedExperts(i, moe, cache, nxt, traffic, prefetch_limit=cache.capacity)
+        backend.previous = backends[-1] if backends else None
+        backends.append(backend)
+    return backends
+
+
+@contextlib.contextmanager
+def _served_with_adapters(
+    model: nn.Module, store: ExpertStore, cache_cfg: CacheConfig, device: torch.device
+) -> Iterator[ExpertCache]:
+    """Inside, ``model`` (its experts released, on ``device``) gets its experts from ``store``
+    through an expert cache of ``cache_cfg``, with the LoRA adapters on them applied as
+    training applied them (``StreamedExperts``): offloaded evaluation of a streamed run whose
+    adapters are on its experts, which ``cache.offloaded`` refuses (an expert store does not
+    hold them). Yields the cache (its counters); on exit the layers get their earlier
+    back-ends back and the cache is closed."""
+    moes = list(model.moe_layers)
+    cache = _cache_of(store, cache_cfg, moes[0].cfg.top_k, device)
+    earlier = [moe.experts_backend for moe in moes]
+    try:
+        for moe, backend in zip(moes, _streamed_backends(moes, cache), strict=True):
+            moe.set_experts(backend)
+        yield cache
+    finally:
+        for moe, backend in zip(moes, earlier, strict=True):
+            moe.set_experts(backend)
+        cache.close()
+
+
+def evaluate_streamed(
+    model: nn.Module,
+    store: ExpertStore,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    cache_cfg: CacheConfig,
+    prompt: Sequence[int] = (),
+    max_new_tokens: int = 0,
+) -> tuple[dict[str, float], list[int]]:
+    """``evaluate_offloaded``'s metrics (the validation loss, the cache's counters, time) and
+    the ``max_new_tokens`` ids ``greedy_generate`` appends to ``prompt`` (none for 0), for a
+    model whose LoRA adapters are on its experts (a streamed run's): the experts served from
+    ``store`` through a cache of ``cache_cfg``, the adapters applied as in training."""
+    tokens = sum(int(inputs.numel()) for inputs, _ in batches)
+    with torch.no_grad(), _served_with_adapters(model, store, cache_cfg, device) as cache:
+        start = time.perf_counter()
+        result = evaluate(model, list(batches), device)
+        result.update(cache_metrics(cache, time.perf_counter() - start, tokens))
+        new = greedy_generate(model, prompt, max_new_tokens, device) if max_new_tokens else []
+    return result, new
+
+
+def open_run_store(cfg: TrainConfig, run_dir: str | Path) -> ExpertStore:
+    """The expert store a streamed run trained with (``store_path``), each load checked
+    against its file's checksum: what evaluation and export read its experts from (its
+    checkpoints hold none). A store that is gone, or fails its checks, is refused in one
+    line naming the run and the folder (``run_store_checked``)."""
+    path = store_path(cfg, run_dir)
+    if not path.is_dir():
+        raise MoestackError(
+            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"{path}, which is gone; its checkpoints hold no experts: put the store back"
+        )
+    with run_store_checked(cfg, run_dir):
+        return ExpertStore(path, cfg.model.store_shape, verify_loads=True)
+
+
+@contextlib.contextmanager
+def run_store_checked(cfg: TrainConfig, run_dir: str | Path) -> Iterator[None]:
+    """Inside, a check of the streamed run's store that fails (a file missing, of another
+    size, or whose bytes changed, found when it is opened or loaded) is refused in one line
+    naming the run and the store, without the store's own advice to rewrite it: nothing
+    else holds the run's experts."""
+    path = store_path(cfg, run_dir)
+    try:
+        yield
+    except MoestackError as err:
+        if str(path) not in str(err):
+            raise
+        reason = str(err).rsplit("; ", 1)[0]  # what failed, not the generic fix
+        raise MoestackError(
+            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"the expert store {path}, which fails its checks ({reason}); its checkpoints hold "
+            "no experts: put back the store the run trained with"
+        ) from None
 
 
 def experts_digest(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:

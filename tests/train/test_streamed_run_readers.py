@@ -1,6 +1,7 @@
 """A run trained with streamed experts (offload_experts=disk) is read back whole: its
 checkpoints hold no experts, so load_run (eval, export) takes them from the run's store,
-and the model is the resident run's, weight for weight."""
+and the model is the resident run's, weight for weight; eval --offload serves them from
+that store (tests/cache/test_streaming_readers.py: export, a transformers model's run)."""
 
 from __future__ import annotations
 
@@ -54,13 +55,12 @@ def test_a_streamed_run_without_its_store_is_refused(runs, tmp_path) -> None:
         load_run(copy)
 
 
-def test_offloaded_eval_and_export_of_a_streamed_run_are_refused_in_one_line(runs, capsys):
-    for argv, match in (
-        (["eval", str(runs[1]), "--offload"], "evaluate it without --offload"),
-        (["export", str(runs[1]), "OUT"], "exporting such a run is not supported yet"),
-    ):
-        with pytest.raises(SystemExit) as stop:
-            cli.main(argv)
-        assert stop.value.code != 0
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and match in err[0], err
+def test_offloaded_eval_of_a_streamed_run_is_the_resident_runs(runs, capsys) -> None:
+    """moestack's own model, LoRA on its experts: served from the run's own store with the
+    adapters applied, the resident run's validation loss."""
+    printed = []
+    for path, offload in ((runs[0], []), (runs[1], ["--offload", "--capacity", "2"])):
+        cli.main(["eval", str(path), *offload])
+        printed.append(json.loads(capsys.readouterr().out))
+    assert printed[1]["loss/val"] == printed[0]["loss/val"]
+    assert printed[1]["cache/loads"] > 0
