@@ -32,12 +32,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moestack import seeding
+from moestack.kernels import host_tiered
 from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
 log = logging.getLogger(__name__)
 
 FORMAT = "moestack-tiered-1"
-_TINY = 1e-30  # the factored estimate's denominator floor (an all-zero gradient history)
 _STATS = ("sq_sum", "numel", "clipped", "units")
 
 
@@ -53,8 +53,10 @@ class TieredAdamW(torch.optim.Optimizer):
     one (``param_dtype=float32``: bf16 weights computed in fp32, for a CPU). ``clip_update``: the RMS threshold of each
     matrix's update (each expert's on its own; 0 = off). ``seed``: the stochastic rounding's,
     drawn from torch's generator when None (so the run's seed fixes it); it is saved with the
-    state, and every rounding draws from a generator keyed by (seed, parameter, expert, step),
-    so a resumed run, or one at another layout, rounds bit for bit as the uninterrupted one.
+    state, and every rounding's bits are a hash of (seed, parameter, expert, step, element)
+    (:mod:`moestack.kernels.host_tiered`), so a resumed run, or one at another layout, rounds
+    bit for bit as the uninterrupted one. ``host_kernel``: step CPU tensors with the C++
+    kernel where it loads (False: torch ops everywhere; the two give the same bits).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class TieredAdamW(torch.optim.Optimizer):
         process_group: Any = None,
         shard: bool = True,
         expert_offsets: dict[str, int] | None = None,
+        host_kernel: bool = True,
     ) -> None:
         if master not in MASTER:
             raise ValueError(f"optim.master={master!r} is unknown; use one of {MASTER}")
@@ -93,10 +96,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.offsets = dict(expert_offsets or {})
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
-        self._buffers: dict[torch.device, Tensor] = {}
-        self._scratch_numel = max(
-            (q.numel() for g in self.param_groups for q in g["params"]), default=0
-        )
+        self.host_kernel = host_kernel
 
     # -- the layout -------------------------------------------------------------------------
 
@@ -115,60 +115,59 @@ class TieredAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every owned parameter with a gradient, then (several ranks) every
-        parameter's new weights broadcast from its owner."""
+        """One update of every owned parameter with a gradient (the C++ kernel steps those on
+        the CPU in one call, torch ops the others, to the same bits), then (several ranks)
+        every parameter's new weights broadcast from its owner."""
         loss = closure() if closure is not None else None
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+        jobs: list[host_tiered.Job] = []
+        pops: list[str] = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.numel() and self.owns(p):  # torch skips empty ones too
-                    self._update(p, group)
-        self._buffers.clear()  # transient: no scratch is kept between steps
+                    jobs.append(self._job(p, group))
+                    pops.append(self.info[self.names[id(p)]].population)
+        kernel = host_tiered.kernel_or_none() if self.host_kernel else None
+        native = [kernel is not None and host_tiered.takes(j) for j in jobs]
+        done = iter(kernel([j for j, n in zip(jobs, native, strict=True) if n]) if kernel else [])
+        for job, pop, on_host in zip(jobs, pops, native, strict=True):
+            self._count(pop, job, next(done) if on_host else host_tiered.step_torch(job))
         self._share_weights()
         self._reduce_stats()
         return loss
 
-    def _update(self, p: Tensor, group: dict[str, Any]) -> None:
-        """The documented update of one parameter (docs/optim.md, "Tiered state"), in few
-        passes over its elements, the update built in one scratch buffer reused by every
-        parameter (no temporary of a parameter's size is allocated per step)."""
+    def _job(self, p: Tensor, group: dict[str, Any]) -> host_tiered.Job:
+        """The documented update of one parameter (docs/optim.md, "Tiered state") as the
+        kernels take it: its tensors, its layout (units: its experts, else itself) and its
+        coefficients at its next step."""
         name = self.names[id(p)]
-        info = self.info[name]
         st = self.state[p]
         if not st:
             self._init_state(p, group, st)
         st["step"] += 1
         t = st["step"]
-        beta1, beta2 = group["betas"]
-        g = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-        u = _denominator(st, g, beta2, t, group["eps"], self._scratch(p))
-        if "m" in st:
-            m = st["m"].float().lerp_(g, 1 - beta1)
-            if m.data_ptr() != st["m"].data_ptr():  # bf16 momentum: the update uses it as kept
-                m = st["m"].copy_(m).float()
-            torch.div(m, u, out=u).mul_(math.sqrt(1 - beta2**t) / (1 - beta1**t))
+        g = p.grad if p.grad.dtype in (torch.float32, torch.bfloat16) else p.grad.float()
+        units = p.shape[0] if self.info[name].stacked else 1
+        if "row" in st:
+            lead, rows, cols = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
         else:
-            torch.div(g, u, out=u).mul_(math.sqrt(1 - beta2**t))
-        rms, factor = _rms_and_clip(u, self.clip_update, info.stacked)
-        w = st["master"] if "master" in st else p.float()
+            cols = p.shape[-1] if p.ndim else 1
+            lead, rows = units, p.numel() // (units * cols)
         decay = group["weight_decay"] if p.ndim >= 2 else 0.0
-        if decay:
-            w.mul_(1 - group["lr"] * decay)
-        if factor is None:
-            w.add_(u, alpha=-group["lr"])
-        else:
-            w.addcmul_(u, factor.reciprocal().mul_(-group["lr"]))
-        self._write(p, w, name, info, t)
-        self._count(info, u, rms, factor)
-
-    def _scratch(self, p: Tensor) -> Tensor:
-        """An fp32 buffer of ``p``'s shape on its device, shared by every parameter during a
-        step (the size of the largest parameter; freed when the step ends)."""
-        buf = self._buffers.get(p.device)
-        if buf is None:
-            buf = torch.empty(self._scratch_numel, dtype=torch.float32, device=p.device)
-            self._buffers[p.device] = buf
-        return buf[: p.numel()].view(p.shape)
+        coef = host_tiered.coefficients(
+            group["lr"], group["betas"], group["eps"], t, decay, self.clip_update,
+            "m" in st, rows, cols, p.numel() // units,
+        )  # fmt: skip
+        keys = None
+        if self.master == "none" and p.dtype in (torch.float32, torch.bfloat16):
+            offset = self.offsets.get(name, 0)
+            ids = [e + offset for e in range(units)] if self.info[name].stacked else [None]
+            keys = torch.tensor([host_tiered.unit_key(self.seed, name, e, t) for e in ids],
+                                dtype=torch.int32, device=p.device)  # fmt: skip
+        return host_tiered.Job(
+            p.data, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
+            st.get("master"), keys, units, lead, rows, cols, coef,
+        )  # fmt: skip
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
@@ -181,33 +180,6 @@ class TieredAdamW(torch.optim.Optimizer):
             st["v"] = torch.zeros_like(p, dtype=torch.float32)
         if self.master == "float32" and p.dtype != torch.float32:
             st["master"] = p.detach().float()
-
-    def _write(self, p: Tensor, w: Tensor, name: str, info: ParamInfo, step: int) -> None:
-        """``w`` (fp32) into ``p``: from a master copy (or as it is, an fp32 parameter with
-        ``master="float32"``) rounded to nearest; without a master, stochastically rounded
-        to bf16 precision, into bf16 storage or (fp32 storage, on a CPU where bf16 arithmetic
-        is slow) onto the bf16 grid; each expert of a stacked tensor from a generator of its
-        own, so the draws do not depend on the layout."""
-        if self.master == "float32" or p.dtype not in (torch.float32, torch.bfloat16):
-            if w.data_ptr() != p.data_ptr():
-                p.copy_(w)
-        else:  # w is this step's own fp32 copy of p (or p itself): rounded in place
-            if not info.stacked:
-                round_onto_bf16_grid_(w, self._noise_bits(w.shape, w.device, f"{name}@{step}"))
-            for e in range(w.shape[0] if info.stacked else 0):
-                expert = e + self.offsets.get(name, 0)  # its global id
-                noise = self._noise_bits(w.shape[1:], w.device, f"{name}/expert{expert}@{step}")
-                round_onto_bf16_grid_(w[e], noise)
-            if w.data_ptr() != p.data_ptr():
-                p.copy_(w)  # exact: w is on the bf16 grid
-
-    def _noise_bits(self, shape: torch.Size, device: torch.device, key: str) -> Tensor:
-        """16 random bits per element (int32), from a generator keyed by (seed, ``key``)."""
-        seed = seeding.generator(self.seed, key).initial_seed()
-        gen = torch.Generator(device).manual_seed(seed)
-        return torch.empty(shape, dtype=torch.int32, device=device).random_(
-            0, 1 << 16, generator=gen
-        )
 
     def _share_weights(self) -> None:
         """Several ranks: every parameter's weights from the rank that updated them."""
@@ -226,16 +198,15 @@ class TieredAdamW(torch.optim.Optimizer):
 
     # -- what it reports --------------------------------------------------------------------
 
-    def _count(self, info: ParamInfo, u: Tensor, rms: Tensor, factor: Tensor | None) -> None:
-        """Add one parameter's update (its matrices' RMS before clipping, ``rms``, and their
-        clip factors) to its population's statistics."""
-        s = self.stats[info.population]
-        units = rms.numel()
-        applied = rms if factor is None else rms / factor
-        s["sq_sum"] += float(applied.double().square().sum()) * (u.numel() / units)
-        s["numel"] += u.numel()
-        s["clipped"] += 0 if factor is None else int((factor > 1).sum())
-        s["units"] += units
+    def _count(self, population: str, job: host_tiered.Job, got: tuple[float, float]) -> None:
+        """Add one parameter's update (the sum over its units of their applied RMS^2, and the
+        units clipped) to its population's statistics."""
+        s = self.stats[population]
+        applied_sq, clipped = got
+        s["sq_sum"] += applied_sq * (job.w.numel() / job.units)
+        s["numel"] += job.w.numel()
+        s["clipped"] += clipped
+        s["units"] += job.units
 
     def _reduce_stats(self) -> None:
         if self._ranks()[1] == 1:
@@ -402,8 +373,9 @@ def plan_rows(
             rows.append((f"optimizer state (tiered, {population})", size, formula))
     step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype)
     rows.append(("optimizer scratch (tiered, during a step)", step,
-                 "fp32 scratch of the largest tensor + the fp32 copies and rounding noise of "
-                 "the one that needs most (freed when the step ends)"))  # fmt: skip
+                 "the torch ops' temporaries of the tensor that needs most: its update, fp32 "
+                 "copies and rounding noise (freed when the step ends; none where the C++ "
+                 "kernel steps CPU tensors)"))  # fmt: skip
     return rows
 
 
@@ -414,27 +386,41 @@ def planned_step_bytes(
     master: str,
     param_dtype: torch.dtype,
 ) -> int:
-    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: the fp32
-    scratch the size of the largest tensor, and for the tensor that needs most, the fp32
-    copies of its gradient and (no master, narrower weights) of its weights, of a bf16
-    momentum, and the stochastic rounding's noise (per expert of a stacked one); plus the
-    row and column vectors of a factored estimate."""
+    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: none for
+    a CPU tensor the C++ kernel steps (its row buffers are its own, not torch's); for one the
+    torch ops step (:func:`moestack.kernels.host_tiered.step_torch`), the largest of its
+    stages: the fp32 gradient (narrower ones), the update and its squares (10 bytes an
+    element; 4 more with a bf16 momentum), and without a master the new weights, the fp32
+    copy of narrower ones and the rounding noise in int64 (16 bytes an element and 8 an
+    element of one unit); plus the row and column vectors of a factored estimate."""
     named = list(named)
-    if not named:
-        return 0
-    extra = 0
+    host = any(p.device.type == "cpu" for _, p in named) and host_tiered.kernel_or_none()
+    extra = vectors = 0
     for name, p in named:
         numel, rule = math.prod(p.shape), policy(info[name].population)
-        unit = numel // p.shape[0] if info[name].stacked and p.shape[0] else numel
-        narrow = param_dtype != torch.float32
-        size = 4 * numel if narrow else 0  # the gradient in fp32
-        size += 4 * numel if rule.momentum == "bfloat16" else 0
+        stacked = info[name].stacked and len(p.shape) >= 1
+        unit = numel // p.shape[0] if stacked and p.shape[0] else numel
+        factored = rule.second_moment == "factored" and len(p.shape) >= 2
+        if host and p.device.type == "cpu" and _host_layout(p.shape, stacked, factored):
+            continue  # the C++ kernel: no tensor allocated
+        narrow = 4 * numel if param_dtype != torch.float32 else 0
+        core = narrow + 10 * numel + (4 * numel if rule.momentum == "bfloat16" else 0)
+        write = 4 * numel
         if master == "none":
-            size += (4 * numel if narrow else 0) + 4 * unit  # weights in fp32; the noise
-        extra = max(extra, size)
-    vectors = max(16 * (math.prod(p.shape[:-1]) + math.prod(p.shape[:-2]) * p.shape[-1])
-                  if len(p.shape) >= 2 else 0 for _, p in named)  # fmt: skip
-    return 4 * max(math.prod(p.shape) for _, p in named) + extra + vectors
+            write += narrow + 16 * numel + 8 * unit
+        extra = max(extra, core, write)
+        if factored:
+            vectors = max(
+                vectors, 16 * (math.prod(p.shape[:-1]) + math.prod(p.shape[:-2]) * p.shape[-1])
+            )
+    return extra + vectors
+
+
+def _host_layout(shape: torch.Size, stacked: bool, factored: bool) -> bool:
+    """Whether the C++ kernel takes a tensor of ``shape`` (a unit is whole matrices)."""
+    units = shape[0] if stacked else 1
+    lead = math.prod(shape[:-2]) if factored else units
+    return math.prod(shape) > 0 and lead % max(units, 1) == 0
 
 
 def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: torch.dtype) -> int:
@@ -453,56 +439,9 @@ def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: 
 def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
     """fp32 ``w`` to bf16, rounded up in magnitude with probability equal to the dropped
     fraction: 16 random low bits (``noise``, int32 in [0, 2^16)) added to the bit pattern,
-    then the low 16 bits cut. Unbiased: E[round(w)] = w. Non-finite values pass as they are."""
-    return round_onto_bf16_grid_(w.clone(), noise).to(torch.bfloat16)
-
-
-def round_onto_bf16_grid_(w: Tensor, noise: Tensor) -> Tensor:
-    """:func:`stochastic_round_bf16` in place: contiguous fp32 ``w`` rounded onto the bf16
-    grid (it stays fp32), with no temporary of its size (but a mask where a value is not
-    finite); returns ``w``."""
-    finite = bool(torch.isfinite(w.amax()) & torch.isfinite(w.amin()))  # no mask of its size
-    bad = None if finite or w.numel() == 0 else ~torch.isfinite(w)
-    kept = None if bad is None else w[bad]  # inf and nan pass as they are
-    w.view(torch.int32).add_(noise).bitwise_and_(-65536)
-    if bad is not None:
-        w[bad] = kept
-    return w
-
-
-def _denominator(
-    st: dict[str, Any], g: Tensor, beta2: float, t: int, eps: float, out: Tensor
-) -> Tensor:
-    """Update the second-moment state with ``g``; write ``sqrt(v) + eps * sqrt(1 - beta2^t)``
-    into ``out`` and return it: ``sqrt(v_hat) + eps`` times ``sqrt(1 - beta2^t)`` (that scale
-    is folded into the update's, as torch's AdamW folds it). ``v`` is the full estimate or
-    the factored one, ``r_i c_j / mean(r)``, whose square root is taken of the row and
-    column vectors only (``g^2`` is formed in ``out``, which the estimate then takes)."""
-    eps_scaled = eps * math.sqrt(1 - beta2**t)
-    if "v" in st:
-        v = st["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        return torch.sqrt(v, out=out).add_(eps_scaled)
-    row, col = st["row"], st["col"]
-    sq = torch.mul(g, g, out=out)
-    row.mul_(beta2).add_(sq.sum(dim=-1), alpha=(1 - beta2) / g.shape[-1])
-    col.mul_(beta2).add_(sq.sum(dim=-2), alpha=(1 - beta2) / g.shape[-2])
-    scale = row.mean(dim=-1, keepdim=True).clamp_min_(_TINY)
-    a = (row / scale).sqrt_().view(-1, g.shape[-2], 1)
-    b = col.sqrt().view(-1, 1, g.shape[-1])
-    torch.bmm(a, b, out=out.view(-1, g.shape[-2], g.shape[-1]))  # the outer product r c
-    return out.add_(eps_scaled)
-
-
-def _rms_and_clip(u: Tensor, threshold: float, stacked: bool) -> tuple[Tensor, Tensor | None]:
-    """Each matrix's (each expert's) RMS of ``u``, and with clipping on the factor (>= 1,
-    broadcastable to ``u``) that brings it to at most ``threshold``; None with clipping off."""
-    units = u.shape[0] if stacked else 1
-    flat = u.view(units, -1)
-    rms = torch.linalg.vector_norm(flat, dim=1).div_(math.sqrt(flat.shape[1]))
-    rms = rms.view((units,) + (1,) * (u.ndim - 1) if stacked else (1,) * u.ndim)
-    if threshold <= 0:
-        return rms, None
-    return rms, (rms / threshold).clamp_min_(1.0)
+    then the low 16 bits cut (:func:`moestack.kernels.host_tiered.round_onto_bf16_grid_`).
+    Unbiased: E[round(w)] = w. Non-finite values pass as they are."""
+    return host_tiered.round_onto_bf16_grid_(w.clone(), noise).to(torch.bfloat16)
 
 
 def _schedule_of(group: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,157 @@
+"""TieredAdamW's C++ kernel (kernels/host_tiered.cpp) against its torch ops
+(kernels/host_tiered.py): the same weights and state bit for bit; the sums' order and the
+rounding noise against values worked out here by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiered_testlib import run_steps, small_model
+
+from moestack.config import OptimConfig
+from moestack.kernels import host_build, host_tiered
+from moestack.optim import build_optimizer
+from moestack.optim.tiered import TieredAdamW
+from moestack.populations import PopulationConfig
+
+
+@pytest.fixture(scope="module")
+def kernel() -> host_tiered.TieredKernel:
+    """The C++ kernel; skips without a compiler, fails where one exists and it does not load."""
+    if not host_build.find_compiler():
+        pytest.skip("no C++ compiler for the host kernel")
+    got = host_tiered.kernel_or_none()
+    assert got is not None, f"a compiler is there, yet the kernel is not: {host_tiered._LOADED}"
+    return got
+
+
+def _pair(dtype: torch.dtype, **kw: object) -> tuple[list[torch.nn.Module], list[TieredAdamW]]:
+    models, opts = [], []
+    for on_host in (True, False):
+        model = small_model(dtype)
+        torch.manual_seed(1)
+        opt = build_optimizer(model, OptimConfig(name="tiered", lr=1e-2, **kw))
+        assert isinstance(opt, TieredAdamW)
+        opt.host_kernel = on_host
+        models.append(model)
+        opts.append(opt)
+    return models, opts
+
+
+@pytest.mark.parametrize(
+    "dtype,kw",
+    [
+        (torch.bfloat16, {}),  # master=none: stochastic rounding into bf16
+        (torch.float32, {}),  # master=none onto the bf16 grid in fp32 storage
+        (torch.bfloat16, {"master": "float32"}),
+        (torch.float32, {"master": "float32", "clip_update": 0.0}),
+    ],
+)
+def test_kernel_and_torch_ops_step_to_the_same_bits(kernel, dtype, kw) -> None:  # noqa: ANN001
+    (a, b), (oa, ob) = _pair(dtype, **kw)
+    run_steps(a, oa, range(4))
+    run_steps(b, ob, range(4))
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        for key, value in oa.state[p].items():
+            other = ob.state[q][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    assert oa.metrics() == pytest.approx(ob.metrics(), rel=1e-12)
+
+
+def test_momentum_in_bf16_and_full_moments_agree(kernel) -> None:  # noqa: ANN001
+    """Every population with bf16 momentum and a full second moment."""
+    pops = ("experts", "routers", "embeddings", "backbone")
+    overrides = {p: PopulationConfig(momentum="bfloat16", second_moment="full") for p in pops}
+    (a, b), (oa, ob) = _pair(torch.bfloat16, **overrides)
+    run_steps(a, oa, range(3))
+    run_steps(b, ob, range(3))
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_large_units_stepped_by_all_threads_agree(kernel) -> None:  # noqa: ANN001
+    """Units past host_tiered.TOGETHER elements are split over the threads by rows and column
+    blocks: the same bits as the torch ops, on 2 threads."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 520, 510)  # 265,200 elements an expert: stepped together
+    assert shape[1] * shape[2] >= host_tiered.TOGETHER
+    jobs = []
+    for _ in range(2):
+        w = torch.randn(shape, generator=gen).bfloat16()
+        g = torch.randn(shape, generator=gen)
+        row, col = torch.rand(2, 520, generator=gen), torch.rand(2, 510, generator=gen)
+        keys = torch.tensor([7, 11], dtype=torch.int32)
+        coef = host_tiered.coefficients(1e-2, (0.9, 0.95), 1e-8, 2, 0.1, 1.0, False, 520, 510,
+                                        520 * 510)  # fmt: skip
+        jobs.append(host_tiered.Job(w, g, None, None, row, col, None, keys, 2, 2, 520, 510, coef))
+    twin = [host_tiered.Job(*(t.clone() if isinstance(t, torch.Tensor) else t for t in j))
+            for j in jobs]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = kernel(jobs)
+    finally:
+        torch.set_num_threads(threads)
+    want = [host_tiered.step_torch(j) for j in twin]
+    for j, t in zip(jobs, twin, strict=True):
+        assert torch.equal(j.w, t.w) and torch.equal(j.row, t.row) and torch.equal(j.col, t.col)
+    assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair])
+
+
+def test_tree_sum_order_by_hand() -> None:
+    """Five values, n=5: [x0+x3, x1+x4, x2], then [(x0+x3)+x2, x1+x4], then their sum; in
+    fp32 the order shows (1e8 + 1 rounds to 1e8)."""
+    x = torch.tensor([1e8, 1.0, 3.0, -1e8, 1.0])
+    f = torch.tensor
+    want = ((f(1e8) + f(-1e8)) + f(3.0)) + (f(1.0) + f(1.0))
+    assert torch.equal(host_tiered.tree_sum(x, 0), want) and float(want) == 5.0
+
+
+def _mix32(x: int) -> int:
+    """host_tiered.cpp's mix32 in Python's integers (mod 2^32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_noise_is_the_hash_of_key_and_index() -> None:
+    """The noise of element i of a unit with key k is mix32(mix32(i) ^ k) >> 16 (checked in
+    Python's integers); a unit's key depends on (seed, name, expert, step) alone."""
+    keys = torch.tensor([host_tiered.unit_key(5, "w", e, 3) for e in (0, 1)], dtype=torch.int32)
+    bits = host_tiered.noise(keys, 70)
+    for e in (0, 1):
+        k = int(keys[e])
+        assert bits[e].tolist() == [_mix32(_mix32(i) ^ k) >> 16 for i in range(70)]
+    assert host_tiered.unit_key(5, "w", 0, 3) == host_tiered.unit_key(5, "w", 0, 3)
+    others = {host_tiered.unit_key(*a) for a in ((6, "w", 0, 3), (5, "v", 0, 3), (5, "w", 1, 3),
+                                                 (5, "w", 0, 4), (5, "w", None, 3))}  # fmt: skip
+    assert host_tiered.unit_key(5, "w", 0, 3) not in others and len(others) == 5
+
+
+@pytest.mark.parametrize("master", ["none", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torch_ops_allocate_no_more_than_planned(master: str, dtype: torch.dtype) -> None:
+    """The torch ops' step (a device's, or a CPU's without a compiler) allocates at its peak
+    within the plan's line for tensors they step (meta tensors: not the C++ kernel's), and
+    most of it."""
+    from helpers.alloc import PeakAllocated
+
+    from moestack.optim.tiered import planned_step_bytes
+    from moestack.populations import classify
+
+    model = small_model(dtype)
+    torch.manual_seed(1)
+    cfg = OptimConfig(name="tiered", master=master)
+    opt = build_optimizer(model, cfg)
+    opt.host_kernel = False
+    for step in range(2):  # the first step makes the state, the second is measured
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(dtype)
+        with PeakAllocated() as measured:
+            opt.step()
+    named = [(n, p.to("meta")) for n, p in model.named_parameters()]
+    planned = planned_step_bytes(named, classify(model), cfg.policy, master, dtype)
+    assert 0.6 * planned <= measured.peak <= planned, (measured.peak, planned)
