@@ -189,9 +189,10 @@ def _eval_offloaded(
     from the checkpoint (or folder), or the store a streamed run trained with (read as it
     is, each load checked against its checksum: its checkpoints hold no experts)."""
     from moestack.cache import evaluate_offloaded, generate_offloaded
-    from moestack.cache.streaming import evaluate_streamed, open_run_store, run_store_checked
+    from moestack.cache.streaming import evaluate_streamed
     from moestack.device import move_resident
     from moestack.meta_load import resident_bytes
+    from moestack.runs import open_run_store, run_store_checked
 
     cache_cfg = _cache_config(args, run.cfg.cache)  # checked by check_offload_config
     streamed = run.cfg.offload_experts != "off"

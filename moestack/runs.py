@@ -8,7 +8,9 @@ newest checkpoint falls back to the newest one that verifies), and ``start_out_d
 run's config once the start's checks passed. ``load_run`` serves ``moestack
 eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation, so that they
 all rebuild a run the same way; it too refuses a run whose transformers source folder changed
-since it trained (``moestack.interop.hf_source``).
+since it trained (``moestack.interop.hf_source``). A run that streamed its experts
+(``offload_experts``) has none in its checkpoints: ``open_run_store`` opens the store it
+trained with, each load checked, refused in one line naming it when gone or altered.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -43,6 +45,9 @@ from moestack.run_paths import (  # noqa: F401  (moestack.trainer's, from here)
     remove_made_folders,
     sigterm_deferred,
 )
+
+if TYPE_CHECKING:
+    from moestack.cache import ExpertStore
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +294,50 @@ def _experts_from_store(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path)
     """A streamed run's frozen experts (offload_experts) read back from its expert store,
     each file checked against its checksum (``open_run_store``)."""
     from moestack.cache.offload import restore_experts
-    from moestack.cache.streaming import open_run_store, run_store_checked
 
     with open_run_store(cfg, run_dir) as store, run_store_checked(cfg, run_dir):
         restore_experts(model, store, "cpu")
     _original_blocks_on_host(model)
+
+
+def open_run_store(cfg: TrainConfig, run_dir: str | Path) -> ExpertStore:
+    """The expert store a streamed run trained with (``store_path``), each load checked
+    against its file's checksum: what evaluation and export read its experts from (its
+    checkpoints hold none). A store that is gone, or fails its checks, is refused in one
+    line naming the run and the folder (``run_store_checked``)."""
+    from moestack.cache import ExpertStore
+    from moestack.cache.streaming import store_path
+
+    path = store_path(cfg, run_dir)
+    if not path.is_dir():
+        raise MoestackError(
+            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"{path}, which is gone; its checkpoints hold no experts: put the store back"
+        )
+    with run_store_checked(cfg, run_dir):
+        return ExpertStore(path, cfg.model.store_shape, verify_loads=True)
+
+
+@contextlib.contextmanager
+def run_store_checked(cfg: TrainConfig, run_dir: str | Path) -> Iterator[None]:
+    """Inside, a check of the streamed run's store that fails (a file missing, of another
+    size, or whose bytes changed, found when it is opened or loaded) is refused in one line
+    naming the run and the store, without the store's own advice to rewrite it: nothing
+    else holds the run's experts."""
+    from moestack.cache.streaming import store_path
+
+    path = store_path(cfg, run_dir)
+    try:
+        yield
+    except MoestackError as err:
+        if str(path) not in str(err):
+            raise
+        reason = str(err).rsplit("; ", 1)[0]  # what failed, not the generic fix
+        raise MoestackError(
+            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
+            f"the expert store {path}, which fails its checks ({reason}); its checkpoints hold "
+            "no experts: put back the store the run trained with"
+        ) from None
 
 
 def _original_blocks_on_host(model: torch.nn.Module) -> None:

@@ -24,7 +24,9 @@ layer's, which the forward recorded exactly.
 Loads from disk are checked against the store's checksums at every load
 (``ExpertStore(verify_loads=True)``): a byte flipped on disk mid-run is refused naming the
 file. ``StreamingState.metrics`` reports the training's own cache traffic (its forward and
-backward passes, not evaluations) per step.
+backward passes, not evaluations) per step. Once trained, the run is read back from its
+store (``moestack.runs.open_run_store``): ``evaluate_streamed`` serves a model whose
+adapters are on its experts as training served it (``moestack eval --offload``).
 """
 
 from __future__ import annotations
@@ -425,41 +427,6 @@ def evaluate_streamed(
         result.update(cache_metrics(cache, time.perf_counter() - start, tokens))
         new = greedy_generate(model, prompt, max_new_tokens, device) if max_new_tokens else []
     return result, new
-
-
-def open_run_store(cfg: TrainConfig, run_dir: str | Path) -> ExpertStore:
-    """The expert store a streamed run trained with (``store_path``), each load checked
-    against its file's checksum: what evaluation and export read its experts from (its
-    checkpoints hold none). A store that is gone, or fails its checks, is refused in one
-    line naming the run and the folder (``run_store_checked``)."""
-    path = store_path(cfg, run_dir)
-    if not path.is_dir():
-        raise MoestackError(
-            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
-            f"{path}, which is gone; its checkpoints hold no experts: put the store back"
-        )
-    with run_store_checked(cfg, run_dir):
-        return ExpertStore(path, cfg.model.store_shape, verify_loads=True)
-
-
-@contextlib.contextmanager
-def run_store_checked(cfg: TrainConfig, run_dir: str | Path) -> Iterator[None]:
-    """Inside, a check of the streamed run's store that fails (a file missing, of another
-    size, or whose bytes changed, found when it is opened or loaded) is refused in one line
-    naming the run and the store, without the store's own advice to rewrite it: nothing
-    else holds the run's experts."""
-    path = store_path(cfg, run_dir)
-    try:
-        yield
-    except MoestackError as err:
-        if str(path) not in str(err):
-            raise
-        reason = str(err).rsplit("; ", 1)[0]  # what failed, not the generic fix
-        raise MoestackError(
-            f"{run_dir} streamed its experts (offload_experts={cfg.offload_experts}) from "
-            f"the expert store {path}, which fails its checks ({reason}); its checkpoints hold "
-            "no experts: put back the store the run trained with"
-        ) from None
 
 
 def experts_digest(layers: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
