@@ -1,6 +1,6 @@
 """The kernels of moestack, one op a file: Triton grouped GEMM and fused MoE experts (gemm,
 moe), the torch grouped matmul's custom ops (grouped_mm), the host optimizer steps in C++
-(host_adamw; built by host_build from the .cpp beside them), torch references.
+(host_adamw, host_tiered; built by host_build from the .cpp beside them), torch references.
 
 Importing this package never needs triton; the kernels import it at their first call and
 raise a clear ImportError where it is missing. Under ``TRITON_INTERPRET=1`` (set before the
