@@ -325,10 +325,10 @@ COUNTER_LEGEND = (
     "cache/prefetch_hits: loads served by the host tier or by a prefetch; cache/bytes_read: "
     "bytes read from the expert store on disk, prefetches included; cache/bytes_to_device: "
     "bytes copied into the device tier (one copy per expert loaded), prefetches included"
-)  # what _cache_metrics' counters count (ExpertCacheStats), one line for `eval --offload`
+)  # what cache_metrics' counters count (ExpertCacheStats), one line for `eval --offload`
 
 
-def _cache_metrics(cache: ExpertCache, seconds: float, tokens: int) -> dict[str, float]:
+def cache_metrics(cache: ExpertCache, seconds: float, tokens: int) -> dict[str, float]:
     """The cache's counters (``COUNTER_LEGEND`` says what each counts) as ``cache/*``
     metrics, with its capacity, misses per token and the evaluation's time and speed."""
     stats = cache.stats.as_dict()
@@ -372,7 +372,7 @@ def evaluate_offloaded(
             start = time.perf_counter()
             result = evaluate(model, list(batches), device)
             seconds = time.perf_counter() - start
-        return {**result, **_cache_metrics(expert_cache, seconds, tokens)}
+        return {**result, **cache_metrics(expert_cache, seconds, tokens)}
     finally:
         if owned:
             expert_cache.close()
@@ -406,7 +406,7 @@ def generate_offloaded(
             start = time.perf_counter()
             new = greedy_generate(model, prompt, max_new_tokens, device)
             seconds = time.perf_counter() - start
-        return {"tokens": new, **_cache_metrics(expert_cache, seconds, len(new))}
+        return {"tokens": new, **cache_metrics(expert_cache, seconds, len(new))}
     finally:
         if owned:
             expert_cache.close()

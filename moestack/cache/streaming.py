@@ -46,8 +46,7 @@ from torch import nn
 from moestack.cache.device_tier import SLOT_ALIGN
 from moestack.cache.expert_cache import CacheConfig, ExpertCache, ExpertCacheStats
 from moestack.cache.host_tier import HostTier
-from moestack.cache.offload import CachedExperts, release_experts
-from moestack.cache.offload import _cache_metrics as cache_metrics
+from moestack.cache.offload import CachedExperts, cache_metrics, release_experts
 from moestack.cache.policies import default_capacity
 from moestack.cache.store import ExpertStore
 from moestack.cache.store_format import INDEX_FILE
