@@ -83,16 +83,12 @@ from typing import Any
 
 import torch
 
-# Read from here by moestack.bench (the table's format and parser): they live in tuned_table.
-from .tuned_table import (  # noqa: F401
+from .tuned_table import (
     ENTRY_SOURCES,
-    READABLE_FORMATS,
-    TABLE_FORMAT,
     KernelConfig,
     TableEntry,
     entry_json,
     lookup_entry,
-    parse_table,
     read_table,
     run_provenance,
 )
