@@ -25,11 +25,9 @@ factor. ``--merge A.json B.json ...`` prints the median (range) of several runs'
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -40,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moestack import distributed, trainer
+from moestack import bench, distributed, trainer
 from moestack.config import TrainConfig
 
 MiB, GiB = 2**20, 2**30
@@ -187,10 +185,6 @@ def _worker(rank: int, world: int, init: str, cfgs: dict, args: Any, out: str) -
 
 
 # --------------------------------------------------------------------------- summary
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarize(measured: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per ep from every rank's per-round records: the step (slowest rank), its ratio
     to ep=1 in the same round, tokens/s, all-to-all share, rows and bytes per rank and step."""
@@ -213,8 +207,8 @@ def summarize(measured: dict[str, Any]) -> list[dict[str, Any]]:
         moved = statistics.mean(per_round(ep, "bytes", statistics.mean))
         share = [a / s for a, s in zip(per_round(ep, "a2a_s"), steps, strict=True)]
         rows.append({
-            "ep": ep, "dp": world // ep, "step_s": _spread(steps),
-            "vs_ep1": _spread([s / b for s, b in zip(steps, base, strict=True)]),
+            "ep": ep, "dp": world // ep, "step_s": bench.spread(steps),
+            "vs_ep1": bench.spread([s / b for s, b in zip(steps, base, strict=True)]),
             "tokens_per_s": world * tokens / statistics.median(steps),
             "a2a_share": statistics.median(share),
             "rows_sent_per_rank": sent, "remote_fraction": sent / rows_total,
@@ -251,7 +245,7 @@ def projection(models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def _fmt(spread: dict[str, float], scale: float = 1.0, digits: int = 0, unit: str = "") -> str:
     """``median (min-max)``, each times ``scale``; ``unit`` after the median."""
     m, lo, hi = (spread[k] * scale for k in ("median", "min", "max"))
-    return f"{m:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
+    return bench.median_range(m, lo, hi, f".{digits}f", unit)
 
 
 def print_measured(name: str, model: dict[str, Any], args: Any) -> None:
@@ -305,7 +299,7 @@ def merge(paths: list[str]) -> dict[str, Any]:
     """Median and range over several runs' JSON of every numeric row field (the vs-ep=1 and
     step columns: of each run's median)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
-    out: dict[str, Any] = {"runs": len(runs), "wall_s": _spread([r["wall_s"] for r in runs])}
+    out: dict[str, Any] = {"runs": len(runs), "wall_s": bench.spread([r["wall_s"] for r in runs])}
     for name in runs[0]["models"]:
         rows = []
         for i, first in enumerate(runs[0]["models"][name]["rows"]):
@@ -315,11 +309,11 @@ def merge(paths: list[str]) -> dict[str, Any]:
                 if key in ("ep", "dp"):
                     continue
                 pick = (lambda r, k=key: r[k]["median"]) if isinstance(value, dict) else (lambda r, k=key: r[k])  # fmt: skip
-                row[key] = _spread([pick(r) for r in per_run])
+                row[key] = bench.spread([pick(r) for r in per_run])
             rows.append(row)
         out[name] = rows
     out["projection"] = [
-        {"case": p["case"]} | {k: _spread([r["projection"][i][k] for r in runs])
+        {"case": p["case"]} | {k: bench.spread([r["projection"][i][k] for r in runs])
                                for k in p if isinstance(p[k], (int, float)) and k != "case"}
         for i, p in enumerate(runs[0]["projection"])
     ]  # fmt: skip
@@ -369,16 +363,12 @@ def configs(args: Any) -> dict[str, dict[int, TrainConfig]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench.parser(__doc__, threads=1, warmup=2, rounds=10, json="")
     parser.add_argument("--models", default="tiny,small", help="configs/model/ names")
     parser.add_argument("--eps", default="1,2,4", help="EP degrees (the first is the baseline)")
     parser.add_argument("--ranks", type=int, default=4, help="processes (the same for every ep)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks")
-    parser.add_argument("--warmup", type=int, default=2, help="rounds not measured")
-    parser.add_argument("--rounds", type=int, default=10, help="measured rounds")
     parser.add_argument("--override", nargs="*", default=[], help="more moestack-train overrides")
-    parser.add_argument("--json", default="", help="write the results here")
     parser.add_argument("--merge", nargs="+", help="print median (range) of these JSON files")
     args = parser.parse_args()
     if args.merge:
@@ -397,7 +387,7 @@ def main() -> None:
     proj = projection(models)
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+        "machine": {"cpus": os.cpu_count(), "cpu": bench.machine(),
                     "torch": torch.__version__, "load_before": load0, "load_after": os.getloadavg()},
         "args": vars(args), "wall_s": time.perf_counter() - start, "models": models,
         "projection": proj, "qwen3_30b_like": QWEN3_30B, "link_gbps": LINK_GBPS,
@@ -410,7 +400,7 @@ def main() -> None:
     print_projection(proj)
     print(f"\nwall time {results['wall_s']:.0f} s; load {load0[0]:.1f} -> {os.getloadavg()[0]:.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        bench.write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

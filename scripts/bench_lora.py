@@ -43,11 +43,8 @@ attention, and the bf16 weights' bytes. Step times are not projected.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -57,6 +54,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moestack import bench
 
 CONTENDERS = ("all", "routers", "lora")
 # --moestack-model's contenders: (name, trainable, lora.base_dtype); lora_bf16base holds the
@@ -134,11 +133,8 @@ def projection(s: Shapes, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"shapes": vars(s), "rank": rank}
     total, _ = full_params(s)
     out["weights_bf16_bytes"] = 2 * total
-    for name, (params, tensors) in {
-        "all": full_params(s),
-        "routers": router_params(s),
-        "lora": lora_params(s, rank),
-    }.items():
+    worked = {"all": full_params(s), "routers": router_params(s), "lora": lora_params(s, rank)}
+    for name, (params, tensors) in worked.items():
         out[name] = {
             "trainable_params": params,
             "trained_tensors": tensors,
@@ -284,9 +280,7 @@ def run_contender(trainable: str, folder: Path, root: Path, args: argparse.Names
         "contender": trainable,
         **optimizer_state(out_dir),
         "model_params": summary["params/total"],
-        "step_s_median": statistics.median(times),
-        "step_s_min": min(times),
-        "step_s_max": max(times),
+        **{f"step_s_{k}": v for k, v in bench.spread(times).items()},
         "timed_steps": len(times),
         "step_s": times,
         "loss_train_first": train_losses[0],
@@ -309,26 +303,12 @@ def interleaved_step_times(folder: Path, root: Path, args: argparse.Namespace) -
     for trainable in CONTENDERS:
         cfg = run_config(folder, root / f"steps_{trainable}", trainable, args).resolve()
         runs[trainable] = build_run(cfg, Path(cfg.out_dir), distributed.DistInfo())
-    times: dict[str, list[float]] = {c: [] for c in runs}
-    for round_ in range(1 + args.rounds):
-        for trainable, run in runs.items():
-            started = time.perf_counter()
-            run.train_step()
-            if round_:
-                times[trainable].append(time.perf_counter() - started)
+    steps = {trainable: run.train_step for trainable, run in runs.items()}
+    times = bench.interleave(steps, args.rounds, warmup=1, rotate=False)
     for trainable, run in runs.items():
         run.writer.close()
         shutil.rmtree(root / f"steps_{trainable}", ignore_errors=True)
     return times
-
-
-def add_interleaved(rows: list[dict], times: dict[str, list[float]]) -> None:
-    for r in rows:
-        steps = times[r["contender"]]
-        r["interleaved_step_s"] = steps
-        r["interleaved_step_s_median"] = statistics.median(steps)
-        r["interleaved_step_s_min"] = min(steps)
-        r["interleaved_step_s_max"] = max(steps)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -363,7 +343,10 @@ def run_repeats(folder: Path, root: Path, args: argparse.Namespace) -> list[list
     for _ in range(args.repeats):
         rows = [run_contender(c, folder, root, args) for c in CONTENDERS]
         if args.rounds:
-            add_interleaved(rows, interleaved_step_times(folder, root, args))
+            times = interleaved_step_times(folder, root, args)
+            for r in rows:
+                steps = r["interleaved_step_s"] = times[r["contender"]]
+                r.update({f"interleaved_step_s_{k}": v for k, v in bench.spread(steps).items()})
         add_ratios(rows)
         repeats.append(rows)
     return repeats
@@ -402,7 +385,7 @@ def combine_repeats(repeats: list[list[dict]]) -> list[dict]:
 def median_range(row: dict, key: str, scale: float = 1.0, fmt: str = ".2f") -> str:
     """``row[key]`` (a median over the repeats) and its range, as "m (lo-hi)"."""
     lo, hi = row[f"{key}_range"]
-    return f"{scale * row[key]:{fmt}} ({scale * lo:{fmt}}-{scale * hi:{fmt}})"
+    return bench.median_range(scale * row[key], scale * lo, scale * hi, fmt)
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
@@ -414,27 +397,27 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     )
     head = ("contender", "params", "x all", "AdamW MiB", "x all", "step ms (range)",
             "x all (range)", "x routers (range)", "loss train", "loss val")  # fmt: skip
-    print("{:<9} {:>11} {:>8} {:>10} {:>8} {:>17} {:>17} {:>17} {:>10} {:>9}".format(*head))
-    for r in rows:
-        print(
-            f"{r['contender']:<9} {r['trainable_params']:>11,} {r['params_vs_all']:>8.4f} "
-            f"{r['adamw_state_bytes'] / 2**20:>10.2f} {r['state_vs_all']:>8.4f} "
-            f"{median_range(r, 'step_s_median', 1e3, '.0f'):>17} "
-            f"{median_range(r, 'step_vs_all'):>17} {median_range(r, 'step_vs_routers'):>17} "
-            f"{r['loss_train_final']:>10.3f} {r['loss_val_final']:>9.3f}"
-        )
+    cells = [
+        (r["contender"], f"{r['trainable_params']:,}", f"{r['params_vs_all']:.4f}",
+         f"{r['adamw_state_bytes'] / 2**20:.2f}", f"{r['state_vs_all']:.4f}",
+         median_range(r, "step_s_median", 1e3, ".0f"), median_range(r, "step_vs_all"),
+         median_range(r, "step_vs_routers"), f"{r['loss_train_final']:.3f}",
+         f"{r['loss_val_final']:.3f}")
+        for r in rows
+    ]  # fmt: skip
+    print(bench.table(head, cells, "<9 >11 >8 >10 >8 >17 >17 >17 >10 >9"))
     if "interleaved_step_s_median" not in rows[0]:
         return
     print(f"\ntrain_step timed interleaved, {args.rounds} rounds after 1 warm-up round, "
           f"median (range) over the {args.repeats} repeat(s):")  # fmt: skip
     head = ("contender", "step ms (range)", "x all", "x routers", "best x all", "best x routers")
-    print("{:<9} {:>17} {:>17} {:>17} {:>17} {:>17}".format(*head))
-    for r in rows:
-        cells = [median_range(r, "interleaved_step_s_median", 1e3, ".0f")] + [
-            median_range(r, f"interleaved_step_{k}")
-            for k in ("vs_all", "vs_routers", "best_vs_all", "best_vs_routers")
-        ]
-        print(f"{r['contender']:<9} " + " ".join(f"{c:>17}" for c in cells))
+    ratios = ("vs_all", "vs_routers", "best_vs_all", "best_vs_routers")
+    cells = [
+        (r["contender"], median_range(r, "interleaved_step_s_median", 1e3, ".0f"),
+         *(median_range(r, f"interleaved_step_{k}") for k in ratios))
+        for r in rows
+    ]  # fmt: skip
+    print(bench.table(head, cells, "<9" + " >17" * 5))
     print("best = each contender's fastest step of a repeat (the one least slowed by other jobs)")
 
 
@@ -452,18 +435,6 @@ def print_projection(p: dict[str, Any]) -> None:
               f"{q['adamw_state_bytes'] / gib:.2f} GiB")  # fmt: skip
 
 
-def machine() -> str:
-    """The CPU model and core count, and the GPU if any (for the record)."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{model}, {os.cpu_count()} cores, {gpu}"
-
-
 def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
     """``--moestack-model NAME``: moestack's own model (configs/model/NAME.yaml, e.g. the 137M
     model on a GPU, issue 34's device targets) fine-tuned by each contender with torch AdamW
@@ -471,48 +442,27 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
     peak device memory (``torch.cuda.max_memory_allocated`` from the run's build to its last
     step); on the CPU the bytes of weights, gradients and AdamW state, counted."""
     from moestack import distributed
-    from moestack.prereg.compose import compose_config
     from moestack.trainer import build_run
 
     cuda = args.device == "cuda"
     rows = []
     for name, trainable, base_dtype in DEVICE_CONTENDERS:
         out = root / f"device_{name}"
-        cfg = compose_config([
-            f"model={args.moestack_model}", f"trainable={trainable}", f"lora.rank={args.rank}",
-            f"lora.base_dtype={base_dtype}",
-            f"lora.alpha={2.0 * args.rank}", "lora.targets=both", "optim=adamw",
-            f"optim.lr={args.lr}", f"device={args.device}", f"batch_size={args.batch_size}",
-            f"data.seq_len={args.seq_len}", f"data.max_bytes={args.max_bytes}", "telemetry=off",
-            f"steps={args.steps}", "eval_every=0", "eval_batches=1", "ckpt_every=0",
-            "progress=false", "wandb_mode=disabled", f"threads={args.threads}", f"out_dir={out}",
-        ]).resolve()  # fmt: skip
+        cfg = device_config(args, trainable, base_dtype, out)
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         run = build_run(cfg, out, distributed.DistInfo())
-        times = []
-        for i in range(args.steps):
-            if cuda:
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            run.train_step()
-            if cuda:
-                torch.cuda.synchronize()
-            if i >= args.warmup:
-                times.append(time.perf_counter() - started)
+        times = bench.times(run.train_step, args.device, args.warmup, args.steps - args.warmup)
         params = list(run.model.parameters())
-        counted = sum(p.numel() * p.element_size() for p in params) + sum(
-            p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
-        )
+        grads = [p.grad for p in params if p.grad is not None]
+        counted = sum(t.numel() * t.element_size() for t in [*params, *grads])
         trained = [p for p in params if p.requires_grad]
         counted += MOMENT_BYTES * sum(p.numel() for p in trained) + ADAMW_STEP_BYTES * len(trained)
         rows.append({
             "contender": name,
             "trainable_params": sum(p.numel() for p in trained),
-            "step_s_median": statistics.median(times),
-            "step_s_min": min(times),
-            "step_s_max": max(times),
+            **{f"step_s_{k}": v for k, v in bench.spread(times).items()},
             "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
             "weights_grads_state_bytes": counted,
         })  # fmt: skip
@@ -526,6 +476,21 @@ def device_rows(root: Path, args: argparse.Namespace) -> list[dict]:
         r["step_x_full"] = r["step_s_median"] / by["all"]["step_s_median"]
         r["step_x_routers"] = r["step_s_median"] / by["routers"]["step_s_median"]
     return rows
+
+
+def device_config(args: argparse.Namespace, trainable: str, base_dtype: str, out: Path) -> Any:
+    """The --moestack-model run of one contender, as moestack-train composes it."""
+    from moestack.prereg.compose import compose_config
+
+    return compose_config([
+        f"model={args.moestack_model}", f"trainable={trainable}", f"lora.rank={args.rank}",
+        f"lora.base_dtype={base_dtype}",
+        f"lora.alpha={2.0 * args.rank}", "lora.targets=both", "optim=adamw",
+        f"optim.lr={args.lr}", f"device={args.device}", f"batch_size={args.batch_size}",
+        f"data.seq_len={args.seq_len}", f"data.max_bytes={args.max_bytes}", "telemetry=off",
+        f"steps={args.steps}", "eval_every=0", "eval_batches=1", "ckpt_every=0",
+        "progress=false", "wandb_mode=disabled", f"threads={args.threads}", f"out_dir={out}",
+    ]).resolve()  # fmt: skip
 
 
 def print_device_rows(rows: list[dict], args: argparse.Namespace) -> None:
@@ -549,31 +514,20 @@ def print_device_rows(rows: list[dict], args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     """The command line, checked."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=4)
+    ap = bench.parser(__doc__, steps=30, warmup=3, rounds=8, repeats=3, threads=2, json="",
+                      device="cpu")  # fmt: skip
+    for flag, default in (("--d-model", 256), ("--layers", 4), ("--experts", 16), ("--top-k", 4),
+                          ("--kv-heads", 2), ("--batch-size", 8), ("--seq-len", 128),
+                          ("--eval-batches", 4)):  # fmt: skip
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--d-ff", type=int, default=128, help="each expert's width")
     ap.add_argument("--heads", type=int, default=4, help="query heads (head_dim = d_model/heads)")
-    ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=2048, help="BPE tokenizer size")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the step times")
-    ap.add_argument("--rounds", type=int, default=8, help="interleaved step timing (0 = none)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="run the three contenders this many times over (median and range); "
-                    "--moestack-model runs them once")  # fmt: skip
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3, help="peak lr of every contender")
     ap.add_argument("--max-bytes", type=int, default=1_000_000, help="corpus cap (bytes)")
     ap.add_argument("--impl", default="torch", help="moe.impl of the fine-tunes")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
-    ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--verbose", action="store_true", help="show the trainer's log")
     ap.add_argument(
         "--moestack-model",
@@ -581,7 +535,6 @@ def parse_args() -> argparse.Namespace:
         help="instead: moestack's own model of this "
         "config group (m137: issue 34's GPU targets), step time and memory only",
     )
-    ap.add_argument("--device", default="cpu", help="with --moestack-model: cpu or cuda")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats={args.repeats} must be >= 1")
@@ -597,7 +550,9 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_lora.", dir=args.dir or None))
     os.environ.setdefault("MOESTACK_DATA_CACHE", str(root / "tokens"))  # no user cache writes
     torch.set_num_threads(args.threads)
-    results: dict[str, Any] = {"torch": torch.__version__, "machine": machine(),
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    machine = f"{bench.cpu_model()}, {os.cpu_count()} cores, {gpu}"  # for the record
+    results: dict[str, Any] = {"torch": torch.__version__, "machine": machine,
                                "date": time.strftime("%Y-%m-%d"), "args": vars(args)}  # fmt: skip
     if args.moestack_model:
         try:
@@ -607,7 +562,7 @@ def main() -> None:
         results.update(rows=rows, mode="moestack-model")
         print_device_rows(rows, args)
         if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+            bench.write_json(args.json, results, device=args.device)
         return
     try:
         folder, shapes = write_folder(root, args)
@@ -636,7 +591,7 @@ def main() -> None:
               f"{'match' if ok else 'DIFFER FROM'} the counted ones {worked[name]}")  # fmt: skip
     print_projection(results["projection"])
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        bench.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,6 @@ import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import platform
 import re
 import shutil
 import tempfile
@@ -61,6 +60,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moestack import bench
 
 GB = 1e9
 EOS, PAD = "<|endoftext|>", "<pad>"
@@ -368,12 +369,11 @@ def summarize(records: list[dict], share: dict[str, float], kind: str) -> dict[s
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench.parser(__doc__, steps=3, json="")
     parser.add_argument("--gb", type=float, default=3.0, help="bf16 weights of the folder, GB")
     parser.add_argument("--d-model", type=int, default=1024, help="the model's width")
     parser.add_argument("--experts", type=int, default=64, help="experts per layer (top-8)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per phase")
     parser.add_argument("--ranks", type=int, default=4, help="processes")
     parser.add_argument("--trainable", default="routers", choices=("routers", "all"))
     parser.add_argument("--folder", default="", help="reuse (or keep) the model folder here")
@@ -396,8 +396,11 @@ def main() -> None:
         help="parallel.host_mmap_threshold_kb of the runs (default: the config's, 128; 0: "
         "glibc's adaptive threshold)",
     )  # fmt: skip
-    parser.add_argument("--json", default="", help="write the results here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     start, load0 = time.perf_counter(), os.getloadavg()
     if args.mmap_threshold:  # read by glibc when each spawned process starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
@@ -412,30 +415,34 @@ def main() -> None:
             print(f"writing a {args.gb:g} GB Qwen3-MoE folder into {folder} ...", flush=True)
             write_folder(folder, shapes)
         disk = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        phases = {
-            "ep4": (4, overrides_for(folder, 4, args, resume=False), "folder_read"),
-            "ep2": (2, overrides_for(folder, 2, args, resume=False), "folder_read"),
-            "resume": (2, overrides_for(folder, 2, args, resume=True), "checkpoint_read"),
-        }
-        results: dict[str, Any] = {}
-        for name, (ep, overrides, kind) in phases.items():
-            records = run_phase(name, overrides, args, tmp, folder)
-            results[name] = {
-                "ep": ep,
-                **summarize(records, ideal(folder, ep, args.trainable), kind),
-            }
+        results = run_phases(folder, args, tmp)
         if not args.folder:
             shutil.rmtree(folder, ignore_errors=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+        "machine": {"cpus": os.cpu_count(), "cpu": bench.machine(),
                     "torch": torch.__version__, "load_before": load0, "load_after": os.getloadavg()},
         "args": vars(args), "shapes": shapes, "folder_gb": disk / GB,
         "wall_s": time.perf_counter() - start, "phases": results,
     }  # fmt: skip
     print_table(report)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        bench.write_json(args.json, report, indent=1)
+
+
+def run_phases(folder: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """ep=4 and ep=2 from the folder, then a resume at ep=2 from ep=2's checkpoint: each
+    phase's processes' records against the ideal share of the folder (or checkpoint)."""
+    phases = {
+        "ep4": (4, overrides_for(folder, 4, args, resume=False), "folder_read"),
+        "ep2": (2, overrides_for(folder, 2, args, resume=False), "folder_read"),
+        "resume": (2, overrides_for(folder, 2, args, resume=True), "checkpoint_read"),
+    }
+    results: dict[str, Any] = {}
+    for name, (ep, overrides, kind) in phases.items():
+        records = run_phase(name, overrides, args, tmp, folder)
+        results[name] = {"ep": ep, **summarize(records, ideal(folder, ep, args.trainable), kind)}
+    return results
 
 
 def print_table(report: dict[str, Any]) -> None:
