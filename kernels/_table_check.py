@@ -1,4 +1,4 @@
-"""The checks of a tuned-config table file (``tuning.table_path()``) before any of its configs
+"""The checks of a tuned-config table file (``tuned_table.table_path()``) before any of its configs
 reaches a launch: the file is read as JSON of the table's structure, and every entry's
 fields are ones the kernels can launch.
 

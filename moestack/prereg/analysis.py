@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from moestack.errors import MoestackError
-from moestack.interop.hf_model import HFModelConfig
 from moestack.prereg.fields import CACHE_STATS, STEERED_STATS
 from moestack.prereg.locking import verify
 from moestack.prereg.parts import Analysis
@@ -130,7 +129,7 @@ def evaluate_run(
 def eval_device(cfg: Any, analysis: Analysis) -> Any:
     """The torch device a run trained with ``cfg`` is evaluated on (``analysis.device``;
     "auto": the run's own)."""
-    from moestack.evaluation import resolve_device
+    from moestack.device import resolve_device
 
     return resolve_device(analysis.device if analysis.device != "auto" else cfg.device)
 
@@ -146,7 +145,7 @@ def test_batches(
     from moestack.runs import run_corpus
 
     corpora = {} if corpora is None else corpora
-    source = cfg.model.path if isinstance(cfg.model, HFModelConfig) else ""  # its tokenizer
+    source = cfg.model.pretrained_path  # its tokenizer's folder ("" for bytes)
     key = repr((cfg.data, source, cfg.model.doc_separator))
     if key not in corpora:  # read as the run's model reads text (a model.path: its tokenizer)
         corpora[key] = run_corpus(cfg)
