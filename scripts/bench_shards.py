@@ -251,11 +251,12 @@ class _Counted:
 
 
 def _count_reads(counts: dict[str, int], hashed: dict[str, int]) -> None:
-    """Wrap ``safe_open`` where moestack's readers call it, and the checkpoint's checksum
-    (every byte of a file it verifies), in this process only."""
+    """Wrap ``safe_open`` where moestack's readers call it (the model folder's meta loader,
+    the checkpoint's reader), and the checkpoint's checksum (every byte of a file it writes
+    or verifies), in this process only."""
     import safetensors
 
-    from moestack import checkpoint, meta_load
+    from moestack import checkpoint, checkpoint_format, checkpoint_load, meta_load
 
     real = safetensors.safe_open
     real_sha256 = checkpoint.sha256_file
@@ -267,9 +268,10 @@ def _count_reads(counts: dict[str, int], hashed: dict[str, int]) -> None:
         hashed[str(path)] = hashed.get(str(path), 0) + Path(path).stat().st_size
         return real_sha256(path)
 
-    checkpoint.sha256_file = counted_sha256
+    checkpoint.sha256_file = counted_sha256  # the files it writes
+    checkpoint_format.sha256_file = counted_sha256  # the files it verifies before a resume
     meta_load.safe_open = counted
-    checkpoint.safe_open = counted
+    checkpoint_load.safe_open = counted  # reading a checkpoint back
 
 
 def _worker(rank: int, world: int, init: str, phase: dict[str, Any], out: str) -> None:
