@@ -297,7 +297,6 @@ def _experts_from_store(model: torch.nn.Module, cfg: TrainConfig, run_dir: Path)
 
     with open_run_store(cfg, run_dir) as store, run_store_checked(cfg, run_dir):
         restore_experts(model, store, "cpu")
-    _original_blocks_on_host(model)
 
 
 def open_run_store(cfg: TrainConfig, run_dir: str | Path) -> ExpertStore:
@@ -338,21 +337,6 @@ def run_store_checked(cfg: TrainConfig, run_dir: str | Path) -> Iterator[None]:
             f"the expert store {path}, which fails its checks ({reason}); its checkpoints hold "
             "no experts: put back the store the run trained with"
         ) from None
-
-
-def _original_blocks_on_host(model: torch.nn.Module) -> None:
-    """A transformers model built with nothing read (``build_for_checkpoint``) keeps its
-    original blocks' router and expert parameters on meta, where ``export_hf`` cannot refill
-    them: each becomes an empty host tensor of its dtype, as a build from the folder leaves
-    them (``release_routed_weights``). moestack's own model has no original blocks."""
-    for patched in getattr(model, "_patched", ()):
-        for module in patched.original.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if param.is_meta:
-                    empty = torch.nn.Parameter(
-                        torch.empty(0, dtype=param.dtype), param.requires_grad
-                    )
-                    setattr(module, name, empty)
 
 
 def prepare_out_dir(

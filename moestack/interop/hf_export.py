@@ -105,11 +105,11 @@ def cast_weights(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 def _refill(block: nn.Module, moe: MoE) -> None:
     """Put ``moe``'s router and expert weights into the original ``block`` (either layout)."""
     w1, w2 = moe.w1.detach(), moe.w2.detach()
-    block.gate.weight.data = moe.router.weight.detach().clone()
+    _put(block.gate, "weight", moe.router.weight.detach().clone())
     experts = block.experts
     if hasattr(experts, "gate_up_proj"):  # transformers 5.x: [E, 2F, D] and [E, D, F]
-        experts.gate_up_proj.data = w1.transpose(1, 2).contiguous()
-        experts.down_proj.data = w2.transpose(1, 2).contiguous()
+        _put(experts, "gate_up_proj", w1.transpose(1, 2).contiguous())
+        _put(experts, "down_proj", w2.transpose(1, 2).contiguous())
         return
     d_ff = w2.shape[1]
     for e, expert in enumerate(experts):  # 4.x: one MLP per expert (Mixtral: w1/w3/w2)
@@ -117,9 +117,20 @@ def _refill(block: nn.Module, moe: MoE) -> None:
             gate, up, down = expert.gate_proj, expert.up_proj, expert.down_proj
         else:
             gate, up, down = expert.w1, expert.w3, expert.w2
-        gate.weight.data = w1[e, :, :d_ff].t().contiguous()
-        up.weight.data = w1[e, :, d_ff:].t().contiguous()
-        down.weight.data = w2[e].t().contiguous()
+        _put(gate, "weight", w1[e, :, :d_ff].t().contiguous())
+        _put(up, "weight", w1[e, :, d_ff:].t().contiguous())
+        _put(down, "weight", w2[e].t().contiguous())
+
+
+def _put(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``value`` as ``module``'s parameter ``name``: a new Parameter where the old one is on
+    meta (a model built with nothing read, as a streamed run's is), whose data cannot be
+    swapped for a host tensor; otherwise its data replaced."""
+    param = getattr(module, name)
+    if param.is_meta:
+        setattr(module, name, nn.Parameter(value, requires_grad=False))
+    else:
+        param.data = value
 
 
 @contextlib.contextmanager
