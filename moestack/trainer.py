@@ -122,6 +122,11 @@ def build_run(cfg: TrainConfig, out_dir: Path | str, dist_info: distributed.Dist
     return trainer
 
 
+# What ``build`` makes, let go of once the run ended (``Trainer._let_go``).
+_BUILT = ("model", "forward_model", "optimizer", "scheduler", "loader", "val_batches", "writer",
+          "streaming", "device")  # fmt: skip
+
+
 class Trainer:
     """One training run (``build``, ``train``, ``train_step``), with its callbacks.
 
@@ -129,7 +134,8 @@ class Trainer:
     process's command line; ``moestack.provenance``); ``callbacks`` are called before the
     run's own (``moestack.callbacks.default_callbacks``) at each point: ``moestack-train``'s
     writes hydra's record at ``begin``. The folder is held while the run trains: a second
-    run into it is refused. ``began`` says whether the start passed its checks."""
+    run into it is refused. ``began`` says whether the start passed its checks. Once
+    ``train`` returns (or fails), what it built is let go, with the process groups."""
 
     def __init__(
         self,
@@ -207,7 +213,16 @@ class Trainer:
             traceback.clear_frames(err.__traceback__)  # the failed run's objects die here
             raise
         finally:
+            self._let_go()
             distributed.shutdown(self.dist)
+
+    def _let_go(self) -> None:
+        """Drop what the run built (its model, optimizer, data, sinks, callbacks), which may
+        hold a process group, before the groups end; the summary and counters stay."""
+        for name in _BUILT:
+            self.__dict__.pop(name, None)
+        self.mesh = self.exchange = None
+        self.callbacks = []
 
     @contextlib.contextmanager
     def _held(self) -> Iterator[provenance.StartRecord]:
