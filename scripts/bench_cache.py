@@ -22,7 +22,6 @@ import random
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,22 +36,20 @@ CPU = torch.device("cpu")
 
 def sequential_read(files: list[Path], chunk: int = 16 << 20) -> float:
     """Seconds to read every file front to back with large reads."""
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    start = time.perf_counter()
-    for file in files:
-        with open(file, "rb", buffering=0) as f:
-            while f.readinto(view):
-                pass
-    return time.perf_counter() - start
+    view = memoryview(bytearray(chunk))
+
+    def read() -> None:
+        for file in files:
+            with open(file, "rb", buffering=0) as f:
+                while f.readinto(view):
+                    pass
+
+    return bench.seconds(read)
 
 
 def expert_read(store: ExpertStore, order: list[tuple[int, int]]) -> float:
     """Seconds to load every expert once, in ``order``."""
-    start = time.perf_counter()
-    for layer, expert in order:
-        store.load(layer, expert)
-    return time.perf_counter() - start
+    return bench.seconds(lambda: [store.load(layer, expert) for layer, expert in order])
 
 
 def bench_io(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:

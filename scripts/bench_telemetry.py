@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -30,12 +29,13 @@ from moestack.telemetry import Telemetry, attach, simulate
 def train_step(model: MoETransformer, opt: torch.optim.Optimizer, batch: int, seq: int) -> float:
     """Seconds of one optimizer step on random tokens."""
     tokens = torch.randint(0, 256, (batch, seq + 1))
-    start = time.perf_counter()
-    out = model(tokens[:, :-1], targets=tokens[:, 1:])
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+
+    def step() -> None:
+        model(tokens[:, :-1], targets=tokens[:, 1:]).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return bench.seconds(step)
 
 
 def hook_seconds(
@@ -50,10 +50,8 @@ def hook_seconds(
     best = float("inf")
     for _ in range(reps):
         tel._call = type(saved)(batch, seq)  # a fresh forward call of the timed shape
-        start = time.perf_counter()
-        for hook, (module, output) in zip(hooks, calls, strict=True):
-            hook(module, (x,), output)
-        best = min(best, time.perf_counter() - start)
+        pairs = zip(hooks, calls, strict=True)
+        best = min(best, bench.seconds(lambda p=pairs: [hook(m, (x,), y) for hook, (m, y) in p]))
     tel._call = saved  # what the timing recorded is dropped
     return best
 
