@@ -5,10 +5,11 @@ A run of the study is ``moestack-train <overrides>``, and hydra builds its confi
 ``router/pin.yaml``, ``telemetry/off.yaml``, ...): the defaults of train.yaml as the study's
 overrides change them. Editing one of those files changes what every run trains, so the study
 hash (``study_sha256``) is the sha256 of the study file's hash together with the hash of each
-of those files, for every arm. The Python defaults in ``moestack/config.py`` are code: the
-lock pins them with the code hash (``code_files``: the sha256 of every source file of the
-installed moestack package, kernels and telemetry included) beside the git commit, and
-``prereg run`` refuses to train with other sources unless the change is put on record.
+of those files, for every arm. The Python defaults of the config classes
+(``moestack/config.py`` and each section's own module, such as ``moestack/optim/config.py``)
+are code: the lock pins them with the code hash (``code_files``: the sha256 of every source
+file of the installed moestack package, kernels and telemetry included) beside the git
+commit, and ``prereg run`` refuses to train with other sources unless the change is put on record.
 """
 
 from __future__ import annotations
