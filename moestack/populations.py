@@ -1,7 +1,8 @@
 """Parameter populations: which parameters of an MoE model share an optimizer-state policy.
 
 (A config module, with the config of the tiered optimizer's populations: it imports no
-optimizer code, so that moestack.config, which telemetry reads, stays free of training code.)
+optimizer code, so that the optimizers (moestack.optim.tiered, moestack.optim.factory), their
+config (moestack.optim.config) and the memory plan read it without an import cycle.)
 
 An MoE's parameters are not alike: most are experts, each of which sees a small share of the
 tokens; a few are routers, whose small weights decide every token's path; the rest is the

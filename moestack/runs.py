@@ -1,16 +1,16 @@
 """A run's folder: preparing it for training, and loading a run back from it.
 
-``check_out_dir`` refuses a folder that cannot hold a run (a file, under a file, read-only)
-before anything is written; ``holding_run_dir`` keeps a second process from training into the
-same folder at once. ``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run
-keeps its config and its transformers source; leftovers of a killed run are removed; a corrupt
-newest checkpoint falls back to the newest one that verifies), and ``start_out_dir`` writes the
-run's config once the start's checks passed. ``load_run`` serves ``moestack
-eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation, so that they
-all rebuild a run the same way; it too refuses a run whose transformers source folder changed
-since it trained (``moestack.interop.hf_source``). A run that streamed its experts
-(``offload_experts``) has none in its checkpoints: ``open_run_store`` opens the store it
-trained with, each load checked, refused in one line naming it when gone or altered.
+``check_out_dir`` (``moestack.run_paths``) refuses a folder that cannot hold a run (a file,
+under a file, read-only) before anything is written; ``holding_run_dir`` keeps a second process
+from training into the same folder at once. ``prepare_out_dir`` checks ``out_dir`` against
+``resume`` (a resumed run keeps its config and its transformers source; leftovers of a killed
+run are removed; a corrupt newest checkpoint falls back to the newest one that verifies), and
+``start_out_dir`` writes the run's config once the start's checks passed. ``load_run`` serves
+``moestack eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation,
+so that they all rebuild a run the same way; it too refuses a run whose transformers source
+folder changed since it trained (``moestack.interop.hf_source``). A run that streamed its
+experts (``offload_experts``) has none in its checkpoints: ``open_run_store`` opens the store
+it trained with, each load checked, refused in one line naming it when gone or altered.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
-    """The optimizer ``cfg`` (a ``moestack.config.OptimConfig``) names, over ``model``.
+    """The optimizer ``cfg`` (a ``moestack.optim.config.OptimConfig``) names, over ``model``.
 
     ``"adamw"`` is ``torch.optim.AdamW`` (fused on the CPU when torch supports it);
     ``"offload_adamw"`` is :class:`OffloadAdamW` with the config's offload settings (under

@@ -9,7 +9,7 @@ CPU (``direct`` mode) or the pinned staging buffer on a GPU machine (``staged`` 
 only ``lo = bits(x) - bits(hi) << 16`` (int16) beside them holds the fp32 master exactly, in
 2 bytes per parameter instead of 4, and the step reads 14 and writes 12 bytes per parameter
 where torch's in-place fp32 step reads 16 and writes 12 (see
-:func:`moestack.optim.fused.split_master` for the one rounding case int16 cannot hold).
+:func:`moestack.kernels.host_adamw.split_master` for the one rounding case int16 cannot hold).
 
 Checkpoints keep the fp32 ``master`` of the ordinary layout: :func:`joined` builds it for a
 save and :func:`load` splits a loaded one, so runs move freely between the two layouts.
