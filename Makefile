@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[dev]"
-	$(BIN)/python scripts/build_host_kernel.py  # the host step's C++ kernel, built once here
+	$(BIN)/python scripts/build_host_kernel.py  # the host kernels' C++ (host_adamw, host_tiered), built once here
 	touch $(STAMP)
 
 run: setup

@@ -16,6 +16,7 @@ import torch
 from . import tuning
 from ._guards import refuse_unlaunchable
 from ._tiles import TileTable, TileTables, tile_table
+from .tuned_table import KernelConfig
 
 _INSTALL_HINT = (
     "moestack.kernels needs triton (Linux, `pip install triton>=3.4`, installed with CUDA "
@@ -131,7 +132,7 @@ def persistent_mm(
     out: torch.Tensor,
     rows: int,
     *,
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
     table: TileTable,
     a_rows: torch.Tensor | None,
     c_rows: torch.Tensor | None,
@@ -159,7 +160,7 @@ def persistent_mm(
 
 
 def classic_mm(
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
     a: torch.Tensor,
     b_EKM: torch.Tensor,
     offsets_E: torch.Tensor,
@@ -281,7 +282,7 @@ def grouped_mm(
     kind = "mm_swiglu" if swiglu else "mm"
     precision = _dot_precision(a.dtype)
 
-    def run(cfg: tuning.KernelConfig, fresh_table: bool = False) -> None:
+    def run(cfg: KernelConfig, fresh_table: bool = False) -> None:
         if cfg.persistent:  # kind "mm" only (tuning refuses it for the others)
             if rows == 0:
                 return
@@ -301,7 +302,7 @@ def grouped_mm(
             scale=scale, swiglu=swiglu, z=z, store_z=z is not None,
         )  # fmt: skip
 
-    def timed(cfg: tuning.KernelConfig) -> None:
+    def timed(cfg: KernelConfig) -> None:
         run(cfg, fresh_table=True)
 
     key = tuning.make_key(kind, E, K, M, a.dtype, flags, rows)
@@ -320,7 +321,7 @@ def mm_dswiglu_fused(
     h_RF: torch.Tensor | None,
     rows: int,
     *,
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
 ) -> None:
     """One launch of the classic grouped GEMM computing G = a @ b[e] tile by tile with the
     SwiGLU backward in its epilogue (``cfg.fused``), then the sum of each row's per-tile
@@ -370,7 +371,7 @@ def grouped_mm_dswiglu(
     if rows == 0:
         return
 
-    def run(cfg: tuning.KernelConfig, dz: torch.Tensor, dscale: torch.Tensor, h) -> None:
+    def run(cfg: KernelConfig, dz: torch.Tensor, dscale: torch.Tensor, h) -> None:
         if cfg.fused:
             mm_dswiglu_fused(a, b_EKM, offsets_E, z_RF2, scale_R, dz, dscale, h, rows, cfg=cfg)
             return
@@ -380,7 +381,7 @@ def grouped_mm_dswiglu(
 
     scratch: list[torch.Tensor] = []
 
-    def timed(cfg: tuning.KernelConfig) -> None:
+    def timed(cfg: KernelConfig) -> None:
         if not scratch:  # allocated at the first candidate, shared by all
             scratch.append(torch.empty_like(dz_RF2))
             scratch.append(torch.empty_like(dscale_R))
@@ -414,7 +415,7 @@ def grouped_wgrad_torch(a_NK: torch.Tensor, b_NM: torch.Tensor, offsets_E: torch
 
 def _wgrad_triton(
     tk: ModuleType,
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
     a: torch.Tensor,
     b: torch.Tensor,
     offsets_E: torch.Tensor,
@@ -482,7 +483,7 @@ def grouped_wgrad(
     flags = f"g{int(a_rows is not None)}{int(b_rows is not None)}"
     precision = _dot_precision(a.dtype)
 
-    def run(cfg: tuning.KernelConfig) -> torch.Tensor:
+    def run(cfg: KernelConfig) -> torch.Tensor:
         if cfg.backend == "torch":
             a_g = a if a_rows is None else gather_rows(a, a_rows)
             b_g = b if b_rows is None else gather_rows(b, b_rows)

@@ -44,6 +44,7 @@ import triton.language as tl
 from . import tuning
 from ._guards import refuse_unlaunchable
 from ._tiles import TileTable, capacity, tile_table
+from .tuned_table import KernelConfig
 
 # Programs of the grid under the interpreter when none are asked for: few, so that each
 # walks several tiles (the interpreter pays per program and per tile alike).
@@ -241,7 +242,7 @@ def _host_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], bloc
     return TensorDescriptor(t, shape, strides, block)
 
 
-def default_config(K: int, N: int, dtype: torch.dtype) -> tuning.KernelConfig:
+def default_config(K: int, N: int, dtype: torch.dtype) -> KernelConfig:
     """The tile when none is given: the interpreter's fixed one, else the first GEMM
     candidate fitted to the problem (``tuning.fit``)."""
     if interpreted():
@@ -291,7 +292,7 @@ def persistent_grouped_mm(
     a_rows: torch.Tensor | None = None,
     c_rows: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
-    cfg: tuning.KernelConfig | None = None,
+    cfg: KernelConfig | None = None,
     num_programs: int | None = None,
     tiles: TileTable | None = None,
     use_tma: bool | None = None,
@@ -337,7 +338,7 @@ def _launch_kernel(
     out: torch.Tensor,
     offsets_E: torch.Tensor,
     tiles: TileTable,
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
     how: _Reads,
     precision: str | None,
     *,
@@ -401,7 +402,7 @@ def _operands(
     b_EKN: torch.Tensor,
     rows: int,
     a_rows: torch.Tensor | None,
-    cfg: tuning.KernelConfig,
+    cfg: KernelConfig,
     use_tma: bool | None,
 ) -> tuple[object, object, _Reads]:
     """The kernel's a and b arguments (host descriptors where they can read the operand,
