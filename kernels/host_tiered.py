@@ -18,7 +18,8 @@ and the rounding noise's unit), every operation in fp32 with no fused multiply-a
 
 Every sum is the halving tree ``tree`` (``x[k] + x[k + ceil(n/2)]`` until one value is left;
 over the columns of each row, the rows of each column, the rows of each unit's row sums), so
-its result depends on the values alone, not on a vector width or a thread count. The rounding
+its result depends on the values alone, not on a vector width or a thread count (on devices
+other than the CPU the torch ops use torch's own sums: :func:`tree_sum`). The rounding
 noise of element ``i`` of a unit is ``mix32(mix32(i) ^ key) >> 16``, ``key`` the unit's
 (:func:`unit_key`: the seed, the parameter's name, the expert's global id, the step). The
 square roots are correctly rounded (torch's through float64, as the host AdamW step's).
@@ -228,9 +229,11 @@ def _check_job(case: int, gen: torch.Generator) -> Job:
 
 
 def tree_sum(x: Tensor, dim: int) -> Tensor:
-    """The halving tree's sum of ``x`` along ``dim`` (host_tiered.cpp: tree)."""
+    """The halving tree's sum of ``x`` along ``dim`` (host_tiered.cpp: tree) on the CPU, where
+    the C++ kernel's bits are to be matched; on another device torch's own sum (one launch,
+    where the tree takes a few per level; not the CPU's bits)."""
     n = x.shape[dim]
-    if n == 0:
+    if n == 0 or x.device.type != "cpu":
         return x.sum(dim)
     while n > 1:
         half, h = n // 2, n - n // 2
@@ -297,7 +300,7 @@ def step_torch(j: Job) -> tuple[float, float]:
     factor = torch.clamp_min(rms / clip, 1.0) if j.coef[8] > 0 else torch.ones_like(rms)
     step = torch.ones_like(factor).div_(factor).mul_(neg_lr)
     w0 = j.master if j.master is not None else j.w.float()
-    w = (w0.view(j.units, -1) * decay).add_(u.view(j.units, -1).mul_(step.unsqueeze(-1)))
+    w = (w0.reshape(j.units, -1) * decay).add_(u.view(j.units, -1).mul_(step.unsqueeze(-1)))
     del u, d, g
     if j.keys is not None:
         round_onto_bf16_grid_(w, noise(j.keys, w.shape[1]))

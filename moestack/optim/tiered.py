@@ -172,14 +172,14 @@ class TieredAdamW(torch.optim.Optimizer):
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
         if group["momentum"] != "none":
-            st["m"] = torch.zeros_like(p, dtype=getattr(torch, group["momentum"]))
+            st["m"] = p.new_zeros(p.shape, dtype=getattr(torch, group["momentum"]))
         if group["second_moment"] == "factored" and p.ndim >= 2:
             st["row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
             st["col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
         else:
-            st["v"] = torch.zeros_like(p, dtype=torch.float32)
+            st["v"] = p.new_zeros(p.shape, dtype=torch.float32)
         if self.master == "float32" and p.dtype != torch.float32:
-            st["master"] = p.detach().float()
+            st["master"] = p.detach().float().contiguous()
 
     def _share_weights(self) -> None:
         """Several ranks: every parameter's weights from the rank that updated them."""
