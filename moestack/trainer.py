@@ -48,7 +48,6 @@ from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
 from moestack.errors import MoestackError
 from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
-from moestack.interop.hf_experts import fill_expert_rows
 from moestack.metrics import (
     MetricsWriter,
     format_summary,
@@ -56,7 +55,7 @@ from moestack.metrics import (
     latest_values,
     read_metrics,
 )
-from moestack.model import ModelConfig, RoutedLM
+from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_training_optimizer
 from moestack.run_folder import RunFolder
@@ -507,14 +506,13 @@ def _build_model(
     exchange counters (None without), and the step to start at."""
     torch.manual_seed(cfg.seed)  # whatever a build draws from the global stream
     on_meta = _builds_on_meta(cfg)
-    hf_resume = not isinstance(cfg.model, ModelConfig) and resume_from is not None
-    hf_resume = hf_resume and cfg.offload_experts == "off"  # streamed: experts from the folder
-    if isinstance(cfg.model, ModelConfig):
-        model = cfg.model.build(seed=cfg.seed, experts_on_meta=on_meta)
-    elif hf_resume:  # every weight comes from the checkpoint: none is read from the folder
-        model = cfg.model.build(experts=False, weights=False)
-    else:  # a transformers folder: on meta, its experts are read once the rank has its own
-        model = cfg.model.build(experts=not on_meta)
+    # a transformers model resumed: every weight comes from the checkpoint, none is read
+    # from the folder (streamed: its experts come from the folder)
+    from_checkpoint = cfg.model.is_transformers and resume_from is not None
+    from_checkpoint = from_checkpoint and cfg.offload_experts == "off"
+    model = cfg.model.build_for_run(
+        seed=cfg.seed, experts_on_meta=on_meta, from_checkpoint=from_checkpoint
+    )
     lora.add_adapters_for(model, cfg.trainable, cfg.lora, cfg.seed)
     if cfg.trainable in lora.LORA_TRAINABLE:  # the adapters' scale alpha / rank, stated
         log.info("%s", cfg.lora.describe())
@@ -527,13 +525,10 @@ def _build_model(
                  cfg.trainable, human_count(trained))  # fmt: skip
     mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
                                               cfg.parallel.ep)  # fmt: skip
-    if on_meta and isinstance(cfg.model, ModelConfig):  # drawn as the whole model's would be
-        model.init_experts(cfg.seed)
-    elif on_meta and resume_from is None:  # this rank's experts' bytes alone
-        fill_expert_rows(model, cfg.model.path)
-    if on_meta:  # their adapters' rows, drawn as the whole build draws them
-        lora.init_expert_adapters(model, cfg.seed)
-    if hf_resume:  # memory for what is still meta (this rank's share), filled below
+    if on_meta:  # this rank's experts (drawn as the whole model's, or read from the folder)
+        cfg.model.fill_experts(model, cfg.seed, resumed=resume_from is not None)
+        lora.init_expert_adapters(model, cfg.seed)  # their adapters' rows, likewise
+    if from_checkpoint:  # memory for what is still meta (this rank's share), filled below
         meta_load.materialize(model)
     # training's draws from the global stream (LoRA's dropout) start from the seed, whatever
     # the build drew (a whole build draws experts a meta one does not)
