@@ -18,7 +18,6 @@ sends them to stderr instead.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,10 @@ def run_dir(out_dir: Any, default: Any) -> str:
 
 def rank_suffix() -> str:
     """Log file suffix of this torchrun rank ("" outside torchrun and on rank 0)."""
-    rank = os.environ.get("RANK", "0")
-    return "" if rank in ("", "0") else f".rank{rank}"
+    from moestack.distributed import launch_info
+
+    rank = launch_info().rank
+    return "" if rank == 0 else f".rank{rank}"
 
 
 def _help(section: str, *, _root_: Any) -> str:

@@ -30,6 +30,7 @@ from typing import Any
 import moestack
 from moestack import atomic
 from moestack.config import TrainConfig
+from moestack.distributed import launch_info
 from moestack.errors import MoestackError
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def _device(cfg: TrainConfig) -> dict[str, Any]:
 
     from moestack.device import resolve_device
 
-    device = resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    device = resolve_device(cfg.device, launch_info().local_rank)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     return {
         "device": str(device),
@@ -203,7 +204,7 @@ def recorded_start(
 ) -> Iterator[StartRecord]:
     """:func:`recorded` with :func:`start_record`, built on rank 0 only (the others write
     nothing, and need not ask git or the GPU)."""
-    record = start_record(cfg, launch) if os.environ.get("RANK", "0") == "0" else None
+    record = start_record(cfg, launch) if launch_info().is_main else None
     with recorded(out_dir, record) as start:
         yield start
 
@@ -214,7 +215,7 @@ def recorded(out_dir: Path, record: dict[str, Any] | None) -> Iterator[StartReco
     when the start begins, and the record then says how the start ended: finished, or failed
     with the error (a killed run stays "running"). A body that ends before ``begin()``, a
     refused start, leaves provenance.json as it was."""
-    start = StartRecord(out_dir, record if os.environ.get("RANK", "0") == "0" else None)
+    start = StartRecord(out_dir, record if launch_info().is_main else None)
     try:
         yield start
     except BaseException as err:  # Ctrl-C included; a kill -9 leaves "running"

@@ -11,13 +11,21 @@ a new lock file included. The one repair made before the checks is a killed save
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from moestack import distributed, locks
 from moestack.config import TrainConfig
 from moestack.errors import MoestackError
-from moestack.runs import FolderInUse, prepare_out_dir
+from moestack.run_paths import check_out_dir
+from moestack.runs import prepare_out_dir
+
+
+class FolderInUse(MoestackError):
+    """``out_dir`` is held by another process that trains into it: nothing in it is this
+    start's (its log lines, .hydra/ record and lock file are the other run's)."""
 
 
 class RunFolder:
@@ -68,3 +76,13 @@ class RunFolder:
                 "for it to end, or pick another out_dir"
             )
         self._fd = fd
+
+
+@contextlib.contextmanager
+def holding_run_dir(out_dir: Path) -> Iterator[None]:
+    """Hold ``out_dir`` (made if missing) as a training process holds its folder, for as long
+    as the block runs: what another process that trains into it, or waits for it, sees."""
+    check_out_dir(out_dir)
+    with RunFolder(out_dir) as folder:
+        folder.create()
+        yield

@@ -8,11 +8,7 @@ checks its command line with it before it imports torch or hydra.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from moestack import locks
@@ -135,51 +131,3 @@ def record_owner(record_dir: Path) -> Path | None:
     if "${" in out_dir:  # interpolated: whose it was cannot be told
         return folder
     return Path(os.path.abspath(os.path.join(cwd, out_dir)))
-
-
-def missing_folders(path: Path) -> tuple[Path, ...]:
-    """The folders ``mkdir(parents=True)`` of ``path`` would make: ``path`` and those above it
-    that do not exist, and with a ``..`` in it the missing ones it passes through (``a`` of
-    ``a/../b/run``), each absolute and normalised as hydra names its run folder
-    (``os.path.abspath``), deepest first; so that a refused start removes what it made and
-    never a folder that was there before."""
-    missing: set[Path] = set()
-    for step in (path.absolute(), *path.absolute().parents):  # '..' kept: the steps mkdir takes
-        folder = Path(os.path.abspath(step))
-        try:
-            if folder.exists() or folder.is_symlink():
-                continue
-        except OSError:  # cannot tell: taken as there, never removed
-            continue
-        missing.add(folder)
-    return tuple(sorted(missing, key=lambda folder: len(folder.parts), reverse=True))
-
-
-def remove_made_folders(folders: Sequence[Path]) -> None:
-    """Remove ``folders`` (a refused start's, ``missing_folders``: deepest first), each only
-    while empty: one that holds something (a sibling another process made meanwhile) stays,
-    and so do the folders above it. One already gone (another rank's) is passed over."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-@contextlib.contextmanager
-def sigterm_deferred() -> Iterator[None]:
-    """Hold off SIGTERM while a refused start puts its folder back: torchrun stops the other
-    ranks (SIGTERM, SIGKILL 30 s later) as soon as one fails, which would cut the put-back
-    short, half done. A SIGTERM that came meanwhile is sent again once the previous handler
-    is back. Only the main thread may set a handler, and only one set from Python can be put
-    back: otherwise nothing is held off."""
-    previous = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or previous is None:
-        yield
-        return
-    received: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if received:
-            signal.raise_signal(signal.SIGTERM)

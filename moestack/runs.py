@@ -1,11 +1,8 @@
 """A run's folder: preparing it for training, and loading a run back from it.
 
-``check_out_dir`` (``moestack.run_paths``) refuses a folder that cannot hold a run (a file,
-under a file, read-only) before anything is written; ``holding_run_dir`` keeps a second process
-from training into the same folder at once. ``prepare_out_dir`` checks ``out_dir`` against
-``resume`` (a resumed run keeps its config and its transformers source; leftovers of a killed
-run are removed; a corrupt newest checkpoint falls back to the newest one that verifies), and
-``start_out_dir`` writes the run's config once the start's checks passed. ``load_run`` serves
+``prepare_out_dir`` checks ``out_dir`` against ``resume`` (a resumed run keeps its config and
+its transformers source; leftovers of a killed run are removed; a corrupt newest checkpoint
+falls back to the newest one that verifies), and ``start_out_dir`` writes the run's config once the start's checks passed. ``load_run`` serves
 ``moestack eval``, ``moestack export``, the pre-registered analysis and offloaded evaluation,
 so that they all rebuild a run the same way; it too refuses a run whose transformers source
 folder changed since it trained (``moestack.interop.hf_source``). A run that streamed its
@@ -19,7 +16,6 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,21 +26,13 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moestack import atomic, checkpoint, distributed, locks, lora
+from moestack import atomic, checkpoint, distributed, lora
 from moestack.config import DataConfig, HFModelConfig, TrainConfig, to_yaml
 from moestack.data import Corpus
 from moestack.device import move_resident, resolve_device
 from moestack.errors import MoestackError
 from moestack.interop.hf_source import check_resume_source, check_run_source, write_source
-from moestack.locks import LOCK_FILE
-from moestack.metrics import write_json  # noqa: F401  (moestack.trainer's, from here)
 from moestack.model import RoutedLM
-from moestack.run_paths import (  # noqa: F401  (moestack.trainer's, from here)
-    check_out_dir,
-    missing_folders,
-    remove_made_folders,
-    sigterm_deferred,
-)
 
 if TYPE_CHECKING:
     from moestack.cache import ExpertStore
@@ -61,41 +49,6 @@ RESUME_MAY_CHANGE = (
     "keep_last", "max_bad_steps", "threads", "device", "wandb_project", "wandb_mode",
     "telemetry.", "cache.", "parallel.",
 )  # fmt: skip
-
-
-@contextlib.contextmanager
-def holding_run_dir(out_dir: Path) -> Iterator[None]:
-    """Hold ``out_dir`` for this process while it trains (an exclusive ``flock`` on its
-    LOCK_FILE, dropped by the system however the process ends): a second run started into
-    the same folder is refused instead of interleaving its files with this one's."""
-    check_out_dir(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        if not locks.lock_exclusive(fd):
-            raise FolderInUse(_busy(out_dir))
-        yield
-    finally:
-        os.close(fd)  # drops the lock
-
-
-def check_run_dir_free(out_dir: Path) -> None:
-    """Refuse now, without holding it, a folder another process trains into (the command
-    line asks before hydra writes its own record into the folder)."""
-    if locks.is_held(out_dir / LOCK_FILE):
-        raise FolderInUse(_busy(out_dir))
-
-
-class FolderInUse(MoestackError):
-    """``out_dir`` is held by another process that trains into it: nothing in it is this
-    start's to undo (its log lines, .hydra/ record and lock file are the other run's)."""
-
-
-def _busy(out_dir: Path) -> str:
-    return (
-        f"out_dir={out_dir} is in use: another process trains into it now; wait for it to end, "
-        "or pick another out_dir"
-    )
 
 
 @dataclass

@@ -54,18 +54,14 @@ from moestack.metrics import (
     human_count,
     latest_values,
     read_metrics,
+    write_json,
 )
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
 from moestack.optim import apply_param_dtype, build_training_optimizer
 from moestack.run_folder import RunFolder
-from moestack.runs import (
-    check_out_dir,
-    check_same_config_on_every_rank,
-    run_corpus,
-    start_out_dir,
-    write_json,
-)
+from moestack.run_paths import check_out_dir
+from moestack.runs import check_same_config_on_every_rank, run_corpus, start_out_dir
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,11 @@ from helpers.runs import small_config
 
 from moestack import atomic, checkpoint
 from moestack.errors import MoestackError
+from moestack.locks import LOCK_FILE
 from moestack.model import MoETransformer
 from moestack.overrides import check_overrides as _check_overrides
-from moestack.run_folder import RunFolder
-from moestack.runs import LOCK_FILE, holding_run_dir, resolve_checkpoint
+from moestack.run_folder import RunFolder, holding_run_dir
+from moestack.runs import resolve_checkpoint
 from moestack.train import _check_record_dir
 from moestack.trainer import train
 
@@ -192,7 +193,7 @@ def test_the_run_folder_is_free_again_after_a_run_is_killed(tmp_path, fault_repo
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from moestack.runs import holding_run_dir\n"
+         "import sys, time; from pathlib import Path; from moestack.run_folder import holding_run_dir\n"
          "with holding_run_dir(Path(sys.argv[1])):\n"
          "    print('held', flush=True); time.sleep(600)", str(run)],
         stdout=subprocess.PIPE, text=True,

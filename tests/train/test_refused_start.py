@@ -157,7 +157,8 @@ def test_a_folder_another_process_holds_is_not_this_starts_to_undo(finished, tmp
     import os
 
     from moestack import locks
-    from moestack.runs import LOCK_FILE, FolderInUse
+    from moestack.locks import LOCK_FILE
+    from moestack.run_folder import FolderInUse
 
     run = copy_of(finished, tmp_path)
     fd = os.open(run / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
