@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from moestack.kernels import host_adamw, host_build
-from moestack.kernels.host_adamw import (  # noqa: F401 (join_master, split_master: split_master.py's, until it imports them from kernels)
+from moestack.kernels.host_adamw import (
     ALL_COMBOS,
     KERNEL_DTYPES,
     SPLIT_COMBOS,
@@ -41,9 +41,7 @@ from moestack.kernels.host_adamw import (  # noqa: F401 (join_master, split_mast
     Kernel,
     Seg,
     coefficients,
-    join_master,
     self_check,
-    split_master,
 )
 from moestack.optim.plan import ParamSpec
 

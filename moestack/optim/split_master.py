@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from moestack.optim.fused import join_master, split_master
+from moestack.kernels.host_adamw import join_master, split_master
 from moestack.optim.plan import ShardPlan, Unit
 from moestack.optim.transfer import HostBuffers
 

@@ -44,9 +44,10 @@ CODE_PACKAGES = ("moestack", "moestack.kernels", "moestack.telemetry")  # instal
 
 
 def code_files() -> dict[str, str]:
-    """Every Python source file of the installed moestack package (``moestack/...``, the
-    kernels and telemetry folders it installs from included) -> its sha256: what a study's
-    runs execute. Found without importing the kernels (no triton needed)."""
+    """Every source file (Python, and the host kernels' C++) of the installed moestack package
+    (``moestack/...``, the kernels and telemetry folders it installs from included) -> its
+    sha256: what a study's runs execute. Found without importing the kernels (no triton
+    needed)."""
     files: dict[str, str] = {}
     for package in CODE_PACKAGES:
         spec = importlib.util.find_spec(package)
@@ -54,7 +55,7 @@ def code_files() -> dict[str, str]:
             continue
         root = Path(next(iter(spec.submodule_search_locations)))
         prefix = package.replace(".", "/")
-        for file in sorted(root.rglob("*.py")):
+        for file in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp")):
             rel = file.relative_to(root)
             if "__pycache__" in rel.parts or (
                 package == "moestack" and rel.parts[0] in ("kernels", "telemetry")

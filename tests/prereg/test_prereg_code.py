@@ -26,10 +26,11 @@ INSTALLED = {
 
 def files_code_sha256() -> str:
     """The code hash worked out here from the checkout's files: sha256 of the canonical JSON
-    of {installed path: sha256} over every .py file of moestack/, kernels/ and telemetry/."""
+    of {installed path: sha256} over every .py and .cpp file of moestack/, kernels/ and
+    telemetry/ (the host kernels' C++ is code the runs execute)."""
     files = {}
     for top, prefix in INSTALLED.items():
-        for file in (REPO / top).rglob("*.py"):
+        for file in (p for p in (REPO / top).rglob("*") if p.suffix in (".py", ".cpp")):
             rel = file.relative_to(REPO / top)
             if "__pycache__" in rel.parts or (top == "moestack" and rel.parts[0] in INSTALLED):
                 continue
