@@ -159,20 +159,15 @@ def _backward_kernels(
     E, _, F2 = w1_EDF2.shape
     R, F = T * top_k, F2 // 2
     dev, dt = x_TD.device, x_TD.dtype
-    dx_TD, dw1, dw2, dweights_TK = (x_TD.new_empty((0,)) for _ in range(4))
     if R == 0:
-        dx_TD = x_TD.new_zeros((T, D)) if need_x else dx_TD
-        dw1 = w1_EDF2.new_zeros(w1_EDF2.shape) if need_w1 else dw1
-        dw2 = w2_EFD.new_zeros(w2_EFD.shape) if need_w2 else dw2
-        dweights_TK = x_TD.new_zeros((T, top_k), dtype=torch.float32) if need_w else dweights_TK
-        return dx_TD, dw1, dw2, dweights_TK
+        return _no_rows_grads(x_TD, w1_EDF2, w2_EFD, top_k, needs)
+    dx_TD, dw1, dw2, dweights_TK = (x_TD.new_empty((0,)) for _ in range(4))
     dy_TD = dy_TD.to(dt)
 
-    # dy's rows in expert order, gathered once: G and dW2 read them as contiguous tiles.
-    # G = dy[tok] @ W2[e]^T (unweighted) and the SwiGLU backward of it: dz, the
-    # router-weight gradient and weight * h (what dW2 needs), by G's GEMM and an elementwise
-    # pass (G in weight * h's buffer) or, where tuned so, by one GEMM with it in its epilogue.
-    # G and dx share one tile table per tile height, should their configs be persistent.
+    # dy's rows in expert order, gathered once (G and dW2 read them as contiguous tiles).
+    # G = dy[tok] @ W2[e]^T and its SwiGLU backward (dz, the router-weight gradient, weight *
+    # h for dW2): G's GEMM then an elementwise pass, or (tuned so) one GEMM with it in its
+    # epilogue. G and dx share one tile table per tile height (persistent configs).
     tiles = TileTables(offsets_E, R)
     dys_RD = _launch.gather_rows(dy_TD, token_R)
     dweight_R = _launch.new_empty((R,), torch.float32, dev)
@@ -202,6 +197,21 @@ def _backward_kernels(
         dw1 = _launch.grouped_wgrad(xs_RD, dz_RF2, offsets_E)
         del xs_RD
     return dx_TD, dw1, dw2, dweights_TK
+
+
+def _no_rows_grads(
+    x_TD: torch.Tensor, w1_EDF2: torch.Tensor, w2_EFD: torch.Tensor, top_k: int, needs: list[bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of a call with no token: zero gradients where wanted, empty [0] ones
+    elsewhere (no kernel is launched)."""
+    need_x, need_w1, need_w2, need_w = needs
+    empty = x_TD.new_empty((0,))
+    return (
+        x_TD.new_zeros(x_TD.shape) if need_x else empty,
+        w1_EDF2.new_zeros(w1_EDF2.shape) if need_w1 else empty,
+        w2_EFD.new_zeros(w2_EFD.shape) if need_w2 else empty,
+        x_TD.new_zeros((x_TD.shape[0], top_k), dtype=torch.float32) if need_w else empty,
+    )
 
 
 def _backward_fake(
