@@ -182,50 +182,20 @@ class Telemetry(Callback):
 
     def close(self, trainer: Any) -> None:
         if self.telemetry is not None:
-            from moestack.runs import write_json
+            from moestack.metrics import write_json
 
             self.telemetry.close()
             write_json(trainer.out_dir / "telemetry_summary.json", self.telemetry.summary())
 
 
 def attach_telemetry(cfg: TrainConfig, model: RoutedLM, out_dir: Path, start_step: int) -> Any:
-    """Hook the routers (rank 0 only); the trace streams to <run>/trace/from-<step>, its meta
-    saying where it starts and how many rows a step records. A resumed run first replays its
-    earlier parts, cut at this step, into the live caches, so that interval metrics and
-    telemetry_summary.json cover the whole run (moestack.telemetry.run_trace)."""
-    if not cfg.telemetry.enabled:
-        return None
-    from moestack.telemetry import attach, run_trace
-
-    trace_root = Path(cfg.telemetry.trace_dir) if cfg.telemetry.trace_dir else out_dir / "trace"
-    for stale in run_trace.find_parts(trace_root):
-        if (run_trace.part_step(stale) or 0) >= start_step:  # this start records those steps anew
-            if run_trace.part_step(stale) != start_step:
-                log.warning("%s: a later start this run abandons; removed", stale)
-            shutil.rmtree(stale)
-    part = trace_root / run_trace.part_name(start_step)
-    if part.exists():  # left by an attempt that crashed after this checkpoint: recorded anew
-        shutil.rmtree(part)
+    """Hook the routers (rank 0 only) as ``cfg.telemetry`` says (``TelemetryConfig.build``:
+    the trace streams to <run>/trace/from-<step>; a resumed run first replays its earlier
+    parts), a step recording rank 0's rows."""
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     per_step = cfg.batch_size // world * cfg.grad_accum * cfg.data.seq_len  # rank 0's rows
-    telemetry = attach(
-        model,
-        policies=cfg.telemetry.policies,
-        capacities=cfg.telemetry.capacities,
-        trace_dir=str(part),
-        max_memory_tokens=0,
-        meta={run_trace.META_START_STEP: start_step, run_trace.META_TOKENS_PER_STEP: per_step},
-    )
-    try:
-        history = run_trace.load_history(trace_root, start_step)
-    except ValueError as err:  # a damaged earlier part must not stop the run from resuming
-        log.warning("telemetry: the earlier trace cannot be replayed (%s); "
-                    "telemetry_summary.json covers this start only", err)  # fmt: skip
-        history = None
-    if history is not None:
-        telemetry.replay_history(history, interval_tokens=cfg.log_every * per_step)
-    return telemetry
+    return cfg.telemetry.build(model, out_dir, start_step, per_step, cfg.log_every * per_step)
 
 
 # --------------------------------------------------------------------------- checkpoints

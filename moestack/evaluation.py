@@ -12,9 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-# resolve_device: trainer, provenance and prereg.analysis import it from here until they
-# import it from moestack.device
-from moestack.device import autocast_context, resolve_device  # noqa: F401
+from moestack.device import autocast_context
 from moestack.errors import MoestackError
 
 if TYPE_CHECKING:

@@ -42,12 +42,18 @@ from moestack import (
     parallel,
     provenance,
 )
-from moestack.cache.streaming import attach_streaming, experts_left_out
+from moestack.cache.streaming import (
+    attach_streaming,
+    expert_source,
+    experts_left_out,
+    materialize_expert_adapters,
+)
 from moestack.callbacks import Callback, default_callbacks, restore
 from moestack.config import TrainConfig
 from moestack.data import BatchLoader, eval_batches
+from moestack.device import autocast_context, move_resident, resolve_device
 from moestack.errors import MoestackError
-from moestack.evaluation import autocast_context, evaluate, perplexity, resolve_device
+from moestack.evaluation import evaluate, perplexity
 from moestack.metrics import (
     MetricsWriter,
     format_summary,
@@ -58,7 +64,7 @@ from moestack.metrics import (
 )
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
-from moestack.optim import apply_param_dtype, build_training_optimizer
+from moestack.optim import apply_param_dtype, build_training_optimizer, param_cast
 from moestack.run_folder import RunFolder
 from moestack.run_paths import check_out_dir
 from moestack.runs import check_same_config_on_every_rank, run_corpus, start_out_dir
@@ -488,9 +494,10 @@ def _unwritable(err: OSError, out_dir: Path) -> BaseException:
 # --------------------------------------------------------------------------- the model
 def _builds_on_meta(cfg: TrainConfig) -> bool:
     """Whether this rank builds its model's experts (and any LoRA adapters on them) on the
-    meta device and materialises its own only (the backbone is every rank's): any model
-    under expert parallelism."""
-    return cfg.parallel.ep > 1
+    meta device: under expert parallelism it materialises its own only (the backbone is
+    every rank's); a run that streams its frozen experts never holds them (they go to its
+    store one layer at a time, ``streaming.expert_source``), only their adapters."""
+    return cfg.parallel.ep > 1 or cfg.offload_experts != "off"
 
 
 def _build_model(
@@ -519,9 +526,10 @@ def _build_model(
         trained = model.set_trainable(cfg.trainable)
         log.info("trainable=%s: %s parameters train, the rest is frozen",
                  cfg.trainable, human_count(trained))  # fmt: skip
-    mesh, exchange = parallel.expert_parallel(model, dist_info.world_size, dist_info.rank,
-                                              cfg.parallel.ep)  # fmt: skip
-    if on_meta:  # this rank's experts (drawn as the whole model's, or read from the folder)
+    mesh, exchange = cfg.parallel.build(model, dist_info.world_size, dist_info.rank)
+    if cfg.offload_experts != "off":  # experts left on meta: their adapters drawn alone
+        materialize_expert_adapters(model, cfg.seed)
+    elif on_meta:  # this rank's experts (drawn as the whole model's, or read from the folder)
         cfg.model.fill_experts(model, cfg.seed, resumed=resume_from is not None)
         lora.init_expert_adapters(model, cfg.seed)  # their adapters' rows, likewise
     if from_checkpoint:  # memory for what is still meta (this rank's share), filled below
@@ -539,11 +547,12 @@ def _build_model(
 def _to_device(model: RoutedLM, cfg: TrainConfig, device: torch.device, out_dir: Path) -> Any:
     """The model on ``device`` in the optimizer's parameter dtype, its frozen experts
     streamed where ``offload_experts`` asks (the StreamingState; None when off)."""
-    model.to(device)
+    move_resident(model, device)  # a streamed run's experts stay meta
     param_dtype = apply_param_dtype(model, cfg.optim, device)
     if param_dtype != torch.float32:
         log.info("model weights and gradients on %s in %s", device, param_dtype)
-    return attach_streaming(model, cfg, out_dir)
+    layers = expert_source(model, cfg, param_cast(cfg.optim, device))
+    return attach_streaming(model, cfg, out_dir, layers=layers)
 
 
 def _metrics_writer(

@@ -28,9 +28,9 @@ from moestack.cache import ExpertCache, offloaded
 from moestack.cache.device_tier import flat_view
 from moestack.cache.host_tier import HostTier
 from moestack.cache.serve_report import Measure, phase_figures
+from moestack.device import move_resident
 from moestack.interop.hf import moe_from_hf
 from moestack.interop.hf_model import HFMoEModel, load_hf_moe
-from moestack.runs import move_resident
 
 MIN_DECODE = 4  # timed decode steps of a window, whatever --row-seconds says
 

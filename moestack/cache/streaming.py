@@ -445,10 +445,13 @@ def resident_layers(moes: list[MoE]) -> Iterator[tuple[torch.Tensor, torch.Tenso
     return ((moe.w1.detach(), moe.w2.detach()) for moe in moes)
 
 
-def drawn_expert_layers(model: nn.Module, seed: int) -> LayerSource:
+def drawn_expert_layers(
+    model: nn.Module, seed: int, dtype: torch.dtype | None = None
+) -> LayerSource:
     """For moestack's own model built with ``experts_on_meta=True``: a function giving each
     layer's ``(w1, w2)`` as the whole build draws them from ``seed``
-    (``MoETransformer.init_weights``), in the meta tensors' dtype, one layer at a time."""
+    (``MoETransformer.init_weights``), in ``dtype`` (default: the meta tensors'), one layer
+    at a time."""
     std = model.cfg.init_std
 
     def layers() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -458,10 +461,34 @@ def drawn_expert_layers(model: nn.Module, seed: int) -> LayerSource:
             moe.w2 = nn.Parameter(torch.empty(meta[1].shape), requires_grad=False)
             try:
                 moe.init_experts(seed, f"layers.{i}.moe", std)
-                drawn = moe.w1.detach().to(meta[0].dtype), moe.w2.detach().to(meta[1].dtype)
+                drawn = (
+                    moe.w1.detach().to(dtype or meta[0].dtype),
+                    moe.w2.detach().to(dtype or meta[1].dtype),
+                )
             finally:
                 moe.w1, moe.w2 = meta
             yield drawn
+
+    return layers
+
+
+def expert_source(
+    model: nn.Module, cfg: TrainConfig, cast: Callable[[torch.Tensor], torch.Tensor] | None
+) -> LayerSource:
+    """The experts of a model built with them on meta (a streamed run's), one layer at a time
+    as the resident run holds them: moestack's own drawn from the run's seed, a transformers
+    folder's read from it; each passed through ``cast`` (the parameters' dtype rule,
+    ``moestack.optim.param_cast``; None: kept in fp32), so the store holds the resident
+    run's experts bit for bit."""
+    from moestack.interop.hf_experts import iter_hf_expert_layers
+
+    def layers() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if cfg.model.is_transformers:
+            raw = iter_hf_expert_layers(cfg.model.pretrained_path, torch.float32)
+        else:
+            raw = drawn_expert_layers(model, cfg.seed, torch.float32)()
+        for w1, w2 in raw:
+            yield (w1, w2) if cast is None else (cast(w1), cast(w2))
 
     return layers
 

@@ -7,6 +7,7 @@ from moestack.optim.factory import (
     build_optimizer,
     build_training_optimizer,
     device_param_dtype,
+    param_cast,
     param_groups,
 )
 from moestack.optim.offload import OffloadAdamW
@@ -19,5 +20,6 @@ __all__ = [
     "build_training_optimizer",
     "clip_grad_norm",
     "device_param_dtype",
+    "param_cast",
     "param_groups",
 ]

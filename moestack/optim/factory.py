@@ -194,9 +194,19 @@ def apply_param_dtype(model: torch.nn.Module, cfg: Any, device: torch.device) ->
     master copy in fp32 storage (``param_dtype=float32``) starts from weights rounded to bf16:
     the weights it keeps have bf16 precision (on the bf16 grid), computed in fp32.
     """
+    cast = param_cast(cfg, device)
+    if cast is not None:
+        for p in model.parameters():  # meta ones (experts never read) take the dtype alone
+            p.data = cast(p.data)
+    return device_param_dtype(cfg, device)
+
+
+def param_cast(cfg: Any, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What :func:`apply_param_dtype` does to each weight (None: nothing): also applied to
+    the experts a streamed run writes to its store without ever holding them all."""
     dtype = device_param_dtype(cfg, device)
     on_bf16_grid = cfg.name == "tiered" and cfg.master == "none" and dtype == torch.float32
-    if dtype != torch.float32 or on_bf16_grid:
-        for p in model.parameters():  # optim=tiered without a master: bf16 precision only
-            p.data = p.data.to(torch.bfloat16 if on_bf16_grid else dtype).to(dtype)
-    return dtype
+    if dtype == torch.float32 and not on_bf16_grid:
+        return None
+    narrow = torch.bfloat16 if on_bf16_grid else dtype
+    return lambda t: t.to(narrow).to(dtype)

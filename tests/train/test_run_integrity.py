@@ -10,9 +10,8 @@ from helpers.runs import killed_at, losses, small_config
 from moestack import checkpoint
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.errors import MoestackError
-from moestack.metrics import read_metrics
+from moestack.metrics import read_metrics, write_json
 from moestack.model import MoETransformer
-from moestack.runs import write_json
 from moestack.trainer import train
 
 
