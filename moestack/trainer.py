@@ -64,7 +64,7 @@ from moestack.metrics import (
 )
 from moestack.model import RoutedLM
 from moestack.moe import check_impl
-from moestack.optim import apply_param_dtype, build_training_optimizer, param_cast
+from moestack.optim import apply_param_dtype, param_cast
 from moestack.run_folder import RunFolder
 from moestack.run_paths import check_out_dir
 from moestack.runs import check_same_config_on_every_rank, run_corpus, start_out_dir
@@ -290,8 +290,7 @@ class Trainer:
         )
         self.begin()  # the start is not refused: from here on it writes the run's files
         self.streaming = _to_device(self.model, cfg, device, self.out_dir)
-        self.optimizer = build_training_optimizer(self.model, cfg.optim, dist_info.world_size,
-                                                  self.mesh)  # fmt: skip
+        self.optimizer = cfg.optim.build(self.model, dist_info.world_size, self.mesh)
         self.forward_model = self.optimizer.forward_model  # the model, or its DDP wrapper
         self.scheduler = _lr_scheduler(self.optimizer, cfg)
         self.loader = BatchLoader(corpus.train, cfg.batch_size, cfg.data.seq_len, cfg.seed)
