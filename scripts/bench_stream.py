@@ -23,7 +23,7 @@ step (the median of the steps after the first) and tokens/s; the losses; the cac
 ``cache/*`` per step. The losses of every mode should be the resident run's, bit for bit on
 the CPU (tests/cache/test_streaming.py); the JSON says whether they are.
 
-    python scripts/bench_stream.py [--experts-mb 256] [--steps 5] [--capacity 8] [--prefetch]
+    python scripts/bench_stream.py [--experts-mb 256] [--steps 5] [--capacity 8] [--prefetch] [--device cuda]
         [--modes resident,disk] [--mmap-threshold-kb 128] [--store-dir DIR] [--json out.json]
 
 ``--mmap-threshold-kb 128`` gives every allocation of 128 KiB and more a mapping of its own,
@@ -31,6 +31,10 @@ returned to the system when freed (``moestack.host_allocator``, as expert-parall
 glibc's adaptive default keeps the freed expert buffers of a streamed step in its heap
 (a smoke run, 4 layers of 48 MiB of experts each, capacity 4 of 32: 239 MiB peak above the
 start without, 187 MiB with; the resident run 307 MiB).
+
+``--device cuda``: the model and the cache's slots on the GPU, the experts in pinned host
+memory (``host``) or on disk (``disk``), the resident run's on the GPU; each row then adds
+``device_peak_bytes`` (``torch.cuda.max_memory_allocated`` over the timed steps).
 
 Keep runs short on a shared machine: the default sizes take about a minute per mode on two
 cores.
@@ -104,6 +108,7 @@ def build(mode: str, args: argparse.Namespace, store_root: Path) -> tuple[Any, A
         materialize_expert_adapters,
     )
     from moestack.config import CacheConfig, DataConfig, OptimConfig, TrainConfig
+    from moestack.device import move_resident
     from moestack.lora import LoRAConfig, add_adapters_for
 
     cfg = TrainConfig(
@@ -120,6 +125,7 @@ def build(mode: str, args: argparse.Namespace, store_root: Path) -> tuple[Any, A
     if mode == "disk":
         materialize_expert_adapters(model, cfg.seed)
         layers = drawn_expert_layers(model, cfg.seed)
+    move_resident(model, args.device)  # on a GPU: the cache's slots there, the experts not
     state = attach_streaming(model, cfg, store_root / mode, layers=layers)
     return model, cfg, state
 
@@ -143,7 +149,7 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
     build_s = time.perf_counter() - start
     optimizer = build_training_optimizer(model, cfg.optim)
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)
+    tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(args.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     held: list[Any] = []
 
@@ -154,7 +160,10 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
         optimizer.zero_grad(set_to_none=True)
         held.append(loss.detach())
 
-    times = bench.times(step, repeats=args.steps)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = bench.times(step, repeats=args.steps, device=args.device)
     losses = [loss.item() for loss in held]
     peak_anon = sampler.stop()
     step_s = statistics.median(times[1:] or times)
@@ -165,6 +174,7 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
         "experts_bytes": experts_bytes * cfg.model.n_layers,
         "peak_anon_bytes": (peak_anon - base_anon) * 1024,
         "vm_hwm_bytes": status_kb("VmHWM") * 1024,
+        "device_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "build_s": build_s,
         "step_s": step_s,
         "tokens_per_s": args.batch * args.seq / step_s,
@@ -183,7 +193,7 @@ def _child(mode: str, args: argparse.Namespace, store_root: str, queue: Any) -> 
 def main() -> None:
     from moestack import bench  # lazily, as torch: the children import this file
 
-    p = bench.parser(__doc__, steps=5, threads=2, json=None)
+    p = bench.parser(__doc__, steps=5, threads=2, json=None, device="cpu")
     p.add_argument("--experts-mb", type=float, default=256.0)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--top-k", type=int, default=4)

@@ -55,6 +55,7 @@ PLAN=(
     "more_tests|60|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
     "bench_lora|60|bench_lora.json|optional|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16 (fp32 and bf16 frozen base): peak memory, step time"
     "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
+    "bench_stream|60|bench_stream.json|optional|issue 56: two Qwen3-30B-A3B-like MoE layers (128 experts of width 768 at d_model 2048, top-8) LoRA-tuned with the experts resident, in pinned host memory, or on disk, through a cache of 16 slots a layer: device memory (max_memory_allocated) and step time (an estimate: not run on a GPU yet)"
 )
 
 field() { # field ENTRY INDEX: one |-separated field of a plan entry (0-based)
@@ -282,6 +283,11 @@ phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim
 # past --budget-s (the first cache row always runs). The JSON is written after every row
 # and an interrupt still prints the table, so it ends inside its cap with what it measured.
 phase bench_serve "$PY" scripts/bench_serve.py --budget-s 55 --json "$OUT/bench_serve.json"
+# Issue 56: frozen experts streamed through the expert cache in training, each mode in a fresh
+# process (the JSON's rows: device_peak_bytes, step_s, the cache's traffic per step).
+phase bench_stream "$PY" scripts/bench_stream.py --device cuda --experts-mb 4800 --experts 128 \
+    --d-model 2048 --d-ff 768 --top-k 8 --capacity 16 --batch 4 --seq 512 --steps 5 \
+    --modes resident,host,disk --json "$OUT/bench_stream.json"
 # End-to-end training of the 137M model (bf16 autocast, triton experts, the table's configs):
 # the training CLI needs hydra-core, omegaconf and antlr4 carried as wheels (docs/kernels.md).
 if "$PY" -c "import hydra" 2>/dev/null; then
@@ -353,6 +359,10 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         echo "--- bench_serve (serving from the expert cache: tokens/s, memory, bytes, hit rate)"
         sed -n '/^===== bench_serve/,/^=====/p' "$LOG" |
             grep -E "^(bench_serve: |setup: |\| |serve (target|check): )" | head -50
+    fi
+    if ran bench_stream; then
+        echo "--- bench_stream (training with streamed experts: a JSON row per mode)"
+        sed -n '/^===== bench_stream/,/^=====/p' "$LOG" | grep -E '^\{"mode"' | head -6
     fi
     if ran bench_memory; then
         echo "--- bench_memory (m137 per checkpointing mode and compiled: MiB, step s)"
