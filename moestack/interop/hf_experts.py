@@ -205,10 +205,12 @@ def iter_hf_experts(
             f"config.json implies {want}; the weights do not match the config"
         )
     num_experts, d_ff = info["moe"]["num_experts"], info["moe"]["d_ff"]
-    with contextlib.ExitStack() as stack:
-        reader = TensorReader(keys, stack)
-        for layer, decoder_layer in enumerate(want):
-            plan = _layer_plan(layers[decoder_layer], num_experts, decoder_layer, folder)
+    for layer, decoder_layer in enumerate(want):
+        plan = _layer_plan(layers[decoder_layer], num_experts, decoder_layer, folder)
+        # the files opened (memory-mapped) for one layer, closed before the next: a mapping
+        # keeps the pages read through it resident, which would add up to the whole folder
+        with contextlib.ExitStack() as stack:
+            reader = TensorReader(keys, stack)
             for e in range(num_experts) if experts is None else experts:
                 tensors = _read_expert(reader, plan, e)
                 where = f"{folder}: layer {decoder_layer} expert {e}"

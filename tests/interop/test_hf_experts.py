@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,30 @@ def test_sharded_checkpoint(tmp_path):
     path = tiny_hf_model_dir(tmp_path, "mixtral", max_shard_size="20KB")
     assert (path / "model.safetensors.index.json").is_file()
     assert _check_equal(path, load_hf_moe(path, impl="torch")) == 12
+
+
+def test_a_layer_s_files_are_unmapped_before_the_next_layer(tmp_path):
+    """Each safetensors file read through a memory map keeps the pages it read resident
+    while mapped: at each expert only the files holding its own layer's tensors are mapped
+    (read from /proc/self/maps), so reading every layer never maps the whole folder."""
+    path = tiny_hf_model_dir(tmp_path, "mixtral", max_shard_size="20KB")
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    files_of = {}
+    for key, file in weight_map.items():
+        if ".experts." in key or ".block_sparse_moe.experts." in key:
+            files_of.setdefault(int(key.split(".layers.")[1].split(".")[0]), set()).add(file)
+    assert len(set().union(*files_of.values())) > len(files_of[0])  # layers in several files
+
+    def mapped() -> set[str]:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+        return {Path(line.split()[-1]).name for line in lines if str(path) in line}
+
+    seen = set()
+    for layer, _, _ in iter_hf_experts(path):
+        now = mapped()
+        assert now <= files_of[layer], (layer, now - files_of[layer])
+        seen |= now
+    assert seen  # the check looked at real mappings
 
 
 def test_fused_layout(hf_dir, tmp_path):
