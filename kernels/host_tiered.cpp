@@ -101,7 +101,7 @@ inline Tensor describe(const int64_t* f, const float* c) {
   t.mk = int((k >> 4) & 3);
   t.factored = int((k >> 6) & 1);
   t.stochastic = int((k >> 7) & 1);
-  t.per_unit_mats = t.lead / t.units;
+  t.per_unit_mats = t.units > 0 ? t.lead / t.units : 0;  // units < 1 refused by the caller
   t.unit_rows = t.per_unit_mats * t.rows;
   return t;
 }

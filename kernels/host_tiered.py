@@ -141,16 +141,27 @@ def _fields(j: Job) -> list[int]:
 
 def takes(j: Job) -> bool:
     """Whether the C++ kernel takes ``j``: CPU, contiguous, fp32 or bf16, a unit of whole
-    matrices."""
-    tensors = [t for t in (j.w, j.g, j.m, j.v, j.row, j.col, j.master) if t is not None]
+    matrices, and every state tensor of the size and dtype the kernel reads and writes
+    through its pointer (a state restored from elsewhere that does not fit goes to the
+    torch ops, which refuse it by name)."""
+    n = j.lead * j.rows * j.cols
+    fp32 = {"v": n, "row": j.lead * j.rows, "col": j.lead * j.cols, "master": n}
+    tensors = [t for t in (j.w, j.g, j.m, j.v, j.row, j.col, j.master, j.keys) if t is not None]
     return (
         all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        and j.units >= 1
+        and j.lead % j.units == 0
+        and j.w.numel() == n > 0
         and j.w.dtype in _KINDS
         and j.g.dtype in _KINDS
-        and (j.m is None or j.m.dtype in _KINDS)
-        and (j.keys is None or j.keys.dtype == torch.int32)
-        and j.lead % j.units == 0
-        and j.w.numel() == j.lead * j.rows * j.cols > 0
+        and j.g.numel() == n
+        and (j.m is None or (j.m.dtype in _KINDS and j.m.numel() == n))
+        and all(
+            getattr(j, name) is None
+            or (getattr(j, name).dtype == torch.float32 and getattr(j, name).numel() == size)
+            for name, size in fp32.items()
+        )
+        and (j.keys is None or (j.keys.dtype == torch.int32 and j.keys.numel() >= j.units))
     )
 
 
@@ -191,8 +202,8 @@ def self_check(kernel: TieredKernel) -> None:
     and without momentum, clipped, bf16 and fp32, stochastic rounding) to the bits of
     :func:`step_torch` (a wrong build must not train)."""
     gen = torch.Generator().manual_seed(0)
-    for case in range(6):
-        jobs = [_check_job(case, gen) for _ in range(2)]
+    for case in range(7):  # the last: one unit of TOGETHER elements, split over the threads
+        jobs = [_check_job(case, gen) for _ in range(2 if case < 6 else 1)]
         twin = [Job(*(t.clone() if isinstance(t, Tensor) else t for t in j)) for j in jobs]
         kernel(jobs)
         for j in twin:
@@ -207,6 +218,9 @@ def _check_job(case: int, gen: torch.Generator) -> Job:
     """A seeded job of ``case``: 3 units of [5, 37] (factored and not, momentum fp32, bf16
     or none, weights fp32 or bf16 with and without a master, clipping on and off)."""
     shape, lead, rows, cols = (3, 5, 37), 3, 5, 37
+    if case == 6:  # as case 0 (factored, no momentum, stochastic into fp32), all threads at once
+        side = int(TOGETHER**0.5) + 1
+        shape, lead, rows, cols, case = (3, side, side), 3, side, side, 0
     factored, mk, wk = case % 2 == 0, (None, torch.float32, torch.bfloat16)[case % 3], case // 3
     w = torch.randn(shape, generator=gen).to((torch.float32, torch.bfloat16)[wk])
     g = torch.randn(shape, generator=gen)

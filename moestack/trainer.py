@@ -219,7 +219,10 @@ class Trainer:
 
     def _let_go(self) -> None:
         """Drop what the run built (its model, optimizer, data, sinks, callbacks), which may
-        hold a process group, before the groups end; the summary and counters stay."""
+        hold a process group, before the groups end (a streamed run's cache closed: its
+        prefetch threads and open store files); the summary and counters stay."""
+        if getattr(self, "streaming", None) is not None:
+            self.streaming.close()
         for name in _BUILT:
             self.__dict__.pop(name, None)
         self.mesh = self.exchange = None

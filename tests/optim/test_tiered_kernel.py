@@ -155,3 +155,15 @@ def test_torch_ops_allocate_no_more_than_planned(master: str, dtype: torch.dtype
     named = [(n, p.to("meta")) for n, p in model.named_parameters()]
     planned = planned_step_bytes(named, classify(model), cfg.policy, master, dtype)
     assert 0.6 * planned <= measured.peak <= planned, (measured.peak, planned)
+
+
+def test_state_of_another_size_is_not_given_to_the_kernel() -> None:
+    """A job whose state does not fit its weights (a restored state of another shape) goes
+    to the torch ops, never through a pointer the kernel would read past."""
+    job = host_tiered._check_job(0, torch.Generator().manual_seed(0))  # factored
+    assert host_tiered.takes(job)
+    assert not host_tiered.takes(job._replace(row=job.row[:, :-1].contiguous()))
+    assert not host_tiered.takes(job._replace(col=job.col.double()))
+    assert not host_tiered.takes(job._replace(g=job.g[:, :, :-1].contiguous()))
+    assert not host_tiered.takes(job._replace(keys=job.keys[:1]))
+    assert not host_tiered.takes(job._replace(units=0))
