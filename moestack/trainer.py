@@ -44,6 +44,7 @@ from moestack import (
 )
 from moestack.cache.streaming import (
     attach_streaming,
+    check_streamable,
     expert_source,
     experts_left_out,
     materialize_expert_adapters,
@@ -288,6 +289,7 @@ class Trainer:
         resume_from = folder.check(cfg, dist_info)
         corpus = run_corpus(cfg)
         check_impl(cfg.model.moe.impl, device)
+        check_streamable(cfg, dist_info.world_size)
         self.model, self.mesh, self.exchange, self.start_step = _build_model(
             cfg, dist_info, resume_from
         )

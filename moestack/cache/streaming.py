@@ -309,6 +309,24 @@ def store_path(cfg: TrainConfig, out_dir: str | Path) -> Path:
     return Path(cfg.cache.store_dir) if cfg.cache.store_dir else Path(out_dir) / "experts"
 
 
+def check_streamable(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse, in one line, a run whose experts cannot be streamed: experts that train, or
+    several processes (every rank would write the same store); the trainer asks before its
+    start writes anything."""
+    mode = cfg.offload_experts
+    if mode != "off" and cfg.trainable not in STREAMABLE:
+        raise MoestackError(
+            f"offload_experts={mode} streams frozen experts, but trainable={cfg.trainable} "
+            "trains them; use trainable=routers, lora or routers+lora"
+        )
+    if mode != "off" and world_size > 1:
+        raise MoestackError(
+            f"offload_experts={mode} runs in one process for now (every rank would write the "
+            f"same expert store); this run has {world_size}: train on one process, or with "
+            "offload_experts=off"
+        )
+
+
 def attach_streaming(
     model: nn.Module,
     cfg: TrainConfig,
@@ -327,17 +345,8 @@ def attach_streaming(
     mode = cfg.offload_experts
     if mode == "off":
         return None
-    if cfg.trainable not in STREAMABLE:
-        raise MoestackError(
-            f"offload_experts={mode} streams frozen experts, but trainable={cfg.trainable} "
-            "trains them; use trainable=routers, lora or routers+lora"
-        )
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        raise MoestackError(
-            f"offload_experts={mode} runs in one process for now (every rank would write the "
-            f"same expert store); this run has {torch.distributed.get_world_size()}: train "
-            "on one process, or with offload_experts=off"
-        )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    check_streamable(cfg, world)
     moes = list(model.moe_layers)
     device = next(p.device for p in model.parameters() if not p.is_meta)
     store = frozen_store(moes, store_path(cfg, out_dir), cfg.model, layers)
