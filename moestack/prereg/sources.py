@@ -112,7 +112,11 @@ def code_at_commit(commit: str, repo: str | None = None) -> str | None:
 def _installed(path: str) -> str | None:
     """Where a checkout's file installs (as ``code_files`` names it); None: not source."""
     top, _, rel = path.partition("/")
-    if not path.endswith((".py", ".cpp")) or top not in SOURCE_TREES or "__pycache__" in rel.split("/"):
+    if (
+        not path.endswith((".py", ".cpp"))
+        or top not in SOURCE_TREES
+        or "__pycache__" in rel.split("/")
+    ):
         return None
     if top == "moestack" and rel.split("/")[0] in SOURCE_TREES:
         return None  # code_files takes these from the kernels and telemetry packages
