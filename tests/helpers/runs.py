@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import moestack.telemetry
+import moestack.telemetry.config
 from moestack.config import (
     DataConfig,
     ModelConfig,
@@ -90,9 +91,9 @@ def killed_and_resumed(out: Path) -> None:
     steps 0-7 (a chunk is written at each step's log record: 3 steps past its checkpoint),
     then resumed from step 5 to the end; each start with its own overrides."""
     cfg = dict(steps=10, ckpt_every=5, telemetry=TelemetryConfig(enabled=True))
-    one_step = functools.partial(moestack.telemetry.attach, chunk_tokens=TOKENS_PER_STEP)
+    one_step = functools.partial(moestack.telemetry.config.attach, chunk_tokens=TOKENS_PER_STEP)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moestack.telemetry, "attach", one_step)
+        patch.setattr(moestack.telemetry.config, "attach", one_step)  # where the run calls it
         with killed_at(8):
             train(small_config(**cfg), out, launch={"overrides": ["steps=10", "ckpt_every=5"]})
         train(small_config(resume=True, **cfg), out, launch={"overrides": ["resume=true"]})

@@ -18,11 +18,12 @@ from helpers.multiprocess import run_launch
 
 pytest.importorskip("transformers")
 
-from moestack import checkpoint  # noqa: E402
+from moestack import checkpoint, checkpoint_load  # noqa: E402
 from moestack.interop import hf_experts  # noqa: E402
 from moestack.interop.hf_model import load_hf_moe  # noqa: E402
 from moestack.metrics import read_metrics  # noqa: E402
 from moestack.parallel import ExpertParallelMesh, shard_experts  # noqa: E402
+from moestack.parallel import config as parallel_config  # noqa: E402
 
 
 def train(tmp_path, model_dir, out_dir, nproc, *overrides) -> list[float]:
@@ -108,7 +109,7 @@ def test_a_resumed_build_reads_no_weight_of_the_folder(hf_runs, monkeypatch, ep)
     cfg = runs.load_run_config(run_dir)
     cfg.parallel.ep = ep
     opened = []
-    for module in (meta_load, checkpoint):
+    for module in (meta_load, checkpoint_load):  # every safetensors open of a build
         real = module.safe_open
         monkeypatch.setattr(
             module,
@@ -122,7 +123,7 @@ def test_a_resumed_build_reads_no_weight_of_the_folder(hf_runs, monkeypatch, ep)
     monkeypatch.setattr(hf_model, "_from_pretrained", no_whole_load)
     if ep == 2:  # rank 1 of an EP group of 2, without collectives (the mesh alone)
         monkeypatch.setattr(
-            trainer.parallel,
+            parallel_config,  # where ParallelConfig.build, which the trainer calls, finds it
             "expert_parallel",
             lambda model, world, rank, ep: (_cut(model, ep), None),
         )

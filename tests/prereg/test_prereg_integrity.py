@@ -310,10 +310,11 @@ def test_the_lock_records_every_source_file_of_the_installed_package(tmp_path: P
         "moestack/trainer.py": REPO / "moestack" / "trainer.py",
         "moestack/kernels/__init__.py": REPO / "kernels" / "__init__.py",
         "moestack/telemetry/__init__.py": REPO / "telemetry" / "__init__.py",
+        "moestack/kernels/host_tiered.cpp": REPO / "kernels" / "host_tiered.cpp",
     }
     for name, file in files.items():  # the kernels and telemetry folders install apart
         assert head["code"][name] == hashlib.sha256(file.read_bytes()).hexdigest(), name
-    assert not [n for n in head["code"] if "__pycache__" in n or not n.endswith(".py")]
+    assert not [n for n in head["code"] if "__pycache__" in n or not n.endswith((".py", ".cpp"))]
     assert head["code_sha256"] == prereg.hashing.digest(head["code"])
 
 
