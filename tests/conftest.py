@@ -7,7 +7,6 @@ collection time, before any test module imports moestack.kernels.
 import atexit
 import os
 import shutil
-import signal
 import tempfile
 
 import pytest
@@ -47,17 +46,6 @@ _REPORT = FaultReport()
 @pytest.fixture(scope="session")
 def fault_report():
     return _REPORT
-
-
-@pytest.fixture(autouse=True)
-def _ctrl_c_handler_kept():
-    """Every test ends with the SIGINT handler it started with: a test that runs the command
-    line's start in this process (which takes Ctrl-C over, and ignores it once stopping)
-    must not leave later tests without Ctrl-C."""
-    before = signal.getsignal(signal.SIGINT)
-    yield
-    if signal.getsignal(signal.SIGINT) is not before and before is not None:
-        signal.signal(signal.SIGINT, before)
 
 
 def pytest_sessionfinish(session, exitstatus):
