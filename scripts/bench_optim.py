@@ -52,10 +52,10 @@ from moestack.optim.train_bench import (
     delayed_loss,
     gpu_step_time,
     make_params,
-    print_train_table,
     release,
     set_grads,
     train_step_time,
+    train_table,
 )
 
 
@@ -393,7 +393,7 @@ def print_section(name: str, rows: dict[str, Any]) -> None:
     if name == "kernels":
         print_kernel_table(rows)
     if name == "train_step":
-        print_train_table(rows)
+        print(train_table(rows))
     items = [(k, v) for k, v in rows.items() if k != "contenders"]
     if name == "train_step":  # the ratios first, then the step times (a summary's head)
         items.sort(key=lambda kv: 0 if "_vs_" in kv[0] else 1 if "_step_ms" in kv[0] else 2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import logging
 import math
 import statistics
 import time
@@ -31,6 +32,8 @@ from moestack.cache.serve_report import Measure, phase_figures
 from moestack.device import move_resident
 from moestack.interop.hf import moe_from_hf
 from moestack.interop.hf_model import HFMoEModel, load_hf_moe
+
+log = logging.getLogger(__name__)
 
 MIN_DECODE = 4  # timed decode steps of a window, whatever --row-seconds says
 
@@ -464,7 +467,9 @@ def load_offloaded(folder: Path, device_map: dict[str, Any]) -> tuple[nn.Module,
         return model, "from_pretrained(device_map)"
     except Exception as err:  # noqa: BLE001 (a version difference: the fallback says which)
         first = f"{type(err).__name__}: {err}".splitlines()[0]
-        print(f"accelerate: from_pretrained(device_map) failed ({first}); dispatch_model instead")
+        log.warning(
+            "accelerate: from_pretrained(device_map) failed (%s); dispatch_model instead", first
+        )
     from accelerate import dispatch_model
 
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)

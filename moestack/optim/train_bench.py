@@ -562,21 +562,21 @@ def _torchao_offload() -> Any:
     return CPUOffloadOptimizer
 
 
-def print_train_table(rows: dict[str, Any]) -> None:
-    """The train_step section's contenders as one table: step time, against AdamW on the
-    device (like for like: clipped against clipped), whether the step ran pipelined, which
-    host kernel ran it, and the error of a contender that failed."""
+def train_table(rows: dict[str, Any]) -> str:
+    """The train_step section's contenders as one table (the script prints it): step time,
+    against AdamW on the device (like for like: clipped against clipped), whether the step
+    ran pipelined, which host kernel ran it, and the error of a contender that failed."""
     head = ("contender", "step ms", "x AdamW", "pipelined", "host step", "error")
-    print("  {:<38} {:>8} {:>8} {:>9} {:<9} {}".format(*head))
+    lines = ["  {:<38} {:>8} {:>8} {:>9} {:<9} {}".format(*head)]
     for name in rows.get("contenders", []):
         like = "adamw_unclipped" if name.endswith("unclipped") else "adamw"
         ms, ratio = rows.get(f"{name}_step_ms"), rows.get(f"{name}_vs_{like}_step_time")
         pipelined = rows.get(f"{name}_pipelined")
         why = rows.get(f"{name}_error") or rows.get(f"{name}_serial_reason", "")
-        print(
+        lines.append(
             f"  {name:<38} {'-' if ms is None else f'{ms:.4g}':>8} "
             f"{'-' if ratio is None else f'{ratio:.3g}x':>8} "
             f"{'-' if pipelined is None else str(pipelined):>9} "
             f"{rows.get(f'{name}_host_step', '-'):<9} {why}"
         )
-    print()
+    return "\n".join(lines) + "\n"
