@@ -91,6 +91,12 @@ def gather_objects(value: Any, info: DistInfo) -> list[Any]:
     return values
 
 
+def refused_ranks(passed: bool, info: DistInfo) -> list[int]:
+    """The ranks whose start did not pass its checks; every rank calls it, a refused one
+    before it raises (a world of one: [] or [0] without a collective)."""
+    return [rank for rank, ok in enumerate(gather_objects(passed, info)) if not ok]
+
+
 def barrier(info: DistInfo) -> None:
     if info.active:
         dist.barrier()

@@ -258,11 +258,11 @@ class Trainer:
     def begin(self) -> None:
         """The start's checks passed: make and hold the folder, call ``begin`` (hydra's
         record), record the start in provenance.json, write the run's config."""
+        self.began = True  # first: a Ctrl-C as the folder is made does not say "nothing"
         if self._folder is not None:
             self._folder.create()
         else:  # build_run: no folder held
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.began = True
         self.call("begin")
         if self._start is not None:
             self._start.begin()
@@ -271,12 +271,8 @@ class Trainer:
     # ----------------------------------------------------------------------- building
     def build(self) -> None:
         """Device, model, optimizer, scheduler, data and metrics sink of the run, from its
-        config; with ``resume=true`` restored from the newest checkpoint.
-
-        Everything that can refuse the start comes first and writes nothing into
-        ``out_dir`` (the folder against ``resume``, the config against the run's, the data,
-        the impl, the model and a resumed run's weights); then ``begin`` and the run's
-        files: its config, metrics, wandb run and trace (``built``)."""
+        config; with ``resume=true`` restored from the newest checkpoint. What can refuse
+        the start comes first (``_check_start``), then ``begin`` and the run's files."""
         cfg, dist_info = self.cfg, self.dist
         self.device = device = resolve_device(cfg.device, dist_info.local_rank)
         if device.type == "cuda":
@@ -285,19 +281,12 @@ class Trainer:
         if cfg.parallel.ep > 1 or cfg.offload_experts != "off":  # freed blocks back to the OS
             host_allocator.set_mmap_threshold(cfg.parallel.host_mmap_threshold_kb << 10)
         cfg.check_batch_split(dist_info.world_size)
-        folder = self._folder or RunFolder(self.out_dir, dist_info.is_main)
-        resume_from = folder.check(cfg, dist_info)
-        corpus = run_corpus(cfg)
-        check_impl(cfg.model.moe.impl, device)
-        check_streamable(cfg, dist_info.world_size)
-        self.model, self.mesh, self.exchange, self.start_step = _build_model(
-            cfg, dist_info, resume_from
-        )
+        resume_from, corpus = self._check_start()
         self.begin()  # the start is not refused: from here on it writes the run's files
         self.streaming = _to_device(self.model, cfg, device, self.out_dir)
         self.optimizer = cfg.optim.build(self.model, dist_info.world_size, self.mesh)
         self.forward_model = self.optimizer.forward_model  # the model, or its DDP wrapper
-        self.scheduler = _lr_scheduler(self.optimizer, cfg)
+        self.scheduler = cfg.optim.build_scheduler(self.optimizer, cfg.steps)
         self.loader = BatchLoader(corpus.train, cfg.batch_size, cfg.data.seq_len, cfg.seed)
         self.val_batches = eval_batches(corpus.val, cfg.batch_size, cfg.data.seq_len,
                                         cfg.eval_batches)  # fmt: skip
@@ -310,6 +299,30 @@ class Trainer:
         log.info("batch: %s", _batch_line(cfg, dist_info.world_size))
         self.model.train()
         self.call("built")
+
+    def _check_start(self) -> tuple[Path | None, Any]:
+        """What can refuse the start, writing nothing (the folder against ``resume``, the
+        data, the impl, the model and a resumed run's weights); returns the checkpoint to
+        resume from and the corpus. Under torchrun every rank then learns whether all passed:
+        no rank begins writing while a peer refuses."""
+        cfg, dist_info = self.cfg, self.dist
+        try:
+            folder = self._folder or RunFolder(self.out_dir, dist_info.is_main)
+            resume_from = folder.check(cfg, dist_info)
+            corpus = run_corpus(cfg)
+            check_impl(cfg.model.moe.impl, self.device)
+            check_streamable(cfg, dist_info.world_size)
+            self.model, self.mesh, self.exchange, self.start_step = _build_model(
+                cfg, dist_info, resume_from
+            )
+        except Exception:
+            distributed.refused_ranks(False, dist_info)  # the peers stop too, writing nothing
+            raise
+        refused = distributed.refused_ranks(True, dist_info)
+        if refused:
+            raise MoestackError(f"rank(s) {refused} refused the start (their error is above); "
+                                "nothing was written")  # fmt: skip
+        return resume_from, corpus
 
     # ----------------------------------------------------------------------- one step
     def train_step(self) -> StepResult:
@@ -486,12 +499,14 @@ class Trainer:
 
 
 def _unwritable(err: OSError, out_dir: Path) -> BaseException:
-    """A full disk or a folder that became read-only, as one line naming the file."""
+    """A full disk, a folder that became read-only or a file denied to this process (read
+    or written), as one line naming the file."""
     full = atomic.out_of_space(err, out_dir, 0, str(err.filename or "the run's files"))
     if full is not None:
         return full
     if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return MoestackError(f"cannot write {err.filename or out_dir}: {err.strerror}")
+        verb = "write" if err.errno == errno.EROFS else "open"
+        return MoestackError(f"cannot {verb} {err.filename or out_dir}: {err.strerror}")
     return err
 
 
@@ -580,21 +595,4 @@ def _batch_line(cfg: TrainConfig, world_size: int) -> str:
     return (
         f"{cfg.batch_size} sequences of {cfg.data.seq_len} tokens per micro-batch, the global "
         f"batch{per_rank if world_size > 1 else ''}; x {cfg.grad_accum} micro-batches a step"
-    )
-
-
-def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _lr_scheduler(
-    optimizer: torch.optim.Optimizer, cfg: TrainConfig
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, cfg.steps, cfg.optim.warmup_steps, cfg.optim.min_lr_ratio),
     )

@@ -8,9 +8,11 @@ it and nests it in ``TrainConfig``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from moestack.checks import check, coerce
@@ -136,6 +138,15 @@ class OptimConfig:
         (``build_training_optimizer``)."""
         return build_training_optimizer(model, self, world_size, mesh)
 
+    def build_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LambdaLR:
+        """The learning-rate schedule of a run of ``total_steps``: ``lr_factor`` times lr."""
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda s: lr_factor(s, total_steps, self.warmup_steps, self.min_lr_ratio),
+        )
+
     def _check_tiered(self) -> None:
         for population in POPULATIONS:
             setattr(self, population, coerce(getattr(self, population), PopulationConfig))
@@ -144,3 +155,11 @@ class OptimConfig:
             self.master in MASTER, f"optim.master={self.master!r} is unknown; use one of {MASTER}"
         )
         check(self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)")
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -75,6 +75,20 @@ def test_ctrl_c_right_before_the_start_writes_and_again_at_exit_leaves_nothing(
                      refused=2)  # fmt: skip
 
 
+def test_ctrl_c_once_the_folder_is_made_does_not_say_nothing_was_written(tmp_path, fault_report):
+    """The start made kept/run, then Ctrl-C: the line says no checkpoint was written (the
+    folder is there), not that nothing was."""
+    (tmp_path / "kept").mkdir()
+    done = planted("folder-made", *TINY, "out_dir=kept/run", cwd=tmp_path)
+    line = the_line(done)
+    assert (tmp_path / "kept/run").is_dir()
+    assert line == (
+        "moestack-train: interrupted before it logged a step; no checkpoint was written in "
+        "kept/run, so there is nothing to resume: run the command again to start over"
+    )
+    fault_report.add("Ctrl-C: right after the run folder is made", injected=1, refused=1)
+
+
 def test_ctrl_c_twice_after_steps_names_out_dirs_checkpoint_and_its_command_resumes(
     tmp_path, fault_report
 ):

@@ -125,6 +125,19 @@ def test_a_read_only_out_dir_is_one_line_before_anything_is_written(
     fault_report.add("run folder: read-only out_dir", injected=1, refused=1)
 
 
+def test_a_file_the_run_may_not_read_is_named_as_read_not_written(tmp_path, monkeypatch):
+    """A permission error while the start reads (here its corpus) is one line that says the
+    file could not be opened, not that it could not be written."""
+
+    def denied(cfg):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "corpus.txt"))
+
+    monkeypatch.setattr("moestack.trainer.run_corpus", denied)
+    with pytest.raises(MoestackError) as err:
+        train(small_config(), tmp_path / "run")
+    assert str(err.value) == f"cannot open {tmp_path / 'corpus.txt'}: Permission denied"
+
+
 def test_an_out_dir_with_a_name_longer_than_the_file_system_allows_is_one_line(
     tmp_path, fault_report
 ):

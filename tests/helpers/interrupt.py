@@ -20,7 +20,9 @@ from pathlib import Path
 #                     package loaded its names lazily, it ran before main() took Ctrl-C over);
 #   checks-passed     right after every check of the start passed, before it writes its first
 #                     file (the trainer's begin), and a second one while the interpreter exits
-#                     (an atexit callback).
+#                     (an atexit callback);
+#   folder-made       right after the start made its run folder (the trainer's begin, first
+#                     thing).
 _PLANTED = r"""
 import atexit, builtins, gc, os, signal, sys, time
 moment = sys.argv.pop(1)
@@ -39,6 +41,14 @@ if moment == "checks-passed":
         ctrl_c()
         return real_begin(self)
     trainer.Trainer.begin = begin
+
+if moment == "folder-made":
+    import moestack.run_folder as run_folder
+    real_create = run_folder.RunFolder.create
+    def create(self):
+        real_create(self)
+        ctrl_c()
+    run_folder.RunFolder.create = create
 
 if moment == "import-finalizer":
     class Finalized:

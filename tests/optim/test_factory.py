@@ -64,3 +64,21 @@ def test_device_param_dtype(name: str, param_dtype: str, device: str, expected) 
 def test_bad_param_dtype_names_the_field() -> None:
     with pytest.raises(ValueError, match="optim.param_dtype='fp8'"):
         OptimConfig(param_dtype="fp8")
+
+
+def test_the_schedule_warms_up_linearly_then_decays_by_a_cosine_to_its_floor() -> None:
+    """lr = 1e-2, 4 warm-up steps of 12, floor 0.1: 1/4 .. 4/4 of lr, then the cosine from 1
+    at step 4 to 0.1 at step 12 (0.55 halfway, step 8), 0.1 after the end."""
+    cfg = OptimConfig(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    schedule = cfg.build_scheduler(opt, total_steps=12)
+    lrs = []
+    for _ in range(14):
+        lrs.append(schedule.get_last_lr()[0])
+        opt.step()
+        schedule.step()
+    want = [0.25, 0.5, 0.75, 1.0, 1.0, None, None, None, 0.55, None, None, None, 0.1, 0.1]
+    for step, factor in enumerate(want):
+        if factor is not None:
+            assert lrs[step] == pytest.approx(1e-2 * factor, rel=1e-12), step
+    assert all(a > b for a, b in zip(lrs[4:12], lrs[5:13], strict=True))  # decreasing

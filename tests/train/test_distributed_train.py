@@ -163,6 +163,32 @@ def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was taken
 
 
+def test_a_start_refused_on_one_rank_writes_nothing_on_any(tmp_path):
+    """Rank 1 alone refuses its start after the ranks' config check (its impl check fails):
+    rank 0 does not begin (no folder made, nothing written) and names rank 1 in one line."""
+    script = tmp_path / "per_rank.py"
+    script.write_text(
+        "import os\n"
+        "from moestack import trainer\n"
+        "from moestack.errors import MoestackError\n"
+        "from moestack.train import main\n"
+        "def refuse(*args):\n"
+        "    raise MoestackError('rank 1 refuses this impl')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    trainer.check_impl = refuse\n"
+        "main()\n"
+    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--standalone", str(script)]  # fmt: skip
+    done = run_launch(
+        [*launcher, *SMALL, f"out_dir={tmp_path / 'run'}"], "rank 1 refusing", cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "rank 1 refuses this impl" in done.stderr, done.stderr[-3000:]
+    assert "rank(s) [1] refused the start" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 # Two ranks that hold a group in a reference cycle (as an optimizer with hooks does) and leave
 # collectives queued whose tensors only gloo still references, then end their groups:
 # gloo's worker threads are gone before the interpreter exits, or the exit may abort.
