@@ -49,9 +49,21 @@ def fault_report():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("MOESTACK_FAULT_REPORT")
-    if path and _REPORT.rows:
-        import json
+    """Write the fault report; under pytest-xdist each worker writes its part beside it and
+    the controller, which finishes last, writes their sum."""
+    import json
+    from pathlib import Path
 
-        with open(path, "w") as f:
-            json.dump(_REPORT.rows, f, indent=2, sort_keys=True)
+    path = os.environ.get("MOESTACK_FAULT_REPORT")
+    if not path:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        Path(f"{path}.{worker}").write_text(json.dumps(_REPORT.rows))
+        return
+    for part in sorted(Path(path).parent.glob(Path(path).name + ".gw*")):
+        for kind, counts in json.loads(part.read_text()).items():
+            _REPORT.add(kind, **counts)
+        part.unlink()
+    if _REPORT.rows:
+        Path(path).write_text(json.dumps(_REPORT.rows, indent=2, sort_keys=True))
