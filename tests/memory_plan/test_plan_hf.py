@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 from helpers.hf import tiny_config  # noqa: E402
+from helpers.paths import REPO  # noqa: E402
 
 from moestack import cli  # noqa: E402
 from moestack.memory_plan import plan_memory  # noqa: E402
@@ -179,3 +180,20 @@ def test_a_training_run_of_a_folder_logs_the_plan_moestack_plan_prints(tmp_path,
     want = plan_memory(cfg, device="cpu")  # built from config.json, as `moestack plan` does
     assert logged[0] == f"memory plan (per rank):\n{want.format()}"
     assert want.line("gradients").bytes > 0
+
+
+def test_the_documented_qwen3_30b_a3b_projection_holds():
+    """docs/hf.md's LoRA fine-tune of Qwen3-30B-A3B (docs/qwen3-30b-a3b/config.json) with its
+    experts streamed from disk: one bf16 expert is 3 x 2048 x 768 x 2 B = 9 MiB; 48 layers x
+    128 of them leave the device weights; the cache holds 48 x 8 + 8 slots of them; the
+    device total is the table's 19,632.09 MiB, which fits 24 GiB."""
+    folder = str(REPO / "docs/qwen3-30b-a3b")
+    overrides = ["trainable=lora", "lora.rank=16", "lora.targets=attention",
+                 "lora.base_dtype=bfloat16", "offload_experts=disk", "cache.capacity=8",
+                 "batch_size=1", "data.seq_len=1024"]  # fmt: skip
+    plan = _plan(folder, *overrides, device="cuda")
+    expert = 3 * 2048 * 768 * 2
+    assert plan.line("expert cache slots").bytes == (48 * 8 + 8) * expert == 3528 * 2**20
+    assert f"- {48 * 128 * expert} B routed experts" in plan.line("weights").formula
+    assert f"{plan.total('device') / 2**20:,.2f}" == "19,632.09"
+    assert plan.total("device") < 24 * 2**30 and plan.total("host") == 0
