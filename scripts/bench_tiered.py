@@ -1,7 +1,7 @@
 """Benchmark optim=tiered against AdamW: state bytes counted, and the update and training step timed.
 
-1. bytes: the optimizer state per population, counted from the shapes of model=tiny, small,
-   m137 and a Qwen3-30B-A3B-shaped transformers config (built on the meta device), for
+1. bytes: the optimizer state per population, counted from the shapes of model=tiny (and
+   tiny with 16 experts, tiny_e16: the prereg_tiered study's model), small, m137 and a Qwen3-30B-A3B-shaped transformers config (built on the meta device), for
    tiered with master=none against AdamW's two fp32 moments (fp32 weights) and
    mixed-precision AdamW's moments and fp32 master (12 bytes a parameter); and the training
    bytes per expert parameter (bf16 weights and gradients, and the experts' state);
@@ -35,10 +35,11 @@ from moestack.populations import classify
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 
-def model_config(name: str) -> ModelConfig:
-    """moestack's model ``name`` as its config group file sets it."""
+def model_config(name: str, num_experts: int | None = None) -> ModelConfig:
+    """moestack's model ``name`` as its config group file sets it (``num_experts`` if given)."""
     fields = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
-    moe = MoEConfig(**{**fields.pop("moe", {}), "impl": "torch"})
+    moe = {**fields.pop("moe", {}), "impl": "torch"}
+    moe = MoEConfig(**(moe if num_experts is None else {**moe, "num_experts": num_experts}))
     return ModelConfig(**fields, moe=moe)
 
 
@@ -79,10 +80,12 @@ def state_bytes(model: torch.nn.Module) -> dict[str, Any]:
 
 def bytes_section() -> dict[str, Any]:
     out = {}
-    for name in ("tiny", "small", "m137"):
+    # tiny_e16: tiny with 16 experts, the model of the prereg_tiered study (its H1)
+    for key, name, experts in (("tiny", "tiny", None), ("tiny_e16", "tiny", 16),
+                               ("small", "small", None), ("m137", "m137", None)):  # fmt: skip
         with torch.device("meta"):
-            model = model_config(name).build()
-        out[name] = state_bytes(model)
+            model = model_config(name, experts).build()
+        out[key] = state_bytes(model)
     out["qwen3_30b_a3b"] = state_bytes(qwen3_30b_a3b())
     return out
 
