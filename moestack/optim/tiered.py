@@ -436,14 +436,6 @@ def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: 
     return size
 
 
-def stochastic_round_bf16(w: Tensor, noise: Tensor) -> Tensor:
-    """fp32 ``w`` to bf16, rounded up in magnitude with probability equal to the dropped
-    fraction: 16 random low bits (``noise``, int32 in [0, 2^16)) added to the bit pattern,
-    then the low 16 bits cut (:func:`moestack.kernels.host_tiered.round_onto_bf16_grid_`).
-    Unbiased: E[round(w)] = w. Non-finite values pass as they are."""
-    return host_tiered.round_onto_bf16_grid_(w.clone(), noise).to(torch.bfloat16)
-
-
 def _schedule_of(group: dict[str, Any]) -> dict[str, float]:
     """What a learning-rate schedule sets in a param group (restored with the state)."""
     return {k: float(group[k]) for k in ("lr", "initial_lr") if k in group}

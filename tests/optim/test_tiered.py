@@ -23,8 +23,9 @@ from _tiered_testlib import (
 from helpers.multiprocess import file_rendezvous, spawn_ranks
 
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
+from moestack.kernels import host_tiered
 from moestack.lora import LoRAConfig, add_adapters
-from moestack.optim.tiered import TieredAdamW, planned_state_bytes, stochastic_round_bf16
+from moestack.optim.tiered import TieredAdamW, planned_state_bytes
 from moestack.populations import PopulationConfig, classify
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8
@@ -165,6 +166,11 @@ def test_bf16_momentum_is_rounded_each_step() -> None:
 
 
 # -- stochastic rounding -------------------------------------------------------------------
+
+
+def stochastic_round_bf16(w: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 ``w`` to bf16 as master=none writes it: 16 random low bits added, then cut."""
+    return host_tiered.round_onto_bf16_grid_(w.clone(), noise).to(torch.bfloat16)
 
 
 def test_stochastic_rounding_is_unbiased() -> None:
