@@ -136,24 +136,23 @@ def test_router_bias_update_uses_counts_summed_over_ranks(tmp_path):
         torch.testing.assert_close(got, want)
 
 
+def _launch_with_rank_1(tmp_path, rank_1: str, what: str):
+    """``moestack-train SMALL out_dir=run`` on 2 torchrun ranks, rank 1 running the Python
+    ``rank_1`` first (its own config or code)."""
+    script = tmp_path / "per_rank.py"
+    body = "".join(f"    {line}\n" for line in rank_1.splitlines())
+    script.write_text(f"import os\nif os.environ['RANK'] == '1':\n{body}"
+                      "from moestack.train import main\nmain()\n")  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--standalone", str(script)]  # fmt: skip
+    return run_launch([*launcher, *SMALL, f"out_dir={tmp_path / 'run'}"], what, cwd=tmp_path)
+
+
 def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
     """Rank 1 gets another optim.lr (and another model width): every rank stops at start,
     naming the fields, instead of training on (lr) or aborting in a collective (shapes)."""
-    script = tmp_path / "per_rank.py"
-    script.write_text(
-        "import os, sys\n"
-        "from moestack.train import main\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    sys.argv += ['optim.lr=0.002', 'model.moe.d_ff=64']\n"
-        "main()\n"
-    )
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                "--standalone", str(script)]  # fmt: skip
-    done = run_launch(
-        [*launcher, *SMALL, f"out_dir={tmp_path / 'run'}"],
-        "two ranks started with different configs",
-        cwd=tmp_path,
-    )
+    rank_1 = "import sys\nsys.argv += ['optim.lr=0.002', 'model.moe.d_ff=64']\n"
+    done = _launch_with_rank_1(tmp_path, rank_1, "two ranks started with different configs")
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if "started with another config" in line]
     assert lines, done.stderr[-3000:]
@@ -166,23 +165,14 @@ def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
 def test_a_start_refused_on_one_rank_writes_nothing_on_any(tmp_path):
     """Rank 1 alone refuses its start after the ranks' config check (its impl check fails):
     rank 0 does not begin (no folder made, nothing written) and names rank 1 in one line."""
-    script = tmp_path / "per_rank.py"
-    script.write_text(
-        "import os\n"
+    rank_1 = (
         "from moestack import trainer\n"
         "from moestack.errors import MoestackError\n"
-        "from moestack.train import main\n"
         "def refuse(*args):\n"
         "    raise MoestackError('rank 1 refuses this impl')\n"
-        "if os.environ['RANK'] == '1':\n"
-        "    trainer.check_impl = refuse\n"
-        "main()\n"
+        "trainer.check_impl = refuse\n"
     )
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                "--standalone", str(script)]  # fmt: skip
-    done = run_launch(
-        [*launcher, *SMALL, f"out_dir={tmp_path / 'run'}"], "rank 1 refusing", cwd=tmp_path
-    )
+    done = _launch_with_rank_1(tmp_path, rank_1, "rank 1 refusing")
     assert done.returncode != 0
     assert "rank 1 refuses this impl" in done.stderr, done.stderr[-3000:]
     assert "rank(s) [1] refused the start" in done.stderr, done.stderr[-3000:]
