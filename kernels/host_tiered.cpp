@@ -47,15 +47,35 @@ inline uint32_t mix32(uint32_t x) {  // both multipliers below 2^31: torch's int
   return x;
 }
 
+// The halving tree of N values (N a power of two) in x, its levels at sizes known here: the
+// last levels of a row's tree cost a loop set-up each otherwise (half the time of a 128-wide row).
+template <int N>
+inline float fixed_tree(const float* x) {
+  if constexpr (N == 1) {
+    return x[0];
+  } else {
+    float y[N / 2];
+    for (int k = 0; k < N / 2; ++k) y[k] = x[k] + x[k + N / 2];
+    return fixed_tree<N / 2>(y);
+  }
+}
+
 // The halving tree of n >= 1 values in x (overwritten); its sum.
 inline float tree(float* x, int64_t n) {
-  while (n > 1) {
+  while (n > 16 || (n > 1 && (n & (n - 1)))) {
     const int64_t half = n / 2, h = n - half;
 #pragma omp simd
     for (int64_t k = 0; k < half; ++k) x[k] = x[k] + x[k + h];
     n = h;
   }
-  return n ? x[0] : 0.0f;
+  switch (n) {
+    case 16: return fixed_tree<16>(x);
+    case 8: return fixed_tree<8>(x);
+    case 4: return fixed_tree<4>(x);
+    case 2: return fixed_tree<2>(x);
+    case 1: return x[0];
+    default: return 0.0f;
+  }
 }
 
 // A row of n elements of kind (0 float32, 1 bfloat16) at p + off, as floats in out.
@@ -173,18 +193,16 @@ void vectors_of(const Tensor& t, int64_t mat, float* a, float* b, Scratch& s) {
 }
 
 // The update of row r (of the tensor) into u; with first, the moments are stepped (and
-// stored), else read as stepped. a, b: the factored vectors of the row's matrix.
+// stored), else read as stepped. a, b: the factored vectors of the row's matrix. A factored
+// denominator is computed where it is used (the same two roundings, one pass less).
 void update_row(const Tensor& t, int64_t r, bool first, const float* a, const float* b, float* u,
                 Scratch& s) {
   const int64_t n = t.cols, off = r * n;
   const float* g = row_of(reinterpret_cast<const void*>(t.f[G]), t.gk, off, n, s.g.data());
   float* d = s.d.data();
-  const float eps = t.c[EPS], b2 = t.c[B2], b2c = t.c[B2C];
-  if (t.factored) {
-    const float ai = a[r % t.rows];
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) d[j] = ai * b[j] + eps;
-  } else {
+  const float eps = t.c[EPS], b2 = t.c[B2], b2c = t.c[B2C], kb = t.c[KBIAS], b1c = t.c[B1C];
+  const float ai = t.factored ? a[r % t.rows] : 0.0f;
+  if (!t.factored) {
     float* v = reinterpret_cast<float*>(t.f[V]) + off;
     if (first) {
 #pragma omp simd
@@ -193,33 +211,64 @@ void update_row(const Tensor& t, int64_t r, bool first, const float* a, const fl
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) d[j] = float(std::sqrt(double(v[j]))) + eps;
   }
-  const float kb = t.c[KBIAS];
   if (t.mk == 0) {
+    if (t.factored) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) u[j] = (g[j] / d[j]) * kb;
-    return;
-  }
-  const float b1c = t.c[B1C];
-  if (t.mk == 1) {
+      for (int64_t j = 0; j < n; ++j) u[j] = (g[j] / (ai * b[j] + eps)) * kb;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) u[j] = (g[j] / d[j]) * kb;
+    }
+  } else if (t.mk == 1) {
     float* m = reinterpret_cast<float*>(t.f[M]) + off;
     if (first) {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) m[j] = m[j] + b1c * (g[j] - m[j]);
     }
+    if (t.factored) {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) u[j] = (m[j] / d[j]) * kb;
-    return;
-  }
-  uint16_t* m = reinterpret_cast<uint16_t*>(t.f[M]) + off;
-  if (first) {
+      for (int64_t j = 0; j < n; ++j) u[j] = (m[j] / (ai * b[j] + eps)) * kb;
+    } else {
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      const float mo = widen(m[j]);
-      m[j] = narrow(mo + b1c * (g[j] - mo));
+      for (int64_t j = 0; j < n; ++j) u[j] = (m[j] / d[j]) * kb;
+    }
+  } else {
+    uint16_t* m = reinterpret_cast<uint16_t*>(t.f[M]) + off;
+    if (first) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float mo = widen(m[j]);
+        m[j] = narrow(mo + b1c * (g[j] - mo));
+      }
+    }
+    if (t.factored) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) u[j] = (widen(m[j]) / (ai * b[j] + eps)) * kb;
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) u[j] = (widen(m[j]) / d[j]) * kb;
     }
   }
+}
+
+// update_row of a factored row without momentum, then row_sq of its update, in one pass
+// (each element's update squared where it is made): the same values. Returns the sum.
+float plain_row(const Tensor& t, int64_t r, const float* a, const float* b, float* u, Scratch& s) {
+  const int64_t n = t.cols, nh = n / 2, hn = n - nh;
+  const float* g = row_of(reinterpret_cast<const void*>(t.f[G]), t.gk, r * n, n, s.g.data());
+  const float ai = a[r % t.rows], eps = t.c[EPS], kb = t.c[KBIAS];
+  float* buf = s.buf.data();
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) u[j] = (widen(m[j]) / d[j]) * kb;
+  for (int64_t k = 0; k < nh; ++k) {
+    const float u0 = (g[k] / (ai * b[k] + eps)) * kb;
+    const float u1 = (g[k + hn] / (ai * b[k + hn] + eps)) * kb;
+    u[k] = u0, u[k + hn] = u1, buf[k] = u0 * u0 + u1 * u1;
+  }
+  if (hn > nh) {
+    const float u0 = (g[nh] / (ai * b[nh] + eps)) * kb;
+    u[nh] = u0, buf[nh] = u0 * u0;
+  }
+  return tree(buf, hn);
 }
 
 // The new weights of row r from its update u: w = w0 * decay + u * step, written as the
@@ -291,14 +340,26 @@ void stats_alone(const Tensor& t, int64_t mat, Scratch& s, std::vector<float>& c
   const int64_t base = mat * R_ * n;
   for (int64_t i = 0; i < h; ++i) {
     const float* a = row_of(g, t.gk, base + i * n, n, s.g.data());
-    row[i] = row[i] * t.c[B2] + row_sq(a, n, s.buf.data()) * t.c[KR];
     float* c = cb.data() + i * n;
-    if (i < half) {
+    if (i < half) {  // rows i and i + h: both rows' first tree level and the columns' at once
       const float* z = row_of(g, t.gk, base + (i + h) * n, n, s.d.data());
-      row[i + h] = row[i + h] * t.c[B2] + row_sq(z, n, s.buf.data()) * t.c[KR];
+      const int64_t nh = n / 2, hn = n - nh;
+      float* ba = s.buf.data();
+      float* bz = s.u.data();
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) c[j] = a[j] * a[j] + z[j] * z[j];
+      for (int64_t k = 0; k < nh; ++k) {
+        const float a0 = a[k] * a[k], a1 = a[k + hn] * a[k + hn];
+        const float z0 = z[k] * z[k], z1 = z[k + hn] * z[k + hn];
+        ba[k] = a0 + a1, bz[k] = z0 + z1, c[k] = a0 + z0, c[k + hn] = a1 + z1;
+      }
+      if (hn > nh) {
+        const float a0 = a[nh] * a[nh], z0 = z[nh] * z[nh];
+        ba[nh] = a0, bz[nh] = z0, c[nh] = a0 + z0;
+      }
+      row[i] = row[i] * t.c[B2] + tree(ba, hn) * t.c[KR];
+      row[i + h] = row[i + h] * t.c[B2] + tree(bz, hn) * t.c[KR];
     } else {
+      row[i] = row[i] * t.c[B2] + row_sq(a, n, s.buf.data()) * t.c[KR];
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) c[j] = a[j] * a[j];
     }
@@ -337,8 +398,13 @@ void unit_alone(const Tensor& t, int64_t e, double* stats, Scratch& s, Alone& b)
   for (int64_t i = 0; i < t.unit_rows; ++i) {
     const int64_t k = i / t.rows;
     float* u = b.u.data() + i * n;
-    update_row(t, r0 + i, true, b.ab.data() + k * t.rows, b.ab.data() + mats * t.rows + k * n, u,
-               s);
+    const float* va = b.ab.data() + k * t.rows;
+    const float* vb = b.ab.data() + mats * t.rows + k * n;
+    if (t.factored && t.mk == 0) {
+      b.sq[size_t(i)] = plain_row(t, r0 + i, va, vb, u, s);
+      continue;
+    }
+    update_row(t, r0 + i, true, va, vb, u, s);
     b.sq[size_t(i)] = row_sq(u, n, s.buf.data());
   }
   const float step = unit_step(t, b.sq.data(), stats);

@@ -35,6 +35,7 @@ import ctypes
 import hashlib
 import logging
 import math
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -112,31 +113,30 @@ class TieredKernel:
         """Step every job; each one's (sum over its units of the applied RMS^2, units clipped)."""
         if not jobs:
             return []
-        fields: list[int] = []
-        coefs: list[float] = []
+        fields, coefs = array("q"), array("f")  # the descriptors, as the kernel reads them
         for j in jobs:
-            fields += _fields(j)
-            coefs += j.coef
-        f = (ctypes.c_int64 * len(fields))(*fields)
-        c = (ctypes.c_float * len(coefs))(*coefs)
-        stats = (ctypes.c_double * (2 * len(jobs)))()
-        rc = self._fn(f, c, stats, len(jobs), torch.get_num_threads(), TOGETHER)
+            fields.extend(_fields(j))
+            coefs.extend(j.coef)
+        stats = array("d", bytes(16 * len(jobs)))
+        rc = self._fn(
+            fields.buffer_info()[0], coefs.buffer_info()[0], stats.buffer_info()[0], len(jobs),
+            torch.get_num_threads(), TOGETHER,
+        )  # fmt: skip
         if rc != 0:
             raise ValueError(f"moestack_tiered_step refused a job ({rc}): {_describe(jobs)}")
-        return [(stats[2 * i], stats[2 * i + 1]) for i in range(len(jobs))]
+        return list(zip(stats[0::2], stats[1::2], strict=True))
 
 
-def _fields(j: Job) -> list[int]:
-    def ptr(t: Tensor | None) -> int:
-        return 0 if t is None else t.data_ptr()
-
+def _fields(j: Job) -> tuple[int, ...]:
     mk = 0 if j.m is None else 1 + _KINDS[j.m.dtype]
     kinds = _KINDS[j.g.dtype] | _KINDS[j.w.dtype] << 2 | mk << 4
-    kinds |= int(j.row is not None) << 6 | int(j.keys is not None) << 7
-    return [
-        ptr(j.w), ptr(j.g), ptr(j.m), ptr(j.v), ptr(j.row), ptr(j.col), ptr(j.master),
-        ptr(j.keys), j.units, j.lead, j.rows, j.cols, kinds, 0,
-    ]  # fmt: skip
+    kinds |= (j.row is not None) << 6 | (j.keys is not None) << 7
+    return (
+        j.w.data_ptr(), j.g.data_ptr(), 0 if j.m is None else j.m.data_ptr(),
+        0 if j.v is None else j.v.data_ptr(), 0 if j.row is None else j.row.data_ptr(),
+        0 if j.col is None else j.col.data_ptr(), 0 if j.master is None else j.master.data_ptr(),
+        0 if j.keys is None else j.keys.data_ptr(), j.units, j.lead, j.rows, j.cols, kinds, 0,
+    )  # fmt: skip
 
 
 def takes(j: Job) -> bool:
@@ -249,6 +249,8 @@ def tree_sum(x: Tensor, dim: int) -> Tensor:
     n = x.shape[dim]
     if n == 0 or x.device.type != "cpu":
         return x.sum(dim)
+    if n == 1:  # a new tensor, as in every other case (callers scale the sum in place)
+        return x.squeeze(dim).clone()
     while n > 1:
         half, h = n // 2, n - n // 2
         low = x.narrow(dim, 0, half) + x.narrow(dim, h, half)

@@ -97,6 +97,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         self.host_kernel = host_kernel
+        self._native: dict[int, tuple[Any, bool]] = {}  # _takes' memory
+        self._layouts: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
 
     # -- the layout -------------------------------------------------------------------------
 
@@ -122,13 +124,15 @@ class TieredAdamW(torch.optim.Optimizer):
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         jobs: list[host_tiered.Job] = []
         pops: list[str] = []
+        native: list[bool] = []
+        rank = self._ranks()[0]
+        kernel = host_tiered.kernel_or_none() if self.host_kernel else None
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None and p.numel() and self.owns(p):  # torch skips empty ones too
-                    jobs.append(self._job(p, group))
+                if p.grad is not None and p.numel() and self.owner[id(p)] == rank:
+                    jobs.append(self._job(p, group))  # torch skips empty ones too
                     pops.append(self.info[self.names[id(p)]].population)
-        kernel = host_tiered.kernel_or_none() if self.host_kernel else None
-        native = [kernel is not None and host_tiered.takes(j) for j in jobs]
+                    native.append(kernel is not None and self._takes(p, jobs[-1]))
         done = iter(kernel([j for j, n in zip(jobs, native, strict=True) if n]) if kernel else [])
         for job, pop, on_host in zip(jobs, pops, native, strict=True):
             self._count(pop, job, next(done) if on_host else host_tiered.step_torch(job))
@@ -147,16 +151,10 @@ class TieredAdamW(torch.optim.Optimizer):
         st["step"] += 1
         t = st["step"]
         g = p.grad if p.grad.dtype in (torch.float32, torch.bfloat16) else p.grad.float()
-        units = p.shape[0] if self.info[name].stacked else 1
-        if "row" in st:
-            lead, rows, cols = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
-        else:
-            cols = p.shape[-1] if p.ndim else 1
-            lead, rows = units, p.numel() // (units * cols)
-        decay = group["weight_decay"] if p.ndim >= 2 else 0.0
+        units, lead, rows, cols, decays = self._layout(p, name, "row" in st)
         coef = host_tiered.coefficients(
-            group["lr"], group["betas"], group["eps"], t, decay, self.clip_update,
-            "m" in st, rows, cols, p.numel() // units,
+            group["lr"], group["betas"], group["eps"], t, group["weight_decay"] * decays,
+            self.clip_update, "m" in st, rows, cols, p.numel() // units,
         )  # fmt: skip
         keys = None
         if self.master == "none" and p.dtype in (torch.float32, torch.bfloat16):
@@ -165,9 +163,31 @@ class TieredAdamW(torch.optim.Optimizer):
             keys = torch.tensor([host_tiered.unit_key(self.seed, name, e, t) for e in ids],
                                 dtype=torch.int32, device=p.device)  # fmt: skip
         return host_tiered.Job(
-            p.data, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
+            p, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
             st.get("master"), keys, units, lead, rows, cols, coef,
         )  # fmt: skip
+
+    def _layout(self, p: Tensor, name: str, factored: bool) -> tuple[int, int, int, int, bool]:
+        """(units, lead, rows, cols, decays) of ``p`` as host_tiered.Job takes them (its units:
+        its experts, else itself); remembered (a step asks for every parameter's)."""
+        key = (id(p), p.shape, factored)
+        if key not in self._layouts:
+            units = p.shape[0] if self.info[name].stacked else 1
+            if factored:
+                lead, rows, cols = math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
+            else:
+                cols = p.shape[-1] if p.ndim else 1
+                lead, rows = units, p.numel() // (units * cols)
+            self._layouts[key] = (units, lead, rows, cols, p.ndim >= 2)
+        return self._layouts[key]
+
+    def _takes(self, p: Tensor, job: host_tiered.Job) -> bool:
+        """host_tiered.takes(job), remembered while the weights, the gradient's kind and the
+        state tensors are the same (the checks cost more than the update of a small tensor)."""
+        key = (job.w.data_ptr(), job.g.dtype, job.g.device, job.g.numel(), id(self.state[p]))
+        if self._native.get(id(p), (None,))[0] != key:
+            self._native[id(p)] = (key, host_tiered.takes(job))
+        return self._native[id(p)][1]
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
@@ -289,6 +309,7 @@ class TieredAdamW(torch.optim.Optimizer):
             group.update(state_dict.get("groups", {}).get(group["population"], {}))
         entries = state_dict["entries"]
         self.state.clear()
+        self._native.clear()
         for group in self.param_groups:
             for p in group["params"]:
                 if self.owns(p):

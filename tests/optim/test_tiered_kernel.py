@@ -99,6 +99,39 @@ def test_large_units_stepped_by_all_threads_agree(kernel) -> None:  # noqa: ANN0
     assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair])
 
 
+@pytest.mark.parametrize("momentum", [None, torch.float32])
+def test_every_row_width_and_height_steps_to_the_torch_bits(kernel, momentum) -> None:  # noqa: ANN001
+    """Rows of 1 to 128 elements and matrices of 1 to 16 rows (the kernel ends each halving
+    tree at a power-of-two size with fixed code, pairs two rows' sums and takes a row's
+    update with its squares in one pass): the torch ops' bits, factored and full. (A matrix of
+    one column once failed: the torch ops' row sum of one value was a view of the squares,
+    then scaled in place, so the column sums read scaled squares.)"""
+    gen = torch.Generator().manual_seed(3)
+    jobs = []
+    for cols in (1, 2, 3, 8, 16, 33, 64, 128):
+        for rows in (1, 2, 7, 16):
+            for factored in (True, False):
+                shape = (2, rows, cols)
+                coef = host_tiered.coefficients(1e-2, (0.9, 0.95), 1e-8, 2, 0.1, 0.5,
+                                                momentum is not None, rows, cols, rows * cols)  # fmt: skip
+                jobs.append(host_tiered.Job(
+                    torch.randn(shape, generator=gen), torch.randn(shape, generator=gen),
+                    None if momentum is None else torch.randn(shape, generator=gen),
+                    None if factored else torch.rand(shape, generator=gen),
+                    torch.rand(2, rows, generator=gen) if factored else None,
+                    torch.rand(2, cols, generator=gen) if factored else None,
+                    None, None, 2, 2, rows, cols, coef,
+                ))  # fmt: skip
+    twin = [host_tiered.Job(*(t.clone() if isinstance(t, torch.Tensor) else t for t in j))
+            for j in jobs]  # fmt: skip
+    got = kernel(jobs)
+    want = [host_tiered.step_torch(j) for j in twin]
+    for j, t in zip(jobs, twin, strict=True):
+        for x, y in zip(j, t, strict=True):
+            assert not isinstance(x, torch.Tensor) or torch.equal(x, y), (j.rows, j.cols)
+    assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair])
+
+
 def test_tree_sum_order_by_hand() -> None:
     """Five values, n=5: [x0+x3, x1+x4, x2], then [(x0+x3)+x2, x1+x4], then their sum; in
     fp32 the order shows (1e8 + 1 rounds to 1e8)."""
