@@ -130,6 +130,55 @@ def build(mode: str, args: argparse.Namespace, store_root: Path) -> tuple[Any, A
     return model, cfg, state
 
 
+def record_routing(model: Any) -> list[list[int]]:
+    """Forward hooks on every MoE layer's router: for each forward with gradients (a training
+    step's; the backward's recomputation does not route again), the experts its tokens chose,
+    flat in token order (the order the layer requests them). One list per call, in order."""
+    import torch
+
+    from moestack.moe import MoE
+
+    calls: list[list[int]] = []
+
+    def hook(module: Any, inputs: Any, routing: Any) -> None:
+        if torch.is_grad_enabled():
+            calls.append(routing.experts.reshape(-1).tolist())
+
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.router.register_forward_hook(hook)
+    return calls
+
+
+def predicted_traffic(calls: list[list[int]], layers: int, capacity: int) -> dict[str, float]:
+    """The loads and hit rate a step's routing predicts, per step, for an LRU cache of
+    ``capacity`` experts a layer (written out here, not the library's policy): each step's
+    forward requests its layers' experts in layer order, its backward the same in reverse
+    order; a request hits when the layer's LRU holds its expert; a call loads every expert it
+    uses that the LRU did not hold before the call."""
+    from collections import OrderedDict
+
+    held: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(layers)]
+    loads = hits = requests = 0
+    steps = len(calls) // layers
+    for step in range(steps):
+        forward = list(enumerate(calls[step * layers : (step + 1) * layers]))
+        for layer, experts in forward + forward[::-1]:
+            lru = held[layer]
+            loads += len(set(experts) - lru.keys())
+            for e in experts:
+                hits += e in lru
+                lru[e] = None
+                lru.move_to_end(e)
+                if len(lru) > capacity:
+                    lru.popitem(last=False)
+            requests += len(experts)
+    return {
+        "loads": loads / max(steps, 1),
+        "requests": requests / max(steps, 1),
+        "hit_rate": hits / max(requests, 1),
+    }
+
+
 def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, Any]:
     """One mode in this (fresh) process: build, step, measure."""
     import torch
@@ -148,6 +197,7 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
     model, cfg, state = build(mode, args, Path(store_root))
     build_s = time.perf_counter() - start
     optimizer = build_training_optimizer(model, cfg.optim)
+    routing = record_routing(model)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen).to(args.device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -180,6 +230,9 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
         "tokens_per_s": args.batch * args.seq / step_s,
         "losses": losses,
         "cache": state.metrics(args.steps) if state is not None else {},
+        # LRU without prefetch: what this run's routing predicts (compare with "cache")
+        "predicted": predicted_traffic(routing, cfg.model.n_layers, args.capacity),
+        "expert_bytes": experts_bytes // cfg.model.moe.num_experts,
     }
 
 

@@ -1,10 +1,12 @@
 """scripts/bench_stream.py runs end to end at a toy size: every mode in its own process,
-the streamed modes' losses the resident run's, their cache traffic reported."""
+the streamed modes' losses the resident run's, their cache traffic reported and equal to what
+the run's routing predicts for an LRU cache (the bench's own replay, checked by hand here)."""
 
 import json
 import subprocess
 import sys
 
+import pytest
 from helpers.paths import REPO
 
 
@@ -28,4 +30,28 @@ def test_bench_stream_at_toy_size(tmp_path):
         assert rows[mode]["cache"]["cache/loads"] > 0
     assert rows["host"]["cache"]["cache/bytes_read"] == 0  # served from the host tier
     assert rows["disk"]["cache"]["cache/bytes_read"] == rows["disk"]["cache"]["cache/bytes_moved"]
+    for mode in ("host", "disk"):  # every load the routing asks for, and no other
+        cache, predicted = rows[mode]["cache"], rows[mode]["predicted"]
+        assert cache["cache/loads"] == predicted["loads"] > 0
+        assert cache["cache/requests"] == predicted["requests"] == 2 * 5 * 2 * 16 * 2
+        assert cache["cache/hit_rate"] == pytest.approx(predicted["hit_rate"], abs=1e-12)
+        assert cache["cache/bytes_moved"] == predicted["loads"] * rows[mode]["expert_bytes"]
+        assert predicted == rows["resident"]["predicted"]  # the same routing in every mode
+    assert rows["disk"]["expert_bytes"] == 3 * 32 * 32 * 4
     assert list(tmp_path.iterdir()) == [out]  # the stores' temporary folder removed
+
+
+def test_predicted_traffic_by_hand():
+    """Two layers, capacity 2, one step: forward layer 0 [0, 1, 0], layer 1 [2]; backward
+    layer 1 [2], layer 0 [0, 1, 0]. Loads: {0, 1}, {2}, none, none = 3; hits: the second 0,
+    then every backward request (2, 0, 1, 0) = 5 of 8."""
+    from helpers.scripts import script_module
+
+    with script_module("bench_stream") as bench:
+        got = bench.predicted_traffic([[0, 1, 0], [2]], layers=2, capacity=2)
+        assert got == {"loads": 3.0, "requests": 8.0, "hit_rate": 5 / 8}
+        # capacity 1: layer 0's forward [0, 1, 0] misses all three and ends holding 0; its
+        # backward hits 0, then misses 1 and 0: loads {0, 1}, {2}, none, {1} = 4; hits: 2 (the
+        # backward's 2 and its first 0)
+        got = bench.predicted_traffic([[0, 1, 0], [2]], layers=2, capacity=1)
+        assert got == {"loads": 4.0, "requests": 8.0, "hit_rate": 2 / 8}
