@@ -20,7 +20,10 @@ built, so that the page cache of the store's files (the kernel's, reclaimable) i
 counted; ``VmHWM`` (which counts file pages a process maps, here none of the store's: it is
 read with pread); the seconds to build and attach (the store's write included); seconds per
 step (the median of the steps after the first) and tokens/s; the losses; the cache's
-``cache/*`` per step. The losses of every mode should be the resident run's, bit for bit on
+``cache/*`` per step, and beside it ``predicted``: the loads, requests and hit rate that the
+run's own routing (every MoE layer's, recorded in each training forward) gives when replayed
+through an LRU of the same capacity (``predicted_traffic``; without ``--prefetch`` the two
+should be equal). The losses of every mode should be the resident run's, bit for bit on
 the CPU (tests/cache/test_streaming.py); the JSON says whether they are.
 
     python scripts/bench_stream.py [--experts-mb 256] [--steps 5] [--capacity 8] [--prefetch] [--device cuda]
