@@ -184,7 +184,8 @@ class TieredAdamW(torch.optim.Optimizer):
     def _takes(self, p: Tensor, job: host_tiered.Job) -> bool:
         """host_tiered.takes(job), remembered while the weights, the gradient's kind and the
         state tensors are the same (the checks cost more than the update of a small tensor)."""
-        key = (job.w.data_ptr(), job.g.dtype, job.g.device, job.g.numel(), id(self.state[p]))
+        key = (job.w.data_ptr(), job.g.dtype, job.g.device, job.g.numel(),
+               *map(id, (job.m, job.v, job.row, job.col, job.master)))  # fmt: skip
         if self._native.get(id(p), (None,))[0] != key:
             self._native[id(p)] = (key, host_tiered.takes(job))
         return self._native[id(p)][1]

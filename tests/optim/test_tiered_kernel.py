@@ -200,3 +200,20 @@ def test_state_of_another_size_is_not_given_to_the_kernel() -> None:
     assert not host_tiered.takes(job._replace(g=job.g[:, :, :-1].contiguous()))
     assert not host_tiered.takes(job._replace(keys=job.keys[:1]))
     assert not host_tiered.takes(job._replace(units=0))
+
+
+def test_a_state_tensor_replaced_between_steps_is_checked_again(kernel) -> None:  # noqa: ANN001
+    """The kernel's checks of a tensor are remembered between steps; a state tensor replaced
+    by one that does not fit (here the second moment, by one of half the size) is checked
+    again and its update goes to the torch ops, which refuse it by name, instead of the
+    kernel reading past its end."""
+    model = torch.nn.Linear(8, 6, bias=False)
+    pops = {"backbone": PopulationConfig(momentum="none", second_moment="full")}
+    opt = build_optimizer(model, OptimConfig(name="tiered", **pops))
+    assert isinstance(opt, TieredAdamW)
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    st = opt.state[model.weight]
+    st["v"] = torch.zeros(3, 8)
+    with pytest.raises(RuntimeError):
+        opt.step()
