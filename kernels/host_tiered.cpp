@@ -51,13 +51,13 @@ inline uint32_t mix32(uint32_t x) {  // both multipliers below 2^31: torch's int
 // last levels of a row's tree cost a loop set-up each otherwise (half the time of a 128-wide row).
 template <int N>
 inline float fixed_tree(const float* x) {
-  if constexpr (N == 1) {
-    return x[0];
-  } else {
-    float y[N / 2];
-    for (int k = 0; k < N / 2; ++k) y[k] = x[k] + x[k + N / 2];
-    return fixed_tree<N / 2>(y);
-  }
+  float y[N / 2];
+  for (int k = 0; k < N / 2; ++k) y[k] = x[k] + x[k + N / 2];
+  return fixed_tree<N / 2>(y);
+}
+template <>
+inline float fixed_tree<1>(const float* x) {
+  return x[0];
 }
 
 // The halving tree of n >= 1 values in x (overwritten); its sum.
