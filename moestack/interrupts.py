@@ -25,6 +25,7 @@ Python's own Ctrl-C.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import threading
@@ -37,6 +38,7 @@ HOLD, LIVE, STOPPING = "hold", "live", "stopping"
 AGAIN_AFTER_S = 2.0  # a second Ctrl-C sooner than this after the first one raised waits
 INTERRUPTED = 130  # the shell's status for a process ended by Ctrl-C (128 + SIGINT)
 NOTHING_WRITTEN = "moestack-train: interrupted before the run began; nothing was written"
+NOTHING_KEPT = "moestack-train: interrupted before it logged a step; nothing was kept"
 
 
 @dataclass
@@ -109,6 +111,55 @@ def stopping() -> None:
 
 
 # --------------------------------------------------------------------------- the line
+def what_is_there(*folders: Path) -> dict[Path, set[str] | None]:
+    """Each folder's entries before a start writes (None: the folder is not there; its
+    ``run_paths.new_root`` is what the start will make), for :func:`discard_unused`."""
+    from moestack.run_paths import new_root
+
+    there: dict[Path, set[str] | None] = {}
+    for folder in dict.fromkeys(folders):
+        root = new_root(folder)
+        try:
+            there[root or folder] = None if root is not None else set(os.listdir(folder))
+        except OSError:  # unreadable: nothing of it is touched
+            continue
+    return there
+
+
+def discard_unused(out_dir: Path, there: dict[Path, set[str] | None]) -> list[str]:
+    """What a start added to the folders it wrote (``there``: :func:`what_is_there` before
+    it began), removed again when its run in ``out_dir`` logged no step and wrote no
+    checkpoint: a folder it made, and the entries it added to one that was there, hold only
+    its own records. Returns what was removed, said for the line."""
+    import shutil
+
+    from moestack import checkpoint
+
+    if checkpoint.latest_checkpoint(out_dir / "checkpoints") is not None or any(
+        isinstance(r.get("step"), int) for r in _metrics(out_dir)
+    ):
+        return []
+    said = []
+    for folder, names in there.items():
+        added = [folder] if names is None else [folder / n for n in _entries(folder) - names]
+        added = [p for p in added if p.exists() or p.is_symlink()]
+        for path in added:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        if added:
+            said.append(str(folder) if names is None else f"what it added to {folder}")
+    return said
+
+
+def _entries(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except OSError:
+        return set()
+
+
 def stopped_line(out_dir: Path, overrides: list[str], began: bool) -> str:
     """The line a start stopped by Ctrl-C ends with: the last step its run logged, its newest
     checkpoint and the command that continues from it (``overrides``: the start's). A start

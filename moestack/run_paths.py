@@ -98,6 +98,17 @@ def check_record_dir(record: Path, run_dir: Path) -> None:
         )
 
 
+def new_root(path: Path) -> Path | None:
+    """The highest folder that making ``path`` would create (``path`` itself or one above
+    it); None where ``path`` exists. What a start that is stopped before it kept anything
+    removes again (``moestack.interrupts.discard_unused``)."""
+    if path.exists():
+        return None
+    while path.parent != path and not path.parent.exists():
+        path = path.parent
+    return path
+
+
 def is_run_dir(folder: Path) -> bool:
     """Whether ``folder`` holds a run: its provenance record or checkpoints, or a process
     that trains into it now."""

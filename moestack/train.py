@@ -130,16 +130,17 @@ def _run_one(overrides: list[str]) -> None:
     from moestack.trainer import Trainer
 
     run = run_and_report(lambda: HydraRun.compose(overrides))  # hydra's errors, as hydra says
-    out_dir, trainer = run.record_dir, None
+    out_dir, trainer, there = run.record_dir, None, {}
     try:
         with interrupts.live(), env_override(run.hydra.job.env_set):
             cfg, out_dir = _run_config(run.task, run.hydra)
             _check_record_dir(Path(run.run_dir), out_dir, run.task.out_dir)
+            there = interrupts.what_is_there(out_dir, Path(run.run_dir))
             trainer = Trainer(cfg, out_dir, launch_record(run.hydra), [HydraRecord(run)])
             trainer.train()
     except KeyboardInterrupt:  # one line saying how to continue, not a traceback
         began = trainer is not None and trainer.began
-        _stop_interrupted(out_dir, list(run.hydra.overrides.task), began)
+        _stop_interrupted(out_dir, list(run.hydra.overrides.task), began, there)
     except (MoestackError, ValueError) as err:
         interrupts.stopping()
         log.error("error: %s", err)
@@ -257,14 +258,25 @@ def _sweep_job(dict_cfg: Any, hydra_cfg: Any) -> None:
 
 
 # --------------------------------------------------------------------------- Ctrl-C
-def _stop_interrupted(out_dir: Path, overrides: list[str], began: bool) -> None:
+def _stop_interrupted(
+    out_dir: Path, overrides: list[str], began: bool, there: dict[Path, Any] | None = None
+) -> None:
     """Say where the run in ``out_dir`` stopped (rank 0 only: every rank of a torchrun launch
-    gets the Ctrl-C) and exit with the shell's status for it; later Ctrl-Cs are ignored."""
+    gets the Ctrl-C) and exit with the shell's status for it; later Ctrl-Cs are ignored. What
+    a start that began added to the folders ``there`` (as they were before it), where its run
+    logged no step and kept no checkpoint, is removed first (``interrupts.discard_unused``):
+    nothing is left that was not there."""
     from moestack.distributed import launch_info
 
     interrupts.stopping()
     if launch_info().is_main:
-        _say(interrupts.stopped_line(out_dir, overrides, began), sys.stderr)
+        removed = interrupts.discard_unused(out_dir, there or {}) if began else []
+        line = (
+            f"{interrupts.NOTHING_KEPT} (removed: {', '.join(removed)})"
+            if removed
+            else interrupts.stopped_line(out_dir, overrides, began)
+        )
+        _say(line, sys.stderr)
     sys.exit(interrupts.INTERRUPTED)
 
 

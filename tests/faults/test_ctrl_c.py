@@ -75,18 +75,39 @@ def test_ctrl_c_right_before_the_start_writes_and_again_at_exit_leaves_nothing(
                      refused=2)  # fmt: skip
 
 
-def test_ctrl_c_once_the_folder_is_made_does_not_say_nothing_was_written(tmp_path, fault_report):
-    """The start made kept/run, then Ctrl-C: the line says no checkpoint was written (the
-    folder is there), not that nothing was."""
+def test_ctrl_c_once_the_folder_is_made_removes_it_again(tmp_path, fault_report):
+    """The start made kept/a/run (and kept/a above it), then Ctrl-C before a step: the
+    folders it made hold only its own records, so they go again (kept, there before, stays
+    as it was), and the line says so."""
     (tmp_path / "kept").mkdir()
-    done = planted("folder-made", *TINY, "out_dir=kept/run", cwd=tmp_path)
+    (tmp_path / "kept/mine.txt").write_text("the user's")
+    before = tree_of(tmp_path)
+    done = planted("folder-made", *TINY, "out_dir=kept/a/run", cwd=tmp_path)
     line = the_line(done)
-    assert (tmp_path / "kept/run").is_dir()
+    assert tree_of(tmp_path) == before
     assert line == (
-        "moestack-train: interrupted before it logged a step; no checkpoint was written in "
-        "kept/run, so there is nothing to resume: run the command again to start over"
+        "moestack-train: interrupted before it logged a step; nothing was kept (removed: kept/a)"
     )
     fault_report.add("Ctrl-C: right after the run folder is made", injected=1, refused=1)
+
+
+def test_ctrl_c_before_a_step_into_a_folder_that_was_there_keeps_only_what_was_there(
+    tmp_path, fault_report
+):
+    """out_dir existed, holding a file of the user's: the folder and that file stay, what the
+    start added to it (its records, log and lock) goes, and the line says so."""
+    (tmp_path / "kept/run").mkdir(parents=True)
+    (tmp_path / "kept/run/notes.txt").write_text("the user's")
+    before = tree_of(tmp_path)
+    done = planted("folder-made", *TINY, "out_dir=kept/run", cwd=tmp_path)
+    line = the_line(done)
+    assert tree_of(tmp_path) == before
+    assert line == (
+        "moestack-train: interrupted before it logged a step; nothing was kept (removed: what "
+        "it added to kept/run)"
+    )
+    fault_report.add("Ctrl-C: right after the start, into a folder that was there",
+                     injected=1, refused=1)  # fmt: skip
 
 
 def test_ctrl_c_twice_after_steps_names_out_dirs_checkpoint_and_its_command_resumes(
