@@ -498,11 +498,17 @@ def gpu_fit(plan: MemoryPlan, gpu_gb: float, cfg: TrainConfig) -> str:
             f"device: fits {what}, {(card - total) / GIB:.2f} GiB left (not counted: the CUDA "
             "context and the backward's transient buffers)"
         )
-    fixes = ["optim=offload_adamw"] if cfg.optim.name == "adamw" else []
+    fixes = ["optim=tiered or offload_adamw"] if cfg.optim.name == "adamw" else []
     fixes += ["trainable=lora or routers"] if cfg.trainable == "all" else []
+    if cfg.trainable != "all" and cfg.offload_experts == "off":  # frozen experts
+        fixes.append("offload_experts=host or disk")
+    if "lora" in cfg.trainable and cfg.lora.base_dtype == "float32":
+        fixes.append("lora.base_dtype=bfloat16")
     if not cfg.model.is_transformers and cfg.model.checkpointing != "block":
         fixes.append("model.checkpointing=block")
-    fixes.append(f"a batch_size below {cfg.batch_size} or a data.seq_len below {cfg.data.seq_len}")
+    smaller = [f"a {name} below {n}" for name, n in
+               (("batch_size", cfg.batch_size), ("data.seq_len", cfg.data.seq_len)) if n > 1]  # fmt: skip
+    fixes += [" or ".join(smaller)] if smaller else []
     return (
         f"device: does not fit {what}, {(total - card) / GIB:.2f} GiB over; less on the "
         f"device: {', '.join(fixes)}"

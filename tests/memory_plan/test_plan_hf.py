@@ -197,3 +197,34 @@ def test_the_documented_qwen3_30b_a3b_projection_holds():
     assert f"- {48 * 128 * expert} B routed experts" in plan.line("weights").formula
     assert f"{plan.total('device') / 2**20:,.2f}" == "19,632.09"
     assert plan.total("device") < 24 * 2**30 and plan.total("host") == 0
+
+
+class _Total:
+    """A plan of ``device`` bytes on the device (all that gpu_fit reads)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+
+    def total(self, kind: str) -> int:
+        return self.device if kind == "device" else 0
+
+
+def test_gpu_gb_advice_names_the_settings_that_apply():
+    """A LoRA run of a transformers folder, batch 1, over a 1 GiB card: the advice names
+    offload_experts and lora.base_dtype (its frozen experts and fp32 base weights are the
+    bulk), never "a batch_size below 1"; a full fine-tune with AdamW is told optim and
+    trainable, and a streamed one no offload_experts again."""
+    from moestack.memory_plan import gpu_fit
+
+    cfg = compose_config(["model=hf", "model.path=x", "trainable=lora", "batch_size=1",
+                          "data.seq_len=128"])  # fmt: skip
+    line = gpu_fit(_Total(2 * 2**30), 1.0, cfg)
+    assert line.startswith("device: does not fit a GPU of 1 GiB: 2048.00 MiB planned"), line
+    assert "offload_experts=host or disk" in line and "lora.base_dtype=bfloat16" in line
+    assert "batch_size below" not in line and "a data.seq_len below 128" in line
+    full = gpu_fit(_Total(2 * 2**30), 1.0, compose_config(["batch_size=4"]))
+    assert "optim=tiered or offload_adamw" in full and "trainable=lora or routers" in full
+    assert "offload_experts" not in full and "a batch_size below 4" in full
+    streamed = compose_config(["trainable=lora", "offload_experts=disk", "optim=tiered"])
+    assert "offload_experts" not in gpu_fit(_Total(2 * 2**30), 1.0, streamed)
+    assert gpu_fit(_Total(2**29), 1.0, cfg).startswith("device: fits a GPU of 1 GiB")
