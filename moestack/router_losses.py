@@ -185,10 +185,12 @@ def window_concentration(
             "sequences"
         )
     piece_T = window_pieces(rows, seq_len, window_size, seg_RS, probs_TE.device)
-    num_pieces = int(piece_T[-1]) + 1
-    sums_GE = probs_TE.new_zeros(num_pieces, num_experts).index_add(0, piece_T, probs_TE)
-    counts_G = torch.bincount(piece_T, minlength=num_pieces).to(probs_TE.dtype)
-    mean_GE = sums_GE / counts_G[:, None]
+    # at most a piece a token: sized on the host, so the loss never waits for the device
+    # (the number of pieces, or a bincount, would); the pieces past the last stay empty
+    tokens = probs_TE.shape[0]
+    sums_GE = probs_TE.new_zeros(tokens, num_experts).index_add(0, piece_T, probs_TE)
+    counts_G = probs_TE.new_zeros(tokens).index_add(0, piece_T, probs_TE.new_ones(tokens))
+    mean_GE = sums_GE / counts_G.clamp_min(1.0)[:, None]  # an empty piece: 0, weight 0
     entropy_G = -(mean_GE * mean_GE.clamp_min(1e-30).log()).sum(-1)
     return (counts_G * entropy_G).sum() / (probs_TE.shape[0] * math.log(num_experts))
 

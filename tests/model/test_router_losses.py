@@ -102,6 +102,27 @@ def test_window_hand_values():
     assert window_concentration(one_hot, (2, 2), window_size=2).item() == pytest.approx(0.0)
 
 
+def test_window_loss_reads_nothing_back_from_the_device(monkeypatch):
+    """The window loss on a batch with documents, with every way of reading a tensor's value
+    on the host refused (on CUDA each is a host sync: the number of pieces, a bincount):
+    the hand-worked value of test_window_hand_values all the same, and a gradient."""
+    probs = torch.tensor(WINDOW_PROBS, dtype=torch.float64, requires_grad=True)
+    routing = routing_from_probs(WINDOW_PROBS, k=1)._replace(scores=probs)
+    seg = torch.tensor([0, 0, 0, 1])
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a device value read on the host in the window loss")
+
+    for name in ("__int__", "__index__", "__bool__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refused)
+    monkeypatch.setattr(torch, "bincount", refused)
+    loss = window_concentration(routing, (4,), window_size=2, segment_ids=seg)
+    loss.backward()
+    monkeypatch.undo()
+    assert loss.item() == pytest.approx((2 * entropy2(0.8) + 1.0 + entropy2(0.1)) / 4)
+    assert probs.grad is not None and torch.isfinite(probs.grad).all()
+
+
 def test_pin_hand_values():
     routing = routing_from_probs([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]], k=1)
     # pinned {0}: shares 0.6, 0.2 -> mean 0.4; (0.4 - 0.5)^2 = 0.01
