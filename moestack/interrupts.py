@@ -113,16 +113,16 @@ def stopping() -> None:
 # --------------------------------------------------------------------------- the line
 def what_is_there(*folders: Path) -> dict[Path, set[str] | None]:
     """Each folder's entries before a start writes (None: the folder is not there; its
-    ``run_paths.new_root`` is what the start will make), for :func:`discard_unused`."""
+    ``run_paths.new_root`` is what the start will make), for :func:`discard_unused`; an
+    unreadable folder is left out (nothing of it is touched)."""
     from moestack.run_paths import new_root
 
     there: dict[Path, set[str] | None] = {}
     for folder in dict.fromkeys(folders):
         root = new_root(folder)
-        try:
-            there[root or folder] = None if root is not None else set(os.listdir(folder))
-        except OSError:  # unreadable: nothing of it is touched
-            continue
+        names = None if root is not None else _entries(folder)
+        if root is not None or names is not None:
+            there[root or folder] = names
     return there
 
 
@@ -133,15 +133,13 @@ def discard_unused(out_dir: Path, there: dict[Path, set[str] | None]) -> list[st
     its own records. Returns what was removed, said for the line."""
     import shutil
 
-    from moestack import checkpoint
-
-    if checkpoint.latest_checkpoint(out_dir / "checkpoints") is not None or any(
-        isinstance(r.get("step"), int) for r in _metrics(out_dir)
-    ):
+    last, steps = _progress(out_dir)
+    if last is not None or steps:
         return []
     said = []
     for folder, names in there.items():
-        added = [folder] if names is None else [folder / n for n in _entries(folder) - names]
+        now = _entries(folder) or set()
+        added = [folder] if names is None else [folder / n for n in now - names]
         added = [p for p in added if p.exists() or p.is_symlink()]
         for path in added:
             if path.is_dir() and not path.is_symlink():
@@ -153,11 +151,20 @@ def discard_unused(out_dir: Path, there: dict[Path, set[str] | None]) -> list[st
     return said
 
 
-def _entries(folder: Path) -> set[str]:
+def _entries(folder: Path) -> set[str] | None:
+    """The names in ``folder``; None where it cannot be read."""
     try:
         return set(os.listdir(folder))
     except OSError:
-        return set()
+        return None
+
+
+def _progress(out_dir: Path) -> tuple[Path | None, list[int]]:
+    """The run in ``out_dir``'s newest checkpoint (None: none) and the steps it logged."""
+    from moestack import checkpoint
+
+    last = checkpoint.latest_checkpoint(out_dir / "checkpoints")
+    return last, [r["step"] for r in _metrics(out_dir) if isinstance(r.get("step"), int)]
 
 
 def stopped_line(out_dir: Path, overrides: list[str], began: bool) -> str:
@@ -165,12 +172,9 @@ def stopped_line(out_dir: Path, overrides: list[str], began: bool) -> str:
     checkpoint and the command that continues from it (``overrides``: the start's). A start
     that had not ``began`` left the folder as it was (provenance.json then records nothing;
     a start that began records itself "interrupted")."""
-    from moestack import checkpoint
-
-    last = checkpoint.latest_checkpoint(out_dir / "checkpoints")
+    last, steps = _progress(out_dir)
     if not began and last is None:
         return NOTHING_WRITTEN
-    steps = [r["step"] for r in _metrics(out_dir) if isinstance(r.get("step"), int)]
     at = f"after step {max(steps)} (the last one logged)" if steps else "before it logged a step"
     if not began:
         at = "before this start began (the run's folder is as it was)"

@@ -133,19 +133,20 @@ def build(mode: str, args: argparse.Namespace, store_root: Path) -> tuple[Any, A
     return model, cfg, state
 
 
-def record_routing(model: Any) -> list[list[int]]:
+def record_routing(model: Any) -> list[Any]:
     """Forward hooks on every MoE layer's router: for each forward with gradients (a training
     step's; the backward's recomputation does not route again), the experts its tokens chose,
-    flat in token order (the order the layer requests them). One list per call, in order."""
+    flat in token order (the order the layer requests them), kept where they are (read after
+    the timed steps: no host sync added to them). One tensor per call, in order."""
     import torch
 
     from moestack.moe import MoE
 
-    calls: list[list[int]] = []
+    calls: list[Any] = []
 
     def hook(module: Any, inputs: Any, routing: Any) -> None:
         if torch.is_grad_enabled():
-            calls.append(routing.experts.reshape(-1).tolist())
+            calls.append(routing.experts.detach().reshape(-1))
 
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.router.register_forward_hook(hook)
@@ -234,7 +235,9 @@ def run_mode(mode: str, args: argparse.Namespace, store_root: str) -> dict[str, 
         "losses": losses,
         "cache": state.metrics(args.steps) if state is not None else {},
         # LRU without prefetch: what this run's routing predicts (compare with "cache")
-        "predicted": predicted_traffic(routing, cfg.model.n_layers, args.capacity),
+        "predicted": predicted_traffic(
+            [c.tolist() for c in routing], cfg.model.n_layers, args.capacity
+        ),
         "expert_bytes": experts_bytes // cfg.model.moe.num_experts,
     }
 

@@ -75,39 +75,32 @@ def test_ctrl_c_right_before_the_start_writes_and_again_at_exit_leaves_nothing(
                      refused=2)  # fmt: skip
 
 
-def test_ctrl_c_once_the_folder_is_made_removes_it_again(tmp_path, fault_report):
-    """The start made kept/a/run (and kept/a above it), then Ctrl-C before a step: the
-    folders it made hold only its own records, so they go again (kept, there before, stays
-    as it was), and the line says so."""
-    (tmp_path / "kept").mkdir()
-    (tmp_path / "kept/mine.txt").write_text("the user's")
-    before = tree_of(tmp_path)
-    done = planted("folder-made", *TINY, "out_dir=kept/a/run", cwd=tmp_path)
-    line = the_line(done)
-    assert tree_of(tmp_path) == before
-    assert line == (
-        "moestack-train: interrupted before it logged a step; nothing was kept (removed: kept/a)"
-    )
-    fault_report.add("Ctrl-C: right after the run folder is made", injected=1, refused=1)
-
-
-def test_ctrl_c_before_a_step_into_a_folder_that_was_there_keeps_only_what_was_there(
-    tmp_path, fault_report
+@pytest.mark.parametrize(
+    "there,out_dir,removed,case",
+    [  # the start made kept/a/run and kept/a above it: both go
+        ("kept/mine.txt", "kept/a/run", "kept/a", "right after the run folder is made"),
+        # out_dir was there with a file of the user's: that stays, the start's records go
+        ("kept/run/notes.txt", "kept/run", "what it added to kept/run",
+         "right after the start, into a folder that was there"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_before_a_step_leaves_only_what_was_there(
+    tmp_path, fault_report, there, out_dir, removed, case
 ):
-    """out_dir existed, holding a file of the user's: the folder and that file stay, what the
-    start added to it (its records, log and lock) goes, and the line says so."""
-    (tmp_path / "kept/run").mkdir(parents=True)
-    (tmp_path / "kept/run/notes.txt").write_text("the user's")
+    """Ctrl-C right after the start made (or took) its run folder, before a step: what the
+    start made or added holds only its own records, so it goes again; what was there stays
+    as it was, and the line says what was removed."""
+    (tmp_path / there).parent.mkdir(parents=True)
+    (tmp_path / there).write_text("the user's")
     before = tree_of(tmp_path)
-    done = planted("folder-made", *TINY, "out_dir=kept/run", cwd=tmp_path)
+    done = planted("folder-made", *TINY, f"out_dir={out_dir}", cwd=tmp_path)
     line = the_line(done)
     assert tree_of(tmp_path) == before
     assert line == (
-        "moestack-train: interrupted before it logged a step; nothing was kept (removed: what "
-        "it added to kept/run)"
+        "moestack-train: interrupted before it logged a step; nothing was kept "
+        f"(removed: {removed})"
     )
-    fault_report.add("Ctrl-C: right after the start, into a folder that was there",
-                     injected=1, refused=1)  # fmt: skip
+    fault_report.add(f"Ctrl-C: {case}", injected=1, refused=1)
 
 
 def test_ctrl_c_twice_after_steps_names_out_dirs_checkpoint_and_its_command_resumes(
