@@ -4,10 +4,12 @@
 // tree of tree() (x[k] + x[k + ceil(n/2)], until one is left), so no result depends on the
 // vector width, the thread count or which thread takes a row.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 #include <omp.h>
 
@@ -47,35 +49,38 @@ inline uint32_t mix32(uint32_t x) {  // both multipliers below 2^31: torch's int
   return x;
 }
 
-// The halving tree of N values (N a power of two) in x, its levels at sizes known here: the
-// last levels of a row's tree cost a loop set-up each otherwise (half the time of a 128-wide row).
+// The halving tree of N values (any N >= 1) in x (overwritten), every level at a size known
+// here: a level's loop costs a set-up otherwise, as much as the adds of a short row's tree.
 template <int N>
-inline float fixed_tree(const float* x) {
-  float y[N / 2];
-  for (int k = 0; k < N / 2; ++k) y[k] = x[k] + x[k + N / 2];
-  return fixed_tree<N / 2>(y);
-}
+struct Fixed {
+  static float sum(float* x) {
+    constexpr int half = N / 2, h = N - half;
+    for (int k = 0; k < half; ++k) x[k] = x[k] + x[k + h];
+    return Fixed<h>::sum(x);
+  }
+};
 template <>
-inline float fixed_tree<1>(const float* x) {
-  return x[0];
+struct Fixed<1> {
+  static float sum(float* x) { return x[0]; }
+};
+
+constexpr int64_t FIXED = 64;  // trees of up to this many values are taken by Fixed<n>
+
+template <int... N>
+constexpr std::array<float (*)(float*), sizeof...(N)> fixed_table(std::integer_sequence<int, N...>) {
+  return {{&Fixed<N + 1>::sum...}};
 }
+constexpr auto FIXED_SUMS = fixed_table(std::make_integer_sequence<int, FIXED>());
 
 // The halving tree of n >= 1 values in x (overwritten); its sum.
 inline float tree(float* x, int64_t n) {
-  while (n > 16 || (n > 1 && (n & (n - 1)))) {
+  while (n > FIXED) {
     const int64_t half = n / 2, h = n - half;
 #pragma omp simd
     for (int64_t k = 0; k < half; ++k) x[k] = x[k] + x[k + h];
     n = h;
   }
-  switch (n) {
-    case 16: return fixed_tree<16>(x);
-    case 8: return fixed_tree<8>(x);
-    case 4: return fixed_tree<4>(x);
-    case 2: return fixed_tree<2>(x);
-    case 1: return x[0];
-    default: return 0.0f;
-  }
+  return n >= 1 ? FIXED_SUMS[size_t(n - 1)](x) : 0.0f;
 }
 
 // A row of n elements of kind (0 float32, 1 bfloat16) at p + off, as floats in out.
@@ -126,12 +131,19 @@ inline Tensor describe(const int64_t* f, const float* c) {
   return t;
 }
 
+// v with room for at least n values (never shrunk, so a thread's buffers, kept between calls,
+// are filled with zeros once, not at every unit of another size).
+template <class T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (int64_t(v.size()) < n) v.resize(size_t(n));
+}
+
 struct Scratch {  // one thread's rows: g, d, u of a row; buf a tree's (a row, or a row
   std::vector<float> g, d, u, buf, col;  // statistic vector); col the column sums' tree
   void fit(int64_t cols, int64_t rows, int64_t colbuf) {
-    g.resize(size_t(cols)), d.resize(size_t(cols)), u.resize(size_t(cols));
-    buf.resize(size_t(cols > rows ? cols : rows));
-    col.resize(size_t(colbuf));
+    grow(g, cols), grow(d, cols), grow(u, cols);
+    grow(buf, cols > rows ? cols : rows);
+    grow(col, colbuf);
   }
 };
 
@@ -334,7 +346,7 @@ struct Unit {
 // width), then the rest of the trees in cb: the same sums as rows_of and cols_of.
 void stats_alone(const Tensor& t, int64_t mat, Scratch& s, std::vector<float>& cb) {
   const int64_t R_ = t.rows, n = t.cols, half = R_ / 2, h = R_ - half;
-  cb.resize(size_t(h * n));
+  grow(cb, h * n);
   float* row = reinterpret_cast<float*>(t.f[ROW]) + mat * R_;
   const void* g = reinterpret_cast<const void*>(t.f[G]);
   const int64_t base = mat * R_ * n;
@@ -386,14 +398,14 @@ struct Alone {  // one thread's buffers for whole units
 void unit_alone(const Tensor& t, int64_t e, double* stats, Scratch& s, Alone& b) {
   const int64_t mats = t.per_unit_mats, m0 = e * mats, n = t.cols;
   if (t.factored) {
-    b.ab.resize(size_t(mats * (t.rows + n)));
+    grow(b.ab, mats * (t.rows + n));
     for (int64_t k = 0; k < mats; ++k) {
       stats_alone(t, m0 + k, s, b.cb);
       vectors_of(t, m0 + k, b.ab.data() + k * t.rows, b.ab.data() + mats * t.rows + k * n, s);
     }
   }
-  b.sq.resize(size_t(t.unit_rows));
-  b.u.resize(size_t(t.unit_rows * n));
+  grow(b.sq, t.unit_rows);
+  grow(b.u, t.unit_rows * n);
   const int64_t r0 = e * t.unit_rows;
   for (int64_t i = 0; i < t.unit_rows; ++i) {
     const int64_t k = i / t.rows;
@@ -477,9 +489,9 @@ extern "C" int moestack_tiered_step(const int64_t* fields, const float* coefs, d
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
-    Scratch s;
+    static thread_local Scratch s;  // kept by the thread between calls: no allocation a step
     s.fit(maxcols, maxrows, ((maxrows + 1) / 2) * CB);
-    Alone buffers;
+    static thread_local Alone buffers;
     for (int64_t k = next.fetch_add(1); k < int64_t(alone.size()); k = next.fetch_add(1)) {
       const Unit& u = alone[size_t(k)];
       const Tensor t = describe(fields + NI * u.tensor, coefs + NC * u.tensor);

@@ -47,7 +47,9 @@ from moestack.kernels import host_build
 
 log = logging.getLogger(__name__)
 SOURCE_FILE = "host_tiered.cpp"
-_FIELDS = 14  # the int64 fields of a tensor (host_tiered.cpp: enum W ... STATS)
+FIELDS, COEFS = 14, 12  # a tensor's int64 fields and float coefficients (host_tiered.cpp's enums)
+G, KEYS = 1, 7  # the fields of the gradient's and the noise keys' addresses
+EPS, NEGLR = 4, 7  # the first and last coefficient a step changes (also KBIAS and DECAY)
 TOGETHER = 1 << 18  # units of at least this many elements are stepped by all threads at once
 _TINY = 1e-30
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
@@ -84,12 +86,22 @@ def coefficients(
     """The 12 scalars of :class:`Job` (host_tiered.cpp's enum B1C ... RF), in double here and
     float32 in the kernel; ``decay`` the weight decay (0 for a 1-D tensor)."""
     b1, b2 = betas
-    bias2 = math.sqrt(1 - b2**t)
     return (
-        1 - b1, b2, (1 - b2) / cols, (1 - b2) / rows, eps * bias2,
-        bias2 / (1 - b1**t) if momentum else bias2,
-        1 - lr * decay, -lr, clip, math.sqrt(unit_numel), 1 - b2, float(rows),
+        1 - b1, b2, (1 - b2) / cols, (1 - b2) / rows,
+        *step_coefficients(lr, betas, eps, t, decay, momentum),
+        clip, math.sqrt(unit_numel), 1 - b2, float(rows),
     )  # fmt: skip
+
+
+def step_coefficients(
+    lr: float, betas: tuple[float, float], eps: float, t: int, decay: float, momentum: bool
+) -> tuple[float, float, float, float]:
+    """Those of :func:`coefficients` that the learning rate and the step count change, its
+    [EPS, NEGLR] (eps scaled by the second moment's bias correction, the update's bias
+    correction, the weight decay's factor and the step's sign and size)."""
+    b1, b2 = betas
+    bias2 = math.sqrt(1 - b2**t)
+    return eps * bias2, bias2 / (1 - b1**t) if momentum else bias2, 1 - lr * decay, -lr
 
 
 def unit_key(seed: int, name: str, expert: int | None, step: int) -> int:
@@ -115,19 +127,29 @@ class TieredKernel:
             return []
         fields, coefs = array("q"), array("f")  # the descriptors, as the kernel reads them
         for j in jobs:
-            fields.extend(_fields(j))
+            fields.extend(fields_of(j))
             coefs.extend(j.coef)
         stats = array("d", bytes(16 * len(jobs)))
+        try:
+            self.call(fields, coefs, stats, len(jobs))
+        except ValueError as err:
+            raise ValueError(f"{err}: {_describe(jobs)}") from None
+        return list(zip(stats[0::2], stats[1::2], strict=True))
+
+    def call(self, fields: array, coefs: array, stats: array, count: int) -> None:
+        """One call on ``count`` tensors' descriptors (``fields`` int64 and ``coefs`` float,
+        :func:`fields_of` and :func:`coefficients` of each) into ``stats`` (2 doubles each);
+        ValueError where the kernel refuses one (then it has written nothing)."""
         rc = self._fn(
-            fields.buffer_info()[0], coefs.buffer_info()[0], stats.buffer_info()[0], len(jobs),
+            fields.buffer_info()[0], coefs.buffer_info()[0], stats.buffer_info()[0], count,
             torch.get_num_threads(), TOGETHER,
         )  # fmt: skip
         if rc != 0:
-            raise ValueError(f"moestack_tiered_step refused a job ({rc}): {_describe(jobs)}")
-        return list(zip(stats[0::2], stats[1::2], strict=True))
+            raise ValueError(f"moestack_tiered_step refused a tensor's descriptor ({rc})")
 
 
-def _fields(j: Job) -> tuple[int, ...]:
+def fields_of(j: Job) -> tuple[int, ...]:
+    """The kernel's int64 fields of ``j`` (host_tiered.cpp: enum W ... STATS)."""
     mk = 0 if j.m is None else 1 + _KINDS[j.m.dtype]
     kinds = _KINDS[j.g.dtype] | _KINDS[j.w.dtype] << 2 | mk << 4
     kinds |= (j.row is not None) << 6 | (j.keys is not None) << 7

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from moestack import seeding
 from moestack.kernels import host_tiered
+from moestack.optim.tiered_plan import KernelPlan, Native
 from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         self.host_kernel = host_kernel
-        self._native: dict[int, tuple[Any, bool]] = {}  # _takes' memory
+        self._plan: KernelPlan | None = None  # the kernel's descriptors, kept between steps
+        self._owned_by: dict[int, list[tuple[Tensor, dict[str, Any]]]] = {}
         self._layouts: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
 
     # -- the layout -------------------------------------------------------------------------
@@ -109,6 +111,15 @@ class TieredAdamW(torch.optim.Optimizer):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
+    def _owned(self) -> list[tuple[Tensor, dict[str, Any]]]:
+        """The ``(parameter, group)`` pairs whose state this rank keeps, in order (remembered
+        per rank: the owners are fixed when the optimizer is made)."""
+        rank = self._ranks()[0]
+        if rank not in self._owned_by:
+            self._owned_by[rank] = [(p, group) for group in self.param_groups
+                                    for p in group["params"] if self.owner[id(p)] == rank]  # fmt: skip
+        return self._owned_by[rank]
+
     def owns(self, p: Tensor) -> bool:
         """Whether this rank keeps ``p``'s state and computes its update."""
         return self.owner[id(p)] == self._ranks()[0]
@@ -118,27 +129,46 @@ class TieredAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every owned parameter with a gradient (the C++ kernel steps those on
-        the CPU in one call, torch ops the others, to the same bits), then (several ranks)
-        every parameter's new weights broadcast from its owner."""
+        the CPU in one call, through a :class:`~moestack.optim.tiered_plan.KernelPlan` made at
+        the first step and kept while it fits; torch ops the others, to the same bits), then
+        (several ranks) every parameter's new weights broadcast from its owner."""
         loss = closure() if closure is not None else None
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
-        jobs: list[host_tiered.Job] = []
-        pops: list[str] = []
-        native: list[bool] = []
-        rank = self._ranks()[0]
+        owned = self._owned()
         kernel = host_tiered.kernel_or_none() if self.host_kernel else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p.numel() and self.owner[id(p)] == rank:
-                    jobs.append(self._job(p, group))  # torch skips empty ones too
-                    pops.append(self.info[self.names[id(p)]].population)
-                    native.append(kernel is not None and self._takes(p, jobs[-1]))
-        done = iter(kernel([j for j, n in zip(jobs, native, strict=True) if n]) if kernel else [])
-        for job, pop, on_host in zip(jobs, pops, native, strict=True):
-            self._count(pop, job, next(done) if on_host else host_tiered.step_torch(job))
+        plan = self._plan
+        if kernel is not None and plan is not None and plan.fits(self.seed, self.clip_update):
+            plan.run(kernel, self.stats)
+            self._step_each(plan.rest, kernel)
+        else:
+            todo = [(p, group) for p, group in owned if p.grad is not None and p.numel()]
+            native = self._step_each(todo, kernel)
+            self._plan = (
+                KernelPlan(todo, owned, native, self.seed, self.clip_update) if native else None
+            )
         self._share_weights()
         self._reduce_stats()
         return loss
+
+    def _step_each(
+        self, todo: list[tuple[Tensor, dict[str, Any]]], kernel: host_tiered.TieredKernel | None
+    ) -> dict[int, Native]:
+        """Step ``todo`` (``(parameter, group)`` pairs): the kernel those it takes, in one call,
+        torch ops the others. Returns what the kernel took, by position in ``todo``, for a plan
+        (those whose job holds their own gradient: not a converted copy)."""
+        jobs = [self._job(p, group) for p, group in todo]
+        took = [kernel is not None and host_tiered.takes(j) for j in jobs]
+        done = iter(kernel([j for j, n in zip(jobs, took, strict=True) if n]) if kernel else [])
+        native = {}
+        for i, ((p, group), job, on_host) in enumerate(zip(todo, jobs, took, strict=True)):
+            name = self.names[id(p)]
+            self._count(self.info[name].population, job,
+                        next(done) if on_host else host_tiered.step_torch(job))  # fmt: skip
+            if on_host and job.g is p.grad:
+                decay = group["weight_decay"] * self._layout(p, name, "row" in self.state[p])[4]
+                ids = self._key_ids(name, job.units) if job.keys is not None else ()
+                native[i] = Native(p, group, job, self.state[p], decay, ids)
+        return native
 
     def _job(self, p: Tensor, group: dict[str, Any]) -> host_tiered.Job:
         """The documented update of one parameter (docs/optim.md, "Tiered state") as the
@@ -158,14 +188,21 @@ class TieredAdamW(torch.optim.Optimizer):
         )  # fmt: skip
         keys = None
         if self.master == "none" and p.dtype in (torch.float32, torch.bfloat16):
-            offset = self.offsets.get(name, 0)
-            ids = [e + offset for e in range(units)] if self.info[name].stacked else [None]
-            keys = torch.tensor([host_tiered.unit_key(self.seed, name, e, t) for e in ids],
+            keys = torch.tensor([host_tiered.unit_key(self.seed, n, e, t)
+                                 for n, e in self._key_ids(name, units)],
                                 dtype=torch.int32, device=p.device)  # fmt: skip
         return host_tiered.Job(
             p, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
             st.get("master"), keys, units, lead, rows, cols, coef,
         )  # fmt: skip
+
+    def _key_ids(self, name: str, units: int) -> tuple[tuple[str, int | None], ...]:
+        """What each unit's noise key hashes besides the seed and step: the name and the
+        expert's global id (None for a tensor that is one unit)."""
+        if not self.info[name].stacked:
+            return ((name, None),)
+        offset = self.offsets.get(name, 0)
+        return tuple((name, e + offset) for e in range(units))
 
     def _layout(self, p: Tensor, name: str, factored: bool) -> tuple[int, int, int, int, bool]:
         """(units, lead, rows, cols, decays) of ``p`` as host_tiered.Job takes them (its units:
@@ -180,15 +217,6 @@ class TieredAdamW(torch.optim.Optimizer):
                 lead, rows = units, p.numel() // (units * cols)
             self._layouts[key] = (units, lead, rows, cols, p.ndim >= 2)
         return self._layouts[key]
-
-    def _takes(self, p: Tensor, job: host_tiered.Job) -> bool:
-        """host_tiered.takes(job), remembered while the weights, the gradient's kind and the
-        state tensors are the same (the checks cost more than the update of a small tensor)."""
-        key = (job.w.data_ptr(), job.g.dtype, job.g.device, job.g.numel(),
-               *map(id, (job.m, job.v, job.row, job.col, job.master)))  # fmt: skip
-        if self._native.get(id(p), (None,))[0] != key:
-            self._native[id(p)] = (key, host_tiered.takes(job))
-        return self._native[id(p)][1]
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
@@ -310,7 +338,7 @@ class TieredAdamW(torch.optim.Optimizer):
             group.update(state_dict.get("groups", {}).get(group["population"], {}))
         entries = state_dict["entries"]
         self.state.clear()
-        self._native.clear()
+        self._plan = None
         for group in self.param_groups:
             for p in group["params"]:
                 if self.owns(p):

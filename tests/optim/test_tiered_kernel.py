@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _tiered_testlib import run_steps, small_model
+from _tiered_testlib import run_steps, set_grads, small_model
 
 from moestack.config import OptimConfig
 from moestack.kernels import host_build, host_tiered
@@ -101,15 +101,15 @@ def test_large_units_stepped_by_all_threads_agree(kernel) -> None:  # noqa: ANN0
 
 @pytest.mark.parametrize("momentum", [None, torch.float32])
 def test_every_row_width_and_height_steps_to_the_torch_bits(kernel, momentum) -> None:  # noqa: ANN001
-    """Rows of 1 to 128 elements and matrices of 1 to 16 rows (the kernel ends each halving
-    tree at a power-of-two size with fixed code, pairs two rows' sums and takes a row's
+    """Rows of 1 to 255 elements and matrices of 1 to 130 rows (the kernel ends each halving
+    tree at 64 values or fewer with code for each size, pairs two rows' sums and takes a row's
     update with its squares in one pass): the torch ops' bits, factored and full. (A matrix of
     one column once failed: the torch ops' row sum of one value was a view of the squares,
     then scaled in place, so the column sums read scaled squares.)"""
     gen = torch.Generator().manual_seed(3)
     jobs = []
-    for cols in (1, 2, 3, 8, 16, 33, 64, 128):
-        for rows in (1, 2, 7, 16):
+    for cols in (1, 2, 3, 8, 16, 33, 64, 97, 128, 255):
+        for rows in (1, 2, 7, 16, 45, 130):
             for factored in (True, False):
                 shape = (2, rows, cols)
                 coef = host_tiered.coefficients(1e-2, (0.9, 0.95), 1e-8, 2, 0.1, 0.5,
@@ -217,3 +217,47 @@ def test_a_state_tensor_replaced_between_steps_is_checked_again(kernel) -> None:
     st["v"] = torch.zeros(3, 8)
     with pytest.raises(RuntimeError):
         opt.step()
+
+
+def _changes(model: torch.nn.Module, opt: TieredAdamW, step: int) -> None:
+    """What a run may change between steps, one kind a step: the learning rate (a schedule),
+    a tensor with no gradient (it misses a step: step counts then differ), a non-contiguous
+    gradient, betas, the clip."""
+    params = list(model.parameters())
+    if step == 1:
+        for g in opt.param_groups:
+            g["lr"] *= 0.5
+    if step == 2:
+        params[3].grad = None
+    if step == 4:
+        matrix = next(p for p in params if p.ndim == 2)
+        matrix.grad = matrix.grad.t().contiguous().t()
+        assert not matrix.grad.is_contiguous()
+    if step == 5:
+        opt.param_groups[0]["betas"] = (0.8, 0.9)
+    if step == 6:
+        opt.clip_update = 0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_descriptors_kept_between_steps_step_to_the_torch_bits(kernel, dtype) -> None:  # noqa: ANN001
+    """The kernel's descriptors are kept from step to step (tiered_plan.KernelPlan) and only
+    their changing parts patched: through a schedule, a tensor that misses a step, gradients
+    converted or non-contiguous, new betas and clip, every weight, state tensor and
+    statistic equals the torch ops' (which rebuild everything every step)."""
+    (a, b), (oa, ob) = _pair(dtype, clip_update=1.0)
+    for model, opt in ((a, oa), (b, ob)):
+        for step in range(8):
+            set_grads(model, step)
+            _changes(model, opt, step)
+            opt.step()
+            if opt is oa:
+                assert opt._plan is not None  # kept or made again at every step
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        for key, value in oa.state[p].items():
+            other = ob.state[q][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    counts = {st["step"] for st in oa.state.values()}
+    assert counts == {7, 8}  # the tensor that missed a step is a step behind
+    assert oa.metrics() == pytest.approx(ob.metrics(), rel=1e-12)
