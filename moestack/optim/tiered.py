@@ -424,8 +424,8 @@ def plan_rows(
     step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype)
     rows.append(("optimizer scratch (tiered, during a step)", step,
                  "the torch ops' temporaries of the tensor that needs most: its update, fp32 "
-                 "copies and rounding noise (freed when the step ends; none where the C++ "
-                 "kernel steps CPU tensors)"))  # fmt: skip
+                 "copies and rounding noise (freed when the step ends; none of torch's where "
+                 "the C++ kernel steps CPU tensors: its buffers are its own)"))  # fmt: skip
     return rows
 
 
@@ -437,7 +437,8 @@ def planned_step_bytes(
     param_dtype: torch.dtype,
 ) -> int:
     """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: none for
-    a CPU tensor the C++ kernel steps (its row buffers are its own, not torch's); for one the
+    a CPU tensor the C++ kernel steps (its buffers are its own, not torch's: a unit's update
+    and a matrix's column sums for each thread, kept between steps); for one the
     torch ops step (:func:`moestack.kernels.host_tiered.step_torch`), the largest of its
     stages: the fp32 gradient (narrower ones), the update and its squares (10 bytes an
     element; 4 more with a bf16 momentum), and without a master the new weights, the fp32
