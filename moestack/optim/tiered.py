@@ -33,7 +33,7 @@ from torch import Tensor
 
 from moestack import seeding
 from moestack.kernels import host_tiered
-from moestack.optim.tiered_plan import KernelPlan, Native
+from moestack.optim.tiered_plan import KernelPlan, Native, Tally, count
 from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
         self.host_kernel = host_kernel
         self._plan: KernelPlan | None = None  # the kernel's descriptors, kept between steps
-        self._owned_by: dict[int, list[tuple[Tensor, dict[str, Any]]]] = {}
+        self._owned_by: dict[tuple[Any, ...], list[tuple[Tensor, dict[str, Any]]]] = {}
         self._layouts: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
 
     # -- the layout -------------------------------------------------------------------------
@@ -113,12 +113,12 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _owned(self) -> list[tuple[Tensor, dict[str, Any]]]:
         """The ``(parameter, group)`` pairs whose state this rank keeps, in order (remembered
-        per rank: the owners are fixed when the optimizer is made)."""
-        rank = self._ranks()[0]
-        if rank not in self._owned_by:
-            self._owned_by[rank] = [(p, group) for group in self.param_groups
-                                    for p in group["params"] if self.owner[id(p)] == rank]  # fmt: skip
-        return self._owned_by[rank]
+        while the rank and the groups' lists of parameters are the same)."""
+        key = (self._ranks()[0], *((id(g["params"]), len(g["params"])) for g in self.param_groups))
+        if key not in self._owned_by:
+            self._owned_by = {key: [(p, group) for group in self.param_groups
+                                    for p in group["params"] if self.owner[id(p)] == key[0]]}  # fmt: skip
+        return self._owned_by[key]
 
     def owns(self, p: Tensor) -> bool:
         """Whether this rank keeps ``p``'s state and computes its update."""
@@ -137,38 +137,43 @@ class TieredAdamW(torch.optim.Optimizer):
         owned = self._owned()
         kernel = host_tiered.kernel_or_none() if self.host_kernel else None
         plan = self._plan
-        if kernel is not None and plan is not None and plan.fits(self.seed, self.clip_update):
-            plan.run(kernel, self.stats)
-            self._step_each(plan.rest, kernel)
+        if kernel is not None and plan is not None and plan.fits(self.seed, self.clip_update,
+                                                                  self.state):  # fmt: skip
+            plan.run(kernel)
+            plan.tally(self._step_each(plan.rest, kernel)[0], self.stats)
         else:
             todo = [(p, group) for p, group in owned if p.grad is not None and p.numel()]
-            native = self._step_each(todo, kernel)
-            self._plan = (
-                KernelPlan(todo, owned, native, self.seed, self.clip_update) if native else None
-            )
+            tallies, native = self._step_each(todo, kernel)
+            for tally in tallies:
+                count(self.stats, tally)
+            pops = [t[0] for t in tallies]
+            self._plan = (KernelPlan(todo, owned, pops, native, self.state, self.seed,
+                                     self.clip_update) if native else None)  # fmt: skip
         self._share_weights()
         self._reduce_stats()
         return loss
 
     def _step_each(
         self, todo: list[tuple[Tensor, dict[str, Any]]], kernel: host_tiered.TieredKernel | None
-    ) -> dict[int, Native]:
+    ) -> tuple[list[Tally], dict[int, Native]]:
         """Step ``todo`` (``(parameter, group)`` pairs): the kernel those it takes, in one call,
-        torch ops the others. Returns what the kernel took, by position in ``todo``, for a plan
-        (those whose job holds their own gradient: not a converted copy)."""
+        torch ops the others. Returns each one's tally, in order, and what the kernel took, by
+        position, for a plan (those whose job holds their own gradient: not a converted copy)."""
         jobs = [self._job(p, group) for p, group in todo]
         took = [kernel is not None and host_tiered.takes(j) for j in jobs]
         done = iter(kernel([j for j, n in zip(jobs, took, strict=True) if n]) if kernel else [])
+        tallies: list[Tally] = []
         native = {}
         for i, ((p, group), job, on_host) in enumerate(zip(todo, jobs, took, strict=True)):
             name = self.names[id(p)]
-            self._count(self.info[name].population, job,
-                        next(done) if on_host else host_tiered.step_torch(job))  # fmt: skip
+            applied_sq, clipped = next(done) if on_host else host_tiered.step_torch(job)
+            tallies.append((self.info[name].population, applied_sq, clipped, job.w.numel(),
+                            job.units))  # fmt: skip
             if on_host and job.g is p.grad:
                 decay = group["weight_decay"] * self._layout(p, name, "row" in self.state[p])[4]
                 ids = self._key_ids(name, job.units) if job.keys is not None else ()
                 native[i] = Native(p, group, job, self.state[p], decay, ids)
-        return native
+        return tallies, native
 
     def _job(self, p: Tensor, group: dict[str, Any]) -> host_tiered.Job:
         """The documented update of one parameter (docs/optim.md, "Tiered state") as the
@@ -246,16 +251,6 @@ class TieredAdamW(torch.optim.Optimizer):
                     dist.broadcast(p.data, src=src, group=self.group)
 
     # -- what it reports --------------------------------------------------------------------
-
-    def _count(self, population: str, job: host_tiered.Job, got: tuple[float, float]) -> None:
-        """Add one parameter's update (the sum over its units of their applied RMS^2, and the
-        units clipped) to its population's statistics."""
-        s = self.stats[population]
-        applied_sq, clipped = got
-        s["sq_sum"] += applied_sq * (job.w.numel() / job.units)
-        s["numel"] += job.w.numel()
-        s["clipped"] += clipped
-        s["units"] += job.units
 
     def _reduce_stats(self) -> None:
         if self._ranks()[1] == 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -43,7 +43,8 @@ class Native:
 class _Entry:
     p: Tensor
     st: dict[str, Any]
-    state: tuple[tuple[str, Tensor], ...]  # the state tensors its descriptor points at
+    state: tuple[tuple[str, Tensor, int], ...]  # (key, tensor, address) of each
+    numel: int  # the weights' (and gradient's) elements
     w_ptr: int
     w_dtype: Any
     g_dtype: Any
@@ -62,36 +63,61 @@ class _Block:
     end: int
     decay: float
     momentum: bool
-    numel: int = 0
-    units: int = 0
-    scale: list[float] = field(default_factory=list)  # per entry: elements of one unit
 
 
 def _settings(group: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(group["betas"]), group["eps"], group["weight_decay"]
 
 
+Tally = tuple[str, float, float, int, int]
+"""One tensor's step as its population's statistics take it: (population, the sum over its
+units of their applied RMS^2, units clipped, elements, units)."""
+
+
+def count(stats: dict[str, dict[str, float]], tally: Tally) -> None:
+    """Add one tensor's step to its population's statistics (every step's tensors in their
+    order, so a plan's statistics are those of a step without one, bit for bit)."""
+    population, applied_sq, clipped, numel, units = tally
+    s = stats[population]
+    s["sq_sum"] += applied_sq * (numel / units)
+    s["numel"] += numel
+    s["clipped"] += clipped
+    s["units"] += units
+
+
 class KernelPlan:
     """The kernel's call for one step's CPU tensors, repeated at later steps.
 
     ``todo``: the ``(parameter, group)`` pairs the step stepped, of ``owned`` (all this rank
-    keeps the state of, in order); ``native``: those the kernel took, by position in
-    ``todo``; ``seed``, ``clip``: the optimizer's rounding seed and update clip. While it
-    fits, the others of ``todo`` (:attr:`rest`) are stepped one by one as before."""
+    keeps the state of, in order), with their ``populations``; ``native``: those the kernel
+    took, by position in ``todo``; ``state``: the optimizer's state (each parameter's dict);
+    ``seed``, ``clip``: its rounding seed and update clip. While it fits, the others of
+    ``todo`` (:attr:`rest`) are stepped one by one as before."""
 
     def __init__(
         self, todo: list[tuple[Tensor, dict[str, Any]]], owned: list[tuple[Tensor, dict[str, Any]]],
-        native: dict[int, Native], seed: int, clip: float,
+        populations: list[str], native: dict[int, Native], state: dict[Any, dict[str, Any]],
+        seed: int, clip: float,
     ) -> None:  # fmt: skip
         self.seed, self.clip = seed, clip
         self.rest = [pair for i, pair in enumerate(todo) if i not in native]
         stepped = {id(p) for p, _ in todo}
         self.absent = [p for p, _ in owned if id(p) not in stepped]
+        self.states = list(state.values())  # a state replaced, added or removed: a new plan
         self.entries: list[_Entry] = []
         self.blocks: list[_Block] = []
         self.fields, self.coefs = array("q"), array("f")
-        for n in sorted(native.values(), key=lambda n: (id(n.group), n.decay, n.job.m is None)):
-            self._add(n)
+        order = sorted(
+            native, key=lambda i: (id(todo[i][1]), native[i].decay, native[i].job.m is None)
+        )
+        for i in order:
+            self._add(native[i])
+        entry_of, rest_of = {i: k for k, i in enumerate(order)}, iter(range(len(self.rest)))
+        self.order = [  # each tensor's tally, in the step's order: (entry or -1 - rest, ...)
+            (entry_of[i], pop, native[i].job.w.numel(), native[i].job.units) if i in native
+            else (-1 - next(rest_of), pop, 0, 0)
+            for i, pop in enumerate(populations)
+        ]  # fmt: skip
         self.stats = array("d", bytes(16 * len(self.entries)))
 
     def _add(self, n: Native) -> None:
@@ -102,9 +128,9 @@ class KernelPlan:
             fields[host_tiered.KEYS] = keys.buffer_info()[0]
         self.fields.extend(fields)
         self.coefs.extend(n.job.coef)
-        state = tuple((k, n.st[k]) for k in _STATE if k in n.st)
-        self.entries.append(_Entry(n.p, n.st, state, n.p.data_ptr(), n.p.dtype, n.job.g.dtype,
-                                   keys, n.key_ids))  # fmt: skip
+        state = tuple((k, n.st[k], n.st[k].data_ptr()) for k in _STATE if k in n.st)
+        self.entries.append(_Entry(n.p, n.st, state, n.p.numel(), n.p.data_ptr(), n.p.dtype,
+                                   n.job.g.dtype, keys, n.key_ids))  # fmt: skip
         k, momentum = len(self.entries) - 1, n.job.m is not None
         last = self.blocks[-1] if self.blocks else None
         if (
@@ -115,15 +141,17 @@ class KernelPlan:
             last = _Block(n.group, _settings(n.group), k, k, n.decay, momentum)
             self.blocks.append(last)
         last.end = k + 1
-        last.numel += n.job.w.numel()
-        last.units += n.job.units
-        last.scale.append(n.job.w.numel() / n.job.units)
 
-    def fits(self, seed: int, clip: float) -> bool:
+    def fits(self, seed: int, clip: float, state: dict[Any, dict[str, Any]]) -> bool:
         """Whether this plan steps this step as a new one would: the same tensors with a
-        gradient, the same weights, gradients' dtypes and layout, state tensors and settings
-        (the gradients' addresses are taken on the way)."""
-        if seed != self.seed or clip != self.clip:
+        gradient; each one's weights and gradient of the same size and dtype (the gradient
+        contiguous), its weights and state tensors the same objects at the same addresses;
+        the optimizer's ``state`` holding the same dicts; the same settings (the gradients'
+        addresses are taken on the way). What the kernel reads and writes through its
+        pointers is then where, and as large as, it was when the plan was made."""
+        if seed != self.seed or clip != self.clip or len(state) != len(self.states):
+            return False
+        if not all(map(operator.is_, state.values(), self.states)):
             return False
         for p, _ in self.rest:
             if p.grad is None:
@@ -139,29 +167,33 @@ class KernelPlan:
             p = e.p
             g = p.grad
             if (g is None or g.dtype is not e.g_dtype or not g.is_contiguous()
-                    or p.data_ptr() != e.w_ptr or p.dtype is not e.w_dtype):  # fmt: skip
+                    or p.data_ptr() != e.w_ptr or p.dtype is not e.w_dtype
+                    or p.numel() != e.numel or g.numel() != e.numel):  # fmt: skip
                 return False
             st = e.st
-            for key, t in e.state:
-                if st.get(key) is not t:
+            for key, t, ptr in e.state:  # the same storage: a state tensor can only grow in it
+                if st.get(key) is not t or t.data_ptr() != ptr:
                     return False
             fields[k * _NI + host_tiered.G] = g.data_ptr()
         return True
 
-    def run(self, kernel: host_tiered.TieredKernel, stats: dict[str, dict[str, float]]) -> None:
+    def run(self, kernel: host_tiered.TieredKernel) -> None:
         """One step of every entry (right after :meth:`fits`, which took the gradients'
         addresses): the step counts counted on, the coefficients and noise keys patched, one
-        kernel call; each population's statistics added to."""
+        kernel call."""
         for b in self.blocks:
             self._step_block(b)
         kernel.call(self.fields, self.coefs, self.stats, len(self.entries))
+
+    def tally(self, rest: list[Tally], stats: dict[str, dict[str, float]]) -> None:
+        """Add the step's tallies to ``stats`` in the step's order: the entries' from the
+        kernel, the others' (``rest``, as :attr:`rest`) as given."""
         got = self.stats
-        for b in self.blocks:
-            s = stats[b.group["population"]]
-            s["sq_sum"] += sum(map(operator.mul, got[2 * b.start : 2 * b.end : 2], b.scale))
-            s["clipped"] += sum(got[2 * b.start + 1 : 2 * b.end : 2])
-            s["numel"] += b.numel
-            s["units"] += b.units
+        for src, population, numel, units in self.order:
+            if src >= 0:
+                count(stats, (population, got[2 * src], got[2 * src + 1], numel, units))
+            else:
+                count(stats, rest[-1 - src])
 
     def _step_block(self, b: _Block) -> None:
         """Count on the step of block ``b``'s entries and patch what it changes: the
