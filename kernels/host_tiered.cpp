@@ -466,7 +466,7 @@ void unit_together(const Tensor& t, int64_t e, double* stats, Scratch& s, float*
 extern "C" int moestack_tiered_step(const int64_t* fields, const float* coefs, double* stats,
                                     int64_t ntens, int nthreads, int64_t together) {
   std::vector<Unit> alone, shared;
-  int64_t maxcols = 1, maxrows = 1, maxshared = 0, nunits = 0;
+  int64_t maxcols = 1, maxrows = 1, maxshared = 0, sharedrows = 0, nunits = 0;
   for (int64_t i = 0; i < ntens; ++i) {
     const Tensor t = describe(fields + NI * i, coefs + NC * i);
     if (t.gk > 1 || t.wk > 1 || t.mk > 2 || t.units < 1 || t.lead % t.units || t.rows < 1 ||
@@ -479,6 +479,7 @@ extern "C" int moestack_tiered_step(const int64_t* fields, const float* coefs, d
     const bool big = t.unit_rows * t.cols >= together;
     for (int64_t e = 0; e < t.units; ++e) (big ? shared : alone).push_back({i, e, nunits++});
     if (big) maxshared = std::max<int64_t>(maxshared, t.per_unit_mats * (t.rows + t.cols) + t.unit_rows);
+    if (big) sharedrows = std::max<int64_t>(sharedrows, t.rows);  // cols_of's buffer: theirs alone
   }
   std::vector<float> shared_buf(size_t(maxshared) + 1);
   std::vector<double> per_unit(size_t(2 * nunits));
@@ -490,7 +491,7 @@ extern "C" int moestack_tiered_step(const int64_t* fields, const float* coefs, d
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
   {
     static thread_local Scratch s;  // kept by the thread between calls: no allocation a step
-    s.fit(maxcols, maxrows, ((maxrows + 1) / 2) * CB);
+    s.fit(maxcols, maxrows, ((sharedrows + 1) / 2) * CB);
     static thread_local Alone buffers;
     for (int64_t k = next.fetch_add(1); k < int64_t(alone.size()); k = next.fetch_add(1)) {
       const Unit& u = alone[size_t(k)];
