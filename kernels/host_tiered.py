@@ -153,12 +153,9 @@ def fields_of(j: Job) -> tuple[int, ...]:
     mk = 0 if j.m is None else 1 + _KINDS[j.m.dtype]
     kinds = _KINDS[j.g.dtype] | _KINDS[j.w.dtype] << 2 | mk << 4
     kinds |= (j.row is not None) << 6 | (j.keys is not None) << 7
-    return (
-        j.w.data_ptr(), j.g.data_ptr(), 0 if j.m is None else j.m.data_ptr(),
-        0 if j.v is None else j.v.data_ptr(), 0 if j.row is None else j.row.data_ptr(),
-        0 if j.col is None else j.col.data_ptr(), 0 if j.master is None else j.master.data_ptr(),
-        0 if j.keys is None else j.keys.data_ptr(), j.units, j.lead, j.rows, j.cols, kinds, 0,
-    )  # fmt: skip
+    pointers = (j.w, j.g, j.m, j.v, j.row, j.col, j.master, j.keys)
+    return (*(0 if t is None else t.data_ptr() for t in pointers),
+            j.units, j.lead, j.rows, j.cols, kinds, 0)  # fmt: skip
 
 
 def takes(j: Job) -> bool:
