@@ -229,13 +229,19 @@ class TrainConfig:
                 self.lora.check_fits(self.model.d_model, self.model.moe.d_ff)
 
     def _check_counts(self) -> None:
-        """The loop's counts: steps, batches and intervals >= 1; cadences and threads >= 0."""
+        """The loop's counts: steps, batches and intervals >= 1; cadences and threads >= 0;
+        one micro-batch a step where the optimizer steps in backward."""
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every", "keep_last"):
             value = getattr(self, name)
             _check(value >= 1, f"{name}={value} must be >= 1")
         for name in ("eval_every", "ckpt_every", "threads"):
             value = getattr(self, name)
             _check(value >= 0, f"{name}={value} must be >= 0")
+        _check(
+            not self.optim.update_in_backward or self.grad_accum == 1,
+            f"optim.update_in_backward=true steps in each backward, so it takes one micro-batch "
+            f"a step, not grad_accum={self.grad_accum}: set grad_accum=1 (a larger batch_size)",
+        )
 
     def _check_offload_experts(self) -> None:
         """``offload_experts`` streams experts that do not train, on one process's model."""

@@ -33,6 +33,7 @@ from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
 from moestack.optim.tiered import plan_rows
+from moestack.optim.tiered_backward import held_gradient_numel
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
 from moestack.populations import classify
@@ -104,7 +105,7 @@ def plan_memory(
     experts = _expert_names(model)
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
-    _weights_and_grads(plan, model, pdtype)
+    _weights_and_grads(plan, model, pdtype, cfg.optim.update_in_backward)
     _streamed_lines(plan, cfg, model, pdtype, ranks)
     _optimizer_lines(plan, cfg, model, pdtype, experts)
     _activation_lines(plan, cfg)
@@ -184,8 +185,11 @@ def _specs(tensors: Any, device: str, dtype: torch.dtype) -> list[ParamSpec]:
     return [ParamSpec(tuple(p.shape), device, dtype) for p in tensors]
 
 
-def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype) -> None:
-    """Every parameter in the device dtype plus the buffers; a gradient per trained one.
+def _weights_and_grads(
+    plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype, in_backward: bool
+) -> None:
+    """Every parameter in the device dtype plus the buffers; a gradient per trained one, or
+    with ``optim.update_in_backward`` those held at once (``held_gradient_numel``).
 
     In float32 a parameter keeps the dtype the model was built with (``lora.base_dtype``
     holds frozen weights in bfloat16); a lower device dtype casts every parameter to it
@@ -207,9 +211,11 @@ def _weights_and_grads(plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.d
     plan.lines.append(
         Line("device", "weights", weight_bytes + buffers, f"{how} + {buffers} B buffers")
     )
-    plan.lines.append(
-        Line("device", "gradients", trained * size, f"{_mib(trained)} trained params x {size} B")
-    )
+    held, how = trained, "trained params"
+    if in_backward:
+        held, how = held_gradient_numel(model), "params of the largest module + tied ones"
+        how += " (optim.update_in_backward: each gradient freed at its update)"
+    plan.lines.append(Line("device", "gradients", held * size, f"{_mib(held)} {how} x {size} B"))
 
 
 def _streamed_lines(

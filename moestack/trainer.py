@@ -369,7 +369,7 @@ class Trainer:
         accumulating = contextlib.nullcontext() if last else self.optimizer.no_sync()
         with autocast_context(self.device), accumulating:
             out = self.forward_model(inputs, targets)
-            (out.loss / self.cfg.grad_accum).backward()
+            self.optimizer.backward(out.loss / self.cfg.grad_accum)
         return out
 
     def _check_bad_steps(self, step: int) -> None:

@@ -4,15 +4,20 @@
    tiny with 16 experts, tiny_e16: the prereg_tiered study's model), small, m137 and a Qwen3-30B-A3B-shaped transformers config (built on the meta device), for
    tiered with master=none against AdamW's two fp32 moments (fp32 weights) and
    mixed-precision AdamW's moments and fp32 master (12 bytes a parameter); and the training
-   bytes per expert parameter (bf16 weights and gradients, and the experts' state);
-2. update: the optimizer step alone on fp32 parameters with gradients set, TieredAdamW
+   bytes per expert parameter (bf16 weights and gradients, and the experts' state), with the
+   gradients all held (a step after backward) and with ``optim.update_in_backward`` (those of
+   the largest MoE layer held at once);
+2. grads: the same bytes measured, in a real CPU training step of the default model (bf16,
+   master=none) with and without ``optim.update_in_backward``: the peak bytes torch's profiler
+   files as parameters, gradients and optimizer state;
+3. update: the optimizer step alone on fp32 parameters with gradients set, TieredAdamW
    (default policy) against torch.optim.AdamW(fused=True), on the default (tiny) and m137
    models, interleaved rounds;
-3. train_step: a whole training step (forward, backward, clip, step) of the default model
+4. train_step: a whole training step (forward, backward, clip, step) of the default model
    with master=none (bf16 weights, stochastic rounding) against master=float32 (fp32
-   weights), interleaved rounds.
+   weights), and unclipped with and without ``optim.update_in_backward``, interleaved rounds.
 
-  python scripts/bench_tiered.py [--only bytes,update,train_step] [--rounds 5] [--json out.json]
+  python scripts/bench_tiered.py [--only bytes,grads,update,train_step] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from moestack import bench
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.optim import build_optimizer
 from moestack.optim.tiered import planned_state_bytes
+from moestack.optim.tiered_backward import held_gradient_numel
 from moestack.populations import classify
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"
@@ -64,6 +70,7 @@ def state_bytes(model: torch.nn.Module) -> dict[str, Any]:
     tiered = planned_state_bytes(named, info, cfg.policy, "none", torch.bfloat16)
     params = sum(p.numel() for _, p in named)
     experts = sum(p.numel() for n, p in named if info[n].population == "experts")
+    held = held_gradient_numel(model, only={n for n, _ in named if info[n].population == "experts"})
     total = sum(tiered.values())
     return {
         "params": params,
@@ -75,6 +82,10 @@ def state_bytes(model: torch.nn.Module) -> dict[str, Any]:
         "ratio_vs_adamw_fp32": total / (8 * params),
         "ratio_vs_adamw_mixed": total / (12 * params),
         "expert_training_bytes_per_param": (4 * experts + tiered["experts"]) / max(experts, 1),
+        "expert_gradients_held_in_backward": held,
+        "expert_training_bytes_per_param_in_backward": (
+            (2 * experts + 2 * held + tiered["experts"]) / max(experts, 1)
+        ),
     }
 
 
@@ -87,6 +98,53 @@ def bytes_section() -> dict[str, Any]:
             model = model_config(name, experts).build()
         out[key] = state_bytes(model)
     out["qwen3_30b_a3b"] = state_bytes(qwen3_30b_a3b())
+    return out
+
+
+def _profiled_peaks(in_backward: bool) -> dict[str, int]:
+    """Peak bytes per category of torch's memory profiler over two training steps of the
+    default model (bf16, master=none, no global clip) after a first one."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    from moestack.optim import apply_param_dtype
+
+    torch.manual_seed(0)
+    model = model_config("tiny").build()
+    cfg = OptimConfig(name="tiered", grad_clip=0.0, update_in_backward=in_backward)
+    apply_param_dtype(model, cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        opt.backward(model(tokens[:, :-1], targets=tokens[:, 1:]).loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:  # fmt: skip
+        step()
+        step()
+    memory = prof._memory_profile()
+    live: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    for _, action, (key, version), size in memory.timeline:
+        category = memory._categories.get(key, version)
+        name = category.name.lower() if category else "unknown"
+        if action in (Action.CREATE, Action.PREEXISTING):
+            live[name] = live.get(name, 0) + size
+        elif action == Action.DESTROY:
+            live[name] = live.get(name, 0) - size
+        peak[name] = max(peak.get(name, 0), live.get(name, 0))
+    params = sum(p.numel() for p in model.parameters())
+    return {**peak, "params": params, "counted_held_gradients": 2 * held_gradient_numel(model)}
+
+
+def grads_section() -> dict[str, Any]:
+    out = {"after_backward": _profiled_peaks(False), "in_backward": _profiled_peaks(True)}
+    for r in out.values():
+        r["bytes_per_param"] = (r["parameter"] + r["gradient"] + r["optimizer_state"]) / r["params"]
     return out
 
 
@@ -132,23 +190,28 @@ def update_section(rounds: int) -> dict[str, Any]:
     return out
 
 
-def _train_step_of(master: str, param_dtype: str = "auto") -> Callable[[], None]:
+def _train_step_of(
+    master: str, param_dtype: str = "auto", clip: bool = True, in_backward: bool = False
+) -> Callable[[], None]:
     """A training step of the default model with tiered at ``master``, its weights as a
     training run holds them (``apply_param_dtype``: bf16 without a master, or with
-    ``param_dtype=float32`` fp32 values on the bf16 grid; buffers fp32)."""
+    ``param_dtype=float32`` fp32 values on the bf16 grid; buffers fp32); the gradients
+    clipped to a global norm of 1 (``clip``) or each tensor stepped in backward."""
     from moestack.optim import apply_param_dtype
 
     torch.manual_seed(0)
     model = model_config("tiny").build()
-    cfg = OptimConfig(name="tiered", master=master, param_dtype=param_dtype)
+    cfg = OptimConfig(name="tiered", master=master, param_dtype=param_dtype,
+                      grad_clip=1.0 if clip else 0.0, update_in_backward=in_backward)  # fmt: skip
     apply_param_dtype(model, cfg, torch.device("cpu"))
     opt = build_optimizer(model, cfg)
     tokens = torch.randint(0, 256, (16, 256), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
         out = model(tokens[:, :-1], targets=tokens[:, 1:])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.backward(out.loss)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
 
@@ -160,6 +223,9 @@ def train_step_section(rounds: int) -> dict[str, Any]:
         "master_float32": _train_step_of("float32"),
         "master_none": _train_step_of("none"),
         "master_none_fp32": _train_step_of("none", "float32"),  # the bf16 grid, fp32 storage
+        # bf16 weights unclipped: the step after backward, and each tensor stepped in it
+        "master_none_unclipped": _train_step_of("none", clip=False),
+        "master_none_in_backward": _train_step_of("none", clip=False, in_backward=True),
     }
     return interleaved(contenders, rounds, 2)
 
@@ -203,7 +269,7 @@ def _device_run(
         torch.cuda.empty_cache()
     return {
         "param_dtype": str(dtype), "peak_bytes": peak, "median_s": statistics.median(times),
-        "min_s": min(times), "max_s": max(times), "loss": float(losses[0]),
+        "min_s": min(times), "max_s": max(times), "loss": float(losses[0].detach()),
     }  # fmt: skip
 
 
@@ -228,7 +294,15 @@ def print_tables(results: dict[str, Any]) -> None:
         for name, r in results["bytes"].items():
             print(f"{name:14} {r['params'] / 1e6:8.1f}M {r['tiered_total'] / 1e6:10.2f} "
                   f"{r['adamw_fp32_state'] / 1e6:14.1f} {r['ratio_vs_adamw_fp32']:6.3f} "
-                  f"{r['ratio_vs_adamw_mixed']:8.3f} {r['expert_training_bytes_per_param']:14.3f}")  # fmt: skip
+                  f"{r['ratio_vs_adamw_mixed']:8.3f} {r['expert_training_bytes_per_param']:14.3f}"
+                  f" {r['expert_training_bytes_per_param_in_backward']:8.3f} in backward")  # fmt: skip
+    if "grads" in results:
+        print(f"{'grads (tiny)':16} {'params MB':>10} {'grads MB':>9} {'state MB':>9} "
+              f"{'counted grads MB':>17} {'B/param':>8}")  # fmt: skip
+        for name, r in results["grads"].items():
+            print(f"{name:16} {r['parameter'] / 1e6:10.3f} {r['gradient'] / 1e6:9.3f} "
+                  f"{r['optimizer_state'] / 1e6:9.3f} {r['counted_held_gradients'] / 1e6:17.3f} "
+                  f"{r['bytes_per_param']:8.3f}")  # fmt: skip
     if "device" in results:
         r = results["device"]
         for name in ("adamw", "tiered"):
@@ -251,11 +325,11 @@ def print_tables(results: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = bench.parser(__doc__, rounds=5, json="")
-    ap.add_argument("--only", default="bytes,update,train_step", help="sections to run")
+    ap.add_argument("--only", default="bytes,grads,update,train_step", help="sections to run")
     ap.add_argument("--device-steps", type=int, default=10, help="device: timed training steps")
     ap.add_argument("--batch", type=int, default=16, help="device: sequences a step")
     args = ap.parse_args()
-    sections = {"bytes": bytes_section, "update": lambda: update_section(args.rounds),
+    sections = {"bytes": bytes_section, "grads": grads_section, "update": lambda: update_section(args.rounds),
                 "train_step": lambda: train_step_section(args.rounds),
                 "device": lambda: device_section(args.device_steps, args.batch)}  # fmt: skip
     results: dict[str, Any] = {

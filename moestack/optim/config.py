@@ -69,6 +69,10 @@ class OptimConfig:
     # only, each fp32 update stochastically rounded (bf16 weights; or, with
     # param_dtype=float32, on the bf16 grid in fp32 storage, for a CPU)
     master: str = "none"
+    # tiered: step each tensor in backward as its gradient lands and free the gradient, so the
+    # whole model's gradients are never held (docs/optim.md); needs grad_clip=0, grad_accum=1
+    # and one process
+    update_in_backward: bool = False
     # tiered: the state of each parameter population (momentum, second_moment, weight_decay)
     experts: PopulationConfig = population_field("experts")
     routers: PopulationConfig = population_field("routers")
@@ -155,6 +159,18 @@ class OptimConfig:
             self.master in MASTER, f"optim.master={self.master!r} is unknown; use one of {MASTER}"
         )
         check(self.clip_update >= 0, f"optim.clip_update={self.clip_update} must be >= 0 (0 = off)")
+        if self.update_in_backward:
+            check(
+                self.name == "tiered",
+                f"optim.update_in_backward=true is optim=tiered's; optim={self.name} steps "
+                "after backward (use optim=tiered or optim.update_in_backward=false)",
+            )
+            check(
+                self.grad_clip == 0,
+                f"optim.grad_clip={self.grad_clip} needs every gradient before any update, but "
+                "optim.update_in_backward=true updates during backward: set optim.grad_clip=0 "
+                "(optim.clip_update clips each matrix's update)",
+            )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, min_lr_ratio: float) -> float:

@@ -9,6 +9,8 @@ same methods (``moestack.optim.build_training_optimizer`` picks the implementati
   backward starts no gradient exchange (nor copy to the host);
 - ``clip_grad_norm(max_norm) -> float``: the global gradient norm before clipping, over all
   ranks with each parameter counted once (0 when ``max_norm <= 0``: clipping off);
+- ``backward(loss)``: backward of the loss (an optimizer that updates in backward steps each
+  tensor there, ``optim.update_in_backward``; a non-finite loss steps nothing);
 - ``step()`` and ``zero_grad()``: gradients are averaged over the ranks that share each
   parameter before the update, by whichever part does it at this layout;
 - ``synchronize()``: the weights of every update made are in the parameters (a delayed
@@ -49,6 +51,10 @@ class TrainingOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backward inside exchanges no gradients (accumulation); nothing to skip here."""
         return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss``; nothing is updated in it here."""
+        loss.backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients to the global 2-norm ``max_norm``; return the norm before
@@ -109,6 +115,13 @@ class SingleOptimizer(TrainingOptimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self.optimizer.step(closure)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        own = getattr(self.optimizer, "backward", None)
+        if callable(own):
+            own(loss)
+        else:
+            loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

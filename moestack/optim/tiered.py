@@ -33,6 +33,7 @@ from torch import Tensor
 
 from moestack import seeding
 from moestack.kernels import host_tiered
+from moestack.optim.tiered_backward import BackwardUpdate
 from moestack.optim.tiered_plan import KernelPlan, Native, Tally, count
 from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
@@ -58,6 +59,8 @@ class TieredAdamW(torch.optim.Optimizer):
     (:mod:`moestack.kernels.host_tiered`), so a resumed run, or one at another layout, rounds
     bit for bit as the uninterrupted one. ``host_kernel``: step CPU tensors with the C++
     kernel where it loads (False: torch ops everywhere; the two give the same bits).
+    ``update_in_backward``: :meth:`backward` steps each tensor as its gradient lands and frees
+    that gradient (:mod:`moestack.optim.tiered_backward`; one process).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class TieredAdamW(torch.optim.Optimizer):
         shard: bool = True,
         expert_offsets: dict[str, int] | None = None,
         host_kernel: bool = True,
+        update_in_backward: bool = False,
     ) -> None:
         if master not in MASTER:
             raise ValueError(f"optim.master={master!r} is unknown; use one of {MASTER}")
@@ -96,11 +100,17 @@ class TieredAdamW(torch.optim.Optimizer):
         self.shard = shard
         self.offsets = dict(expert_offsets or {})
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
-        self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+        self.reset_stats()
         self.host_kernel = host_kernel
         self._plan: KernelPlan | None = None  # the kernel's descriptors, kept between steps
         self._owned_by: dict[tuple[Any, ...], list[tuple[Tensor, dict[str, Any]]]] = {}
         self._layouts: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
+        if update_in_backward and self._ranks()[1] > 1:
+            raise ValueError(
+                f"optim.update_in_backward=true steps one process's tensors in its backward, "
+                f"not {self._ranks()[1]} ranks' shards; use optim.update_in_backward=false"
+            )
+        self._backward = BackwardUpdate(self) if update_in_backward else None
 
     # -- the layout -------------------------------------------------------------------------
 
@@ -133,7 +143,10 @@ class TieredAdamW(torch.optim.Optimizer):
         the first step and kept while it fits; torch ops the others, to the same bits), then
         (several ranks) every parameter's new weights broadcast from its owner."""
         loss = closure() if closure is not None else None
-        self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
+        if self._backward is not None and self._backward.stepped:
+            self._backward.stepped = False  # its tensors stepped: their statistics are kept
+        else:
+            self.reset_stats()
         owned = self._owned()
         kernel = host_tiered.kernel_or_none() if self.host_kernel else None
         plan = self._plan
@@ -152,6 +165,18 @@ class TieredAdamW(torch.optim.Optimizer):
         self._share_weights()
         self._reduce_stats()
         return loss
+
+    def backward(self, loss: Tensor) -> None:
+        """``loss.backward()``; with ``update_in_backward`` each tensor steps as its gradient
+        lands (then ``step()`` steps only what is left: nothing, in a training step)."""
+        if self._backward is None:
+            loss.backward()
+        else:
+            self._backward.backward(loss)
+
+    def reset_stats(self) -> None:
+        """Start a step's statistics (each population's update RMS and clipped share)."""
+        self.stats = {pop: dict.fromkeys(_STATS, 0.0) for pop in POPULATIONS}
 
     def _step_each(
         self, todo: list[tuple[Tensor, dict[str, Any]]], kernel: host_tiered.TieredKernel | None

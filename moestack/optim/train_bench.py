@@ -30,6 +30,7 @@ from moestack.optim import (
     fused,
     param_groups,
 )
+from moestack.optim.tiered import TieredAdamW
 
 
 def make_params(
@@ -105,11 +106,18 @@ def release(opt: Any) -> None:
 # the host copies, once landed, and the small parameters it keeps on the device
 # (_torchao_clip). offload_adamw is the pipelined exact step (the default on a GPU; its next
 # forward waits per layer, as the trainer sets it up); _serial the one-pass step before it;
-# _in_backward updates each bucket as it lands (unclipped only).
+# _in_backward updates each bucket as it lands (unclipped only); tiered_in_backward each
+# tensor as its gradient lands, freeing it (optim.update_in_backward, unclipped only).
 TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
     "adamw": ("adamw", 0, True, {}),
     "adamw_unclipped": ("adamw", 0, False, {}),
     "tiered": ("tiered", 0, True, {}),  # optim=tiered's defaults: bf16 weights, no master
+    "tiered_in_backward_unclipped": (
+        "tiered",
+        0,
+        False,
+        {"update_in_backward": True, "grad_clip": 0.0},
+    ),  # fmt: skip
     "offload_adamw": ("offload_adamw", 0, True, {}),
     "offload_adamw_unclipped": ("offload_adamw", 0, False, {}),
     "offload_adamw_serial": ("offload_adamw", 0, True, {"pipeline": False}),
@@ -145,7 +153,10 @@ def _build_contender(
 ) -> tuple[torch.nn.Module, Any, bool, torch.dtype]:
     """A fresh model (seed 0) on ``device`` and contender ``name``'s optimizer over it."""
     kind, delay, clip, settings = TRAIN_CONTENDERS[name]
-    cfg = OptimConfig(name="adamw" if kind == "torchao" else kind, lr=1e-3, update_delay=delay)
+    tiered = settings if kind == "tiered" else {}
+    cfg = OptimConfig(
+        name="adamw" if kind == "torchao" else kind, lr=1e-3, update_delay=delay, **tiered
+    )
     torch.manual_seed(0)
     model = MoETransformer(model_cfg).to(device)
     dtype = apply_param_dtype(model, cfg, device)
@@ -205,7 +216,10 @@ def _step_fn(
     def step() -> float:
         with autocast:
             loss = model(tokens[:, :-1], tokens[:, 1:]).loss
-        loss.backward()
+        if isinstance(opt, TieredAdamW):  # optim.update_in_backward steps there
+            opt.backward(loss)
+        else:
+            loss.backward()
         held()
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())

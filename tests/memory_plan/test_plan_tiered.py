@@ -35,6 +35,15 @@ def test_tiered_lines_are_the_bytes_held() -> None:
     assert plan.line("gradients").bytes == 2 * params
 
 
+def test_update_in_backward_plans_one_modules_gradients() -> None:
+    """small_model (width 32, 2 layers, 4 experts of width 32, vocabulary 256 tied): a MoE
+    layer's w1 [4, 32, 64] and w2 [4, 32, 32], and the tied embedding [256, 32], in bf16."""
+    optim = OptimConfig(name="tiered", grad_clip=0.0, update_in_backward=True)
+    plan = plan_memory(TrainConfig(model=small_model(), optim=optim, data=DataConfig(seq_len=32)))
+    assert plan.line("gradients").bytes == 2 * (4 * 32 * 64 + 4 * 32 * 32 + 256 * 32)
+    assert "update_in_backward" in plan.line("gradients").formula
+
+
 @pytest.mark.parametrize("master", ["none", "float32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_step_allocates_no_more_than_planned(master: str, dtype: torch.dtype) -> None:

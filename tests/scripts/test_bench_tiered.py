@@ -23,6 +23,11 @@ def test_tiny_model_bytes_worked_by_hand() -> None:
     params = got["params"]
     assert got["ratio_vs_adamw_fp32"] == (experts + routers + embeddings + backbone) / (8 * params)
     assert got["expert_training_bytes_per_param"] == 4 + experts / got["expert_params"]
+    per_layer = e * (d * 2 * f + f * d)  # w1 [8, 128, 512] and w2 [8, 256, 128]: held at once
+    assert got["expert_params"] == layers * per_layer
+    assert got["expert_gradients_held_in_backward"] == per_layer
+    in_backward = (2 * layers * per_layer + 2 * per_layer + experts) / (layers * per_layer)
+    assert got["expert_training_bytes_per_param_in_backward"] == in_backward
 
 
 def test_device_section_dry_run_on_the_cpu() -> None:
