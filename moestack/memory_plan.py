@@ -95,6 +95,7 @@ def plan_memory(
     if ranks < 1:
         raise MoestackError(f"--ranks {ranks} must be >= 1")
     cfg.check_batch_split(ranks)  # a layout training refuses has no plan
+    cfg.optim.check_ranks(ranks)
     kind = device or cfg.device
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,7 +106,7 @@ def plan_memory(
     experts = _expert_names(model)
     plan = MemoryPlan(device=kind, ranks=ranks)
     pdtype = device_param_dtype(cfg.optim, torch.device(kind))
-    _weights_and_grads(plan, model, pdtype, cfg.optim.update_in_backward)
+    _weights_and_grads(plan, model, pdtype, cfg.optim.update_in_backward, cfg.compile)
     _streamed_lines(plan, cfg, model, pdtype, ranks)
     _optimizer_lines(plan, cfg, model, pdtype, experts)
     _activation_lines(plan, cfg)
@@ -186,7 +187,11 @@ def _specs(tensors: Any, device: str, dtype: torch.dtype) -> list[ParamSpec]:
 
 
 def _weights_and_grads(
-    plan: MemoryPlan, model: torch.nn.Module, pdtype: torch.dtype, in_backward: bool
+    plan: MemoryPlan,
+    model: torch.nn.Module,
+    pdtype: torch.dtype,
+    in_backward: bool,
+    compiled: bool,
 ) -> None:
     """Every parameter in the device dtype plus the buffers; a gradient per trained one, or
     with ``optim.update_in_backward`` those held at once (``held_gradient_numel``).
@@ -213,7 +218,9 @@ def _weights_and_grads(
     )
     held, how = trained, "trained params"
     if in_backward:
-        held, how = held_gradient_numel(model), "params of the largest module + tied ones"
+        unit = "compiled block" if compiled else "module"
+        held, how = held_gradient_numel(model, compiled=compiled), f"params of the largest {unit}"
+        how += " + tied ones"
         how += " (optim.update_in_backward: each gradient freed at its update)"
     plan.lines.append(Line("device", "gradients", held * size, f"{_mib(held)} {how} x {size} B"))
 

@@ -312,6 +312,7 @@ class Trainer:
             corpus = run_corpus(cfg)
             check_impl(cfg.model.moe.impl, self.device)
             check_streamable(cfg, dist_info.world_size)
+            cfg.optim.check_ranks(dist_info.world_size)
             self.model, self.mesh, self.exchange, self.start_step = _build_model(
                 cfg, dist_info, resume_from
             )

@@ -129,6 +129,14 @@ class OptimConfig:
             f"optim.reduce_on_device={self.reduce_on_device!r}; use auto, true or false",
         )
 
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse settings that cannot run on ``world_size`` ranks (before a run writes)."""
+        check(
+            not self.update_in_backward or world_size == 1,
+            f"optim.update_in_backward=true steps one process's tensors in its backward; "
+            f"this run has {world_size} ranks: use optim.update_in_backward=false",
+        )
+
     def policy(self, population: str) -> PopulationConfig:
         """The state policy of ``population`` (optim=tiered)."""
         return getattr(self, population)

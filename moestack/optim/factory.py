@@ -70,11 +70,7 @@ def build_training_optimizer(
     several ranks, OffloadAdamW averaging its own gradients. Under expert parallelism,
     :class:`ExpertParallelAdamW` or the OffloadAdamW pair :class:`ExpertParallelOffload`.
     """
-    if getattr(cfg, "update_in_backward", False) and (world_size > 1 or mesh is not None):
-        raise ValueError(
-            f"optim.update_in_backward=true steps one process's tensors in its backward; "
-            f"this run has {world_size} ranks: use optim.update_in_backward=false"
-        )
+    cfg.check_ranks(world_size)
     make = _maker(cfg, model)
     groups = param_groups(model, float(cfg.weight_decay))
     if mesh is None:

@@ -6,9 +6,10 @@ Why: with ``master="none"`` a bf16 expert parameter costs its weight (2 bytes), 
 between backward and the step; stepping each tensor in its
 ``register_post_accumulate_grad_hook`` and dropping its gradient there means the gradients of
 the whole model never exist at once: autograd runs a tensor's gradient accumulation as soon as
-the node that made it is done, so what is held at a time is one node's parameter gradients (a
-MoE layer's experts come out of one function) and any gradient a parameter used twice waits
-for (a tied embedding's). :func:`held_gradient_numel` counts that bound from the shapes.
+the node that made it is done, so what is held at a time is one node's parameter gradients (at
+most a module's; a compiled block's under ``compile=true``) and any gradient a parameter used
+twice waits for (a tied embedding's). :func:`held_gradient_numel` counts that bound from the
+shapes.
 
 What it asks of a run (``OptimConfig`` and the factory refuse the rest): no global gradient
 clip (``optim.grad_clip=0``; ``optim.clip_update`` clips each matrix's update), one micro-batch
@@ -20,6 +21,7 @@ it does without this. The update is the same as ``step()``'s, bit for bit, in an
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ from torch import Tensor, nn
 
 from moestack.kernels import host_tiered
 from moestack.optim.tiered_plan import Tally, count
+from moestack.optim.transfer import weak_grad_hook
 
 if TYPE_CHECKING:
     from moestack.optim.tiered import TieredAdamW
@@ -42,8 +45,10 @@ class BackwardUpdate:
         self.armed: dict[int, tuple[Tensor, dict[str, Any]]] = {}  # this backward's owned
         self.tallies: dict[int, Tally] = {}
         self.stepped = False  # the last backward stepped: the next step() adds to its stats
-        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                        for group in opt.param_groups for p in group["params"]]  # fmt: skip
+        hook = weak_grad_hook(self)  # held weakly: a dropped optimizer is freed
+        handles = [p.register_post_accumulate_grad_hook(hook)
+                   for group in opt.param_groups for p in group["params"]]  # fmt: skip
+        weakref.finalize(self, _remove, handles)  # and its hooks taken off
 
     def backward(self, loss: Tensor) -> None:
         """``loss.backward()``, each owned tensor stepped as its gradient lands (a non-finite
@@ -64,34 +69,45 @@ class BackwardUpdate:
                 count(self.opt.stats, self.tallies[id(p)])
         self.stepped = True
 
-    def _on_grad(self, p: Tensor) -> None:
+    def _grad_hook(self, p: Tensor) -> None:
         pair = self.armed.get(id(p))
         if pair is None or p.grad is None or not p.numel():
             return
+        if id(p) in self.tallies:
+            raise RuntimeError(
+                f"{self.opt.names[id(p)]} received a gradient twice in one backward (reentrant "
+                "activation checkpointing, or a second backward through the same graph), so "
+                "optim.update_in_backward stepped it on a part of its gradient; use "
+                "checkpoint(use_reentrant=False), or optim.update_in_backward=false"
+            )
         kernel = host_tiered.kernel_or_none() if self.opt.host_kernel else None
         with torch.no_grad():
             self.tallies[id(p)] = self.opt._step_each([pair], kernel)[0][0]
         p.grad = None
 
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
-def held_gradient_numel(model: nn.Module, only: Collection[str] | None = None) -> int:
+def held_gradient_numel(
+    model: nn.Module, only: Collection[str] | None = None, compiled: bool = False
+) -> int:
     """The most gradient elements of ``model``'s trained parameters (those named in ``only``,
-    if given) held at once when each tensor steps in backward: the largest module's (one
-    autograd node's gradients: a linear layer's weight and bias, a MoE layer's experts), plus
-    every parameter used under two names (a tied embedding: its gradient waits for both)."""
+    if given) held at once when each tensor steps in backward: the largest module's (at most
+    one autograd node's gradients: a linear layer's weight and bias, a MoE layer's experts;
+    ``compiled``, each block compiled as one graph: the largest block's, a block being the
+    parameters under one numbered module such as ``layers.3``) plus every parameter used under
+    two names (a tied embedding: its gradient waits for both uses; twice itself while the
+    second is added)."""
     names: dict[int, list[str]] = {}
     numel: dict[int, int] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.requires_grad:
             names.setdefault(id(p), []).append(name)
             numel[id(p)] = p.numel()
-    by_module: dict[str, int] = {}
+    by_unit: dict[str, int] = {}
     waiting = 0
     for pid, seen in names.items():
         if only is not None and seen[0] not in only:
@@ -99,6 +115,15 @@ def held_gradient_numel(model: nn.Module, only: Collection[str] | None = None) -
         if len(seen) > 1:
             waiting += numel[pid]
         else:
-            module = seen[0].rpartition(".")[0]
-            by_module[module] = by_module.get(module, 0) + numel[pid]
-    return max(by_module.values(), default=0) + waiting
+            unit = _block_of(seen[0]) if compiled else seen[0].rpartition(".")[0]
+            by_unit[unit] = by_unit.get(unit, 0) + numel[pid]
+    return max(max(by_unit.values(), default=0) + waiting, 2 * waiting)
+
+
+def _block_of(name: str) -> str:
+    """The numbered module ``name`` lies under (``layers.3``), else its own module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name.rpartition(".")[0]

@@ -42,6 +42,14 @@ def test_update_in_backward_plans_one_modules_gradients() -> None:
     plan = plan_memory(TrainConfig(model=small_model(), optim=optim, data=DataConfig(seq_len=32)))
     assert plan.line("gradients").bytes == 2 * (4 * 32 * 64 + 4 * 32 * 32 + 256 * 32)
     assert "update_in_backward" in plan.line("gradients").formula
+    compiled = TrainConfig(model=small_model(), optim=optim, data=DataConfig(seq_len=32),
+                           compile=True)  # fmt: skip
+    block = 32 + 96 * 32 + 32 * 32 + 32 + 4 * 32 * 64 + 4 * 32 * 32 + 4 * 32  # a whole layer
+    assert plan_memory(compiled).line("gradients").bytes == 2 * (block + 256 * 32)
+    with pytest.raises(ValueError, match="this run has 2 ranks"):
+        plan_memory(
+            TrainConfig(model=small_model(), optim=optim, data=DataConfig(seq_len=32)), ranks=2
+        )
 
 
 @pytest.mark.parametrize("master", ["none", "float32"])

@@ -6,9 +6,13 @@ it cannot honour in one line naming the field."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from _tiered_testlib import small_model, weights
+from torch.utils.checkpoint import checkpoint
 
 from moestack.config import ModelConfig, OptimConfig, TrainConfig
 from moestack.optim import build_optimizer, build_training_optimizer
@@ -106,6 +110,11 @@ def test_held_gradient_count_worked_by_hand() -> None:
     assert held_gradient_numel(tied, only=names) == experts
     tied.layers[0].moe.w1.requires_grad_(False)  # frozen: no gradient
     assert held_gradient_numel(tied, only=names) == experts
+    block = 128 + 384 * 128 + 128 * 128 + 128 + experts + 8 * 128  # norms, attention, MoE
+    assert held_gradient_numel(untied, compiled=True) == block  # one graph's gradients a block
+    with torch.device("meta"):
+        wide = ModelConfig(vocab_size=8192).build()  # the tied embedding larger than a layer
+    assert held_gradient_numel(wide) == 2 * 8192 * 128  # its two uses' gradients, being added
 
 
 def test_a_non_finite_loss_steps_nothing() -> None:
@@ -157,3 +166,34 @@ def test_accumulation_and_ranks_are_refused() -> None:
         TrainConfig(optim=optim, grad_accum=2)
     with pytest.raises(ValueError, match="this run has 2 ranks"):
         build_training_optimizer(small_model(), optim, world_size=2)
+
+
+def test_a_dropped_optimizer_is_freed_and_its_hooks_taken_off() -> None:
+    model = small_model()
+    opt = build_optimizer(model, OptimConfig(name="tiered", grad_clip=0.0, update_in_backward=True))
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # taken off
+    before = weights(model)
+    model(_tokens(0), _tokens(0)).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())  # nothing stepped, nothing freed
+    assert all(torch.equal(before[n], w) for n, w in weights(model).items())
+
+
+def test_a_gradient_in_two_parts_is_refused() -> None:
+    """Reentrant checkpointing runs a nested backward, so a parameter used inside and outside
+    the region has its gradient accumulated twice: stepping it on the first part would be
+    wrong, so the second stops the run naming it."""
+    lin = torch.nn.Linear(4, 4)
+    model = torch.nn.Module()
+    model.lin = lin
+    opt = TieredAdamW([{"params": [("lin.weight", lin.weight), ("lin.bias", lin.bias)],
+                        "population": "backbone", "momentum": "float32",
+                        "second_moment": "full", "weight_decay": 0.0}],
+                      update_in_backward=True)  # fmt: skip
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = lin(checkpoint(lin, x, use_reentrant=True)).sum()
+    with pytest.raises(RuntimeError, match=r"lin\.(weight|bias) received a gradient twice"):
+        opt.backward(loss)
