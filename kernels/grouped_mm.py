@@ -77,8 +77,43 @@ def grouped_mm_torch(
     if torch.compiler.is_compiling():
         return torch.ops.moestack.grouped_mm(x_NK, w_EKM, offsets_E)
     if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
+        if _half_on_cpu(x_NK):  # each group's rows bucketed: the matmuls' shapes repeat
+            dest_N, padded_E = _bucketed(offsets_E)
+            y_PM = _padded_grouped_mm(_spread(x_NK, dest_N, padded_E), w_EKM, padded_E)
+            return y_PM.index_select(0, dest_N)
         return _padded_grouped_mm(x_NK, w_EKM, offsets_E)
     return _grouped_mm_loop(x_NK, w_EKM, offsets_E)
+
+
+def _half_on_cpu(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs ``x``'s groups as oneDNN matmuls that compile a kernel
+    for every new shape (bf16 and fp16 on the CPU: about 1.3 ms each, a few hundred a step as
+    the routing moves, half of a bf16 training step of the default model), so that each
+    group's rows are padded with zeros to a bucketed count (``_bucketed``): the shapes repeat
+    and the compiled kernels are reused. Zero rows add exact zeros to a weight gradient, and
+    their outputs are dropped."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dest_N, padded_E)``: where each row moves and the groups' new offsets, each group's
+    rows rounded up to a multiple of 64, or above 1024 rows of an eighth of the power of two
+    below (at most 1/8 more): a few sizes an octave, whatever the routing."""
+    starts_E = F.pad(offsets_E[:-1], (1, 0)).long()
+    rows_E = offsets_E.long() - starts_E
+    octave_E = torch.floor(torch.log2(rows_E.clamp(min=1).double()))
+    step_E = torch.pow(2, octave_E - 3).clamp(min=64).long()
+    sizes_E = (rows_E + step_E - 1) // step_E * step_E
+    padded_E = torch.cumsum(sizes_E, 0)
+    shift_E = padded_E - sizes_E - starts_E  # each group's first new row minus its old
+    dest_N = torch.arange(int(offsets_E[-1]) if len(offsets_E) else 0)
+    return dest_N + torch.repeat_interleave(shift_E, rows_E), padded_E.to(offsets_E.dtype)
+
+
+def _spread(t_NK: torch.Tensor, dest_N: torch.Tensor, padded_E: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows at ``dest_N`` of a zero tensor of the padded groups' rows."""
+    rows = int(padded_E[-1]) if len(padded_E) else 0
+    return t_NK.new_zeros(rows, t_NK.shape[1]).index_copy(0, dest_N, t_NK)
 
 
 @torch.library.custom_op("moestack::grouped_mm", mutates_args=())
@@ -106,6 +141,9 @@ def _grouped_mm_wgrad_op(
     some GPUs' kernels leave them undefined). Else a loop over the groups."""
     k, m = x_NK.shape[1], dy_NM.shape[1]
     if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
+        if _half_on_cpu(x_NK):  # reduced over bucketed rows: the shapes repeat
+            dest_N, offsets_E = _bucketed(offsets_E)
+            x_NK, dy_NM = _spread(x_NK, dest_N, offsets_E), _spread(dy_NM, dest_N, offsets_E)
         x_NK = _pad_last(x_NK, _aligned(k, x_NK)).contiguous()
         dy_NM = _pad_last(dy_NM, _aligned(m, dy_NM)).contiguous()
         dw_EKM = torch._grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)[:, :k, :m]

@@ -269,3 +269,39 @@ def test_training_step_never_counts_with_bincount(monkeypatch):
     monkeypatch.setattr(torch, "bincount", refused)
     (layer(x).square().mean() + layer.aux_loss).backward()
     assert layer.aux_loss.item() > 0 and x.grad is not None
+
+
+def test_cpu_half_precision_rows_are_bucketed_and_agree(monkeypatch):
+    """bf16 on the CPU: torch._grouped_mm sees each group's rows rounded up to a bucket
+    (multiples of 64; above 1024 rows, of an eighth of the power of two below), so the
+    shapes repeat as the routing moves; forward, input and weight gradients agree with a
+    float64 loop over the groups (empty, one row, 63, 64, 65 and 1500 rows)."""
+    rows = [0, 1, 63, 64, 65, 1500]
+    offsets = torch.tensor(rows, dtype=torch.int32).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(rows), 24, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(len(rows), 24, 40, generator=gen).bfloat16().requires_grad_(True)
+    seen = []
+    original = torch._grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        seen.append(torch.diff(offs, prepend=offs.new_zeros(1)).tolist())
+        return original(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    y = grouped_mm_torch(x, w, offsets)
+    dy = torch.randn(y.shape, generator=gen).bfloat16()
+    y.backward(dy)
+    assert seen[0] == [0, 64, 64, 64, 128, 1536]  # 1500 -> a multiple of 1024 / 8
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want = per_group_float64(x64, w64, offsets)
+    want.backward(dy.double())
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=2e-2, atol=1e-1)
+    assert (w.grad[0] == 0).all()  # the empty group
+    seen.clear()  # the weight gradient torch.compile's op computes: bucketed rows too
+    dw = torch.ops.moestack.grouped_mm_wgrad(x.detach(), dy, offsets)
+    assert seen == [[0, 64, 64, 64, 128, 1536]]
+    torch.testing.assert_close(dw.double(), w64.grad, rtol=2e-2, atol=1e-1)
+    assert (dw[0] == 0).all()
