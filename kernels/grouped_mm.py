@@ -97,12 +97,13 @@ def _half_on_cpu(x: torch.Tensor) -> bool:
 
 def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dest_N, padded_E)``: where each row moves and the groups' new offsets, each group's
-    rows rounded up to a multiple of 64, or above 1024 rows of an eighth of the power of two
-    below (at most 1/8 more): a few sizes an octave, whatever the routing."""
+    rows rounded up to a multiple of 16 (an AMX tile's rows), or above 128 rows of an eighth
+    of the power of two below (at most 1/8 more): eight sizes an octave, whatever the
+    routing (about a hundred a matmul's kind, within oneDNN's cache of 1024 kernels)."""
     starts_E = F.pad(offsets_E[:-1], (1, 0)).long()
     rows_E = offsets_E.long() - starts_E
     octave_E = torch.floor(torch.log2(rows_E.clamp(min=1).double()))
-    step_E = torch.pow(2, octave_E - 3).clamp(min=64).long()
+    step_E = torch.pow(2, octave_E - 3).clamp(min=16).long()
     sizes_E = (rows_E + step_E - 1) // step_E * step_E
     padded_E = torch.cumsum(sizes_E, 0)
     shift_E = padded_E - sizes_E - starts_E  # each group's first new row minus its old

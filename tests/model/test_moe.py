@@ -273,7 +273,7 @@ def test_training_step_never_counts_with_bincount(monkeypatch):
 
 def test_cpu_half_precision_rows_are_bucketed_and_agree(monkeypatch):
     """bf16 on the CPU: torch._grouped_mm sees each group's rows rounded up to a bucket
-    (multiples of 64; above 1024 rows, of an eighth of the power of two below), so the
+    (multiples of 16; above 128 rows, of an eighth of the power of two below), so the
     shapes repeat as the routing moves; forward, input and weight gradients agree with a
     float64 loop over the groups (empty, one row, 63, 64, 65 and 1500 rows)."""
     rows = [0, 1, 63, 64, 65, 1500]
@@ -292,7 +292,7 @@ def test_cpu_half_precision_rows_are_bucketed_and_agree(monkeypatch):
     y = grouped_mm_torch(x, w, offsets)
     dy = torch.randn(y.shape, generator=gen).bfloat16()
     y.backward(dy)
-    assert seen[0] == [0, 64, 64, 64, 128, 1536]  # 1500 -> a multiple of 1024 / 8
+    assert seen[0] == [0, 16, 64, 64, 80, 1536]  # 1500 -> a multiple of 1024 / 8
     x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
     want = per_group_float64(x64, w64, offsets)
     want.backward(dy.double())
@@ -302,6 +302,6 @@ def test_cpu_half_precision_rows_are_bucketed_and_agree(monkeypatch):
     assert (w.grad[0] == 0).all()  # the empty group
     seen.clear()  # the weight gradient torch.compile's op computes: bucketed rows too
     dw = torch.ops.moestack.grouped_mm_wgrad(x.detach(), dy, offsets)
-    assert seen == [[0, 64, 64, 64, 128, 1536]]
+    assert seen == [[0, 16, 64, 64, 80, 1536]]
     torch.testing.assert_close(dw.double(), w64.grad, rtol=2e-2, atol=1e-1)
     assert (dw[0] == 0).all()
