@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,15 +32,12 @@ from moestack.kernels import host_tiered
 from moestack.optim.tiered_plan import Tally, count
 from moestack.optim.transfer import weak_grad_hook
 
-if TYPE_CHECKING:
-    from moestack.optim.tiered import TieredAdamW
-
 
 class BackwardUpdate:
     """The hooks of one :class:`~moestack.optim.tiered.TieredAdamW`'s parameters, armed only
     during :meth:`backward` (a plain ``loss.backward()`` leaves the gradients to ``step()``)."""
 
-    def __init__(self, opt: TieredAdamW) -> None:
+    def __init__(self, opt: Any) -> None:  # a TieredAdamW (which imports this module)
         self.opt = opt
         self.armed: dict[int, tuple[Tensor, dict[str, Any]]] = {}  # this backward's owned
         self.tallies: dict[int, Tally] = {}
