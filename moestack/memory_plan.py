@@ -32,8 +32,8 @@ from moestack.lora import add_adapters_for
 from moestack.optim.factory import device_param_dtype, param_groups, uses_ddp
 from moestack.optim.offload_plan import OffloadPlan, plan_offload
 from moestack.optim.plan import DEFAULT_EXPERT_PATTERN, ParamSpec, adamw_state_bytes, expert_flags
-from moestack.optim.tiered import plan_rows
 from moestack.optim.tiered_backward import held_gradient_numel
+from moestack.optim.tiered_bytes import plan_rows
 from moestack.optim.update import parse_moment_dtype
 from moestack.parallel import ExpertParallelMesh, check_layout, expert_params, shard_experts
 from moestack.populations import classify
@@ -263,13 +263,14 @@ def _streamed_lines(
 def _tiered_lines(
     plan: MemoryPlan, cfg: TrainConfig, model: torch.nn.Module, pdtype: torch.dtype
 ) -> None:
-    """optim=tiered's own plan (:func:`moestack.optim.tiered.plan_rows`: its state per
+    """optim=tiered's own plan (:func:`moestack.optim.tiered_bytes.plan_rows`: its state per
     population on the most loaded rank, what a step allocates) on the device beside the
     weights; under expert parallelism or DDP the gradients' exchange buffer."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ranks = plan.ranks if cfg.parallel.ep == 1 else 1  # under EP: the tensors a rank holds
-    for what, size, formula in plan_rows(trained, classify(model), cfg.optim, pdtype, ranks):
-        plan.lines.append(Line("device", what, size, formula))
+    offload = cfg.optim.offload == "cpu" and plan.device != "cpu"
+    for row in plan_rows(trained, classify(model), cfg.optim, pdtype, ranks, offload):
+        plan.lines.append(Line(*row))
     numel, size = sum(p.numel() for _, p in trained), pdtype.itemsize
     exchange = "gradient all-reduce buffer" if cfg.parallel.ep > 1 else "DDP gradient buckets"
     if cfg.parallel.ep > 1 or uses_ddp("tiered", ranks, expert_parallel=False):

@@ -34,8 +34,8 @@ import yaml
 from moestack import bench
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.optim import build_optimizer
-from moestack.optim.tiered import planned_state_bytes
 from moestack.optim.tiered_backward import held_gradient_numel
+from moestack.optim.tiered_bytes import planned_state_bytes
 from moestack.populations import classify
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "model"

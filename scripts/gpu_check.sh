@@ -44,8 +44,8 @@ PLAN=(
     "bench_moe|130|bench_moe.json,tuned_configs.json|default|issue-3 and issue-30 tables and targets; mm, wgrad, mm_dswiglu retuned at every shape (persistent GEMM, torch dW, fused dSwiGLU timed vs classic tiles); outputs checked vs torch first; measured winners saved per shape"
     "profile_moe|40|profile_moe.json|default|before: the checked-in table's configs, launch by launch (fwd and bwd GEMMs, gathers, SwiGLU bwd, dW, the rest) at three shapes"
     "profile_moe_new|40|profile_moe_new.json|default|after: the same with the persistent GEMM, torch's dW and the fused dSwiGLU forced (labelled per launch)"
-    "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path, serial and pipelined, vs torch AdamW, also with every transfer stalled; per-layer waits on CUDA"
-    "bench_optim|120|bench_optim.json|second|optimizer step; training step of optim=tiered, after backward and in it (issue 53: peak memory <= 0.45x and step <= 1.05x device AdamW's) and OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), each clipped and unclipped, with its parts and the compute stream's idle time (CUDA events); pinned copy GB/s each way and both at once; 200-step loss delayed vs exact (cut to 40 s, the steps run recorded); per contender whether it ran pipelined and its host kernel"
+    "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path, serial and pipelined, vs torch AdamW, also with every transfer stalled; per-layer waits on CUDA; optim=tiered's state offloaded to pinned host memory stepping the device bits"
+    "bench_optim|120|bench_optim.json|second|optimizer step; training step of optim=tiered, after backward, in it and with its state offloaded (issue 53: peak memory <= 0.45x and step <= 1.05x device AdamW's) and OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), each clipped and unclipped, with its parts and the compute stream's idle time (CUDA events); pinned copy GB/s each way and both at once; 200-step loss delayed vs exact (cut to 40 s, the steps run recorded); per contender whether it ran pipelined and its host kernel"
     "memory|15|bench_optim_memory.json|optional|device and host bytes per parameter, offload vs device AdamW"
     "bench_serve|80|bench_serve.json|second|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel); median (range) of 3 repeats, targets' rows first"
     "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
@@ -270,7 +270,8 @@ MOESTACK_AUTOTUNE=0 phase profile_moe_new "$PY" scripts/profile_moe.py \
     --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --persistent --fused-dswiglu --torch-wgrad \
     --json "$OUT/profile_moe_new.json"
 MOESTACK_AUTOTUNE=0 phase optim_tests "${PYTEST[@]}" --junitxml="$OUT/optim_tests.xml" \
-    tests/optim/test_offload_devices.py tests/optim/test_offload_pipeline.py
+    tests/optim/test_offload_devices.py tests/optim/test_offload_pipeline.py \
+    tests/optim/test_tiered_offload.py
 phase bench_optim "$PY" scripts/bench_optim.py --only gpu,train_step,delay_loss --reps 5 \
     --delay-loss-budget-s 40 --json "$OUT/bench_optim.json"
 phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim_memory.json"

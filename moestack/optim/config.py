@@ -38,7 +38,10 @@ class OptimConfig:
     warmup_steps: int = 30  # linear warm-up from 0 to lr
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     grad_clip: float = 1.0  # clip gradients to this global norm (0 = off)
-    offload: str = "cpu"  # offload_adamw: where state lives ("cpu")
+    # where the state lives: "auto" (offload_adamw: host memory; tiered: beside the
+    # parameters), "cpu" (host memory; tiered: the state of device parameters, each tensor's
+    # copied to its device for its update) or "none" (tiered: beside the parameters)
+    offload: str = "auto"
     shard: bool = True  # offload_adamw: shard state over data-parallel ranks (ZeRO-1)
     overlap: bool = True  # offload_adamw: overlap host copies with compute
     skip_idle_experts: bool = False  # offload_adamw: skip experts that got no tokens
@@ -86,6 +89,15 @@ class OptimConfig:
             self.name in OPTIMIZERS, f"optim.name={self.name!r} is unknown; use one of {OPTIMIZERS}"
         )
         check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
+        check(
+            self.offload in ("auto", "cpu", "none"),
+            f"optim.offload={self.offload!r} is unknown; use 'auto', 'cpu' or 'none'",
+        )
+        check(
+            self.offload != "none" or self.name != "offload_adamw",
+            "optim.offload=none: optim=offload_adamw keeps its state in host memory; use "
+            "optim=adamw or optim=tiered for state beside the parameters",
+        )
         betas = tuple(self.betas)
         check(
             len(betas) == 2 and all(0 <= b < 1 for b in betas),

@@ -101,7 +101,7 @@ def _maker(cfg: Any, model: torch.nn.Module) -> Maker:
         def make(groups: list[dict[str, Any]], process_group: Any = None) -> OffloadAdamW:
             return OffloadAdamW(
                 groups,
-                offload=cfg.offload,
+                offload="cpu",  # optim.offload "auto" or "cpu" (none is refused)
                 shard=cfg.shard,
                 overlap=cfg.overlap,
                 skip_idle_experts=cfg.skip_idle_experts,
@@ -148,6 +148,7 @@ def _tiered(
         shard=expert_offsets is None,
         expert_offsets=expert_offsets,
         update_in_backward=bool(getattr(cfg, "update_in_backward", False)),
+        offload=getattr(cfg, "offload", "auto") == "cpu",
         **kw,
     )
 

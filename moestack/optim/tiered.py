@@ -34,7 +34,8 @@ from torch import Tensor
 from moestack import seeding
 from moestack.kernels import host_tiered
 from moestack.optim.tiered_backward import BackwardUpdate
-from moestack.optim.tiered_plan import KernelPlan, Native, Tally, count
+from moestack.optim.tiered_bytes import assign_by_size, tensor_state_bytes
+from moestack.optim.tiered_plan import STATE, KernelPlan, Native, Tally, count
 from moestack.populations import MASTER, POPULATIONS, ParamInfo
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class TieredAdamW(torch.optim.Optimizer):
     bit for bit as the uninterrupted one. ``host_kernel``: step CPU tensors with the C++
     kernel where it loads (False: torch ops everywhere; the two give the same bits).
     ``update_in_backward``: :meth:`backward` steps each tensor as its gradient lands and frees
-    that gradient (:mod:`moestack.optim.tiered_backward`; one process).
+    that gradient (:mod:`moestack.optim.tiered_backward`; one process). ``offload``: the state
+    of parameters off the CPU lives in (pinned) host memory, each tensor's copied to its
+    device for its update and back (``optim.offload=cpu``).
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class TieredAdamW(torch.optim.Optimizer):
         expert_offsets: dict[str, int] | None = None,
         host_kernel: bool = True,
         update_in_backward: bool = False,
+        offload: bool = False,
     ) -> None:
         if master not in MASTER:
             raise ValueError(f"optim.master={master!r} is unknown; use one of {MASTER}")
@@ -102,6 +106,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.owner = _assign_owners(self.param_groups, self.names, self._ranks(), master)
         self.reset_stats()
         self.host_kernel = host_kernel
+        self.offload = offload
         self._plan: KernelPlan | None = None  # the kernel's descriptors, kept between steps
         self._owned_by: dict[tuple[Any, ...], list[tuple[Tensor, dict[str, Any]]]] = {}
         self._layouts: dict[tuple[Any, ...], tuple[int, int, int, int, bool]] = {}
@@ -192,6 +197,9 @@ class TieredAdamW(torch.optim.Optimizer):
         for i, ((p, group), job, on_host) in enumerate(zip(todo, jobs, took, strict=True)):
             name = self.names[id(p)]
             applied_sq, clipped = next(done) if on_host else host_tiered.step_torch(job)
+            for k, t in zip(STATE, (job.m, job.v, job.row, job.col, job.master), strict=True):
+                if t is not None and t is not self.state[p][k]:  # offloaded: copied back
+                    self.state[p][k].copy_(t)
             tallies.append((self.info[name].population, applied_sq, clipped, job.w.numel(),
                             job.units))  # fmt: skip
             if on_host and job.g is p.grad:
@@ -221,9 +229,10 @@ class TieredAdamW(torch.optim.Optimizer):
             keys = torch.tensor([host_tiered.unit_key(self.seed, n, e, t)
                                  for n, e in self._key_ids(name, units)],
                                 dtype=torch.int32, device=p.device)  # fmt: skip
+        on = {k: st[k].to(p.device) for k in STATE if k in st}  # offloaded: copied in
         return host_tiered.Job(
-            p, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
-            st.get("master"), keys, units, lead, rows, cols, coef,
+            p, g.contiguous(), on.get("m"), on.get("v"), on.get("row"), on.get("col"),
+            on.get("master"), keys, units, lead, rows, cols, coef,
         )  # fmt: skip
 
     def _key_ids(self, name: str, units: int) -> tuple[tuple[str, int | None], ...]:
@@ -250,15 +259,25 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _init_state(self, p: Tensor, group: dict[str, Any], st: dict[str, Any]) -> None:
         st["step"] = 0
+        on = {"device": "cpu" if self.offload else p.device}  # made where it is kept
         if group["momentum"] != "none":
-            st["m"] = p.new_zeros(p.shape, dtype=getattr(torch, group["momentum"]))
+            st["m"] = p.new_zeros(p.shape, dtype=getattr(torch, group["momentum"]), **on)
         if group["second_moment"] == "factored" and p.ndim >= 2:
-            st["row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32)
-            st["col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32)
+            st["row"] = p.new_zeros(p.shape[:-1], dtype=torch.float32, **on)
+            st["col"] = p.new_zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32, **on)
         else:
-            st["v"] = p.new_zeros(p.shape, dtype=torch.float32)
+            st["v"] = p.new_zeros(p.shape, dtype=torch.float32, **on)
         if self.master == "float32" and p.dtype != torch.float32:
-            st["master"] = p.detach().float().contiguous()
+            st["master"] = p.detach().float().to(on["device"]).contiguous()
+        st.update({k: self._placed(v, p) for k, v in st.items() if isinstance(v, Tensor)})
+
+    def _placed(self, t: Tensor, p: Tensor) -> Tensor:
+        """State tensor ``t`` of ``p`` where it is kept: beside ``p``, or offloaded (``p`` off
+        the CPU) in host memory, pinned where CUDA is."""
+        if not self.offload or p.device.type == "cpu":
+            return t.to(p.device)
+        t = t.to("cpu")
+        return t.pin_memory() if p.device.type == "cuda" else t
 
     def _share_weights(self) -> None:
         """Several ranks: every parameter's weights from the rank that updated them."""
@@ -366,7 +385,8 @@ class TieredAdamW(torch.optim.Optimizer):
                     stacked, offset = self.info[name].stacked, self.offsets.get(name, 0)
                     st = _from_entries(name, entries, p, stacked, offset)
                     if st is not None:
-                        self.state[p] = st
+                        self.state[p] = {k: self._placed(v, p) if isinstance(v, Tensor) else v
+                                         for k, v in st.items()}  # fmt: skip
 
 
 def tiered_groups(
@@ -396,115 +416,6 @@ def tiered_groups(
             "stacked": {n for n, _ in by_pop[pop] if info[n].stacked},
         })  # fmt: skip
     return groups
-
-
-def planned_state_bytes(
-    named: Iterable[tuple[str, Tensor]],
-    info: dict[str, ParamInfo],
-    policy: Callable[[str], Any],
-    master: str,
-    param_dtype: torch.dtype,
-) -> dict[str, int]:
-    """The bytes of state :class:`TieredAdamW` keeps per population for the trainable
-    ``(name, tensor)`` pairs once every one has stepped, from their shapes alone (meta
-    tensors will do): what ``state_bytes`` counts, summed over the ranks."""
-    out = dict.fromkeys(POPULATIONS, 0)
-    for name, p in named:
-        out[info[name].population] += _tensor_state_bytes(
-            p.shape, policy(info[name].population), master, param_dtype
-        )
-    return out
-
-
-def plan_rows(
-    named: list[tuple[str, Tensor]],
-    info: dict[str, ParamInfo],
-    cfg: Any,
-    param_dtype: torch.dtype,
-    ranks: int,
-) -> list[tuple[str, int, str]]:
-    """The memory plan's rows ``(what, bytes, formula)`` for the trained ``named`` tensors
-    under ``cfg`` (OptimConfig): each population's state on the most loaded of ``ranks``
-    (the optimizer's own split, :func:`assign_by_size`), then what a step allocates."""
-    sizes = {n: sum(planned_state_bytes([(n, p)], info, cfg.policy, cfg.master, param_dtype)
-                    .values()) for n, p in named}  # fmt: skip
-    owner = assign_by_size(sizes, ranks)
-    load = [sum(size for n, size in sizes.items() if owner[n] == r) for r in range(ranks)]
-    heaviest = load.index(max(load)) if load else 0
-    shared = f"; the most loaded of {ranks} ranks (whole tensors)" if ranks > 1 else ""
-    rows = []
-    for population in POPULATIONS:
-        size = sum(sizes[n] for n, _ in named
-                   if info[n].population == population and owner[n] == heaviest)  # fmt: skip
-        rule = cfg.policy(population)
-        formula = (f"momentum {rule.momentum}, second moment {rule.second_moment} (1-D: full), "
-                   f"master {cfg.master}{shared}")  # fmt: skip
-        if size:
-            rows.append((f"optimizer state (tiered, {population})", size, formula))
-    step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype)
-    rows.append(("optimizer scratch (tiered, during a step)", step,
-                 "the torch ops' temporaries of the tensor that needs most: its update, fp32 "
-                 "copies and rounding noise (freed when the step ends; none of torch's where "
-                 "the C++ kernel steps CPU tensors: its buffers are its own)"))  # fmt: skip
-    return rows
-
-
-def planned_step_bytes(
-    named: Iterable[tuple[str, Tensor]],
-    info: dict[str, ParamInfo],
-    policy: Callable[[str], Any],
-    master: str,
-    param_dtype: torch.dtype,
-) -> int:
-    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: none for
-    a CPU tensor the C++ kernel steps (its buffers are its own, not torch's: a unit's update
-    and a matrix's column sums for each thread, kept between steps); for one the
-    torch ops step (:func:`moestack.kernels.host_tiered.step_torch`), the largest of its
-    stages: the fp32 gradient (narrower ones), the update and its squares (10 bytes an
-    element; 4 more with a bf16 momentum), and without a master the new weights, the fp32
-    copy of narrower ones and the rounding noise in int64 (16 bytes an element and 8 an
-    element of one unit); plus the row and column vectors of a factored estimate."""
-    named = list(named)
-    host = any(p.device.type == "cpu" for _, p in named) and host_tiered.kernel_or_none()
-    extra = vectors = 0
-    for name, p in named:
-        numel, rule = math.prod(p.shape), policy(info[name].population)
-        stacked = info[name].stacked and len(p.shape) >= 1
-        unit = numel // p.shape[0] if stacked and p.shape[0] else numel
-        factored = rule.second_moment == "factored" and len(p.shape) >= 2
-        if host and p.device.type == "cpu" and _host_layout(p.shape, stacked, factored):
-            continue  # the C++ kernel: no tensor allocated
-        narrow = 4 * numel if param_dtype != torch.float32 else 0
-        core = narrow + 10 * numel + (4 * numel if rule.momentum == "bfloat16" else 0)
-        write = 4 * numel
-        if master == "none":
-            write += narrow + 16 * numel + 8 * unit
-        extra = max(extra, core, write)
-        if factored:
-            vectors = max(
-                vectors, 16 * (math.prod(p.shape[:-1]) + math.prod(p.shape[:-2]) * p.shape[-1])
-            )
-    return extra + vectors
-
-
-def _host_layout(shape: torch.Size, stacked: bool, factored: bool) -> bool:
-    """Whether the C++ kernel takes a tensor of ``shape`` (a unit is whole matrices)."""
-    units = shape[0] if stacked else 1
-    lead = math.prod(shape[:-2]) if factored else units
-    return math.prod(shape) > 0 and lead % max(units, 1) == 0
-
-
-def _tensor_state_bytes(shape: torch.Size, rule: Any, master: str, param_dtype: torch.dtype) -> int:
-    numel = math.prod(shape)
-    size = 0 if rule.momentum == "none" else numel * getattr(torch, rule.momentum).itemsize
-    if rule.second_moment == "factored" and len(shape) >= 2:
-        lead = math.prod(shape[:-2])
-        size += 4 * lead * (shape[-2] + shape[-1])
-    else:
-        size += 4 * numel
-    if master == "float32" and param_dtype != torch.float32:
-        size += 4 * numel
-    return size
 
 
 def _schedule_of(group: dict[str, Any]) -> dict[str, float]:
@@ -558,18 +469,6 @@ def _assign_owners(
     for g in groups:
         for p in g["params"]:
             rule = SimpleNamespace(momentum=g["momentum"], second_moment=g["second_moment"])
-            sizes[names[id(p)]] = (id(p), _tensor_state_bytes(p.shape, rule, master, p.dtype))
+            sizes[names[id(p)]] = (id(p), tensor_state_bytes(p.shape, rule, master, p.dtype))
     owner_of = assign_by_size({n: size for n, (_, size) in sizes.items()}, ranks[1])
     return {pid: owner_of[n] for n, (pid, _) in sizes.items()}
-
-
-def assign_by_size(sizes: dict[str, int], world: int) -> dict[str, int]:
-    """Each name's rank: the largest first (ties by name), each to the least loaded rank
-    (ties to the lowest): the ZeRO split of tiered's state, which the plan repeats."""
-    load = [0] * world
-    owner = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        owner[name] = r
-        load[r] += sizes[name]
-    return owner

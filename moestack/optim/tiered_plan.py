@@ -23,7 +23,7 @@ from torch import Tensor
 
 from moestack.kernels import host_tiered
 
-_STATE = ("m", "v", "row", "col", "master")
+STATE = ("m", "v", "row", "col", "master")  # a parameter's state tensors, in Job's order
 _NI, _NC = host_tiered.FIELDS, host_tiered.COEFS
 
 
@@ -128,7 +128,7 @@ class KernelPlan:
             fields[host_tiered.KEYS] = keys.buffer_info()[0]
         self.fields.extend(fields)
         self.coefs.extend(n.job.coef)
-        state = tuple((k, n.st[k], n.st[k].data_ptr()) for k in _STATE if k in n.st)
+        state = tuple((k, n.st[k], n.st[k].data_ptr()) for k in STATE if k in n.st)
         self.entries.append(_Entry(n.p, n.st, state, n.p.numel(), n.p.data_ptr(), n.p.dtype,
                                    n.job.g.dtype, keys, n.key_ids))  # fmt: skip
         k, momentum = len(self.entries) - 1, n.job.m is not None

@@ -112,6 +112,7 @@ TRAIN_CONTENDERS: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
     "adamw": ("adamw", 0, True, {}),
     "adamw_unclipped": ("adamw", 0, False, {}),
     "tiered": ("tiered", 0, True, {}),  # optim=tiered's defaults: bf16 weights, no master
+    "tiered_offload": ("tiered", 0, True, {"offload": "cpu"}),  # its state in host memory
     "tiered_in_backward_unclipped": (
         "tiered",
         0,

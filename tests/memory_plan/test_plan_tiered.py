@@ -12,7 +12,8 @@ from helpers.runs import small_model
 from moestack.config import DataConfig, OptimConfig, TrainConfig
 from moestack.memory_plan import plan_memory
 from moestack.optim import apply_param_dtype, build_optimizer
-from moestack.optim.tiered import TieredAdamW, planned_step_bytes
+from moestack.optim.tiered import TieredAdamW
+from moestack.optim.tiered_bytes import planned_step_bytes
 from moestack.populations import classify
 
 

@@ -46,7 +46,7 @@ def set_grads(model: torch.nn.Module, step: int) -> None:
         g = torch.randn(p.shape, generator=gen) * (1 + i % 3)
         if name.endswith("moe.w1"):
             g[1] = 0
-        p.grad = g.to(p.dtype)
+        p.grad = g.to(p.device, p.dtype)
 
 
 def run_steps(model: torch.nn.Module, opt: TieredAdamW, steps: range) -> None:

@@ -25,7 +25,8 @@ from helpers.multiprocess import file_rendezvous, spawn_ranks
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.kernels import host_tiered
 from moestack.lora import LoRAConfig, add_adapters
-from moestack.optim.tiered import TieredAdamW, planned_state_bytes
+from moestack.optim.tiered import TieredAdamW
+from moestack.optim.tiered_bytes import planned_state_bytes
 from moestack.populations import PopulationConfig, classify
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.95), 1e-8

@@ -172,7 +172,7 @@ def test_torch_ops_allocate_no_more_than_planned(master: str, dtype: torch.dtype
     most of it."""
     from helpers.alloc import PeakAllocated
 
-    from moestack.optim.tiered import planned_step_bytes
+    from moestack.optim.tiered_bytes import planned_step_bytes
     from moestack.populations import classify
 
     model = small_model(dtype)
