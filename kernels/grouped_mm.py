@@ -88,11 +88,14 @@ def grouped_mm_torch(
 def _half_on_cpu(x: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs ``x``'s groups as oneDNN matmuls that compile a kernel
     for every new shape (bf16 and fp16 on the CPU: about 1.3 ms each, a few hundred a step as
-    the routing moves, half of a bf16 training step of the default model), so that each
-    group's rows are padded with zeros to a bucketed count (``_bucketed``): the shapes repeat
-    and the compiled kernels are reused. Zero rows add exact zeros to a weight gradient, and
-    their outputs are dropped."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    the routing moves, half of a bf16 training step of the default model) with rows enough
+    to have many sizes (1024: below, as in decoding, a call's groups take few sizes, which
+    oneDNN's cache keeps, and the bucketing's 0.1 ms would cost more than it saves), so that
+    each group's rows are padded with zeros to a bucketed count (``_bucketed``): the shapes
+    repeat and the compiled kernels are reused. Zero rows add exact zeros to a weight
+    gradient, and their outputs are dropped."""
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    return x.device.type == "cpu" and half and x.shape[0] >= 1024
 
 
 def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,9 +115,12 @@ def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _spread(t_NK: torch.Tensor, dest_N: torch.Tensor, padded_E: torch.Tensor) -> torch.Tensor:
-    """``t``'s rows at ``dest_N`` of a zero tensor of the padded groups' rows."""
-    rows = int(padded_E[-1]) if len(padded_E) else 0
-    return t_NK.new_zeros(rows, t_NK.shape[1]).index_copy(0, dest_N, t_NK)
+    """``t``'s rows at ``dest_N`` of the padded groups' rows, zeros between: a gather from
+    ``t`` and one zero row (autograd saves only the index: a scatter into zeros would keep
+    ``t`` too, beside the padded copy the matmul saves)."""
+    rows, n = (int(padded_E[-1]) if len(padded_E) else 0), t_NK.shape[0]
+    source_P = torch.full((rows,), n, dtype=torch.long).index_copy_(0, dest_N, torch.arange(n))
+    return F.pad(t_NK, (0, 0, 0, 1)).index_select(0, source_P)
 
 
 @torch.library.custom_op("moestack::grouped_mm", mutates_args=())

@@ -196,10 +196,7 @@ class TieredAdamW(torch.optim.Optimizer):
         native = {}
         for i, ((p, group), job, on_host) in enumerate(zip(todo, jobs, took, strict=True)):
             name = self.names[id(p)]
-            applied_sq, clipped = next(done) if on_host else host_tiered.step_torch(job)
-            for k, t in zip(STATE, (job.m, job.v, job.row, job.col, job.master), strict=True):
-                if t is not None and t is not self.state[p][k]:  # offloaded: copied back
-                    self.state[p][k].copy_(t)
+            applied_sq, clipped = next(done) if on_host else _step_torch(job)
             tallies.append((self.info[name].population, applied_sq, clipped, job.w.numel(),
                             job.units))  # fmt: skip
             if on_host and job.g is p.grad:
@@ -229,10 +226,9 @@ class TieredAdamW(torch.optim.Optimizer):
             keys = torch.tensor([host_tiered.unit_key(self.seed, n, e, t)
                                  for n, e in self._key_ids(name, units)],
                                 dtype=torch.int32, device=p.device)  # fmt: skip
-        on = {k: st[k].to(p.device) for k in STATE if k in st}  # offloaded: copied in
         return host_tiered.Job(
-            p, g.contiguous(), on.get("m"), on.get("v"), on.get("row"), on.get("col"),
-            on.get("master"), keys, units, lead, rows, cols, coef,
+            p, g.contiguous(), st.get("m"), st.get("v"), st.get("row"), st.get("col"),
+            st.get("master"), keys, units, lead, rows, cols, coef,
         )  # fmt: skip
 
     def _key_ids(self, name: str, units: int) -> tuple[tuple[str, int | None], ...]:
@@ -416,6 +412,18 @@ def tiered_groups(
             "stacked": {n for n, _ in by_pop[pop] if info[n].stacked},
         })  # fmt: skip
     return groups
+
+
+def _step_torch(job: host_tiered.Job) -> tuple[float, float]:
+    """``host_tiered.step_torch`` on the weights' device: state kept elsewhere (offloaded) is
+    copied there for this tensor's update and back, so one tensor's is in flight at a time."""
+    held = {k: getattr(job, k) for k in STATE if getattr(job, k) is not None}
+    moved = {k: t.to(job.w.device) for k, t in held.items()}
+    out = host_tiered.step_torch(job._replace(**moved))
+    for k, t in held.items():
+        if moved[k] is not t:
+            t.copy_(moved[k])
+    return out
 
 
 def _schedule_of(group: dict[str, Any]) -> dict[str, float]:

@@ -84,7 +84,15 @@ def test_offloaded_state_steps_the_device_bits(master: str) -> None:
     moved.load_state_dict(saved)
     assert all(t.is_pinned() for st in moved.state.values() for t in st.values()
                if torch.is_tensor(t))  # fmt: skip
-    run_steps(on_device, kept, range(3, 5))
-    run_steps(offloaded, moved, range(3, 5))
+    peaks = []  # a step's device bytes beyond what was held before it
+    for model, opt in ((on_device, kept), (offloaded, moved)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run_steps(model, opt, range(3, 5))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
     a, b = weights(on_device), weights(offloaded)
     assert all(torch.equal(a[n], b[n]) for n in a)
+    held = sum(t.numel() * t.element_size() for st in moved.state.values() for t in st.values()
+               if torch.is_tensor(t))  # fmt: skip
+    assert peaks[1] - peaks[0] < held / 2  # one tensor's state in flight, not the whole state
