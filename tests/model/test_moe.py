@@ -309,3 +309,16 @@ def test_cpu_half_precision_rows_are_bucketed_and_agree(monkeypatch):
     seen.clear()
     grouped_mm_torch(x[:1023].detach(), w.detach(), offsets.clamp(max=1023))
     assert seen == [[0, 1, 63, 64, 65, 830]]
+
+
+def test_cpu_bucketing_saves_only_the_padded_input():
+    """Autograd keeps the padded copy the matmul needs for the weight gradient, the weights
+    and index vectors: not the unpadded input too (a scatter into zeros would save it)."""
+    offsets = torch.tensor([300, 700, 1000, 1500, 3000], dtype=torch.int32)
+    x = torch.randn(3000, 128, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(5, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        grouped_mm_torch(x * 1, w, offsets)
+    big = sorted(tuple(t.shape) for t in saved if t.dim() == 2)
+    assert big == [(3104, 128)]  # 300->320, 400->416, 300->320, 500->512, 1500->1536 rows
