@@ -269,7 +269,8 @@ def _tiered_lines(
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     ranks = plan.ranks if cfg.parallel.ep == 1 else 1  # under EP: the tensors a rank holds
     offload = cfg.optim.offload == "cpu" and plan.device != "cpu"
-    for row in plan_rows(trained, classify(model), cfg.optim, pdtype, ranks, offload):
+    cpu = plan.device == "cpu"
+    for row in plan_rows(trained, classify(model), cfg.optim, pdtype, ranks, offload, cpu):
         plan.lines.append(Line(*row))
     numel, size = sum(p.numel() for _, p in trained), pdtype.itemsize
     exchange = "gradient all-reduce buffer" if cfg.parallel.ep > 1 else "DDP gradient buckets"

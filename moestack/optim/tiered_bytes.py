@@ -42,12 +42,14 @@ def plan_rows(
     param_dtype: torch.dtype,
     ranks: int,
     offload: bool = False,
+    on_cpu: bool | None = None,
 ) -> list[tuple[str, str, int, str]]:
     """The memory plan's rows ``(where, what, bytes, formula)`` for the trained ``named``
     tensors under ``cfg`` (OptimConfig): each population's state on the most loaded of
     ``ranks`` (the optimizer's own split, :func:`assign_by_size`), on the device or, with
     ``offload`` (``optim.offload=cpu`` off the CPU), on the host beside the device's copy of
-    the one tensor being stepped; then what a step allocates."""
+    the one tensor being stepped; then what a step allocates (``on_cpu``: the plan's device
+    is the CPU, whatever device ``named`` is on: meta tensors)."""
     sizes = {n: sum(planned_state_bytes([(n, p)], info, cfg.policy, cfg.master, param_dtype)
                     .values()) for n, p in named}  # fmt: skip
     owner = assign_by_size(sizes, ranks)
@@ -68,7 +70,7 @@ def plan_rows(
         rows.append(("device", "optimizer state in flight (tiered, optim.offload=cpu)",
                      max(sizes.values(), default=0), "the state of the tensor that keeps most, "
                      "copied to the device for its update and back"))  # fmt: skip
-    step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype)
+    step = planned_step_bytes(named, info, cfg.policy, cfg.master, param_dtype, on_cpu)
     rows.append(("device", "optimizer scratch (tiered, during a step)", step,
                  "the torch ops' temporaries of the tensor that needs most: its update, fp32 "
                  "copies and rounding noise (freed when the step ends; none of torch's where "
@@ -82,8 +84,10 @@ def planned_step_bytes(
     policy: Callable[[str], Any],
     master: str,
     param_dtype: torch.dtype,
+    on_cpu: bool | None = None,
 ) -> int:
-    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end: none for
+    """The most bytes :class:`TieredAdamW` allocates during a step, freed by its end (the
+    tensors on the CPU: ``on_cpu``, else where each of ``named`` is): none for
     a CPU tensor the C++ kernel steps (its buffers are its own, not torch's: a unit's update
     and a matrix's column sums for each thread, kept between steps); for one the
     torch ops step (:func:`moestack.kernels.host_tiered.step_torch`), the largest of its
@@ -92,14 +96,15 @@ def planned_step_bytes(
     copy of narrower ones and the rounding noise in int64 (16 bytes an element and 8 an
     element of one unit); plus the row and column vectors of a factored estimate."""
     named = list(named)
-    host = any(p.device.type == "cpu" for _, p in named) and host_tiered.kernel_or_none()
+    cpu = {n: p.device.type == "cpu" if on_cpu is None else on_cpu for n, p in named}
+    host = any(cpu.values()) and host_tiered.kernel_or_none()
     extra = vectors = 0
     for name, p in named:
         numel, rule = math.prod(p.shape), policy(info[name].population)
         stacked = info[name].stacked and len(p.shape) >= 1
         unit = numel // p.shape[0] if stacked and p.shape[0] else numel
         factored = rule.second_moment == "factored" and len(p.shape) >= 2
-        if host and p.device.type == "cpu" and _host_layout(p.shape, stacked, factored):
+        if host and cpu[name] and _host_layout(p.shape, stacked, factored):
             continue  # the C++ kernel: no tensor allocated
         narrow = 4 * numel if param_dtype != torch.float32 else 0
         core = narrow + 10 * numel + (4 * numel if rule.momentum == "bfloat16" else 0)

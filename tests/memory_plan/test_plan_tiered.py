@@ -34,6 +34,9 @@ def test_tiered_lines_are_the_bytes_held() -> None:
             assert plan.line(f"optimizer state (tiered, {population})").bytes == held
     params = sum(p.numel() for p in model.parameters())
     assert plan.line("gradients").bytes == 2 * params
+    named = list(model.named_parameters())  # CPU tensors: the C++ kernel allocates no tensor
+    step = planned_step_bytes(named, classify(model), cfg.optim.policy, "none", torch.bfloat16)
+    assert plan.line("optimizer scratch (tiered, during a step)").bytes == step
 
 
 def test_update_in_backward_plans_one_modules_gradients() -> None:
