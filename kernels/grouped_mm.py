@@ -78,8 +78,8 @@ def grouped_mm_torch(
         return torch.ops.moestack.grouped_mm(x_NK, w_EKM, offsets_E)
     if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
         if _half_on_cpu(x_NK):  # each group's rows bucketed: the matmuls' shapes repeat
-            dest_N, padded_E = _bucketed(offsets_E)
-            y_PM = _padded_grouped_mm(_spread(x_NK, dest_N, padded_E), w_EKM, padded_E)
+            dest_N, source_P, padded_E = _bucketed(offsets_E)
+            y_PM = _padded_grouped_mm(_spread(x_NK, source_P), w_EKM, padded_E)
             return y_PM.index_select(0, dest_N)
         return _padded_grouped_mm(x_NK, w_EKM, offsets_E)
     return _grouped_mm_loop(x_NK, w_EKM, offsets_E)
@@ -98,11 +98,12 @@ def _half_on_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and half and x.shape[0] >= 1024
 
 
-def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dest_N, padded_E)``: where each row moves and the groups' new offsets, each group's
-    rows rounded up to a multiple of 16 (an AMX tile's rows), or above 128 rows of an eighth
-    of the power of two below (at most 1/8 more): eight sizes an octave, whatever the
-    routing (about a hundred a matmul's kind, within oneDNN's cache of 1024 kernels)."""
+def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dest_N, source_P, padded_E)``: where each row moves, the row each padded row takes
+    (N: a zero row) and the groups' new offsets, each group's rows rounded up to a multiple
+    of 16 (an AMX tile's rows), or above 128 rows of an eighth of the power of two below (at
+    most 1/8 more): eight sizes an octave, whatever the routing (about a hundred a matmul's
+    kind, within oneDNN's cache of 1024 kernels)."""
     starts_E = F.pad(offsets_E[:-1], (1, 0)).long()
     rows_E = offsets_E.long() - starts_E
     octave_E = torch.floor(torch.log2(rows_E.clamp(min=1).double()))
@@ -110,16 +111,17 @@ def _bucketed(offsets_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sizes_E = (rows_E + step_E - 1) // step_E * step_E
     padded_E = torch.cumsum(sizes_E, 0)
     shift_E = padded_E - sizes_E - starts_E  # each group's first new row minus its old
-    dest_N = torch.arange(int(offsets_E[-1]) if len(offsets_E) else 0)
-    return dest_N + torch.repeat_interleave(shift_E, rows_E), padded_E.to(offsets_E.dtype)
-
-
-def _spread(t_NK: torch.Tensor, dest_N: torch.Tensor, padded_E: torch.Tensor) -> torch.Tensor:
-    """``t``'s rows at ``dest_N`` of the padded groups' rows, zeros between: a gather from
-    ``t`` and one zero row (autograd saves only the index: a scatter into zeros would keep
-    ``t`` too, beside the padded copy the matmul saves)."""
-    rows, n = (int(padded_E[-1]) if len(padded_E) else 0), t_NK.shape[0]
+    n = int(offsets_E[-1]) if len(offsets_E) else 0
+    dest_N = torch.arange(n) + torch.repeat_interleave(shift_E, rows_E)
+    rows = int(padded_E[-1]) if len(padded_E) else 0
     source_P = torch.full((rows,), n, dtype=torch.long).index_copy_(0, dest_N, torch.arange(n))
+    return dest_N, source_P, padded_E.to(offsets_E.dtype)
+
+
+def _spread(t_NK: torch.Tensor, source_P: torch.Tensor) -> torch.Tensor:
+    """The padded groups' rows: a gather from ``t`` and one zero row (autograd saves only the
+    index: a scatter into zeros would keep ``t`` too, beside the padded copy the matmul
+    saves)."""
     return F.pad(t_NK, (0, 0, 0, 1)).index_select(0, source_P)
 
 
@@ -149,8 +151,8 @@ def _grouped_mm_wgrad_op(
     k, m = x_NK.shape[1], dy_NM.shape[1]
     if x_NK.shape[0] > 0 and _grouped_mm_runs(x_NK):
         if _half_on_cpu(x_NK):  # reduced over bucketed rows: the shapes repeat
-            dest_N, offsets_E = _bucketed(offsets_E)
-            x_NK, dy_NM = _spread(x_NK, dest_N, offsets_E), _spread(dy_NM, dest_N, offsets_E)
+            _, source_P, offsets_E = _bucketed(offsets_E)
+            x_NK, dy_NM = _spread(x_NK, source_P), _spread(dy_NM, source_P)
         x_NK = _pad_last(x_NK, _aligned(k, x_NK)).contiguous()
         dy_NM = _pad_last(dy_NM, _aligned(m, dy_NM)).contiguous()
         dw_EKM = torch._grouped_mm(x_NK.t(), dy_NM, offs=offsets_E)[:, :k, :m]

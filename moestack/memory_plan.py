@@ -219,9 +219,9 @@ def _weights_and_grads(
     held, how = trained, "trained params"
     if in_backward:
         unit = "compiled block" if compiled else "module"
-        held, how = held_gradient_numel(model, compiled=compiled), f"params of the largest {unit}"
-        how += " + tied ones"
-        how += " (optim.update_in_backward: each gradient freed at its update)"
+        held = held_gradient_numel(model, compiled=compiled)
+        how = (f"params of the largest {unit} + tied ones (optim.update_in_backward: each "
+               "gradient freed at its update)")  # fmt: skip
     plan.lines.append(Line("device", "gradients", held * size, f"{_mib(held)} {how} x {size} B"))
 
 
