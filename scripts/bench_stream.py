@@ -249,7 +249,8 @@ def _child(mode: str, args: argparse.Namespace, store_root: str, queue: Any) -> 
         queue.put({"mode": mode, "error": f"{type(err).__name__}: {err}"})
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its flags checked by gpu_check.sh's test, which passes them)."""
     from moestack import bench  # lazily, as torch: the children import this file
 
     p = bench.parser(__doc__, steps=5, threads=2, json=None, device="cpu")
@@ -269,6 +270,13 @@ def main() -> None:
         help="glibc's mmap threshold in every mode (moestack.host_allocator; 0: glibc's default)",
     )  # fmt: skip
     p.add_argument("--store-dir", default=None, help="where the stores go (default: a temp dir)")
+    return p
+
+
+def main() -> None:
+    from moestack import bench
+
+    p = build_parser()
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))

@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# Every GPU check and measurement (issues 3, 7, 16, 17, 19, 29, 30 and 31) on a lent machine,
-# most valuable first, inside fixed time budgets. No network: nothing is installed; the
-# package is staged the way pip would lay it out.
+# Every GPU check and measurement (issues 3, 7, 16, 17, 19, 29, 30, 31, 34, 53 and 56) on a
+# lent machine, most valuable first, inside fixed time budgets. No network: nothing is
+# installed; the package is staged the way pip would lay it out.
 #
 #   bash scripts/gpu_check.sh --dry-run        # the plan: phases, time caps, files; no GPU
 #   bash scripts/gpu_check.sh                  # the first call; writes under $OUT (./gpu_out)
-#   GPU_CHECK_PHASES=bench_optim,bench_serve bash scripts/gpu_check.sh   # the second call
+#   GPU_CHECK_PHASES=bench_serve,bench_lora,bench_stream bash scripts/gpu_check.sh   # the second
 #   GPU_CHECK_PHASES=bench_moe,train bash scripts/gpu_check.sh   # some phases (names/prefixes)
 #
 # The caps are the times of the first H200 run (2026-11-30, BENCHMARKS.md) with headroom, or
 # estimates where a phase has not run yet (each says so below). Each call is sized for one
-# device call: the phases' caps plus staging fit GPU_CHECK_SECONDS (default 540), and the
+# device call: the phases' caps plus staging fit GPU_CHECK_SECONDS (default 560), and the
 # worst case adds one phase's SIGKILL grace and the summary (--dry-run prints the sums). Each
 # phase's cap is also clipped to what is left of the budget, so a slow phase costs the phases
-# after it, never the call. The phases issues 29, 30 and 31 need do not all fit one call of
-# 560 s with honest caps (680 s of caps): the default plan is the first call (the bf16
-# kernels and every candidate tile config, issue 30's benchmark with the new paths retuned,
-# the launch-by-launch profile before and after, the optimizer's CUDA tests), and the phases
-# of kind "second" (bench_optim, bench_serve) are the second call, sized to the ~250 s of
-# the 15 minutes a session's lent H200 has left after the first call and the start-up.
-# Optional phases run only when named (the 137M training runs among them: they ran on
-# 2026-11-30, and the serving benchmark took their room).
+# after it, never the call. The phases the open issues need do not fit one call (750 s of
+# caps; a call runs at most 600 s): the default plan is the first call (the bf16 kernels and
+# every candidate tile config, issue 30's benchmark with the new paths retuned, the
+# launch-by-launch profile of what it chose, the CUDA tests of the optimizer, the optimizer
+# and training-step benchmark), and the phases of kind "second" (bench_serve, bench_lora,
+# bench_stream) are the second call, sized to what the 15 minutes of a session's lent
+# machine leave after the first call and the start-up. Optional phases run only when named
+# (the 137M training runs among them: they ran on 2026-11-30, and the serving benchmark took
+# their room).
 #
 # Output under $OUT, written as it goes: summary.txt (a line per phase as it ends, then a
 # one-screen summary), log.txt (every phase's full output) and the files of each phase
@@ -28,24 +29,24 @@
 # record the tables in BENCHMARKS.md with the date and the GPU.
 set -u -o pipefail
 
-CALL_S=560   # timeout_s of the device call the default plan is sized for
-SECOND_CALL_S=240 # timeout_s of the second call (~250 s of the 15 minutes are left for it)
+CALL_S=580   # timeout_s of the device call the default plan is sized for
+SECOND_CALL_S=230 # timeout_s of the second call (what the 15 minutes leave after the first)
 SETUP_S=10   # staging the package and carried wheels, before the first phase
 GRACE_S=10   # a phase past its cap gets SIGINT, then SIGKILL this many seconds later
 SUMMARY_S=5  # the closing summary
-BUDGET=${GPU_CHECK_SECONDS:-540}
+BUDGET=${GPU_CHECK_SECONDS:-560}
 
 # name|cap in seconds|files under $OUT|default, second or optional|what it shows
 # default: the first call; second: the second call (GPU_CHECK_PHASES=<the second phases>);
 # optional: only when named.
 PLAN=(
-    "env|25|log.txt|default|GPU, driver, torch/triton/transformers/accelerate versions; the staged package imports; the host kernel OffloadAdamW will run (built here: compiler found or not)"
-    "kernel_tests|215|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs (also on the persistent, torch-dW and fused-dSwiGLU paths); id asserts; >2^31 elements"
+    "env|15|log.txt|default|GPU, driver, torch/triton/transformers/accelerate versions; the staged package imports; the host kernel OffloadAdamW will run (built here: compiler found or not)"
+    "kernel_tests|215|kernel_tests.xml|default|bf16 kernels and every candidate tile vs float64; no host syncs (also on the persistent, torch-dW and fused-dSwiGLU paths); id asserts; >2^31 elements; LoRA's Triton path and training with streamed experts on CUDA"
     "bench_moe|130|bench_moe.json,tuned_configs.json|default|issue-3 and issue-30 tables and targets; mm, wgrad, mm_dswiglu retuned at every shape (persistent GEMM, torch dW, fused dSwiGLU timed vs classic tiles); outputs checked vs torch first; measured winners saved per shape"
-    "profile_moe|40|profile_moe.json|default|before: the checked-in table's configs, launch by launch (fwd and bwd GEMMs, gathers, SwiGLU bwd, dW, the rest) at three shapes"
-    "profile_moe_new|40|profile_moe_new.json|default|after: the same with the persistent GEMM, torch's dW and the fused dSwiGLU forced (labelled per launch)"
+    "profile_moe|40|profile_moe.json|default|the configs bench_moe chose in this run, launch by launch (fwd and bwd GEMMs, gathers, SwiGLU bwd, dW, the rest; the new paths labelled) at three shapes"
+    "profile_moe_new|40|profile_moe_new.json|optional|the same with the persistent GEMM, torch's dW and the fused dSwiGLU forced (labelled per launch)"
     "optim_tests|30|optim_tests.xml|default|OffloadAdamW's overlap path, serial and pipelined, vs torch AdamW, also with every transfer stalled; per-layer waits on CUDA; optim=tiered's state offloaded to pinned host memory stepping the device bits"
-    "bench_optim|120|bench_optim.json|second|optimizer step; training step of optim=tiered, after backward, in it and with its state offloaded (issue 53: peak memory <= 0.45x and step <= 1.05x device AdamW's) and OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), each clipped and unclipped, with its parts and the compute stream's idle time (CUDA events); pinned copy GB/s each way and both at once; 200-step loss delayed vs exact (cut to 40 s, the steps run recorded); per contender whether it ran pipelined and its host kernel"
+    "bench_optim|120|bench_optim.json|default|optimizer step; training step of optim=tiered, after backward, in it and with its state offloaded (issue 53: peak memory <= 0.45x and step <= 1.05x device AdamW's) and OffloadAdamW pipelined, serial, in-backward and delayed vs device AdamW and torchao (when carried), each clipped and unclipped, with its parts and the compute stream's idle time (CUDA events); pinned copy GB/s each way and both at once; 200-step loss delayed vs exact (cut to 40 s, the steps run recorded); per contender whether it ran pipelined and its host kernel"
     "memory|15|bench_optim_memory.json|optional|device and host bytes per parameter, offload vs device AdamW"
     "bench_serve|80|bench_serve.json|second|serving from the expert cache vs every expert resident and accelerate's CPU offload (accelerate wheel); median (range) of 3 repeats, targets' rows first"
     "train_offload_adamw|40|train_offload_adamw.json,train_offload_adamw_metrics.jsonl|optional|20 steps of the 137M model with OffloadAdamW (hydra wheels)"
@@ -53,9 +54,9 @@ PLAN=(
     "bench_memory|60|bench_memory.json|optional|m137 step per model.checkpointing mode and compile=true: peak memory, step time (hydra wheels)"
     "tune|120|tuned_configs.json|optional|tune_kernels.py: every variant at 8k and 16k tokens, the plain grouped GEMM"
     "more_tests|60|more_tests.xml|optional|the interpreter's kernel tests and the MoE layer tests, on CUDA"
-    "bench_lora|60|bench_lora.json|optional|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16 (fp32 and bf16 frozen base): peak memory, step time"
+    "bench_lora|60|bench_lora.json|second|issue 34: m137 fine-tuned fully (device AdamW), router-only and LoRA r16 (fp32 and bf16 frozen base): peak memory, step time"
     "ep_check|60|ep_check.json|optional|the EP layer on NCCL (>= 2 GPUs) vs one process, max abs error per rank; else says it skipped"
-    "bench_stream|60|bench_stream.json|optional|issue 56: two Qwen3-30B-A3B-like MoE layers (128 experts of width 768 at d_model 2048, top-8) LoRA-tuned with the experts resident, in pinned host memory, or on disk, through a cache of 16 slots a layer: device memory (max_memory_allocated) and step time (an estimate: not run on a GPU yet)"
+    "bench_stream|60|bench_stream.json|second|issue 56: two Qwen3-30B-A3B-like MoE layers (128 experts of width 768 at d_model 2048, top-8) LoRA-tuned with the experts resident, in pinned host memory, or on disk, through a cache of 16 slots a layer: device memory (max_memory_allocated) and step time (an estimate: not run on a GPU yet)"
 )
 
 field() { # field ENTRY INDEX: one |-separated field of a plan entry (0-based)
@@ -241,12 +242,15 @@ print(\"transformers:\", v(\"transformers\"), \"accelerate:\", v(\"accelerate\")
 # simulated: 193 s median (p90 208) in the old file order, where most workers got two
 # candidate tests back to back and the 92 s test waited behind one, 167 s (p90 175) with the
 # slowest first, 184 s (p90 192) if every test runs 10% slower on 16 workers than on 12; plus
-# 10-15 s to start the workers: 180-210 s of the 215 s cap. Not yet measured.
+# 10-15 s to start the workers: 180-210 s of the 215 s cap. Not yet measured. Then LoRA on
+# the experts (14 small tests, both paths; bf16 only here) and training with streamed experts
+# (3 tests of a tiny model): short tests that fill in around the long ones.
 MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/kernel_tests.xml" \
     tests/kernels/test_kernels_gpu.py tests/model/test_no_host_sync_gpu.py tests/cache/test_cache_gpu.py \
     tests/kernels/test_persistent.py::test_gpu_default_and_large_tile_bf16 \
     tests/kernels/test_persistent.py::test_gpu_layer_bf16 \
-    tests/kernels/test_persistent.py::test_tile_table_never_syncs
+    tests/kernels/test_persistent.py::test_tile_table_never_syncs \
+    tests/model/test_lora_gpu.py tests/cache/test_streaming_gpu.py
 # Autotunes on first use, checks every contender against the torch path, saves the checked
 # winners into the table after every shape. The checked-in table's entries of the kinds with
 # candidates it was never timed against (mm: the persistent GEMM; wgrad: torch's dW, 256x128,
@@ -257,15 +261,15 @@ MOESTACK_AUTOTUNE=0 phase kernel_tests "${KERNEL_PYTEST[@]}" --junitxml="$OUT/ke
 # 3-6 s each) not in the cache the tests filled: 100-115 s of the 130 s cap. Not yet measured.
 phase bench_moe "$PY" scripts/bench_moe.py --json "$OUT/bench_moe.json" \
     --save-tuned "$OUT/tuned_configs.json" --retune mm,wgrad,mm_dswiglu
-# Which launch of the Triton layer takes the time (the backward lost to torch on 2026-11-30),
-# before and after issue 30's paths: first with the checked-in table's configs (the classic
-# kernels it was measured with), then with the persistent GEMM, torch's weight gradient and
-# the fused SwiGLU backward forced (launches labelled " [persistent]", " [torch._grouped_mm]",
-# "+SwiGLU'"); bench_moe's table has what the tuner chose between them. No autotuning: every
-# kernel they launch was compiled by bench_moe (estimate 20-30 s each, not yet measured).
-MOESTACK_AUTOTUNE=0 MOESTACK_TUNED_CONFIGS=$REPO/kernels/tuned_configs.json phase profile_moe \
-    "$PY" scripts/profile_moe.py --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k \
-    --json "$OUT/profile_moe.json"
+# Which launch of the Triton layer takes the time (the backward lost to torch on 2026-11-30):
+# the configs bench_moe measured and chose in this run (the table it saved; the checked-in
+# one where it did not run), each launch labelled by role, with " [persistent]",
+# " [torch._grouped_mm]" or "+SwiGLU'" where the tuner chose issue 30's paths: where the time
+# of what ships goes, for a target bench_moe missed. Optional: the same with every new path
+# forced (profile_moe_new). No autotuning: every kernel they launch was compiled by bench_moe
+# (estimate 20-30 s, not yet measured).
+MOESTACK_AUTOTUNE=0 phase profile_moe "$PY" scripts/profile_moe.py \
+    --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --json "$OUT/profile_moe.json"
 MOESTACK_AUTOTUNE=0 phase profile_moe_new "$PY" scripts/profile_moe.py \
     --shapes mixtral-8k,qwen3_30b-8k,olmoe-8k --persistent --fused-dswiglu --torch-wgrad \
     --json "$OUT/profile_moe_new.json"
@@ -284,6 +288,16 @@ phase memory "$PY" scripts/bench_optim.py --only memory --json "$OUT/bench_optim
 # past --budget-s (the first cache row always runs). The JSON is written after every row
 # and an interrupt still prints the table, so it ends inside its cap with what it measured.
 phase bench_serve "$PY" scripts/bench_serve.py --budget-s 55 --json "$OUT/bench_serve.json"
+# Issue 34's targets: LoRA's peak device memory against a full fine-tune with device AdamW
+# (<= 0.5x) and its step against a router-only one (<= 1.3x), on the 137M model, 16k tokens.
+# Its runs are composed as moestack-train composes them: it needs the hydra wheels.
+if "$PY" -c "import hydra" 2>/dev/null; then
+    MOESTACK_AUTOTUNE=0 phase bench_lora "$PY" scripts/bench_lora.py --moestack-model m137 \
+        --device cuda --batch-size 16 --seq-len 1024 --steps 8 --warmup 3 --max-bytes 4000000 \
+        --json "$OUT/bench_lora.json"
+elif selected bench_lora second; then
+    echo "bench_lora: skipped (hydra is not importable; carry its wheels)" | tee -a "$SUMMARY"
+fi
 # Issue 56: frozen experts streamed through the expert cache in training, each mode in a fresh
 # process (the JSON's rows: device_peak_bytes, step_s, the cache's traffic per step).
 phase bench_stream "$PY" scripts/bench_stream.py --device cuda --experts-mb 4800 --experts 128 \
@@ -314,11 +328,6 @@ fi
 phase tune "$PY" scripts/tune_kernels.py --tokens 8192 16384 --out "$OUT/tuned_configs.json"
 MOESTACK_AUTOTUNE=0 phase more_tests "${PYTEST[@]}" --junitxml="$OUT/more_tests.xml" \
     tests/kernels/test_grouped_gemm.py tests/kernels/test_moe_experts.py tests/model/test_moe.py
-# Issue 34's targets: LoRA's peak device memory against a full fine-tune with device AdamW
-# (<= 0.5x) and its step against a router-only one (<= 1.3x), on the 137M model, 16k tokens.
-MOESTACK_AUTOTUNE=0 phase bench_lora "$PY" scripts/bench_lora.py --moestack-model m137 \
-    --device cuda --batch-size 16 --seq-len 1024 --steps 8 --warmup 3 --max-bytes 4000000 \
-    --json "$OUT/bench_lora.json"
 # Issue 16: the expert-parallel layer over NCCL, one process per GPU, against one process
 # (outputs and gradients, torch and triton experts); with fewer than 2 GPUs it writes and
 # prints that it skipped, and why.
@@ -361,6 +370,11 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         sed -n '/^===== bench_serve/,/^=====/p' "$LOG" |
             grep -E "^(bench_serve: |setup: |\| |serve (target|check): )" | head -50
     fi
+    if ran bench_lora; then
+        echo "--- bench_lora (m137: full fine-tune, router-only, LoRA; issue 34's targets)"
+        sed -n '/^===== bench_lora/,/^=====/p' "$LOG" |
+            grep -E "^(model=|contender |all |routers |lora|target )" | head -10
+    fi
     if ran bench_stream; then
         echo "--- bench_stream (training with streamed experts: a JSON row per mode)"
         sed -n '/^===== bench_stream/,/^=====/p' "$LOG" | grep -E '^\{"mode"' | head -6
@@ -382,6 +396,7 @@ ran() { grep -q "^===== $1" "$LOG"; } # ran NAME: whether a phase (or prefix) st
         names=$(names_of second)
         echo "--- not in this call (no room with honest caps): $names; next, on the same machine:"
         echo "GPU_CHECK_PHASES=${names// /,} bash scripts/gpu_check.sh   # device call timeout_s ${SECOND_CALL_S}"
+        echo "(with less device time left: timeout_s = what is left - 10, GPU_CHECK_SECONDS 15 s under it)"
     fi
 } | tee -a "$SUMMARY"
 rm -rf "$STAGE"

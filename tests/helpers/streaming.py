@@ -32,9 +32,11 @@ def build(cfg: TrainConfig, seed: int = 0, **kw: int) -> torch.nn.Module:
 
 
 def train(model: torch.nn.Module, cfg: TrainConfig, steps: int = STEPS) -> list[float]:
-    """``steps`` of the trainer's train_step: forward, loss.backward, clip, step, zero_grad."""
+    """``steps`` of the trainer's train_step: forward, loss.backward, clip, step, zero_grad;
+    the batches on the device of the model's (materialised) parameters."""
     optimizer = build_training_optimizer(model, cfg.optim)
-    data = batches(n=4)
+    device = next(p.device for p in model.parameters() if not p.is_meta)
+    data = [(x.to(device), y.to(device)) for x, y in batches(n=4)]
     torch.manual_seed(cfg.seed)  # the trainer's: dropout draws from the global stream
     losses = []
     for step in range(steps):

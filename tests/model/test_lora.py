@@ -11,7 +11,7 @@ import os
 import pytest
 import safetensors.torch
 import torch
-import torch.nn.functional as F
+from helpers.lora import CASES, check_against_reference, check_half_precision_base, random_case
 from helpers.runs import killed_at, losses, small_config, small_model
 
 import moestack.kernels.grouped_mm as grouped_mm_module
@@ -26,52 +26,6 @@ from moestack.trainer import train
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
     reason="the triton path needs CUDA or TRITON_INTERPRET=1"))]  # fmt: skip
-
-
-def reference_experts(x, w1, w2, experts, weights, a1, b1, a2, b2, scale):
-    """y[t] = sum_j weights[t, j] * SwiGLU expert e = experts[t, j] of x[t], each product
-    ``v @ W[e] + scale * (v @ A[e]) @ B[e]``: one token and one expert at a time (float64)."""
-    d_ff = w2.shape[1]
-    rows = []
-    for t in range(x.shape[0]):
-        y = x.new_zeros(x.shape[1])
-        for j in range(experts.shape[1]):
-            e = int(experts[t, j])
-            h = x[t] @ w1[e] + scale * (x[t] @ a1[e]) @ b1[e]
-            act = F.silu(h[:d_ff]) * h[d_ff:]
-            y = y + weights[t, j] * (act @ w2[e] + scale * (act @ a2[e]) @ b2[e])
-        rows.append(y)
-    return torch.stack(rows)
-
-
-def random_case(seed, tokens, d_model, d_ff, num_experts, top_k, rank, empty_expert=None):
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape, std=1.0):
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * std).requires_grad_()
-
-    x = rand(tokens, d_model)
-    w1, w2 = (
-        rand(num_experts, d_model, 2 * d_ff, std=0.3),
-        rand(num_experts, d_ff, d_model, std=0.3),
-    )
-    adapters = [rand(num_experts, d_model, rank, std=0.3), rand(num_experts, rank, 2 * d_ff, std=0.3),
-                rand(num_experts, d_ff, rank, std=0.3), rand(num_experts, rank, d_model, std=0.3)]  # fmt: skip
-    choices = [e for e in range(num_experts) if e != empty_expert]
-    scores = torch.rand(tokens, len(choices), generator=gen)
-    experts = torch.tensor(choices)[scores.topk(top_k, dim=-1).indices]
-    weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
-    return x, w1, w2, experts, weights, adapters
-
-
-CASES = {
-    "ragged groups": dict(tokens=13, d_model=16, d_ff=24, num_experts=5, top_k=2, rank=4),
-    "an empty expert": dict(tokens=9, d_model=16, d_ff=8, num_experts=4, top_k=2, rank=3,
-                            empty_expert=2),
-    "top_k = num_experts": dict(tokens=7, d_model=8, d_ff=12, num_experts=3, top_k=3, rank=2),
-    "rank 1, one token": dict(tokens=1, d_model=16, d_ff=16, num_experts=4, top_k=2, rank=1),
-    "odd sizes": dict(tokens=11, d_model=7, d_ff=5, num_experts=3, top_k=2, rank=3),
-}  # fmt: skip
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -99,28 +53,6 @@ def test_fp32_adapters_of_any_rank_run_on_grouped_mm_not_a_loop(monkeypatch, cas
     monkeypatch.setattr(grouped_mm_module, "_grouped_mm_loop", no_loop)
     check_against_reference("torch", torch.float32, case)
     assert len(calls) == 6  # forward: w1, A1, B1, w2, A2, B2 (their backward is autograd's)
-
-
-def check_against_reference(impl: str, dtype: torch.dtype, case: str) -> None:
-    """run_experts with adapters in ``dtype`` against ``reference_experts`` (float64):
-    output and the gradients of every input; an empty expert's adapters get exact zeros."""
-    x, w1, w2, experts, weights, adapters = random_case(7, **CASES[case])
-    scale = 1.7
-    want = reference_experts(x, w1, w2, experts, weights, *adapters, scale)
-    leaves = [x, w1, w2, *adapters]
-    probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    want_grads = torch.autograd.grad((want * probe).sum(), leaves)
-    cast = [t.detach().to(dtype).requires_grad_() for t in leaves]
-    got = run_experts(cast[0], cast[1], cast[2], experts, weights.to(dtype), impl,
-                      ExpertAdapters(*cast[3:], scale, 0.0))  # fmt: skip
-    got_grads = torch.autograd.grad((got * probe.to(dtype)).sum(), cast)
-    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got.double(), want, **tol)
-    names = ["x", "w1", "w2", "w1_A", "w1_B", "w2_A", "w2_B"]
-    for name, g, w in zip(names, got_grads, want_grads, strict=True):
-        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, n=name: f"d{n}: {m}")
-    if case == "an empty expert":  # no rows: its adapters get exactly zero gradient
-        assert all(float(g[2].abs().max()) == 0.0 for g in got_grads[3:])
 
 
 def test_dropout_on_the_expert_adapter_inputs_changes_their_term_only():
@@ -287,16 +219,7 @@ def test_experts_with_half_precision_weights_and_fp32_adapters(impl, base_dtype)
     adapters in fp32. The experts compute in the weights' dtype (the interpreter runs Triton
     in fp16, not bf16) and give the float64 reference of the same values within that
     dtype's rounding; the adapters' gradients come back in fp32."""
-    x, w1, w2, experts, weights, adapters = random_case(5, **CASES["ragged groups"])
-    w1, w2 = (w.detach().to(base_dtype) for w in (w1, w2))
-    x32, a32 = x.detach().float(), [a.detach().float().requires_grad_() for a in adapters]
-    got = run_experts(x32, w1, w2, experts, weights.float(), impl, ExpertAdapters(*a32, 1.5, 0.0))
-    assert got.dtype == base_dtype
-    got.float().square().sum().backward()
-    want = reference_experts(x32.to(base_dtype).double(), w1.double(), w2.double(), experts,
-                             weights, *(a.detach().double() for a in a32), 1.5)  # fmt: skip
-    torch.testing.assert_close(got.double(), want, rtol=5e-2, atol=5e-2)
-    assert all(a.grad.dtype == torch.float32 and a.grad.abs().sum() > 0 for a in a32[1::2])
+    check_half_precision_base(impl, base_dtype)
 
 
 @pytest.mark.parametrize("trainable", ["lora", "routers+lora"])
