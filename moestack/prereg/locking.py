@@ -18,7 +18,7 @@ from typing import Any
 
 from moestack.errors import MoestackError
 from moestack.prereg import chain as chains
-from moestack.prereg import hashing
+from moestack.prereg import hashing, sources
 from moestack.prereg.compose import check_overrides
 from moestack.prereg.decision import check_rules
 from moestack.prereg.hashing import fingerprint, sha256_file
@@ -220,13 +220,19 @@ def check_code(
     newest lock (``head``, from :func:`verify`), naming the files; with ``amend`` (why the
     change leaves the study's answer alone) the change is locked as an amendment instead,
     which the report lists. Returns the newest lock record, amended or not. A lock older
-    than the code hash is let through with a warning (it pinned the git commit only)."""
+    than the code hash pinned its git commit only: its code is that commit's sources, read
+    from git; where git cannot show them the run goes on with a warning."""
     path = Path(path)
     if amend is not None and not amend.strip():
         raise MoestackError(f"--amend needs a reason: say why the code {path.name} runs changed")
     locked = head.get("code")
+    if locked is None and head.get("git_commit"):
+        locked = sources.code_files_at_commit(str(head["git_commit"]), str(path.resolve().parent))
     if locked is None:
-        log.warning("%s: its lock predates the code hash; the code is not checked", path.name)
+        log.warning(
+            "%s: its lock predates the code hash and git cannot show its commit's sources; "
+            "the code is not checked", path.name,
+        )  # fmt: skip
         return head
     changed = hashing.changed_files(locked, hashing.code_files())
     if not changed:

@@ -78,12 +78,20 @@ def code_at_commit(commit: str, repo: str | None = None) -> str | None:
     """The code hash of ``commit``'s source files, from git's objects in ``repo`` (default
     the checkout moestack runs from); None when git or the commit is not there, or
     ``commit`` is no hex object name."""
+    files = code_files_at_commit(commit, repo)
+    return None if files is None else hashing.digest(files)
+
+
+def code_files_at_commit(commit: str, repo: str | None = None) -> dict[str, str] | None:
+    """``hashing.code_files`` as ``commit`` held them: {installed path: sha256}, from git's
+    objects in the checkout holding ``repo`` (default the one moestack runs from); None when
+    git or the commit is not there, or ``commit`` is no hex object name."""
     if _HEX.fullmatch(commit) is None:  # no object name (never passed to git as an option)
         return None
     root = Path(repo) if repo else _checkout()
     try:
         listing = subprocess.run(
-            ["git", "ls-tree", "-r", "-z", commit, "--", *SOURCE_TREES],
+            ["git", "ls-tree", "--full-tree", "-r", "-z", commit, "--", *SOURCE_TREES],
             cwd=root, capture_output=True, check=True, timeout=60,
         ).stdout  # fmt: skip
         paths: dict[str, str] = {}
@@ -106,7 +114,7 @@ def code_at_commit(commit: str, repo: str | None = None) -> str | None:
         size = int(blobs[at:head_end].split()[2])
         files[name] = hashlib.sha256(blobs[head_end + 1 : head_end + 1 + size]).hexdigest()
         at = head_end + 1 + size + 1
-    return hashing.digest(dict(sorted(files.items())))
+    return dict(sorted(files.items()))
 
 
 def _installed(path: str) -> str | None:
