@@ -283,29 +283,62 @@ def main() -> None:
     if unknown:
         p.error(f"--modes {','.join(unknown)}: use {','.join(MODES)}")
     ctx = multiprocessing.get_context("spawn")
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=args.store_dir) as store_root:
         for mode in modes:
             queue = ctx.Queue()
             proc = ctx.Process(target=_child, args=(mode, args, store_root, queue))
             proc.start()
-            row = queue.get()
+            row = result_of(proc, queue, mode)
             proc.join()
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
+            if args.json:  # after every mode: a run cut short keeps what it measured
+                bench.write_json(args.json, report_of(args, rows), indent=1)
+
+
+def result_of(proc: Any, queue: Any, mode: str) -> dict[str, Any]:
+    """The row ``proc`` puts on ``queue``, or an error row where it dies without one (killed
+    for memory, a crash in native code)."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if proc.is_alive():
+                continue
+        try:  # it may have put its row just before exiting
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            return {"mode": mode, "error": f"its process ended (exit code {proc.exitcode}) "
+                    "without a result"}  # fmt: skip
+
+
+def report_of(args: argparse.Namespace, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON report of the modes run so far; each row beside the resident run's losses:
+    equal bit for bit (the CPU), and the largest relative difference (a GPU's kernels may
+    sum in another order over the cache's slots than over every expert)."""
     done = [r for r in rows if "losses" in r]
     reference = next((r["losses"] for r in done if r["mode"] == "resident"), None)
     for row in done:
-        row["losses_equal_resident"] = None if reference is None else row["losses"] == reference
-    report = {
+        if reference is None:
+            continue
+        row["losses_equal_resident"] = row["losses"] == reference
+        row["losses_max_rel_diff"] = max(
+            (
+                abs(a - b) / max(abs(b), 1e-30)
+                for a, b in zip(row["losses"], reference, strict=True)
+            ),
+            default=0.0,
+        )
+    return {
         "bench": "stream",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.platform(),
         "args": vars(args),
         "rows": rows,
     }
-    if args.json:
-        bench.write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,9 @@ def check_code(
         commit = str(head.get("git_commit") or "unknown")[:12]
         raise MoestackError(
             f"moestack's sources differ from those {path.name} was locked with at commit "
-            f"{commit} ({', '.join(changed[:5])}{more}): train its runs with the locked code "
-            f"(git checkout {commit} -- moestack kernels telemetry), or put the change on "
+            f"{commit} ({', '.join(changed[:5])}{more}): train its runs with the locked code, a "
+            f"checkout of {commit} (scripts/reproduce_locked.sh {path.stem} makes a worktree of "
+            f"its lock's commit), or put the change on "
             f'record: moestack prereg run {path} --amend "why it leaves the answer alone"'
         )
     lock(path, amend=f"code changed ({', '.join(changed[:5])}): {amend.strip()}", out_dir=out_dir)

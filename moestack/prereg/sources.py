@@ -85,7 +85,8 @@ def code_at_commit(commit: str, repo: str | None = None) -> str | None:
 def code_files_at_commit(commit: str, repo: str | None = None) -> dict[str, str] | None:
     """``hashing.code_files`` as ``commit`` held them: {installed path: sha256}, from git's
     objects in the checkout holding ``repo`` (default the one moestack runs from); None when
-    git or the commit is not there, or ``commit`` is no hex object name."""
+    git or the commit is not there (or git answers what this cannot read), or ``commit`` is
+    no hex object name."""
     if _HEX.fullmatch(commit) is None:  # no object name (never passed to git as an option)
         return None
     root = Path(repo) if repo else _checkout()
@@ -104,17 +105,31 @@ def code_files_at_commit(commit: str, repo: str | None = None) -> dict[str, str]
             ["git", "cat-file", "--batch"], cwd=root, capture_output=True, check=True,
             input="".join(f"{oid}\n" for oid in paths.values()).encode(), timeout=60,
         ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
+        hashes = _blob_hashes(blobs, len(paths))
+    # ValueError: also a path that is not UTF-8, an answer cut short
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
-    if not paths:
+    if not paths or hashes is None:
         return None
-    files, at = {}, 0
-    for name in paths:  # --batch answers in the order asked: "<oid> blob <size>\n<bytes>\n"
-        head_end = blobs.index(b"\n", at)
-        size = int(blobs[at:head_end].split()[2])
-        files[name] = hashlib.sha256(blobs[head_end + 1 : head_end + 1 + size]).hexdigest()
+    return dict(sorted(zip(paths, hashes, strict=True)))
+
+
+def _blob_hashes(batch: bytes, count: int) -> list[str] | None:
+    """The sha256 of each of the ``count`` objects in ``git cat-file --batch``'s answer
+    ("<oid> blob <size>\\n<bytes>\\n" each, in the order asked); None where one is not a blob
+    (an object the checkout lacks answers "<oid> missing")."""
+    hashes, at = [], 0
+    for _ in range(count):
+        head_end = batch.index(b"\n", at)
+        header = batch[at:head_end].split()
+        if len(header) != 3 or header[1] != b"blob":
+            return None
+        size = int(header[2])
+        if head_end + 1 + size > len(batch):
+            return None
+        hashes.append(hashlib.sha256(batch[head_end + 1 : head_end + 1 + size]).hexdigest())
         at = head_end + 1 + size + 1
-    return dict(sorted(files.items()))
+    return hashes
 
 
 def _installed(path: str) -> str | None:

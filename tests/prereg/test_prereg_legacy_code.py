@@ -92,9 +92,21 @@ def test_a_lock_before_the_code_hash_refuses_other_sources(repo, monkeypatch, ca
     monkeypatch.setattr(hashing, "code_files", lambda: at_first)
     assert locking.check_code(study, head) is head
     monkeypatch.setattr(hashing, "code_files", lambda: {**at_first, "moestack/a.py": "0" * 64})
-    with pytest.raises(MoestackError, match=rf"moestack/a\.py\).*git checkout {first[:12]} "):
+    with pytest.raises(MoestackError, match=rf"moestack/a\.py\).*a checkout of {first[:12]} "):
         locking.check_code(study, head)
     with caplog.at_level(logging.WARNING):
         for unknown in ({"git_commit": "1" * 40}, {"git_commit": "unknown"}, {}):
             assert locking.check_code(study, unknown) is unknown
     assert caplog.text.count("the code is not checked") == 3
+
+
+def test_git_answers_it_cannot_read_give_none():
+    """``git cat-file --batch`` answers "<oid> missing" for an object the checkout lacks (a
+    partial clone offline): no code, not a traceback; an answer cut short likewise."""
+    whole = b"1a blob 3\nabc\n2b blob 0\n\n"
+    want = [hashlib.sha256(b"abc").hexdigest(), hashlib.sha256(b"").hexdigest()]
+    assert sources._blob_hashes(whole, 2) == want
+    assert sources._blob_hashes(b"1a blob 3\nabc\n2b missing\n", 2) is None
+    assert sources._blob_hashes(b"1a blob 30\nabc\n", 1) is None
+    with pytest.raises(ValueError):  # no header at all: code_files_at_commit returns None
+        sources._blob_hashes(b"", 1)

@@ -27,6 +27,7 @@ def test_bench_stream_at_toy_size(tmp_path):
     assert rows["resident"]["n_layers"] == 5  # 0.5 MiB of experts, 8 x 3 x 32 x 32 x 4 B a layer
     for mode in ("host", "disk"):
         assert rows[mode]["losses_equal_resident"] is True
+        assert rows[mode]["losses_max_rel_diff"] == 0.0
         assert rows[mode]["cache"]["cache/loads"] > 0
     assert rows["host"]["cache"]["cache/bytes_read"] == 0  # served from the host tier
     assert rows["disk"]["cache"]["cache/bytes_read"] == rows["disk"]["cache"]["cache/bytes_moved"]
@@ -55,3 +56,21 @@ def test_predicted_traffic_by_hand():
         # backward's 2 and its first 0)
         got = bench.predicted_traffic([[0, 1, 0], [2]], layers=2, capacity=1)
         assert got == {"loads": 4.0, "requests": 8.0, "hit_rate": 2 / 8}
+
+
+def test_a_mode_whose_process_dies_without_a_row_is_an_error_row():
+    """A mode's process killed before it reports (for memory, say) gives an error row, not a
+    benchmark waiting on its queue for ever."""
+    import multiprocessing
+    import os
+
+    from helpers.scripts import script_module
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=os._exit, args=(3,))
+    proc.start()
+    with script_module("bench_stream") as bench:
+        row = bench.result_of(proc, queue, "disk")
+    proc.join()
+    assert row == {"mode": "disk", "error": "its process ended (exit code 3) without a result"}
