@@ -166,7 +166,7 @@ def test_the_phases_pass_flags_their_scripts_accept(monkeypatch):
     lora = bench_lora.parse_args()
     assert lora.device == "cuda" and lora.moestack_model == "m137" and lora.json
     stream = bench_stream.build_parser().parse_args(phase_args("bench_stream"))
-    assert stream.device == "cuda" and stream.json and stream.modes == "resident,host,disk"
+    assert stream.device == "cuda" and stream.json and stream.modes == "resident,host"
 
 
 def test_dry_run_follows_the_phase_selection(tmp_path):
