@@ -569,27 +569,13 @@ class MoETransformer(RoutedLM):
     def compile_blocks(self, **options: object) -> None:
         """Compile each block with torch.compile (in place; ``compile=true``).
 
-        Per block, so a compile covers one repeated unit and recompiles stay rare. Values read
-        from tensors (the window loss's piece count) and data-dependent shapes (its
-        ``bincount``) are traced instead of breaking the graph: dynamo's
-        ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` are on while a
-        block traces. Dynamo reads them when it traces a frame, inside the compiled call, so
-        each block sets them around its own calls only (``config.patch``) and the process's
-        settings stay as they were. The grouped matmul (torch impl) and the Triton experts
-        (triton impl) are custom ops, opaque to dynamo. Graph breaks: docs/memory.md."""
-        import torch._dynamo
-
+        Per block, so a compile covers one repeated unit and recompiles stay rare. Nothing in
+        a block reads a tensor's value or sizes a tensor from data (the router losses size
+        on the host), so dynamo's default settings trace it whole. The grouped matmul (torch
+        impl) and the Triton experts (triton impl) are custom ops, opaque to dynamo. Graph
+        breaks: docs/memory.md."""
         for block in self.layers:
             block.compile(**options)
-            compiled = block._compiled_call_impl  # what nn.Module.compile made
-
-            def scoped(*args: object, _compiled=compiled, **kwargs: object) -> object:
-                with torch._dynamo.config.patch(
-                    capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True
-                ):
-                    return _compiled(*args, **kwargs)
-
-            block._compiled_call_impl = scoped
 
     def segment_ids(self, tokens_BS: torch.Tensor) -> torch.Tensor | None:
         """Document index of each token: a separator token ends its document."""

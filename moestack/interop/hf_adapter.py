@@ -41,9 +41,11 @@ from moestack.errors import MoestackError
 from moestack.interop.hf_export import (
     REPORT_FILE,
     dtype_name,
+    expert_bias_report,
     export_dtype,
     export_record,
     export_target,
+    warn_dropped,
 )
 from moestack.interop.hf_model import HFMoEModel
 from moestack.lora import adapter_parameters, has_adapters
@@ -85,6 +87,9 @@ def export_adapter(
         "dtype": dtype_name(as_dtype),
         "adapter_format": "moestack" if why_not else "peft",
         "peft_unavailable": why_not,
+        # a peft adapter (or moestack's) has no place for the routers' selection bias either
+        "expert_bias_dropped": expert_bias_report(model),
+        "expert_bias_folded": {},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_dir(out)
@@ -103,6 +108,7 @@ def export_adapter(
         raise
     if why_not:
         log.warning("wrote the adapter in moestack's names, not as a peft folder: %s", why_not)
+    warn_dropped(report["expert_bias_dropped"])
     return report
 
 

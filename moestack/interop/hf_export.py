@@ -250,7 +250,8 @@ def _copy_tokenizer(source: Path, into: Path) -> list[str]:
     return names
 
 
-def _warn_dropped(dropped: dict[int, float]) -> None:
+def warn_dropped(dropped: dict[int, float]) -> None:
+    """Log the layers whose aux-loss-free bias an export could not keep (none: nothing)."""
     if dropped:
         layers = ", ".join(f"layer {i}: {b:.3g}" for i, b in dropped.items())
         log.warning(
@@ -409,6 +410,6 @@ def export_hf(
     except BaseException as err:
         _remove_partial(err, tmp, out, needed[0])
         raise
-    _warn_dropped(dropped)
+    warn_dropped(dropped)
     log.info("exported %s model to %s", model.info["family"], out)
     return report

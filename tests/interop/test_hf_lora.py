@@ -157,6 +157,29 @@ def test_the_adapter_alone_needs_adapters(hf_dir, tmp_path):
                        alpha=4.0, routers=False)  # fmt: skip
 
 
+def test_the_adapter_reports_a_dropped_expert_bias(hf_dir, tmp_path, caplog):
+    """The routers' aux-loss-free selection bias has no place in an adapter either: the
+    adapter export lists it as the merged export does, with a warning; none: an empty map."""
+    import logging
+
+    from moestack.config import RouterConfig
+    from moestack.interop.hf_adapter import export_adapter
+
+    source = hf_dir("qwen3_moe")
+    model = load_hf_moe(source, impl="torch", router=RouterConfig(bias_update_rate=0.01))
+    add_adapters(model, LoRAConfig(rank=2), seed=0)
+    kw = dict(source_dir=source, rank=2, alpha=4.0, routers=True)
+    assert export_adapter(model, tmp_path / "none", **kw)["expert_bias_dropped"] == {}
+    with torch.no_grad():
+        model.moe_layers[1].router.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.5, 0, 0, 0]))
+    with caplog.at_level(logging.WARNING):
+        report = export_adapter(model, tmp_path / "biased", **kw)
+    assert report["expert_bias_dropped"] == {1: 0.5} and report["expert_bias_folded"] == {}
+    assert "layer 1: 0.5" in caplog.text
+    saved = json.loads((tmp_path / "biased" / REPORT_FILE).read_text())
+    assert saved["expert_bias_dropped"] == {"1": 0.5}
+
+
 def test_without_peft_the_adapter_is_written_in_moestack_names(lora_run, tmp_path, monkeypatch,
                                                                capsys):  # fmt: skip
     import safetensors.torch
