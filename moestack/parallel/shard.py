@@ -1,9 +1,10 @@
 """Expert parallelism applied to a model: shard its experts, average and clip its gradients,
-and see its weights whole for a checkpoint.
+and (``whole_experts``) see its weights whole, gathered over the EP group.
 
-Checkpoints never depend on the layout: weights are saved whole (every expert, keyed by
-parameter name), and the optimizers of an expert-parallel run save their state whole too
-(``moestack.optim.expert_parallel``), so a run saved at any ``(dp, ep)`` resumes at any other.
+Checkpoints never depend on the layout, yet nothing is gathered for one: each rank writes the
+experts it holds and their optimizer state into files of its own, which meta.json describes
+by rows (``moestack.checkpoint_parts``), so a run saved at any ``(dp, ep)`` resumes at any
+other.
 """
 
 from __future__ import annotations
