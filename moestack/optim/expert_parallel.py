@@ -1,5 +1,5 @@
-"""The optimizers of an expert-parallel run: torch AdamW's and OffloadAdamW's, each one
-:class:`~moestack.optim.container.TrainingOptimizer` to the loop.
+"""The optimizers of an expert-parallel run: torch AdamW's, OffloadAdamW's and TieredAdamW's,
+each one :class:`~moestack.optim.container.TrainingOptimizer` to the loop.
 
 Replicated parameters (attention, embeddings, routers, norms) are shared by all ranks, so
 their gradients are averaged over the whole world; each rank's experts are shared only by the
@@ -15,6 +15,11 @@ loads at any other, and into the same optimizer on one process:
   and the experts' over their group, so a rank keeps host state only for its own experts'
   shard; it saves OffloadAdamW's own format (name-keyed, experts one by one, with global
   expert ids).
+- :class:`ExpertParallelTiered`: one TieredAdamW over this rank's parameters, averaged as
+  torch AdamW's; it saves TieredAdamW's own format (name-keyed, experts by global id).
+
+A checkpoint takes ``sharded_state_dict``: the common state rank 0 writes and the parts each
+rank writes of the experts it owns (:mod:`moestack.optim.expert_state`), nothing gathered.
 """
 
 from __future__ import annotations
@@ -143,8 +148,9 @@ class ExpertParallelTiered(ExpertParallelAdamW):
     """TieredAdamW over this rank's parameters under expert parallelism: each rank keeps
     the state of the tensors it holds (its own experts' and the replicated ones'), the
     gradients averaged as for torch AdamW. Its state is layout-free already (experts keyed
-    by global id), so ``state_dict`` gathers every rank's entries into the whole state
-    (collective), and any layout, one process included, loads the entries it holds."""
+    by global id): ``state_dict`` gathers every rank's entries into the whole state
+    (collective), ``sharded_state_dict`` leaves each rank's experts with it (a checkpoint's
+    rank files), and any layout, one process included, loads the entries it holds."""
 
     optimizer: TieredAdamW
 
@@ -159,7 +165,26 @@ class ExpertParallelTiered(ExpertParallelAdamW):
         self.optimizer.load_state_dict(state_dict)
 
     def sharded_state_dict(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        return self.state_dict(), []
+        """The replicated tensors' entries (the same on every rank: rank 0 writes them) and,
+        on the first replica of each expert block (``dp_rank`` 0), its experts' entries
+        (keyed by global id); nothing is exchanged."""
+        local = self.optimizer.state_dict()
+        sharded = {n for b in expert_blocks(self.model) for n, p in
+                   self.model.named_parameters() if p is b.param}  # fmt: skip
+        experts = {
+            k: v for k, v in local["entries"].items()
+            if (m := _EXPERT_KEY.match(k)) and m["name"] in sharded
+        }  # fmt: skip
+        common = {**local, "entries": {k: v for k, v in local["entries"].items()
+                                       if k not in experts}}  # fmt: skip
+        own = [expert_state.tiered_part(experts)] if self._mesh.dp_rank == 0 else []
+        return common, own
+
+    def load_sharded_state_dict(
+        self, common: dict[str, Any], parts: Sequence[dict[str, Any]]
+    ) -> None:
+        """Load the common part and the parts holding this rank's experts (any layout)."""
+        self.optimizer.load_state_dict(expert_state.merge(common, parts))
 
     def metrics(self) -> dict[str, float]:
         return self.optimizer.metrics()

@@ -13,7 +13,9 @@ another rank's experts. A part is a plain dict (``torch.load(weights_only=True)`
 - ``{"kind": "offload_shard", "state": {name: entry}}``: a rank's ZeRO shard of
   OffloadAdamW's state of the replicated parameters, each entry flat with ``"elements":
   [a, b]``, the range of the flattened parameter it holds (sharded over every rank, this
-  state too is written by the ranks that hold it: nothing is gathered).
+  state too is written by the ranks that hold it: nothing is gathered);
+- ``{"kind": "tiered", "entries": {"name/expert<e>": entry}}``: TieredAdamW's entries
+  (:mod:`moestack.optim.tiered`) of the experts the rank holds, ``e`` the global id.
 
 :func:`merge` turns the common part and any parts back into one state in the optimizer's
 own format, with the rows a reader holds: whole tensors for one process, a rank's block
@@ -34,7 +36,8 @@ from moestack.optim.tiered import FORMAT as TIERED_FORMAT
 OFFLOAD = "offload"
 ADAMW = "adamw"
 OFFLOAD_SHARD = "offload_shard"
-_KINDS = (OFFLOAD, ADAMW, OFFLOAD_SHARD)
+TIERED = "tiered"
+_KINDS = (OFFLOAD, ADAMW, OFFLOAD_SHARD, TIERED)
 
 Rows = tuple[int, int]
 
@@ -48,6 +51,11 @@ def shard_part(entries: dict[str, Any]) -> dict[str, Any]:
     """A part holding a rank's pieces of OffloadAdamW's replicated parameters' state
     (:func:`moestack.optim.state_format.pack_own_shard`)."""
     return {"kind": OFFLOAD_SHARD, "state": entries}
+
+
+def tiered_part(entries: dict[str, Any]) -> dict[str, Any]:
+    """A part holding TieredAdamW entries keyed ``name/expert<global id>``."""
+    return {"kind": TIERED, "entries": entries}
 
 
 def adamw_part(entries: dict[str, dict[str, Any]], rows: dict[str, Rows]) -> dict[str, Any]:
@@ -65,8 +73,9 @@ def merge(
 ) -> dict[str, Any]:
     """One state in the optimizer's own format from the ``common`` part and ``parts``.
 
-    OffloadAdamW's (``common`` has its format key): the parts' expert entries are added as
-    they are (the optimizer keeps the experts it owns), the shard parts' pieces joined into
+    TieredAdamW's (its format key): the parts' expert entries are added as they are (it
+    loads the entries of the tensors it holds). OffloadAdamW's (its format key): the parts'
+    expert entries are added as they are (the optimizer keeps the experts it owns), the shard parts' pieces joined into
     each parameter's flat entry (``numel_of(name)``: its elements, to refuse a missing
     piece; None: not checked). torch AdamW's: ``names`` are the parameter
     names in the optimizer's order (torch keys its state by position); each expert tensor's
@@ -77,8 +86,12 @@ def merge(
             raise ValueError(f"optimizer part of kind {part.get('kind')!r}, not one of {_KINDS}")
     if common.get("format") == state_format.FORMAT:
         return _merge_offload(common, parts, numel_of)
-    if common.get("format") == TIERED_FORMAT and not parts:
-        return common  # TieredAdamW's state is layout-free as saved
+    if common.get("format") == TIERED_FORMAT:  # layout-free: the parts' entries joined
+        entries = dict(common["entries"])
+        for part in parts:
+            _check_kind(part, TIERED)
+            entries.update(part["entries"])
+        return {**common, "entries": dict(sorted(entries.items()))}
     if names is None:
         raise ValueError("merging torch AdamW parts needs the parameter names in order")
     return _merge_adamw(common, parts, names, rows_of)

@@ -66,9 +66,10 @@ def build_training_optimizer(
     ``world_size`` ranks: the one place that knows which optimizer does what at which layout
     (:mod:`moestack.optim.container`).
 
-    Without expert parallelism, one optimizer over the model: torch AdamW behind DDP on
-    several ranks, OffloadAdamW averaging its own gradients. Under expert parallelism,
-    :class:`ExpertParallelAdamW` or the OffloadAdamW pair :class:`ExpertParallelOffload`.
+    Without expert parallelism, one optimizer over the model: torch AdamW and TieredAdamW
+    behind DDP on several ranks, OffloadAdamW averaging its own gradients. Under expert
+    parallelism, :class:`ExpertParallelAdamW`, the OffloadAdamW pair
+    :class:`ExpertParallelOffload` or :class:`ExpertParallelTiered`.
     """
     cfg.check_ranks(world_size)
     make = _maker(cfg, model)

@@ -113,7 +113,9 @@ def _ep_body(rank: int, out: str) -> None:
         opt.zero_grad()
         if step + 1 == SAVE_AFTER:
             saved = opt.state_dict()
+            common, own = opt.sharded_state_dict()  # what a checkpoint writes: no exchange
     torch.save(
-        {"weights": weights(model), "rows": rows, "saved": saved, "metrics": opt.metrics()},
+        {"weights": weights(model), "rows": rows, "saved": saved, "metrics": opt.metrics(),
+         "common": common, "own": own, "rank": rank},
         Path(out) / f"ep_rank{rank}.pt",
-    )
+    )  # fmt: skip

@@ -25,6 +25,7 @@ from helpers.multiprocess import file_rendezvous, spawn_ranks
 from moestack.config import ModelConfig, MoEConfig, OptimConfig
 from moestack.kernels import host_tiered
 from moestack.lora import LoRAConfig, add_adapters
+from moestack.optim import expert_state
 from moestack.optim.tiered import TieredAdamW
 from moestack.optim.tiered_bytes import planned_state_bytes
 from moestack.populations import PopulationConfig, classify
@@ -412,3 +413,18 @@ def test_expert_parallel_equals_one_process_and_reshards(tmp_path: Path) -> None
     _one_process_ep_reference(range(SAVE_AFTER, STEPS), model, opt)
     for name, p in weights(model).items():
         assert torch.equal(p, want[name]), name
+    # A checkpoint's pieces: rank 0's common part holds no expert entry, each rank's part
+    # its own experts' (2 of 4, global ids), and joined they are the gathered state.
+    whole = ranks[0]["saved"]["entries"]
+    expert_keys = {k for k in whole if "/expert" in k}
+    assert expert_keys and not expert_keys & ranks[0]["common"]["entries"].keys()
+    for r in ranks:
+        (part,) = r["own"]
+        ids = {int(k.rsplit("expert", 1)[1]) for k in part["entries"]}
+        assert ids == {2 * r["rank"], 2 * r["rank"] + 1}, ids
+    joined = expert_state.merge(ranks[0]["common"], [r["own"][0] for r in ranks])
+    assert joined["entries"].keys() == whole.keys()
+    for key, entry in whole.items():
+        for k, v in entry.items():
+            got = joined["entries"][key][k]
+            assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, (key, k)

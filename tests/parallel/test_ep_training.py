@@ -98,11 +98,17 @@ def resumable_copy(tmp_path: Path, source: str, name: str) -> Path:
 # expert data-parallel group and its replicated state over 4 ranks, both cut again at
 # (2, 2). Each checkpoint also resumes without expert parallelism: AdamW in one process (a
 # data-parallel rank reads its state as one process does), OffloadAdamW on 2 ranks (whole
-# experts' state, in 2 ZeRO shards).
+# experts' state, in 2 ZeRO shards). optim=tiered at (2, 2): each rank writes its 2 experts'
+# entries, read back joined by one process; with an fp32 master (its weights fp32 on the
+# CPU): without one they sit on the bf16 grid, where the last bits of another layout's
+# gradient sums can round a weight to its other neighbour (tests/optim/test_tiered.py
+# checks that layout bit for bit on equal gradients).
 LAYOUTS = {
     "adamw": ((4, 4), [(2, 2), (1, 1)], [[0, 1], [1, 2], [2, 3], [3, 4]]),
     "offload_adamw": ((4, 2), [(2, 2), (2, 1)], [[0, 2], [2, 4]]),
+    "tiered": ((2, 2), [(1, 1)], [[0, 2], [2, 4]]),  # each rank's experts' state its own file
 }
+SETTINGS = {"tiered": ["optim.master=float32"]}  # beside optim=<name>, in every launch
 
 
 @pytest.mark.parametrize("optim", list(LAYOUTS))
@@ -111,8 +117,9 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
     hold what one process saves; its step-4 checkpoint resumes at the other layouts with the
     losses of steps 5..8 it had."""
     (nproc, ep), resumes, rows = LAYOUTS[optim]
-    layout = [f"optim={optim}", f"parallel.ep={ep}"]
-    launches = [(tmp_path / "single", 1, [f"optim={optim}"]), (tmp_path / "source", nproc, layout)]
+    chosen = [f"optim={optim}", *SETTINGS.get(optim, [])]
+    layout = [*chosen, f"parallel.ep={ep}"]
+    launches = [(tmp_path / "single", 1, chosen), (tmp_path / "source", nproc, layout)]
     if optim == "offload_adamw":  # the collectives on the "devices" too (gloo on the CPU),
         # the experts' over their expert data-parallel group, the rest over the world
         launches.append((tmp_path / "on_device", nproc, [*layout, "optim.reduce_on_device=true"]))
@@ -128,7 +135,7 @@ def test_expert_parallel_training_matches_one_process_and_reshards(tmp_path, opt
     runs = [(resumable_copy(tmp_path, "source", f"resumed_{n}_{e}"), n, e) for n, e in resumes]
     resumed = train_side_by_side(
         tmp_path,
-        [(out, n, [f"optim={optim}", f"parallel.ep={e}", "resume=true"]) for out, n, e in runs],
+        [(out, n, [*chosen, f"parallel.ep={e}", "resume=true"]) for out, n, e in runs],
     )
     for after in resumed:
         assert_same_losses(after, source, range(CKPT_EVERY + 1, STEPS + 1))
