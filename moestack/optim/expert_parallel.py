@@ -169,8 +169,7 @@ class ExpertParallelTiered(ExpertParallelAdamW):
         on the first replica of each expert block (``dp_rank`` 0), its experts' entries
         (keyed by global id); nothing is exchanged."""
         local = self.optimizer.state_dict()
-        sharded = {n for b in expert_blocks(self.model) for n, p in
-                   self.model.named_parameters() if p is b.param}  # fmt: skip
+        sharded = self.optimizer.offsets  # the sharded tensors' names -> their first global id
         experts = {
             k: v for k, v in local["entries"].items()
             if (m := _EXPERT_KEY.match(k)) and m["name"] in sharded
